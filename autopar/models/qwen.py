@@ -1,0 +1,205 @@
+"""Qwen2.5 / Qwen3 dense decoder, single-device and free of any parallel code.
+
+Plans in ``autopar.plans`` parallelize this module after construction. To let them, the
+code here follows three rules: shapes come from tensors (``view(..., -1, head_dim)``), never
+from head counts, so a tensor-parallel shard with fewer heads still works; rotary positions
+can be passed in, so a context-parallel shard knows where its tokens sit; and every top-level
+part may be ``None``, so a pipeline stage is this same class with parts removed and keeps
+its parameter names.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autopar.models.args import ModelArgs
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, scaled in the input dtype (as HF Qwen does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for ``positions`` in fp32, shape (*positions.shape, head_dim)."""
+    exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponent)  # (D/2,)
+    freqs = positions.float()[..., None] * inv_freq  # (..., S, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (..., S, D)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, S, H, D) by the half-split RoPE layout HF checkpoints use."""
+    cos = cos.to(x.dtype).unsqueeze(-2)  # (S, 1, D) or (B, S, 1, D)
+    sin = sin.to(x.dtype).unsqueeze(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)  # (B, S, H, D)
+    return x * cos + rotated * sin
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Expand (B, Hkv, S, D) to (B, Hkv * n_rep, S, D) so every query head has its k/v."""
+    if n_rep == 1:
+        return x
+    bsz, kv_heads, seqlen, head_dim = x.shape
+    x = x[:, :, None].expand(bsz, kv_heads, n_rep, seqlen, head_dim)  # (B, Hkv, R, S, D)
+    return x.reshape(bsz, kv_heads * n_rep, seqlen, head_dim)  # (B, H, S, D)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with RoPE; Qwen3 adds a per-head RMSNorm on q and k."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.rope_theta = args.rope_theta
+        q_out = args.num_attention_heads * args.head_dim
+        kv_out = args.num_key_value_heads * args.head_dim
+        self.q_proj = nn.Linear(args.hidden_size, q_out, bias=args.attention_bias)
+        self.k_proj = nn.Linear(args.hidden_size, kv_out, bias=args.attention_bias)
+        self.v_proj = nn.Linear(args.hidden_size, kv_out, bias=args.attention_bias)
+        self.o_proj = nn.Linear(q_out, args.hidden_size, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q = self.q_proj(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, Hq, D)
+        k = self.k_proj(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, Hkv, D)
+        v = self.v_proj(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, Hkv, D)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        if positions is None:
+            positions = torch.arange(seqlen, device=x.device)
+        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta)
+        q = apply_rotary(q, cos, sin).transpose(1, 2)  # (B, Hq, S, D)
+        k = apply_rotary(k, cos, sin).transpose(1, 2)  # (B, Hkv, S, D)
+        v = v.transpose(1, 2)  # (B, Hkv, S, D)
+        n_rep = q.shape[1] // k.shape[1]
+        out = F.scaled_dot_product_attention(
+            q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True
+        )  # (B, Hq, S, D)
+        out = out.transpose(1, 2).reshape(bsz, seqlen, -1)  # (B, S, Hq * D)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), positions)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen(nn.Module):
+    """Embeddings -> blocks -> norm -> lm_head; ``forward(tokens) -> logits``.
+
+    Parameter names follow HF checkpoints without the ``model.`` prefix, so the HF adapter is
+    a prefix mapping. A part set to ``None`` is skipped: with no embedding the input is
+    already hidden states, with no head the output is hidden states.
+    """
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        args.check()
+        self.args = args
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.num_hidden_layers)})
+        self.norm: RMSNorm | None = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head: nn.Linear | None = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the head when tied (``to_empty`` unties them)."""
+        if self.args.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, S) int64, or hidden (B, S, H) for a stage without embeddings."""
+        h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens  # (B, S, H)
+        for layer in self.layers.values():
+            h = layer(h, positions)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.lm_head(h) if self.lm_head is not None else h  # (B, S, V)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Fill every parameter with its deterministic initial value (see ``initial_value``)."""
+        for name, param in self.named_parameters():
+            param.copy_(initial_value(self.args, name, param.shape, seed, param.device, param.dtype))
+
+
+def canonical_name(name: str) -> str:
+    """A parameter name with wrapper prefixes (activation checkpointing, compile) removed."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def initial_value(
+    args: ModelArgs,
+    name: str,
+    shape: torch.Size | tuple[int, ...],
+    seed: int,
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The full initial tensor of parameter ``name``.
+
+    Each parameter draws from its own generator seeded by (seed, name), so its value depends
+    on nothing else: not on which parameters a pipeline stage holds, nor on how a plan
+    shards it. That is what lets every plan start from the single-device weights.
+    Residual projections get the depth-scaled std of GPT-2 / Megatron.
+    """
+    name = canonical_name(name)
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, device=device, dtype=dtype)
+    if name.endswith(".bias"):
+        return torch.zeros(shape, device=device, dtype=dtype)
+    std = args.initializer_range
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        std /= math.sqrt(2 * args.num_hidden_layers)
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    out = torch.empty(shape, device=device, dtype=torch.float32)
+    out.normal_(0.0, std, generator=generator)
+    return out.to(dtype)
