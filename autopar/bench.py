@@ -1,0 +1,170 @@
+"""Benchmark one job under several variants (eager, compiled, FP8, AC...) in one invocation.
+
+    python -m autopar.bench --job.config train_configs/qwen3_0.6b.toml \\
+        --variants eager compiled fp8 [--nproc 1] [--warmup 3] [--steps 10] [--json out.json]
+
+Each variant runs in fresh processes (so peak memory and compile caches are its own), trains
+``warmup + steps`` optimizer steps, and is timed on the median of the last ``steps``. The
+table gives tokens/s per device, MFU, peak memory and the speed ratio to the first variant.
+A variant is a name below or ``name:key=value,...`` with any job field
+(``fp8_rowwise:float8.enable=true,float8.recipe=rowwise,compile.enable=true``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from autopar.config.errors import ConfigError
+from autopar.config.job import JobConfig
+from autopar.config.parse import parse_job, set_field
+from autopar.config.validate import validate
+
+NAMED_VARIANTS = {
+    "eager": "",
+    "compiled": "compile.enable=true",
+    "fp8": "compile.enable=true,float8.enable=true",
+    "fp8_eager": "float8.enable=true",
+    "ac_full": "compile.enable=true,activation_checkpoint.mode=full",
+    "ac_op": "compile.enable=true,activation_checkpoint.mode=selective,activation_checkpoint.selective_ac_option=op",
+}
+
+
+@dataclass
+class VariantResult:
+    variant: str
+    overrides: str
+    step_seconds: float
+    tokens_per_second_per_device: float
+    mfu: float | None
+    peak_memory_gib: float
+    final_loss: float
+
+
+def variant_job(base: JobConfig, spec: str, steps: int) -> tuple[str, str, JobConfig]:
+    """(name, overrides, job) of a variant spec."""
+    name, _, overrides = spec.partition(":")
+    if not overrides:
+        if name not in NAMED_VARIANTS:
+            raise ConfigError(f"variant {name!r} is unknown; use one of {list(NAMED_VARIANTS)} or name:key=value,...")
+        overrides = NAMED_VARIANTS[name]
+    job = copy.deepcopy(base)
+    for item in filter(None, overrides.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"variant {spec!r}: {item!r} is not key=value")
+        set_field(job, key.strip(), value.strip(), from_cli=True)
+    job.training.steps = steps
+    job.lr_scheduler.warmup_steps = min(job.lr_scheduler.warmup_steps, steps)
+    job.metrics.log_freq = steps + 1
+    job.checkpoint.enable = False
+    job.checkpoint.last_save_in_hf = False
+    return name, overrides, job
+
+
+def _bench_on_rank(job: JobConfig, warmup: int) -> dict:
+    from autopar.distributed import init_world
+    from autopar.metrics import peak_memory_gib
+    from autopar.trainer import Trainer
+
+    world = init_world()
+    trainer = Trainer(job, validate(job, world.size), world)
+    if world.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(world.device)
+    times, loss = [], float("nan")
+    for _ in range(job.training.steps):
+        start = time.perf_counter()
+        loss_t, _ = trainer.train_step()
+        loss = loss_t.item()  # waits for the step, so the timer sees all of it
+        times.append(time.perf_counter() - start)
+    return {
+        "step_seconds": statistics.median(times[warmup:]),
+        "peak_memory_gib": peak_memory_gib(world.device),
+        "final_loss": loss,
+        "tokens_per_step": trainer.loader.global_batch * job.training.seq_len,
+        "peak_flops": trainer.metrics.peak,
+        "flops_per_token": trainer.metrics.flops_per_token,
+        "device": torch.cuda.get_device_name(world.device) if world.device.type == "cuda" else platform.processor() or "cpu",
+    }
+
+
+def run_variant(job: JobConfig, nproc: int, warmup: int) -> list[dict]:
+    from autopar.spawn import run_on_ranks
+
+    return run_on_ranks(_bench_on_rank, nproc, job, warmup)
+
+
+def summarize(name: str, overrides: str, ranks: list[dict], nproc: int) -> VariantResult:
+    r0 = ranks[0]
+    step = max(r["step_seconds"] for r in ranks)
+    tps = r0["tokens_per_step"] / step / nproc
+    mfu = None if r0["peak_flops"] is None else 100 * tps * r0["flops_per_token"] / r0["peak_flops"]
+    return VariantResult(name, overrides, step, tps, mfu, max(r["peak_memory_gib"] for r in ranks), r0["final_loss"])
+
+
+def table(results: list[VariantResult]) -> str:
+    base = results[0].tokens_per_second_per_device
+    header = f"{'variant':14} {'tokens/s/dev':>13} {'MFU':>7} {'peak mem':>10} {'step ms':>9} {'vs ' + results[0].variant:>12} {'loss':>8}"
+    lines = [header, "-" * len(header)]
+    for r in results:
+        mfu = "n/a" if r.mfu is None else f"{r.mfu:.1f}%"
+        lines.append(
+            f"{r.variant:14} {r.tokens_per_second_per_device:>13,.0f} {mfu:>7} {r.peak_memory_gib:>8.2f}GiB "
+            f"{1000 * r.step_seconds:>9.1f} {r.tokens_per_second_per_device / base:>11.2f}x {r.final_loss:>8.4f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m autopar.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", nargs="+", default=["eager", "compiled"])
+    parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per variant")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation happens here)")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    known, job_argv = parser.parse_known_args(argv)
+    from autopar.log import setup_logging
+
+    setup_logging(0)
+    try:
+        base = parse_job(job_argv)
+        jobs = [variant_job(base, spec, known.warmup + known.steps) for spec in known.variants]
+        for name, _, job in jobs:
+            try:
+                validate(job, known.nproc)
+            except ConfigError as err:
+                raise ConfigError(f"variant {name!r}: {err}") from None
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    results, device = [], "cpu"
+    for name, overrides, job in jobs:
+        ranks = run_variant(job, known.nproc, known.warmup)
+        device = ranks[0]["device"]
+        results.append(summarize(name, overrides, ranks, known.nproc))
+    text = table(results)
+    print(f"device: {device} x {known.nproc}, torch {torch.__version__}, "
+          f"seq_len {base.training.seq_len}, timed steps {known.steps} after {known.warmup} warm-up")
+    print(text)
+    if known.json:
+        payload = {
+            "device": device, "nproc": known.nproc, "torch": torch.__version__,
+            "command": " ".join(["python -m autopar.bench"] + (argv if argv is not None else sys.argv[1:])),
+            "results": [asdict(r) for r in results],
+        }
+        with open(known.json, "w") as f:
+            json.dump(payload, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

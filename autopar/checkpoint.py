@@ -1,0 +1,199 @@
+"""Distributed checkpoints (torch.distributed.checkpoint): save, resume, export to HF.
+
+Layout: ``<dump_folder>/<checkpoint.folder>/step-<N>/``. A save is written to a hidden
+``.step-<N>.partial`` folder and renamed into place only after every rank finished, so an
+interrupted save is never picked up and never costs the previous good checkpoint. Tensors
+are stored by parameter name with their global shapes, so a checkpoint saved under one
+plan loads under any other (DCP reshards on load).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from autopar.config.job import Checkpoint
+from autopar.models.args import ModelArgs
+from autopar.models.hf import save_hf
+from autopar.models.qwen import Qwen
+
+logger = logging.getLogger("autopar")
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class ModelState(Stateful):
+    """The parameters of every local model part, under their plain (single-device) names."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        self.parts = parts
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for part in self.parts:
+            set_model_state_dict(part, state, options=StateDictOptions(strict=False))
+
+
+class OptimizerState(Stateful):
+    """AdamW moments keyed by parameter name (flattened), so they reshard like the weights."""
+
+    _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+        self.pairs = list(zip(parts, optimizers))
+
+    def state_dict(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for part, opt in self.pairs:
+            merged.update(get_optimizer_state_dict(part, opt, options=self._OPTIONS))
+        return merged
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for part, opt in self.pairs:
+            set_optimizer_state_dict(part, opt, state, options=self._OPTIONS)
+
+
+def complete_steps(folder: Path) -> list[int]:
+    """Steps with a complete checkpoint in ``folder``, ascending."""
+    if not folder.is_dir():
+        return []
+    steps = []
+    for entry in folder.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and (entry / ".metadata").is_file():
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def _dcp(op, state: dict[str, Any], path: Path | str) -> None:
+    """``dcp.save`` / ``dcp.load``; without a process group, one process does it all (DCP
+    warns about that every time; here it is the intended single-device case)."""
+    no_dist = not dist.is_initialized()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        op(state, checkpoint_id=str(path), no_dist=no_dist)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class Checkpointer:
+    """Saves and restores one job's training state."""
+
+    def __init__(
+        self,
+        cfg: Checkpoint,
+        dump_folder: str | Path,
+        rank: int,
+        parts: list[nn.Module],
+        optimizers: list[torch.optim.Optimizer],
+    ) -> None:
+        self.cfg = cfg
+        self.folder = Path(dump_folder) / cfg.folder
+        self.rank = rank
+        self.parts = parts
+        self.optimizers = optimizers
+
+    def _state(self, train: dict[str, int]) -> dict[str, Any]:
+        return {
+            "model": ModelState(self.parts),
+            "optimizer": OptimizerState(self.parts, self.optimizers),
+            "train": train,
+        }
+
+    def save(self, step: int, consumed_samples: int) -> Path:
+        """Write the checkpoint of ``step`` atomically; prune old ones past keep_latest_k."""
+        final = self.folder / f"step-{step}"
+        partial = self.folder / f".step-{step}.partial"
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir(parents=True)
+        _barrier()
+        train = {"step": step, "consumed_samples": consumed_samples}
+        _dcp(dcp.save, self._state(train), partial)
+        torch.save(torch.get_rng_state(), partial / f"rng-rank{self.rank}.pt")
+        _barrier()
+        if self.rank == 0:
+            if final.exists():  # re-saving a step: keep the old copy until the new one is in place
+                stale = self.folder / f".step-{step}.stale"
+                shutil.rmtree(stale, ignore_errors=True)
+                final.rename(stale)
+                partial.rename(final)
+                shutil.rmtree(stale)
+            else:
+                partial.rename(final)
+            self._prune()
+            logger.info("saved checkpoint %s", final)
+        _barrier()
+        return final
+
+    def _prune(self) -> None:
+        if self.cfg.keep_latest_k <= 0:
+            return
+        for step in complete_steps(self.folder)[: -self.cfg.keep_latest_k]:
+            shutil.rmtree(self.folder / f"step-{step}")
+
+    def resume_step(self) -> int | None:
+        """The step to resume from: checkpoint.load_step, else the latest complete one."""
+        steps = complete_steps(self.folder)
+        if self.cfg.load_step >= 0:
+            if self.cfg.load_step not in steps:
+                raise FileNotFoundError(
+                    f"checkpoint.load_step={self.cfg.load_step}: no complete checkpoint "
+                    f"{self.folder}/step-{self.cfg.load_step}; complete steps: {steps}"
+                )
+            return self.cfg.load_step
+        return steps[-1] if steps else None
+
+    def load(self, step: int) -> dict[str, int]:
+        """Restore everything saved at ``step``; returns {"step", "consumed_samples"}."""
+        path = self.folder / f"step-{step}"
+        train = {"step": 0, "consumed_samples": 0}
+        state = self._state(train)
+        _dcp(dcp.load, state, path)
+        rng = path / f"rng-rank{self.rank}.pt"
+        if rng.is_file():  # absent when the world grew since the save; nothing draws from it
+            torch.set_rng_state(torch.load(rng))
+        logger.info("resumed from %s", path)
+        return state["train"]
+
+    def load_model_only(self, path: str | Path) -> None:
+        """Initial weights from a DCP folder (model entries only)."""
+        _dcp(dcp.load, {"model": ModelState(self.parts)}, path)
+
+    def should_save(self, step: int, last_step: int) -> bool:
+        return self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step)
+
+
+def export_hf(
+    checkpoint_dir: str | Path, args: ModelArgs, out_dir: str | Path, dtype: torch.dtype
+) -> None:
+    """Write the model of a DCP checkpoint as an HF folder. Runs in one process (no collectives),
+    whatever plan saved it."""
+    with torch.device("meta"):
+        names = {n: p.shape for n, p in Qwen(args).named_parameters()}
+    state = {"model": {n: torch.empty(shape, dtype=torch.float32) for n, shape in names.items()}}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
+    save_hf({n: t.to(dtype) for n, t in state["model"].items()}, args, out_dir)

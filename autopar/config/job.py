@@ -1,0 +1,192 @@
+"""The job configuration: nested dataclasses, one per TOML section.
+
+Section and field names follow torchtitan v0.2.2 where the concept is the same, so a
+torchtitan TOML ports with few edits. The string under each field is its ``--help`` text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class Job:
+    config_file: str | None = None
+    """TOML file with the job; CLI flags override it (also spelled --job.config)."""
+    dump_folder: str = "./outputs"
+    """Folder for metrics.jsonl, checkpoints and exports."""
+    description: str = "default job"
+    """Free text, logged at start."""
+    print_config: bool = False
+    """Print the resolved config and exit (also spelled --print-config)."""
+
+
+@dataclass
+class Model:
+    name: Literal["qwen3", "qwen2.5"] = "qwen3"
+    """Model family."""
+    flavor: str = "debug"
+    """Size within the family: qwen3 debug/0.6B/1.7B/4B/8B/14B/32B, qwen2.5 debug/0.5B/1.5B/3B/7B/14B/32B/72B."""
+    tokenizer_path: str | None = None
+    """HF tokenizer.json (file or folder holding one); unset uses the built-in byte tokenizer."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Model args replacing the flavor's (any other key under [model], e.g. --model.num_hidden_layers 6)."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW"] = "AdamW"
+    """Optimizer; AdamW, with no weight decay on norms and biases."""
+    lr: float = 8e-4
+    """Peak learning rate."""
+    beta1: float = 0.9
+    """Adam first-moment decay."""
+    beta2: float = 0.95
+    """Adam second-moment decay."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay on matrices."""
+    implementation: Literal["auto", "fused", "foreach", "for-loop"] = "auto"
+    """Kernel choice; auto is fused on CUDA and foreach on CPU."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Linear warmup steps from near zero to optimizer.lr."""
+    decay_ratio: float | None = None
+    """Fraction of steps spent decaying at the end (WSD schedule); unset decays right after warmup."""
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Shape of the decay."""
+    min_lr_factor: float = 0.0
+    """Final lr as a fraction of optimizer.lr."""
+
+
+@dataclass
+class Training:
+    dataset: str = "autopar_corpus"
+    """Built-in dataset name (autopar_corpus: the text shipped with autopar)."""
+    dataset_path: str | None = None
+    """Text file, .jsonl file, folder of them, or a prepared .bin; overrides training.dataset."""
+    dataset_blend: list[str] = field(default_factory=list)
+    """Weighted blend of prepared datasets as 'weight:path' items; overrides the two above."""
+    local_batch_size: int = 8
+    """Sequences per data-parallel rank per micro-step."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all ranks; -1 is local_batch_size x data-parallel degree."""
+    seq_len: int = 2048
+    """Tokens per sequence."""
+    max_norm: float = 1.0
+    """Gradient clipping norm; 0 disables clipping (the norm is still logged)."""
+    steps: int = 10000
+    """Optimizer steps to train."""
+    mixed_precision_param: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Compute dtype; auto is bfloat16 on CUDA and float32 on CPU. Master weights stay fp32."""
+    mixed_precision_reduce: Literal["float32"] = "float32"
+    """Gradient reduction dtype."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """Replicas of the weights (DDP-like; with shard degree > 1 this is HSDP)."""
+    data_parallel_shard_degree: int = -1
+    """Ranks sharing one copy of the weights (FSDP2); -1 takes the ranks left over."""
+    tensor_parallel_degree: int = 1
+    """Tensor-parallel ranks (DTensor column/row sharding of every block)."""
+    context_parallel_degree: int = 1
+    """Context-parallel ranks (the sequence split across ranks)."""
+    pipeline_parallel_degree: int = 1
+    """Pipeline-parallel ranks."""
+    enable_sequence_parallel: bool = True
+    """With TP, shard norms and residuals along the sequence too (less activation memory)."""
+    disable_loss_parallel: bool = False
+    """With TP, gather the logits instead of computing cross-entropy on vocab shards."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save checkpoints and resume from the latest one."""
+    folder: str = "checkpoint"
+    """Checkpoint folder, under job.dump_folder."""
+    interval: int = 500
+    """Save every this many steps (and at the last step)."""
+    keep_latest_k: int = 10
+    """Complete checkpoints to keep; 0 keeps all."""
+    load_step: int = -1
+    """Resume from this step instead of the latest."""
+    initial_load_path: str | None = None
+    """Start from these weights when no checkpoint exists yet (DCP folder, or HF with initial_load_in_hf)."""
+    initial_load_in_hf: bool = False
+    """initial_load_path is an HF folder (config.json + safetensors)."""
+    last_save_in_hf: bool = False
+    """Also export the final model as an HF folder (job.dump_folder/hf)."""
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the HF export."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Log every this many steps (and the first and last)."""
+    enable_tensorboard: bool = False
+    """Also write TensorBoard scalars under job.dump_folder/tb."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    """Recompute block activations in backward: none, every block (full), or selective."""
+    selective_ac_option: str = "op"
+    """With selective: 'op' saves matmul/attention outputs and recomputes the rest; an integer k checkpoints every k-th block."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each transformer block (fullgraph) and, with 'loss' in components, the loss."""
+    components: list[Literal["model", "loss"]] = field(default_factory=lambda: ["model", "loss"])
+    """What to compile when enabled."""
+    backend: str = "inductor"
+    """torch.compile backend."""
+
+
+@dataclass
+class Float8:
+    enable: bool = False
+    """Run eligible nn.Linear layers in FP8."""
+    backend: Literal["auto", "te", "torchao"] = "auto"
+    """auto: Transformer Engine on CUDA, torchao elsewhere."""
+    recipe: Literal["default", "tensorwise", "rowwise", "delayed", "current"] = "default"
+    """Scaling recipe: torchao tensorwise/rowwise (default tensorwise); TE delayed/current (default delayed)."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["lm_head"])
+    """Modules kept in high precision (name substrings); dims not divisible by 16 always are."""
+    enable_fsdp_float8_all_gather: bool = False
+    """torchao tensorwise: all-gather FSDP weights in FP8 (half the all-gather bytes)."""
+
+
+@dataclass
+class Debug:
+    seed: int = 0
+    """Seed for weights and data order."""
+    deterministic: bool = False
+    """Use deterministic kernels (torch.use_deterministic_algorithms)."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
+    debug: Debug = field(default_factory=Debug)

@@ -1,0 +1,264 @@
+"""Reading a job: defaults, then the TOML file, then CLI flags (CLI > TOML > defaults).
+
+CLI flags are ``--section.field value`` or ``--section.field=value``; booleans are
+``true``/``false`` (a bare flag means true), lists are comma-separated, nested lists use
+``;`` between inner lists, and ``none`` unsets an optional field. Keys under ``[model]``
+that are model args (``num_hidden_layers``...) become ``model.overrides``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from autopar.config.errors import ConfigError
+from autopar.config.job import JobConfig, Model
+from autopar.models.args import ModelArgs
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+CONFIG_FLAGS = ("--job.config", "--job.config_file", "--job.config-file")
+PRINT_FLAGS = ("--print-config", "--print_config")
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+_NONE = {"none", "null"}
+
+
+def sections() -> dict[str, type]:
+    """Section name -> its dataclass."""
+    hints = typing.get_type_hints(JobConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+_MODEL_ARG_TYPES = field_types(ModelArgs)
+
+
+def _type_name(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return " | ".join(repr(c) for c in typing.get_args(annotation))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(annotation))
+    if origin is list:
+        return f"list[{_type_name(typing.get_args(annotation)[0])}]"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def coerce(value: Any, annotation: Any, key: str, from_cli: bool) -> Any:
+    """``value`` converted to ``annotation``, or a ConfigError naming ``key``."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if from_cli and isinstance(value, str) and value.lower() in _NONE:
+            return None
+        return coerce(value, inner[0], key, from_cli)
+    if origin is Literal:
+        for choice in args:
+            try:
+                if coerce(value, type(choice), key, from_cli) == choice:
+                    return choice
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}={value!r} is not one of {list(args)}")
+    if origin is list:
+        if from_cli and isinstance(value, str):
+            separator = ";" if typing.get_origin(args[0]) is list else ","
+            value = [] if value == "" else value.split(separator)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}={value!r} is not a list of {_type_name(args[0])}")
+        return [coerce(v, args[0], f"{key}[{i}]", from_cli) for i, v in enumerate(value)]
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if from_cli and isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            return value.lower() in _TRUE
+        raise ConfigError(f"{key}={value!r} is not a bool; use true or false")
+    if annotation in (int, float):
+        if isinstance(value, str) and from_cli:
+            try:
+                return annotation(value)
+            except ValueError:
+                pass
+        elif not isinstance(value, bool) and isinstance(value, (int, float)):
+            if annotation is float or float(value).is_integer():
+                return annotation(value)
+        raise ConfigError(f"{key}={value!r} is not {'an int' if annotation is int else 'a number'}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}={value!r} is not a string; quote it in TOML")
+    if annotation is Any or typing.get_origin(annotation) is dict:
+        return value
+    raise TypeError(f"unsupported config type {annotation!r} for {key}")  # internal invariant
+
+
+def _unknown(kind: str, name: str, known: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known: {', '.join(sorted(known))}"
+    return ConfigError(f"unknown {kind} {name!r}{hint}")
+
+
+def set_field(job: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
+    """Assign ``section.field`` (or a model arg under ``model.``), type-checked."""
+    section_name, _, name = dotted.partition(".")
+    all_sections = sections()
+    if section_name not in all_sections or not name:
+        raise _unknown("config section", section_name, list(all_sections))
+    section = getattr(job, section_name)
+    types_ = field_types(type(section))
+    if isinstance(section, Model) and name not in types_:
+        if name not in _MODEL_ARG_TYPES:
+            known = [n for n in types_ if n != "overrides"] + list(_MODEL_ARG_TYPES)
+            raise _unknown("model field", dotted, [f"model.{n}" for n in known])
+        section.overrides[name] = coerce(value, _MODEL_ARG_TYPES[name], dotted, from_cli)
+        return
+    if name not in types_ or (isinstance(section, Model) and name == "overrides"):
+        raise _unknown("config field", dotted, [f"{section_name}.{n}" for n in types_])
+    setattr(section, name, coerce(value, types_[name], dotted, from_cli))
+
+
+def apply_toml(job: JobConfig, data: dict[str, Any], source: str) -> None:
+    for section_name, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: top-level key {section_name!r} must be a [section] table")
+        for name, value in table.items():
+            try:
+                set_field(job, f"{section_name}.{name}", value, from_cli=False)
+            except ConfigError as err:
+                raise ConfigError(f"{source}: {err}") from None
+
+
+def _split_cli(argv: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
+    """argv -> [(dotted key, raw value or None for a bare flag)], print_config flag."""
+    pairs: list[tuple[str, str | None]] = []
+    print_config = False
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in PRINT_FLAGS:
+            print_config = True
+            i += 1
+            continue
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument {arg!r}; flags look like --training.steps 20")
+        key, eq, raw = arg[2:].partition("=")
+        value: str | None = raw if eq else None
+        if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            value = argv[i + 1]
+            i += 1
+        pairs.append((key.replace("-", "_"), value))
+        i += 1
+    return pairs, print_config
+
+
+def parse_job(argv: list[str]) -> JobConfig:
+    """The resolved JobConfig of a command line (CLI > TOML > defaults), not yet validated."""
+    pairs, print_config = _split_cli(argv)
+    job = JobConfig()
+    config_file = next((v for k, v in pairs if k in ("job.config", "job.config_file")), None)
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"job.config_file={config_file!r}: no such file")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"{config_file}: not valid TOML ({err})") from None
+        apply_toml(job, data, config_file)
+        job.job.config_file = config_file
+    for key, value in pairs:
+        if key in ("job.config", "job.config_file"):
+            continue
+        if value is not None:
+            set_field(job, key, value, from_cli=True)
+            continue
+        try:
+            set_field(job, key, "true", from_cli=True)  # a bare flag means true
+        except ConfigError as err:
+            if str(err).startswith("unknown"):
+                raise
+            raise ConfigError(f"--{key} needs a value, e.g. --{key} VALUE") from None
+    job.job.print_config |= print_config
+    return job
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The string literal under each field of ``cls`` (its --help text)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, following in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def to_toml(job: JobConfig) -> str:
+    """The resolved job as TOML that parse_job reads back to the same config."""
+    lines = []
+    for name in sections():
+        section = getattr(job, name)
+        lines.append(f"[{name}]")
+        for key, value in dataclasses.asdict(section).items():
+            if key == "overrides":
+                lines.extend(f"{k} = {_toml_value(v)}" for k, v in value.items())
+            elif value is None:
+                lines.append(f"# {key} is unset")
+            else:
+                lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def help_text() -> str:
+    """Every flag with its type, default and documentation."""
+    lines = [
+        "usage: train.py --job.config FILE [--section.field VALUE ...] [--print-config]",
+        "Precedence: CLI > TOML > defaults. Lists are comma-separated; booleans true/false.",
+        "",
+    ]
+    defaults = JobConfig()
+    for name, cls in sections().items():
+        lines.append(f"[{name}]")
+        docs = field_docs(cls)
+        for key, annotation in field_types(cls).items():
+            if key == "overrides":
+                lines.append(f"  --model.<arg> VALUE  {docs[key]}")
+                continue
+            default = getattr(getattr(defaults, name), key)
+            lines.append(f"  --{name}.{key} {_type_name(annotation)} (default {default!r})")
+            lines.append(f"      {docs.get(key, '')}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,79 @@
+"""Samples: packed token windows, visited in seeded per-epoch order, optionally blended.
+
+A sample is a pure function of its global index ``j``. The loader asks for indices
+``[consumed, consumed + global_batch)`` at each step, so the data a step sees does not depend
+on how many data-parallel ranks share it, and resuming needs nothing but ``consumed``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from autopar.data.tokens import DataError
+
+_BLEND_CHUNK = 1 << 16
+
+
+class SampleSource(Protocol):
+    def sample(self, index: int) -> np.ndarray:
+        """The (seq_len + 1) tokens of global sample ``index``."""
+        ...
+
+
+class PackedWindows:
+    """Window k is tokens[k*S : k*S + S + 1] (consecutive windows share one token, so every
+    token is a target exactly once per epoch). Epoch e visits windows in permutation(seed, e)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, name: str = "dataset") -> None:
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.seed = seed
+        self.num_windows = (tokens.size - 1) // seq_len
+        if self.num_windows < 1:
+            raise DataError(
+                f"{name}: {tokens.size} tokens cannot fill one sequence of training.seq_len="
+                f"{seq_len} (+1 target); lower training.seq_len or add data"
+            )
+        self._epoch = -1
+        self._order = np.empty(0, dtype=np.int64)
+
+    def sample(self, index: int) -> np.ndarray:
+        epoch, k = divmod(index, self.num_windows)
+        if epoch != self._epoch:
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+            self._epoch = epoch
+        start = int(self._order[k]) * self.seq_len
+        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+
+
+class Blend:
+    """Sample j comes from part d with probability weights[d]; draws are seeded per chunk of
+    indices and each part is read in its own order, so the blend is reproducible."""
+
+    def __init__(self, parts: list[PackedWindows], weights: list[float], seed: int) -> None:
+        total = float(sum(weights))
+        self.parts = parts
+        self.probs = np.asarray(weights, dtype=np.float64) / total
+        self.seed = seed
+        self._part = np.empty(0, dtype=np.int64)
+        self._index = np.empty(0, dtype=np.int64)
+        self._counts = np.zeros(len(parts), dtype=np.int64)
+
+    def _extend(self) -> None:
+        chunk = len(self._part) // _BLEND_CHUNK
+        rng = np.random.default_rng([self.seed, 7919, chunk])
+        part = rng.choice(len(self.parts), size=_BLEND_CHUNK, p=self.probs)
+        index = np.empty(_BLEND_CHUNK, dtype=np.int64)
+        for d in range(len(self.parts)):
+            mask = part == d
+            index[mask] = self._counts[d] + np.arange(mask.sum())
+            self._counts[d] += mask.sum()
+        self._part = np.concatenate([self._part, part])
+        self._index = np.concatenate([self._index, index])
+
+    def sample(self, index: int) -> np.ndarray:
+        while index >= len(self._part):
+            self._extend()
+        return self.parts[int(self._part[index])].sample(int(self._index[index]))

@@ -1,0 +1,129 @@
+"""Per-step batches for one data-parallel rank, and the dataset a job names.
+
+Step t covers global samples [t*G, (t+1)*G) for global batch G. Micro-step m of data-parallel
+rank r reads samples ``start + m*D*L + r*L + [0, L)`` for D ranks of local batch L. The only
+state is the number of samples consumed, so a checkpoint resumes exactly, also under another
+data-parallel degree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from autopar.data.dataset import Blend, PackedWindows, SampleSource
+from autopar.data.tokenizer import Tokenizer
+from autopar.data.tokens import BUILTIN_DATASETS, DataError, load_tokens
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Batch:
+    inputs: torch.Tensor  # (L, S) int64
+    labels: torch.Tensor  # (L, S) int64, IGNORE_INDEX where no target
+
+
+def parse_blend(items: list[str]) -> list[tuple[float, Path]]:
+    """'weight:path' items -> [(weight, path)]; raises DataError on a malformed item."""
+    out = []
+    for item in items:
+        weight, sep, path = item.partition(":")
+        try:
+            w = float(weight)
+        except ValueError:
+            w = -1.0
+        if not sep or w <= 0 or not path:
+            raise DataError(
+                f"training.dataset_blend item {item!r} is not 'weight:path' with a positive weight"
+            )
+        out.append((w, Path(path)))
+    return out
+
+
+def dataset_path(dataset: str, path: str | None) -> Path:
+    """The path a job's training.dataset / training.dataset_path name."""
+    if path is not None:
+        return Path(path)
+    if dataset not in BUILTIN_DATASETS:
+        raise DataError(
+            f"training.dataset={dataset!r} is not built in ({sorted(BUILTIN_DATASETS)}); "
+            "set training.dataset_path to your files"
+        )
+    return BUILTIN_DATASETS[dataset]
+
+
+def build_samples(
+    dataset: str, path: str | None, blend: list[str], tokenizer: Tokenizer, seq_len: int, seed: int
+) -> SampleSource:
+    """The sample source of a job's [training] data fields."""
+    if blend:
+        parts = [
+            PackedWindows(load_tokens(p, tokenizer), seq_len, seed + i, str(p))
+            for i, (_, p) in enumerate(parse_blend(blend))
+        ]
+        return Blend(parts, [w for w, _ in parse_blend(blend)], seed)
+    source = dataset_path(dataset, path)
+    return PackedWindows(load_tokens(source, tokenizer), seq_len, seed, str(source))
+
+
+class StepLoader:
+    """Yields the micro-batches of one optimizer step for one data-parallel rank."""
+
+    def __init__(
+        self,
+        samples: SampleSource,
+        global_batch: int,
+        local_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        device: torch.device,
+    ) -> None:
+        assert global_batch % (local_batch * dp_size) == 0, "validated by the job config"
+        self.samples = samples
+        self.global_batch = global_batch
+        self.local_batch = local_batch
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.device = device
+        self.consumed_samples = 0
+
+    @property
+    def micro_steps(self) -> int:
+        return self.global_batch // (self.local_batch * self.dp_size)
+
+    def next_step(self) -> list[Batch]:
+        batches = []
+        for m in range(self.micro_steps):
+            first = self.consumed_samples + (m * self.dp_size + self.dp_rank) * self.local_batch
+            rows = np.stack([self.samples.sample(first + k) for k in range(self.local_batch)])
+            window = torch.from_numpy(rows)
+            if self.device.type == "cuda":
+                window = window.pin_memory().to(self.device, non_blocking=True)
+            batches.append(Batch(inputs=window[:, :-1], labels=window[:, 1:]))
+        self.consumed_samples += self.global_batch
+        return batches
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.consumed_samples = int(state["consumed_samples"])
+
+
+def check_data(dataset: str, path: str | None, blend: list[str]) -> None:
+    """Raise DataError if the job's data fields name nothing readable (cheap: no tokenizing)."""
+    if blend:
+        for _, p in parse_blend(blend):
+            if not p.with_suffix(".bin").is_file():
+                raise DataError(
+                    f"training.dataset_blend: {p} is not a prepared dataset (.bin + .json); "
+                    "make one with python -m autopar.data.prepare"
+                )
+        return
+    source = dataset_path(dataset, path)
+    if not source.exists():
+        raise DataError(f"training.dataset_path={str(source)!r}: no such file or folder")

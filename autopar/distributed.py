@@ -1,0 +1,58 @@
+"""Which process this is, on which device, and the default process group."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the job's processes."""
+
+    rank: int
+    size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def world_size_from_env() -> int:
+    """The number of processes torchrun started (1 for plain ``python``)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def device_for(local_rank: int) -> torch.device:
+    """CUDA when present (one GPU per local rank), otherwise CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_world(timeout_s: int = 600) -> World:
+    """Join the process group torchrun set up (or none for one process); same code on CPU and GPU."""
+    size = world_size_from_env()
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = device_for(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s))
+    return World(rank=rank, size=size, local_rank=local_rank, device=device)
+
+
+def single_process(device: torch.device | str = "cpu") -> World:
+    """A world of one process, for the single-device reference inside a larger job."""
+    return World(rank=0, size=1, local_rank=0, device=torch.device(device))

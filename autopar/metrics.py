@@ -1,0 +1,137 @@
+"""Throughput, MFU, memory: one console line per log step, the same numbers in metrics.jsonl.
+
+``metrics.jsonl`` keys ``step, loss, grad_norm, lr, tps, mfu, memory_gib`` are a contract that
+other tools read; ``tps`` is tokens per second per device, ``mfu`` a percentage (null where no
+peak is known, e.g. on CPU), ``memory_gib`` the peak so far (CUDA allocator, or process RSS on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autopar.models.args import ModelArgs
+
+logger = logging.getLogger("autopar")
+
+# Dense bf16 tensor-core peaks in FLOP/s, by a substring of torch.cuda.get_device_name().
+# Order matters: more specific names first.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("H20", 148e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("A10G", 125e12),
+)
+
+
+def matmul_params(args: ModelArgs) -> int:
+    """Parameters used in matmuls: every block projection and the output head (not the lookup)."""
+    q = args.num_attention_heads * args.head_dim
+    kv = args.num_key_value_heads * args.head_dim
+    attention = args.hidden_size * (q + 2 * kv) + q * args.hidden_size
+    mlp = 3 * args.hidden_size * args.intermediate_size
+    return args.num_hidden_layers * (attention + mlp) + args.hidden_size * args.vocab_size
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token, 6N + 12*L*H*Q*T (PaLM; causal attention not halved)."""
+    attention = 12 * args.num_hidden_layers * args.num_attention_heads * args.head_dim * seq_len
+    return 6 * matmul_params(args) + attention
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak, or None where unknown (CPU, unlisted GPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib * (1 if sys.platform != "darwin" else 1 / 1024) / 2**20
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tps: float
+    mfu: float | None
+    memory_gib: float
+
+    def line(self) -> str:
+        mfu = "n/a" if self.mfu is None else f"{self.mfu:.1f}%"
+        return (
+            f"step {self.step}  loss {self.loss:.4f}  grad_norm {self.grad_norm:.4f}  "
+            f"lr {self.lr:.3g}  tps {self.tps:,.0f}  mfu {mfu}  mem {self.memory_gib:.2f}GiB"
+        )
+
+
+class MetricsLogger:
+    """Turns (tokens, seconds) windows into tps/MFU and writes them on the main rank."""
+
+    def __init__(
+        self,
+        dump_folder: str | Path,
+        flops_per_token: float,
+        device: torch.device,
+        world_size: int,
+        is_main: bool,
+        tensorboard: bool = False,
+    ) -> None:
+        self.path = Path(dump_folder) / "metrics.jsonl"
+        self.flops_per_token = flops_per_token
+        self.peak = peak_flops(device)
+        self.device = device
+        self.world_size = world_size
+        self.is_main = is_main
+        self._tb = None
+        if is_main:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(Path(dump_folder) / "tb"))
+
+    def record(
+        self, step: int, loss: float, grad_norm: float, lr: float, tokens: int, seconds: float
+    ) -> StepMetrics:
+        """Log one step; ``tokens`` is the global token count over ``seconds``."""
+        tps = tokens / max(seconds, 1e-9) / self.world_size
+        mfu = None if self.peak is None else 100.0 * tps * self.flops_per_token / self.peak
+        metrics = StepMetrics(step, loss, grad_norm, lr, tps, mfu, peak_memory_gib(self.device))
+        if self.is_main:
+            logger.info(metrics.line())
+            with self.path.open("a") as f:
+                f.write(json.dumps(metrics.__dict__) + "\n")
+            if self._tb is not None:
+                for key, value in metrics.__dict__.items():
+                    if key != "step" and value is not None:
+                        self._tb.add_scalar(key, value, step)
+        return metrics
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -1,0 +1,67 @@
+"""AdamW over the model parts, and the learning rate as a pure function of the step."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from autopar.config.job import LRScheduler, Optimizer
+
+
+def build_optimizers(
+    parts: Iterable[nn.Module], cfg: Optimizer, device: torch.device
+) -> list[torch.optim.AdamW]:
+    """One AdamW per model part (pipeline stages keep their own, so their state dicts are
+    keyed by the part's parameter names)."""
+    return [build_optimizer(part, cfg, device) for part in parts]
+
+
+def build_optimizer(part: nn.Module, cfg: Optimizer, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm scales and biases are not decayed,
+    as in Megatron-LM), so decay never pulls a norm scale toward zero."""
+    params = [p for p in part.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    impl = cfg.implementation
+    if impl == "auto":
+        impl = "fused" if device.type == "cuda" else "foreach"
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        fused=impl == "fused",
+        foreach=impl == "foreach",
+    )
+
+
+def lr_factor(step: int, cfg: LRScheduler, total_steps: int) -> float:
+    """Multiplier of the peak lr at optimizer step ``step`` (1-based): linear warmup, an
+    optional stable phase (WSD, when ``decay_ratio`` is set), then linear/sqrt/cosine decay
+    to ``min_lr_factor`` at ``total_steps``."""
+    if step <= cfg.warmup_steps:
+        return step / cfg.warmup_steps
+    if cfg.decay_ratio is None:
+        decay_steps = total_steps - cfg.warmup_steps
+    else:
+        decay_steps = max(1, round(total_steps * cfg.decay_ratio))
+    decay_start = total_steps - decay_steps
+    if step <= decay_start or decay_steps <= 0:
+        return 1.0
+    progress = min(1.0, (step - decay_start) / decay_steps)
+    if cfg.decay_type == "linear":
+        shape = 1.0 - progress
+    elif cfg.decay_type == "sqrt":
+        shape = 1.0 - math.sqrt(progress)
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_factor + (1.0 - cfg.min_lr_factor) * shape
+
+
+def set_lr(optimizers: Iterable[torch.optim.Optimizer], lr: float) -> None:
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = lr

@@ -1,0 +1,200 @@
+"""Plan parity: run one job under several parallel plans and compare each step's loss and
+gradient norm with single-device eager, from the same weights on the same data.
+
+    python -m autopar.parity --job.config train_configs/debug_model.toml \\
+        --plans "dp_shard=2" "tp=2" "dp_shard=2,tp=2" --steps 5 [--rtol 1e-5]
+
+A plan is comma-separated ``key=value``: the degrees ``dp_replicate, dp_shard, tp, cp, pp``
+(unset ones are 1), ``sp`` and ``loss_parallel`` (true/false), or any job field
+(``compile.enable=true``). Plans of the same world size share one process group. Exits 1
+if any step of any plan differs by more than the tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import math
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from autopar.config.errors import ConfigError
+from autopar.config.job import JobConfig
+from autopar.config.parse import parse_job, set_field, to_toml
+from autopar.config.validate import validate
+
+logger = logging.getLogger("autopar")
+
+SHORT_KEYS = {
+    "dp_replicate": "parallelism.data_parallel_replicate_degree",
+    "dp_shard": "parallelism.data_parallel_shard_degree",
+    "tp": "parallelism.tensor_parallel_degree",
+    "cp": "parallelism.context_parallel_degree",
+    "pp": "parallelism.pipeline_parallel_degree",
+    "sp": "parallelism.enable_sequence_parallel",
+}
+_DEGREES = ("dp_replicate", "dp_shard", "tp", "cp", "pp")
+
+
+@dataclass(frozen=True)
+class PlanRun:
+    plan: str
+    world_size: int
+    losses: list[float]
+    grad_norms: list[float]
+
+
+def plan_job(base: JobConfig, plan: str, steps: int, dump_folder: str) -> JobConfig:
+    """``base`` with the plan's settings, unset degrees at 1, logging every step, no checkpoints."""
+    job = copy.deepcopy(base)
+    for key in _DEGREES:
+        set_field(job, SHORT_KEYS[key], "1", from_cli=True)
+    for item in filter(None, (s.strip() for s in plan.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"plan {plan!r}: item {item!r} is not key=value")
+        key = key.strip()
+        if key == "loss_parallel":
+            key, value = "parallelism.disable_loss_parallel", str(value.strip().lower() != "true")
+        set_field(job, SHORT_KEYS.get(key, key), value.strip(), from_cli=True)
+    set_field(job, "training.steps", str(steps), from_cli=True)
+    job.metrics.log_freq = 1
+    job.checkpoint.enable = False
+    job.checkpoint.last_save_in_hf = False
+    job.job.dump_folder = dump_folder
+    return job
+
+
+def world_size(job: JobConfig) -> int:
+    p = job.parallelism
+    return (
+        p.data_parallel_replicate_degree * p.data_parallel_shard_degree * p.tensor_parallel_degree
+        * p.context_parallel_degree * p.pipeline_parallel_degree
+    )
+
+
+def run_job(job: JobConfig) -> tuple[list[float], list[float]]:
+    """Train ``job`` on the current process group (or alone); per-step losses and grad norms."""
+    from autopar.distributed import init_world
+    from autopar.trainer import Trainer
+
+    world = init_world()
+    records = Trainer(job, validate(job, world.size), world).train()
+    return [r.loss for r in records], [r.grad_norm for r in records]
+
+
+def _run_plans_on_rank(jobs: list[tuple[str, JobConfig]]) -> list[PlanRun]:
+    logging.getLogger("autopar").setLevel(logging.WARNING)
+    runs = []
+    for plan, job in jobs:
+        losses, norms = run_job(job)
+        runs.append(PlanRun(plan, world_size(job), losses, norms))
+    return runs
+
+
+@dataclass(frozen=True)
+class Case:
+    """One plan applied to one base job; cases with equal base jobs share a reference run."""
+
+    base: JobConfig
+    plan: str
+
+
+def run_cases(cases: list[Case], steps: int) -> list[tuple[PlanRun, PlanRun]]:
+    """(single-device reference, plan run) per case. All plans of one world size run in one
+    process group, whatever their base job; every job is validated before anything runs."""
+    from autopar.spawn import run_on_ranks
+
+    with tempfile.TemporaryDirectory(prefix="autopar-parity-") as tmp:
+        keyed = [(to_toml(c.base), plan_job(c.base, c.plan, steps, f"{tmp}/case{i}")) for i, c in enumerate(cases)]
+        references: dict[str, JobConfig] = {}
+        for case, (key, _) in zip(cases, keyed):
+            if key not in references:
+                dps = [_dp(job) for k, job in keyed if k == key]
+                reference = plan_job(case.base, "", steps, f"{tmp}/reference{len(references)}")
+                reference.training.global_batch_size = _common_global_batch(case.base, dps)
+                references[key] = reference
+        jobs = []
+        for case, (key, job) in zip(cases, keyed):
+            job.training.global_batch_size = references[key].training.global_batch_size
+            try:
+                validate(job, world_size(job))
+            except ConfigError as err:
+                raise ConfigError(f"plan {case.plan!r}: {err}") from None
+            jobs.append((key, job))
+        reference_runs = {}
+        for key, job in references.items():
+            losses, norms = run_job(job)
+            reference_runs[key] = PlanRun("single device", 1, losses, norms)
+        by_size: dict[int, list[int]] = {}
+        for i, (_, job) in enumerate(jobs):
+            by_size.setdefault(world_size(job), []).append(i)
+        runs: dict[int, PlanRun] = {}
+        for size, indices in sorted(by_size.items()):
+            group = [(cases[i].plan, jobs[i][1]) for i in indices]
+            results = _run_plans_on_rank(group) if size == 1 else run_on_ranks(_run_plans_on_rank, size, group)[0]
+            runs.update(zip(indices, results))
+    return [(reference_runs[jobs[i][0]], runs[i]) for i in range(len(cases))]
+
+
+def _dp(job: JobConfig) -> int:
+    p = job.parallelism
+    return p.data_parallel_replicate_degree * p.data_parallel_shard_degree
+
+
+def _common_global_batch(base: JobConfig, dps: list[int]) -> int:
+    """The global batch a base job's plans share: the job's own, else local batch x the
+    least common multiple of the plans' data-parallel degrees."""
+    if base.training.global_batch_size > 0:
+        return base.training.global_batch_size
+    return base.training.local_batch_size * math.lcm(*dps)
+
+
+def relative_deltas(values: list[float], reference: list[float]) -> list[float]:
+    return [abs(v - r) / max(abs(r), 1e-12) for v, r in zip(values, reference)]
+
+
+def report(reference: PlanRun, runs: list[PlanRun], rtol: float) -> tuple[str, bool]:
+    """A table of the largest per-step relative deltas; whether every plan is within rtol."""
+    header = f"{'plan':32} {'ranks':>5} {'max rel d(loss)':>16} {'max rel d(grad norm)':>21}  verdict"
+    lines = [header, "-" * len(header)]
+    lines.append(f"{reference.plan:32} {1:>5} {'(reference)':>16} {'':>21}  losses " +
+                 " ".join(f"{x:.5f}" for x in reference.losses))
+    ok = True
+    for run in runs:
+        d_loss = max(relative_deltas(run.losses, reference.losses))
+        d_norm = max(relative_deltas(run.grad_norms, reference.grad_norms))
+        passed = d_loss <= rtol and d_norm <= rtol and len(run.losses) == len(reference.losses)
+        ok &= passed
+        lines.append(f"{run.plan:32} {run.world_size:>5} {d_loss:>16.2e} {d_norm:>21.2e}  "
+                     f"{'ok' if passed else 'FAIL'}")
+    return "\n".join(lines), ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m autopar.parity", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--plans", nargs="+", required=True, help='e.g. "dp_shard=2" "tp=2,sp=false"')
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance per step")
+    known, job_argv = parser.parse_known_args(argv)
+    from autopar.log import setup_logging
+
+    setup_logging(0)
+    logging.getLogger("autopar").setLevel(logging.WARNING)
+    try:
+        base = parse_job(job_argv)
+        pairs = run_cases([Case(base, plan) for plan in known.plans], known.steps)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    table, ok = report(pairs[0][0], [run for _, run in pairs], known.rtol)
+    print(table)
+    print(f"\nall plans within rtol {known.rtol:g} of single device" if ok else "\nPARITY FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""FP8 linears, swapped in after construction: Transformer Engine or torchao.
+
+Which linears: every ``nn.Linear`` whose name matches none of ``float8.filter_fqns`` (the
+head by default, whose error would reach the loss directly) and whose dims are multiples
+of 16 (what FP8 GEMMs need). Parameter names do not change, so checkpoints and HF export
+work as in high precision.
+
+What each backend composes with:
+
+| backend | one device | FSDP2 | TP / SP | compile |
+| --- | --- | --- | --- | --- |
+| torchao (tensorwise) | yes | yes, with optional FP8 all-gather | yes (FP8 TP styles) | yes |
+| torchao (rowwise) | yes | yes | no | yes |
+| te (delayed / current) | yes | yes | no (TE has its own TP; DTensor TP is refused) | no |
+
+Transformer Engine and torchao are optional and imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from torch import nn
+
+from autopar.config.errors import ConfigError
+from autopar.config.job import Float8
+
+TE_HINT = 'pip install "transformer_engine[pytorch]" (needs CUDA and a matching torch build)'
+TORCHAO_HINT = 'pip install torchao (or: pip install -e ".[float8]")'
+
+
+def resolve_backend(cfg: Float8, device_type: str) -> str:
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "te" if device_type == "cuda" else "torchao"
+
+
+def resolve_recipe(cfg: Float8, backend: str) -> str:
+    if cfg.recipe == "default":
+        return "delayed" if backend == "te" else "tensorwise"
+    return cfg.recipe
+
+
+def eligible(filter_fqns: list[str]) -> Callable[[nn.Module, str], bool]:
+    def keep_fp8(module: nn.Module, fqn: str) -> bool:
+        return (
+            isinstance(module, nn.Linear)
+            and not any(f in fqn for f in filter_fqns)
+            and module.in_features % 16 == 0
+            and module.out_features % 16 == 0
+        )
+
+    return keep_fp8
+
+
+def check_float8(cfg: Float8, device_type: str, tp_degree: int) -> None:
+    """Refuse a float8 setup that cannot run, naming the field and the fix."""
+    if not cfg.enable:
+        return
+    backend = resolve_backend(cfg, device_type)
+    recipe = resolve_recipe(cfg, backend)
+    allowed = {"te": ("delayed", "current"), "torchao": ("tensorwise", "rowwise")}[backend]
+    if recipe not in allowed:
+        raise ConfigError(f"float8.recipe={recipe!r} is not a {backend} recipe; use one of {list(allowed)}")
+    if backend == "te":
+        if device_type != "cuda":
+            raise ConfigError("float8.backend='te' needs CUDA; on CPU use --float8.backend torchao")
+        if tp_degree > 1:
+            raise ConfigError(
+                "float8.backend='te' does not compose with DTensor tensor parallel "
+                f"(tensor_parallel_degree={tp_degree}); use --float8.backend torchao"
+            )
+        _import_te()
+    else:
+        _import_torchao()
+        if tp_degree > 1 and recipe != "tensorwise":
+            raise ConfigError(
+                f"float8.recipe={recipe!r} with tensor_parallel_degree={tp_degree}: torchao's FP8 "
+                "TP styles use tensorwise scaling; use --float8.recipe tensorwise"
+            )
+    if cfg.enable_fsdp_float8_all_gather and (backend != "torchao" or recipe != "tensorwise"):
+        raise ConfigError("float8.enable_fsdp_float8_all_gather needs backend torchao with recipe tensorwise")
+
+
+def _import_te():
+    try:
+        import transformer_engine.pytorch as te
+    except ImportError:
+        raise ConfigError(f"float8.backend='te' needs Transformer Engine: {TE_HINT}") from None
+    return te
+
+
+def _import_torchao():
+    try:
+        import torchao.float8 as ao
+    except ImportError:
+        raise ConfigError(f"float8.backend='torchao' needs torchao: {TORCHAO_HINT}") from None
+    return ao
+
+
+def apply_float8(model: nn.Module, cfg: Float8, device_type: str) -> int:
+    """Swap eligible linears for FP8 ones (on the meta model); returns how many."""
+    backend = resolve_backend(cfg, device_type)
+    recipe = resolve_recipe(cfg, backend)
+    keep = eligible(cfg.filter_fqns)
+    targets = [fqn for fqn, m in model.named_modules() if keep(m, fqn)]
+    if backend == "torchao":
+        ao = _import_torchao()
+        config = ao.Float8LinearConfig.from_recipe_name(recipe)
+        if cfg.enable_fsdp_float8_all_gather:
+            config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+        ao.convert_to_float8_training(model, module_filter_fn=keep, config=config)
+    else:
+        te = _import_te()
+        for fqn in targets:
+            parent_name, _, child = fqn.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            linear = getattr(parent, child)
+            setattr(parent, child, te.Linear(
+                linear.in_features, linear.out_features, bias=linear.bias is not None,
+                params_dtype=linear.weight.dtype, device=linear.weight.device,
+            ))
+    return len(targets)
+
+
+def te_autocast(cfg: Float8):
+    """The context TE FP8 layers run under (forward only, as TE requires)."""
+    te = _import_te()
+    from transformer_engine.common import recipe as te_recipe
+
+    if resolve_recipe(cfg, "te") == "current":
+        fp8_recipe = te_recipe.Float8CurrentScaling()
+    else:
+        fp8_recipe = te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16,
+                                              amax_compute_algo="max")
+    return te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe)
+
+
+def after_optimizer_step(parts: list[nn.Module], cfg: Float8) -> None:
+    """torchao FP8 all-gather keeps one weight scale per FSDP parameter; refresh it from
+    the new weights in one fused pass instead of per layer at the next forward."""
+    if cfg.enable and cfg.enable_fsdp_float8_all_gather:
+        ao = _import_torchao()
+        for part in parts:
+            ao.precompute_float8_dynamic_scale_for_fsdp(part)

@@ -1,0 +1,70 @@
+"""FSDP2 (and HSDP) as data: an ordered list of (module group, reshard_after_forward).
+
+Each block is its own group so its parameters are gathered just before use and freed after.
+With tied embeddings the embedding and head share one parameter, which must live in one
+group: they are left to the root, whose parameters stay gathered from forward to backward.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+ReshardPolicy = Literal["default", "always", "never"]
+
+
+def fsdp_groups(
+    model: nn.Module, policy: ReshardPolicy, pipelined: bool
+) -> list[tuple[list[str], bool]]:
+    """[(module paths sharded together, reshard_after_forward)], root excluded.
+
+    ``default`` reshards blocks after forward except under pipelining (where each micro-batch
+    would gather them again); the last group is never resharded by default because backward
+    needs it first.
+    """
+    reshard = {"always": True, "never": False, "default": not pipelined}[policy]
+    tied = model.embed_tokens is not None and model.lm_head is not None and (
+        model.embed_tokens.weight is model.lm_head.weight
+    )
+    groups: list[tuple[list[str], bool]] = []
+    if model.embed_tokens is not None and not tied:
+        groups.append((["embed_tokens"], reshard))
+    groups.extend(([f"layers.{i}"], reshard) for i in model.layers.keys())
+    tail = [name for name in ("norm", "lm_head") if getattr(model, name) is not None]
+    if tail and not tied:
+        groups.append((tail, policy == "always"))
+    return groups
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    policy: ReshardPolicy = "default",
+    pipelined: bool = False,
+) -> None:
+    """Shard ``model`` over ``mesh`` (1-D: FSDP; 2-D replicate x shard: HSDP).
+
+    Gradients are summed, not averaged: the loss is already divided by the global token
+    count, so averaging would divide twice.
+    """
+    # FSDP2 warns that an FSDP-wrapped embedding returns a view (in-place ops on it would skip
+    # the pre-backward hook). Embedding outputs are always views; the model never writes
+    # into them in place, so the warning says nothing about this model.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for paths, reshard in fsdp_groups(model, policy, pipelined):
+        modules = [model.get_submodule(p) for p in paths]
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, mp_policy=mp,
+                    reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=not pipelined)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM

@@ -1,0 +1,171 @@
+"""Parallel degrees, their rules, and the device meshes every plan uses.
+
+All views come from one world mesh, unflattened two ways over the same ranks (rank order
+pp, dp_replicate, dp_shard, cp, tp, tp fastest):
+
+- ``dense`` = (pp, dp_replicate, fsdp, tp) for the model: FSDP shards parameters over
+  ``fsdp`` = dp_shard x cp, since context-parallel ranks hold the same weights.
+- ``batch`` = (pp, dp, cp, tp) for the data: ``dp`` ranks read different samples, ``cp``
+  ranks different parts of one sequence; ``loss`` = dp x cp sums losses and token counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autopar.config.errors import ConfigError
+from autopar.config.job import Parallelism
+from autopar.models.args import ModelArgs
+
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Resolved degrees (no -1 left) for a world of ``world_size`` ranks."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+
+    @classmethod
+    def resolve(cls, cfg: Parallelism, world_size: int) -> ParallelDims:
+        """Fill ``data_parallel_shard_degree=-1`` with the ranks left over; check the product."""
+        fixed = {
+            "data_parallel_replicate_degree": cfg.data_parallel_replicate_degree,
+            "context_parallel_degree": cfg.context_parallel_degree,
+            "tensor_parallel_degree": cfg.tensor_parallel_degree,
+            "pipeline_parallel_degree": cfg.pipeline_parallel_degree,
+        }
+        for name, value in fixed.items():
+            if value < 1:
+                raise ConfigError(f"parallelism.{name}={value} must be >= 1")
+        others = 1
+        for value in fixed.values():
+            others *= value
+        shard = cfg.data_parallel_shard_degree
+        if shard == -1:
+            if world_size % others:
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by the product of the other degrees "
+                    f"({_product_text(fixed)} = {others}); data_parallel_shard_degree=-1 cannot fill it"
+                )
+            shard = world_size // others
+        elif shard < 1:
+            raise ConfigError(
+                f"parallelism.data_parallel_shard_degree={shard} must be >= 1, or -1 for the rest"
+            )
+        if shard * others != world_size:
+            raise ConfigError(
+                f"parallel degrees multiply to {shard * others} "
+                f"(data_parallel_shard_degree={shard}, {_product_text(fixed)}), "
+                f"but the world size is {world_size}; make the product equal the number of ranks"
+            )
+        return cls(
+            dp_replicate=cfg.data_parallel_replicate_degree, dp_shard=shard,
+            cp=cfg.context_parallel_degree, tp=cfg.tensor_parallel_degree,
+            pp=cfg.pipeline_parallel_degree,
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: ranks reading different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> bool:
+        """Whether parameters are sharded or replicated across data/context ranks."""
+        return self.dp_replicate * self.dp_shard * self.cp > 1
+
+
+
+def _product_text(degrees: dict[str, int]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in degrees.items() if v != 1) or "all others 1"
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 64)
+
+
+def check_model_split(dims: ParallelDims, args: ModelArgs, seq_len: int, sequence_parallel: bool) -> None:
+    """Raise ConfigError when the model or sequence cannot be split by these degrees."""
+    tp = dims.tp
+    for field in ("num_attention_heads", "num_key_value_heads"):
+        value = getattr(args, field)
+        if value % tp:
+            raise ConfigError(
+                f"parallelism.tensor_parallel_degree={tp} does not divide {field}={value}; "
+                f"use one of {_divisors(value)}"
+            )
+    for field in ("intermediate_size", "vocab_size"):
+        value = getattr(args, field)
+        if value % tp:
+            raise ConfigError(
+                f"parallelism.tensor_parallel_degree={tp} does not divide model.{field}={value}; "
+                f"use a degree dividing it or change model.{field}"
+            )
+    split = (tp if sequence_parallel else 1) * (2 * dims.cp if dims.cp > 1 else 1)
+    if seq_len % split:
+        parts = []
+        if sequence_parallel and tp > 1:
+            parts.append(f"tensor_parallel_degree={tp} (sequence parallel)")
+        if dims.cp > 1:
+            parts.append(f"2 x context_parallel_degree={2 * dims.cp} (load-balanced chunks)")
+        raise ConfigError(
+            f"training.seq_len={seq_len} is not divisible by {split} = {' x '.join(parts)}; "
+            f"use a seq_len that is a multiple of {split}"
+        )
+    if dims.pp > args.num_hidden_layers:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_degree={dims.pp} is more stages than "
+            f"num_hidden_layers={args.num_hidden_layers}; use at most {args.num_hidden_layers}"
+        )
+
+
+@dataclass(frozen=True)
+class Meshes:
+    """The named mesh views of one job (see the module docstring)."""
+
+    dense: DeviceMesh
+    batch: DeviceMesh
+    loss: DeviceMesh
+
+    @property
+    def pp(self) -> DeviceMesh:
+        return self.dense["pp"]
+
+    @property
+    def tp(self) -> DeviceMesh:
+        return self.dense["tp"]
+
+    @property
+    def dp(self) -> DeviceMesh:
+        return self.batch["dp"]
+
+    @property
+    def cp(self) -> DeviceMesh:
+        return self.batch["cp"]
+
+    def fsdp(self, dims: ParallelDims) -> DeviceMesh:
+        """1-D shard mesh for FSDP, 2-D (replicate, shard) for HSDP."""
+        if dims.dp_replicate > 1:
+            return self.dense["dp_replicate", "fsdp"]
+        return self.dense["fsdp"]
+
+
+def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
+    """Every mesh view of a job; called once, on every rank."""
+    world = init_device_mesh(device_type, (dims.world_size,), mesh_dim_names=("world",))
+    dense = world._unflatten(
+        0, (dims.pp, dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp), ("pp", "dp_replicate", "fsdp", "tp")
+    )
+    batch = world._unflatten(0, (dims.pp, dims.dp, dims.cp, dims.tp), ("pp", "dp", "cp", "tp"))
+    loss = batch["dp", "cp"]._flatten("loss")
+    return Meshes(dense=dense, batch=batch, loss=loss)

@@ -1,0 +1,106 @@
+"""The one place that turns a job into model parts: build on meta, transform, materialize.
+
+Transformations run in a fixed order, one log line each: TP -> CP -> activation
+checkpointing -> compile -> FSDP. (CP changes no module: it acts on the inputs and the
+attention call at run time, see ``plans/context_parallel.py``.)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from autopar.config.job import JobConfig
+from autopar.models.args import ModelArgs
+from autopar.models.qwen import Qwen
+from autopar.plans.activation_checkpoint import apply_ac
+from autopar.plans.compile import apply_compile
+from autopar.plans.float8 import apply_float8, resolve_backend
+from autopar.plans.fsdp import apply_fsdp
+from autopar.plans.materialize import FullValue, materialize
+from autopar.plans.mesh import Meshes, ParallelDims
+from autopar.plans.tensor_parallel import apply_tp
+
+logger = logging.getLogger("autopar")
+
+
+def compute_dtype(job: JobConfig, device: torch.device) -> torch.dtype:
+    """The dtype matmuls run in; master weights and optimizer state are always fp32."""
+    choice = job.training.mixed_precision_param
+    if choice == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.bfloat16 if choice == "bfloat16" else torch.float32
+
+
+def loss_parallel_enabled(job: JobConfig, dims: ParallelDims) -> bool:
+    return dims.tp > 1 and not job.parallelism.disable_loss_parallel
+
+
+def parallelize(
+    model: nn.Module,
+    args: ModelArgs,
+    job: JobConfig,
+    dims: ParallelDims,
+    meshes: Meshes | None,
+    device: torch.device,
+    pipelined: bool = False,
+) -> nn.Module:
+    """Apply every transformation the job asks for to one (meta-device) model part."""
+    p = job.parallelism
+    if dims.tp > 1:
+        assert meshes is not None
+        apply_tp(
+            model, meshes.tp, args, p.enable_sequence_parallel, loss_parallel_enabled(job, dims),
+            float8=job.float8.enable and resolve_backend(job.float8, device.type) == "torchao",
+        )
+        logger.info(
+            "applied tensor parallel: degree %d, sequence parallel %s, loss parallel %s",
+            dims.tp, p.enable_sequence_parallel, loss_parallel_enabled(job, dims),
+        )
+    if job.activation_checkpoint.mode != "none":
+        apply_ac(model, job.activation_checkpoint)
+        logger.info(
+            "applied activation checkpointing: %s (%s)",
+            job.activation_checkpoint.mode, job.activation_checkpoint.selective_ac_option,
+        )
+    if job.compile.enable and "model" in job.compile.components:
+        apply_compile(model, job.compile)
+        logger.info("compiled each block with torch.compile (backend %s)", job.compile.backend)
+    if dims.fsdp:
+        assert meshes is not None
+        apply_fsdp(
+            model,
+            meshes.fsdp(dims),
+            param_dtype=compute_dtype(job, device),
+            reduce_dtype=torch.float32,
+            pipelined=pipelined,
+        )
+        kind = "HSDP" if dims.dp_replicate > 1 and dims.dp_shard * dims.cp > 1 else "FSDP2"
+        logger.info(
+            "applied %s: replicate %d x shard %d (cp %d)", kind, dims.dp_replicate, dims.dp_shard, dims.cp
+        )
+    return model
+
+
+def build_parts(
+    args: ModelArgs,
+    job: JobConfig,
+    dims: ParallelDims,
+    meshes: Meshes | None,
+    device: torch.device,
+    values: FullValue,
+) -> list[nn.Module]:
+    """The model parts this rank runs, parallelized and filled with ``values``."""
+    with torch.device("meta"):
+        model = Qwen(args)
+    if job.float8.enable:
+        count = apply_float8(model, job.float8, device.type)
+        logger.info("converted %d linears to FP8 (%s)", count, resolve_backend(job.float8, device.type))
+    parts = [model]
+    for part in parts:
+        parallelize(part, args, job, dims, meshes, device)
+        materialize(part, device, values)
+        part.train()
+    return parts

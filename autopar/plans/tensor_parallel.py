@@ -1,0 +1,156 @@
+"""Tensor (and sequence) parallelism as data: module path -> ParallelStyle.
+
+Column-wise q/k/v/gate/up, row-wise o/down, so each block needs one all-reduce (TP) or one
+all-gather + reduce-scatter pair (TP+SP) per sublayer. With sequence parallel the norms and
+residual stream are sharded along the sequence; the Qwen3 per-head q/k norms see a tensor
+whose head dim (2) is sharded, so they use ``SequenceParallel(sequence_dim=2)``: their weight
+is replicated and its gradient summed over the heads each rank owns. Tied embeddings stay
+tied because the embedding (row-wise) and the head (column-wise) both shard dim 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from autopar.models.args import ModelArgs
+
+
+class ReplicateParams(ParallelStyle):
+    """Parameters become replicated DTensors and the module runs on the full local input.
+
+    Used for the norms when TP runs without sequence parallel, so that every parameter of
+    a TP model is a DTensor on the same mesh (gradient clipping and FSDP need that).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_dtensor(_mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+            return tuple(
+                DTensor.from_local(x, mesh, [Replicate()], run_check=False) if _is_local(x) else x
+                for x in inputs
+            )
+
+        return distribute_module(
+            module,
+            device_mesh,
+            input_fn=to_dtensor,
+            output_fn=lambda _mod, out, _mesh: out.to_local(),
+        )
+
+
+def _is_local(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+
+
+def _linear_styles(float8: bool, fp8_all_gather: bool) -> tuple[type, type, type]:
+    """(column-wise, row-wise, input-preparing) style classes. torchao's FP8 styles move
+    FP8 bytes in the TP collectives (forward and backward); gloo cannot send float8
+    tensors, so on CPU the collectives stay in high precision and only the matmuls are FP8."""
+    if not (float8 and fp8_all_gather):
+        return ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+
+def block_plan(
+    args: ModelArgs, sequence_parallel: bool, float8: bool = False, fp8_all_gather: bool = False
+) -> dict[str, ParallelStyle]:
+    """Styles for the modules of one block, keyed by path within the block."""
+    colwise, rowwise, prepare = _linear_styles(float8, fp8_all_gather)
+    residual = Shard(1) if sequence_parallel else Replicate()
+
+    def prepare_input(layouts: tuple, first_linear: str) -> ParallelStyle:
+        desired = (Replicate(),) + (None,) * (len(layouts) - 1)
+        extra = {"fwd_config_submodule_fqn": first_linear} if prepare is not PrepareModuleInput else {}
+        return prepare(input_layouts=layouts, desired_input_layouts=desired, **extra)
+
+    plan: dict[str, ParallelStyle] = {
+        "input_layernorm": SequenceParallel() if sequence_parallel else ReplicateParams(),
+        "self_attn": prepare_input((residual, None), "q_proj"),
+        "self_attn.q_proj": colwise(),
+        "self_attn.k_proj": colwise(),
+        "self_attn.v_proj": colwise(),
+        "self_attn.o_proj": rowwise(output_layouts=residual),
+        "post_attention_layernorm": SequenceParallel() if sequence_parallel else ReplicateParams(),
+        "mlp": prepare_input((residual,), "gate_proj"),
+        "mlp.gate_proj": colwise(),
+        "mlp.up_proj": colwise(),
+        "mlp.down_proj": rowwise(output_layouts=residual),
+    }
+    if args.qk_norm:
+        plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def top_plan(sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """Styles for the embedding, final norm and head. With loss parallel the head's output
+    stays a vocab-sharded DTensor for ``loss_parallel()`` cross-entropy."""
+    residual = Shard(1) if sequence_parallel else Replicate()
+    return {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "norm": SequenceParallel() if sequence_parallel else ReplicateParams(),
+        "lm_head": ColwiseParallel(
+            input_layouts=residual,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+
+
+def tp_plan(
+    args: ModelArgs,
+    layer_ids: list[str],
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    float8: bool = False,
+    fp8_all_gather: bool = False,
+) -> dict[str, ParallelStyle]:
+    """The whole model's plan, for the given layers (a pipeline stage holds a subset)."""
+    plan = top_plan(sequence_parallel, loss_parallel)
+    block = block_plan(args, sequence_parallel, float8, fp8_all_gather)
+    for i in layer_ids:
+        plan.update({f"layers.{i}.{path}": style for path, style in block.items()})
+    return plan
+
+
+def apply_tp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    args: ModelArgs,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    float8: bool = False,
+) -> None:
+    """Parallelize the parts ``model`` holds (parts set to None are skipped). ``float8``:
+    the block linears are torchao Float8Linear and get its FP8 TP styles."""
+    fp8_all_gather = float8 and mesh.device_type == "cuda"
+    plan = tp_plan(args, list(model.layers.keys()), sequence_parallel, loss_parallel, float8, fp8_all_gather)
+    present = {k: v for k, v in plan.items() if _resolves(model, k)}
+    parallelize_module(model, mesh, present)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # parallelize_module gave the head its own DTensor parameter
+
+
+def _resolves(model: nn.Module, path: str) -> bool:
+    try:
+        return model.get_submodule(path) is not None
+    except AttributeError:
+        return False

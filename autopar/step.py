@@ -1,0 +1,111 @@
+"""One optimizer step's forward/backward over its micro-batches, and the gradient norm.
+
+The loss is a sum of token losses divided by the global number of target tokens
+(``autopar.loss``); summing the per-micro-batch results over the data/context-parallel
+ranks gives the mean loss of the global batch, whatever the plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from autopar.data.loader import Batch
+from autopar.loss import count_targets, token_loss_sum
+
+
+def all_reduce_sum(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
+    """Sum ``value`` over a 1-D ``mesh`` (a no-op without one or on a single rank)."""
+    if mesh is None or mesh.size() == 1:
+        return value
+    value = value.clone()
+    dist.all_reduce(value, group=mesh.get_group())
+    return value
+
+
+class TrainContext:
+    """What forward/backward runs under, and the loss function.
+
+    ``forward()`` covers the model's forward (autocast, TE FP8 autocast); ``loss()`` covers
+    the loss and its backward (vocab-parallel cross-entropy needs both inside).
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        autocast: bool,
+        loss_parallel: bool,
+        compile_loss: bool = False,
+        fp8_autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+    ):
+        self.device = device
+        self.dtype = dtype
+        self.autocast = autocast and dtype != torch.float32
+        self.loss_parallel = loss_parallel
+        self.fp8_autocast = fp8_autocast
+        # vocab-parallel cross-entropy is a DTensor op dispatch that does not trace; it is
+        # already a fused collective-aware kernel, so it stays eager
+        self.loss_fn = torch.compile(token_loss_sum) if compile_loss and not loss_parallel else token_loss_sum
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if self.autocast:
+                stack.enter_context(torch.autocast(self.device.type, dtype=self.dtype))
+            if self.fp8_autocast is not None:
+                stack.enter_context(self.fp8_autocast())
+            yield
+
+    def loss(self) -> contextlib.AbstractContextManager:
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
+
+
+def global_target_count(batches: list[Batch], loss_mesh: DeviceMesh | None) -> torch.Tensor:
+    """Target tokens of the whole global batch (all micro-steps and data/context ranks)."""
+    local = sum(count_targets(b.labels) for b in batches).to(torch.float32)
+    return all_reduce_sum(local, loss_mesh)
+
+
+def forward_backward(
+    model: nn.Module,
+    batches: list[Batch],
+    global_targets: torch.Tensor,
+    context: TrainContext,
+) -> torch.Tensor:
+    """Run every micro-batch; returns this rank's share of the step loss (detached)."""
+    total = torch.zeros((), device=global_targets.device)
+    for batch in batches:
+        with context.loss():
+            with context.forward():
+                logits = model(batch.inputs)
+            loss = context.loss_fn(logits, batch.labels) / global_targets
+            if isinstance(loss, DTensor):
+                loss = loss.full_tensor()
+            loss.backward()
+        total += loss.detach()
+    return total
+
+
+def grad_norm(parts: list[nn.Module], pp_mesh: DeviceMesh | None) -> torch.Tensor:
+    """Global L2 norm of all gradients, counting each parameter element once (pipeline
+    stages hold disjoint parameters, so their squared norms add)."""
+    grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if pp_mesh is not None and pp_mesh.size() > 1:
+        norm = all_reduce_sum(norm.pow(2), pp_mesh).sqrt()
+    return norm
+
+
+def clip_grads(parts: list[nn.Module], max_norm: float, norm: torch.Tensor) -> None:
+    grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
+    torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)

@@ -1,0 +1,156 @@
+"""The training loop. It calls builders and runs steps; the logic lives in the builders."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from autopar.checkpoint import Checkpointer, export_hf
+from autopar.config.job import JobConfig
+from autopar.data.loader import StepLoader, build_samples
+from autopar.data.tokenizer import build_tokenizer
+from autopar.distributed import World
+from autopar.metrics import MetricsLogger, flops_per_token
+from autopar.models.args import ModelArgs
+from autopar.models.hf import read_hf_tensors
+from autopar.optim import build_optimizers, lr_factor, set_lr
+from autopar.plans.float8 import after_optimizer_step, resolve_backend, te_autocast
+from autopar.plans.materialize import seeded_values, tensor_values
+from autopar.plans.mesh import Meshes, ParallelDims, build_meshes
+from autopar.plans.parallelize import build_parts, compute_dtype, loss_parallel_enabled
+from autopar.step import (
+    TrainContext,
+    all_reduce_sum,
+    clip_grads,
+    forward_backward,
+    global_target_count,
+    grad_norm,
+)
+
+logger = logging.getLogger("autopar")
+_EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    step: int
+    loss: float
+    grad_norm: float
+
+
+class Trainer:
+    """Builds everything a validated job needs on this rank, then trains it."""
+
+    def __init__(self, job: JobConfig, args: ModelArgs, world: World) -> None:
+        self.job = job
+        self.args = args
+        self.world = world
+        self.dims = ParallelDims.resolve(job.parallelism, world.size)
+        self.meshes: Meshes | None = build_meshes(self.dims, world.device.type) if world.size > 1 else None
+        torch.manual_seed(job.debug.seed)
+        if job.debug.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.parts = build_parts(args, job, self.dims, self.meshes, world.device, self._initial_values())
+        self.optimizers = build_optimizers(self.parts, job.optimizer, world.device)
+        self.loader = self._build_loader()
+        self.checkpointer = Checkpointer(job.checkpoint, job.job.dump_folder, world.rank, self.parts, self.optimizers)
+        dtype = compute_dtype(job, world.device)
+        self.context = TrainContext(
+            world.device, dtype, autocast=not self.dims.fsdp, loss_parallel=loss_parallel_enabled(job, self.dims),
+            compile_loss=job.compile.enable and "loss" in job.compile.components,
+            fp8_autocast=self._te_autocast(),
+        )
+        self.metrics = MetricsLogger(
+            job.job.dump_folder, flops_per_token(args, job.training.seq_len), world.device,
+            world.size, world.is_main, job.metrics.enable_tensorboard,
+        )
+        self.step = 0
+
+    def _initial_values(self):
+        c = self.job.checkpoint
+        if c.initial_load_path is not None and c.initial_load_in_hf:
+            logger.info("initial weights from HF folder %s", c.initial_load_path)
+            return tensor_values(read_hf_tensors(c.initial_load_path, self.args), self.world.device)
+        return seeded_values(self.args, self.job.debug.seed, self.world.device)
+
+    def _te_autocast(self):
+        f8 = self.job.float8
+        if f8.enable and resolve_backend(f8, self.world.device.type) == "te":
+            return functools.partial(te_autocast, f8)
+        return None
+
+    def _build_loader(self) -> StepLoader:
+        t = self.job.training
+        tokenizer = build_tokenizer(self.job.model.tokenizer_path)
+        samples = build_samples(t.dataset, t.dataset_path, t.dataset_blend, tokenizer, t.seq_len, self.job.debug.seed)
+        dp_rank = self.meshes.dp.get_local_rank() if self.meshes is not None else 0
+        global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * self.dims.dp
+        return StepLoader(samples, global_batch, t.local_batch_size, dp_rank, self.dims.dp, self.world.device)
+
+    def restore(self) -> None:
+        """Resume from the latest checkpoint, or load initial weights from a DCP folder."""
+        c = self.job.checkpoint
+        step = self.checkpointer.resume_step() if c.enable else None
+        if step is not None:
+            state = self.checkpointer.load(step)
+            self.step = state["step"]
+            self.loader.load_state_dict({"consumed_samples": state["consumed_samples"]})
+        elif c.initial_load_path is not None and not c.initial_load_in_hf:
+            logger.info("initial weights from DCP folder %s", c.initial_load_path)
+            self.checkpointer.load_model_only(c.initial_load_path)
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step; returns (loss, grad norm) as device tensors (no host sync)."""
+        batches = self.loader.next_step()
+        set_lr(self.optimizers, self.job.optimizer.lr * lr_factor(self.step + 1, self.job.lr_scheduler, self.job.training.steps))
+        loss_mesh = self.meshes.loss if self.meshes is not None else None
+        targets = global_target_count(batches, loss_mesh)
+        local_loss = forward_backward(self.parts[0], batches, targets, self.context)
+        norm = grad_norm(self.parts, self.meshes.pp if self.meshes is not None else None)
+        if self.job.training.max_norm > 0:
+            clip_grads(self.parts, self.job.training.max_norm, norm)
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        after_optimizer_step(self.parts, self.job.float8)
+        self.step += 1
+        return all_reduce_sum(local_loss, loss_mesh), norm
+
+    def train(self) -> list[StepRecord]:
+        """Train to training.steps; returns the logged steps' records."""
+        self.restore()
+        steps, log_freq = self.job.training.steps, self.job.metrics.log_freq
+        tokens_per_step = self.loader.global_batch * self.job.training.seq_len
+        records: list[StepRecord] = []
+        window_start, window_steps = time.perf_counter(), 0
+        while self.step < steps:
+            loss, norm = self.train_step()
+            window_steps += 1
+            if self.step % log_freq == 0 or self.step in (1, steps):
+                record = StepRecord(self.step, loss.item(), norm.item())
+                elapsed = time.perf_counter() - window_start
+                lr = self.optimizers[0].param_groups[0]["lr"]
+                self.metrics.record(self.step, record.loss, record.grad_norm, lr, window_steps * tokens_per_step, elapsed)
+                records.append(record)
+                window_start, window_steps = time.perf_counter(), 0
+            if self.checkpointer.should_save(self.step, steps):
+                self.checkpointer.save(self.step, self.loader.consumed_samples)
+        if self.job.checkpoint.last_save_in_hf:
+            self._export_hf()
+        self.metrics.close()
+        return records
+
+    def _export_hf(self) -> None:
+        c = self.job.checkpoint
+        ckpt = self.checkpointer.folder / f"step-{self.step}"
+        if not ckpt.is_dir():
+            ckpt = self.checkpointer.save(self.step, self.loader.consumed_samples)
+        out = Path(self.job.job.dump_folder) / "hf" / f"step-{self.step}"
+        if self.world.is_main:
+            export_hf(ckpt, self.args, out, _EXPORT_DTYPES[c.export_dtype])
+            logger.info("exported HF checkpoint %s", out)

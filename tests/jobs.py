@@ -1,0 +1,24 @@
+"""Small jobs shared by the tests: fp32 tiny Qwen models on the shipped corpus."""
+
+from __future__ import annotations
+
+from autopar.config import JobConfig, parse_job
+
+TINY_MODEL = {
+    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "intermediate_size": 128, "vocab_size": 320,
+}
+
+
+def tiny_job(dump_folder, *argv: str, name: str = "qwen3", **model: object) -> JobConfig:
+    """A 5-step fp32 job of a two-layer model; ``argv`` and ``model`` override it."""
+    flags = [
+        "--model.name", name, "--model.flavor", "debug",
+        "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "5",
+        "--training.mixed_precision_param", "float32",
+        "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "0.01",
+        "--metrics.log_freq", "1", "--job.dump_folder", str(dump_folder),
+    ]
+    for key, value in {**TINY_MODEL, **model}.items():
+        flags += [f"--model.{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    return parse_job(flags + list(argv))

@@ -1,0 +1,175 @@
+"""Job config: CLI > TOML > defaults, and one clear error per kind of bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar.config import ConfigError, JobConfig, parse_job, to_toml, validate
+from autopar.config.parse import help_text
+
+
+@pytest.fixture
+def toml_file(tmp_path):
+    def write(text: str):
+        path = tmp_path / "job.toml"
+        path.write_text(text)
+        return str(path)
+
+    return write
+
+
+def test_defaults_apply_without_a_file():
+    assert parse_job([]) == JobConfig()
+
+
+def test_toml_overrides_defaults_and_cli_overrides_toml(toml_file):
+    path = toml_file("[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 0.5\n")
+    job = parse_job(["--job.config", path, "--training.steps", "9"])
+    assert job.training.steps == 9  # CLI beats TOML
+    assert job.training.seq_len == 64  # TOML beats default
+    assert job.optimizer.lr == 0.5
+    assert job.training.local_batch_size == JobConfig().training.local_batch_size
+
+
+def test_config_file_alias_and_equals_form(toml_file):
+    path = toml_file("[training]\nsteps = 3\n")
+    for flag in ("--job.config_file", "--job.config-file", "--job.config"):
+        assert parse_job([f"{flag}={path}"]).training.steps == 3
+
+
+def test_booleans_lists_and_bare_flags_parse():
+    job = parse_job([
+        "--checkpoint.enable", "true", "--parallelism.disable_loss_parallel",
+        "--training.dataset_blend", "0.3:a.bin,0.7:b.bin", "--checkpoint.initial_load_path", "none",
+    ])
+    assert job.checkpoint.enable is True
+    assert job.parallelism.disable_loss_parallel is True
+    assert job.training.dataset_blend == ["0.3:a.bin", "0.7:b.bin"]
+    assert job.checkpoint.initial_load_path is None
+
+
+def test_model_args_under_model_become_overrides(toml_file):
+    path = toml_file('[model]\nname = "qwen2.5"\nflavor = "debug"\nnum_hidden_layers = 2\n')
+    job = parse_job(["--job.config", path, "--model.hidden_size", "64"])
+    assert job.model.overrides == {"num_hidden_layers": 2, "hidden_size": 64}
+
+
+def test_print_config_round_trips(toml_file, tmp_path):
+    job = parse_job(["--training.steps", "11", "--model.num_hidden_layers", "3", "--print-config"])
+    assert job.job.print_config
+    path = toml_file(to_toml(job))
+    again = parse_job(["--job.config", path])
+    again.job.config_file = None
+    assert again == job
+
+
+def test_help_lists_every_field_with_its_doc():
+    text = help_text()
+    assert "--training.seq_len int (default 2048)" in text
+    assert "Tokens per sequence." in text
+    assert "--model.<arg>" in text
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--training.stepz", "3"], "unknown config field 'training.stepz'; did you mean 'training.steps'"),
+        (["--trainin.steps", "3"], "unknown config section 'trainin'; did you mean 'training'"),
+        (["--model.num_layers", "3"], "unknown model field 'model.num_layers'; did you mean 'model.num_hidden_layers'"),
+        (["--training.steps", "ten"], "training.steps='ten' is not an int"),
+        (["--training.steps"], "--training.steps needs a value"),
+        (["--checkpoint.enable", "maybe"], "checkpoint.enable='maybe' is not a bool; use true or false"),
+        (["--lr_scheduler.decay_type", "exp"], r"lr_scheduler.decay_type='exp' is not one of \['linear', 'sqrt', 'cosine'\]"),
+        (["--model.name", "llama3"], r"model.name='llama3' is not one of"),
+        (["--job.config", "missing.toml"], "job.config_file='missing.toml': no such file"),
+        (["training.steps"], "unexpected argument 'training.steps'"),
+    ],
+)
+def test_bad_flags_are_rejected_with_the_field(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_job(argv)
+
+
+def test_toml_type_errors_name_the_file(toml_file):
+    path = toml_file('[training]\nsteps = "many"\n')
+    with pytest.raises(ConfigError, match=r"job.toml: training.steps='many' is not an int"):
+        parse_job(["--job.config", path])
+
+
+def test_toml_float_for_int_field_is_rejected(toml_file):
+    path = toml_file("[training]\nsteps = 2.5\n")
+    with pytest.raises(ConfigError, match="training.steps=2.5 is not an int"):
+        parse_job(["--job.config", path])
+
+
+def test_invalid_toml_syntax_is_reported(toml_file):
+    path = toml_file("[training\nsteps = 3\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        parse_job(["--job.config", path])
+
+
+def valid(*argv: str) -> list[str]:
+    """A small job that validates, plus the flags under test."""
+    return ["--training.steps", "10", "--lr_scheduler.warmup_steps", "2", "--training.seq_len", "64", *argv]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (valid("--training.steps", "0"), "training.steps=0 must be >= 1"),
+        (valid("--training.local_batch_size", "0"), "training.local_batch_size=0 must be >= 1"),
+        (valid("--training.seq_len", "1"), "training.seq_len=1 must be >= 2"),
+        (valid("--training.max_norm", "-1"), "training.max_norm=-1.0 must be >= 0"),
+        (valid("--training.global_batch_size", "0"), "training.global_batch_size=0 must be -1 or >= 1"),
+        (valid("--training.global_batch_size", "12"), "global_batch_size=12 is not a multiple of local_batch_size x data-parallel degree = 8 x 1"),
+        (valid("--optimizer.lr", "-0.1"), "optimizer.lr=-0.1 must be a finite number >= 0"),
+        (valid("--optimizer.beta2", "1.0"), r"optimizer.beta2=1.0 must be in \[0, 1\)"),
+        (valid("--optimizer.eps", "0"), "optimizer.eps=0.0 must be > 0"),
+        (valid("--optimizer.weight_decay", "-1"), "optimizer.weight_decay=-1.0 must be >= 0"),
+        (valid("--lr_scheduler.warmup_steps", "11"), "warmup_steps=11 exceeds training.steps=10"),
+        (valid("--lr_scheduler.warmup_steps", "-1"), "warmup_steps=-1 must be >= 0"),
+        (valid("--lr_scheduler.decay_ratio", "1.5"), r"decay_ratio=1.5 must be in \(0, 1\]"),
+        (valid("--lr_scheduler.min_lr_factor", "2"), r"min_lr_factor=2.0 must be in \[0, 1\]"),
+        (valid("--metrics.log_freq", "0"), "metrics.log_freq=0 must be >= 1"),
+        (valid("--checkpoint.interval", "0"), "checkpoint.interval=0 must be >= 1"),
+        (valid("--checkpoint.keep_latest_k", "-2"), "keep_latest_k=-2 must be >= 0"),
+        (valid("--model.flavor", "9B"), "model.flavor='9B' is unknown for qwen3"),
+        (valid("--model.num_key_value_heads", "3"), "num_attention_heads=8 is not a multiple of"),
+        (valid("--model.vocab_size", "100"), r"model.vocab_size=100 is smaller than the tokenizer's vocabulary \(257\)"),
+        (valid("--training.seq_len", "8192"), "training.seq_len=8192 exceeds model.max_position_embeddings=4096"),
+        (valid("--training.dataset", "c4"), "training.dataset='c4' is not built in"),
+        (valid("--training.dataset_path", "/no/such/data"), "training.dataset_path='/no/such/data': no such file"),
+        (valid("--training.dataset_blend", "half:a.bin"), "dataset_blend item 'half:a.bin' is not 'weight:path'"),
+        (valid("--training.dataset_blend", "1:/no/such.bin"), "dataset_blend: /no/such.bin is not a prepared dataset"),
+        (valid("--model.tokenizer_path", "/no/tok"), "model.tokenizer_path='/no/tok': no tokenizer.json there"),
+        (valid("--checkpoint.initial_load_in_hf", "true"), "initial_load_in_hf=true needs checkpoint.initial_load_path"),
+        (valid("--checkpoint.initial_load_path", "/no/ckpt"), "initial_load_path='/no/ckpt': no such folder"),
+    ],
+)
+def test_validation_rejects_with_field_value_and_fix(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(parse_job(argv), world_size=1)
+
+
+def test_hf_initial_load_must_match_the_flavor(tmp_path):
+    from autopar.models import Qwen, get_flavor, to_hf
+
+    model = Qwen(get_flavor("qwen3", "debug", num_hidden_layers=2))
+    model.init_weights()
+    to_hf(model, tmp_path)
+    job = parse_job(valid("--checkpoint.initial_load_path", str(tmp_path), "--checkpoint.initial_load_in_hf", "true"))
+    with pytest.raises(ConfigError, match=r"has num_hidden_layers=4, but .*config.json has num_hidden_layers=2; .*--model.num_hidden_layers 2"):
+        validate(job, world_size=1)
+    job.model.overrides["num_hidden_layers"] = 2
+    validate(job, world_size=1)
+
+
+def test_dcp_initial_load_needs_dcp_metadata(tmp_path):
+    job = parse_job(valid("--checkpoint.initial_load_path", str(tmp_path)))
+    with pytest.raises(ConfigError, match="is not a DCP checkpoint"):
+        validate(job, world_size=1)
+
+
+def test_valid_job_returns_the_model_args():
+    args = validate(parse_job(valid("--model.num_hidden_layers", "2")), world_size=1)
+    assert args.num_hidden_layers == 2 and args.qk_norm

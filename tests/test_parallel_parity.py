@@ -1,0 +1,93 @@
+"""FSDP2, HSDP, TP and TP+SP give the single-device losses and gradient norms (CPU, gloo).
+
+Every plan runs 5 optimizer steps of an fp32 two-layer model from the same weights on the
+same data; all plans of one world size share one process group.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from autopar.parity import Case, _run_plans_on_rank, relative_deltas, run_cases
+from autopar.spawn import run_on_ranks
+from jobs import tiny_job
+
+pytestmark = pytest.mark.slow
+
+MODELS = {
+    "qwen3-untied": dict(name="qwen3", tie_word_embeddings=False),
+    "qwen3-tied": dict(name="qwen3", tie_word_embeddings=True),
+    "qwen2.5-tied": dict(name="qwen2.5", tie_word_embeddings=True),
+    "qwen2.5-untied": dict(name="qwen2.5", tie_word_embeddings=False),
+}
+PLANS = [
+    "dp_shard=2",
+    "dp_replicate=2,dp_shard=2",
+    "tp=2,sp=false",
+    "tp=2,sp=false,loss_parallel=false",
+    "tp=2",
+    "tp=2,loss_parallel=false",
+    "dp_shard=2,tp=2",
+    "dp_shard=2,tp=2,loss_parallel=false",
+]
+# fp32 on CPU: plans differ from one device only in the order of floating-point sums.
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("parity")
+    keys = [(model, plan) for model in MODELS for plan in PLANS]
+    cases = [Case(tiny_job(tmp, **MODELS[model]), plan) for model, plan in keys]
+    return dict(zip(keys, run_cases(cases, steps=5)))
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("model", MODELS)
+def test_plan_matches_single_device_loss_and_grad_norm(parity, model, plan):
+    reference, run = parity[(model, plan)]
+    assert len(run.losses) == len(reference.losses) == 5
+    assert max(relative_deltas(run.losses, reference.losses)) <= RTOL
+    assert max(relative_deltas(run.grad_norms, reference.grad_norms)) <= RTOL
+
+
+def test_training_actually_moves_the_loss(parity):
+    reference, _ = parity[("qwen3-untied", "dp_shard=2")]
+    assert reference.losses[-1] < reference.losses[0] - 0.5
+
+
+def _resume_job(folder, plan_flags, load_step=None):
+    flags = ["--training.steps", "6", "--training.global_batch_size", "4", "--checkpoint.enable", "true",
+             "--checkpoint.interval", "3", *plan_flags]
+    if load_step is not None:
+        flags += ["--checkpoint.load_step", str(load_step)]
+    job = tiny_job(folder, *flags)
+    return job
+
+
+FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
+TP2 = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"]
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory):
+    """Save under one plan at step 3, resume under the other: (uninterrupted, resumed) runs."""
+    tmp = tmp_path_factory.mktemp("reshard")
+    jobs = [
+        ("fsdp", _resume_job(tmp / "a", FSDP2)),
+        ("fsdp->tp", _resume_job(tmp / "a", TP2, load_step=3)),
+        ("tp", _resume_job(tmp / "b", TP2)),
+        ("tp->fsdp", _resume_job(tmp / "b", FSDP2, load_step=3)),
+    ]
+    runs = {r.plan: r for r in run_on_ranks(_run_plans_on_rank, 2, copy.deepcopy(jobs))[0]}
+    return runs
+
+
+@pytest.mark.parametrize("saved, resumed", [("fsdp", "fsdp->tp"), ("tp", "tp->fsdp")])
+def test_checkpoint_saved_under_one_plan_resumes_under_another(resharded, saved, resumed):
+    uninterrupted, after = resharded[saved], resharded[resumed]
+    assert len(after.losses) == 3  # steps 4, 5, 6
+    assert max(relative_deltas(after.losses, uninterrupted.losses[3:])) <= RTOL
+    assert max(relative_deltas(after.grad_norms, uninterrupted.grad_norms[3:])) <= RTOL

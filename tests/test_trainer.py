@@ -1,0 +1,154 @@
+"""The single-process training loop: accumulation, exact resume, safe saves, metrics, HF out."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from autopar.checkpoint import complete_steps
+from autopar.config import validate
+from autopar.data.loader import Batch
+from autopar.distributed import single_process
+from autopar.metrics import read_metrics
+from autopar.models import Qwen, from_hf, get_flavor
+from autopar.optim import lr_factor
+from autopar.config.job import LRScheduler
+from autopar.step import TrainContext, forward_backward
+from autopar.trainer import Trainer
+from jobs import TINY_MODEL, tiny_job
+
+
+def train(job):
+    return Trainer(job, validate(job, 1), single_process()).train()
+
+
+def test_same_job_twice_is_bit_identical(tmp_path):
+    first = train(tiny_job(tmp_path / "a"))
+    second = train(tiny_job(tmp_path / "b"))
+    assert [r.loss for r in first] == [r.loss for r in second]
+    assert [r.grad_norm for r in first] == [r.grad_norm for r in second]
+
+
+def test_accumulating_four_micro_batches_of_two_equals_one_batch_of_eight():
+    model = Qwen(get_flavor("qwen3", "debug", **TINY_MODEL))
+    model.init_weights(seed=1)
+    tokens = torch.randint(0, 320, (8, 33), generator=torch.Generator().manual_seed(0))
+    labels = tokens[:, 1:].clone()
+    labels[0, :5] = -100  # uneven targets per micro-batch: normalization must be global
+    whole = [Batch(tokens[:, :-1], labels)]
+    split = [Batch(tokens[i : i + 2, :-1], labels[i : i + 2]) for i in range(0, 8, 2)]
+    targets = (labels != -100).sum().float()
+    results = []
+    for batches in (whole, split):
+        model.zero_grad()
+        context = TrainContext(torch.device("cpu"), torch.float32, autocast=False, loss_parallel=False)
+        loss = forward_backward(model, batches, targets, context)
+        results.append((loss, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (loss8, grads8), (loss4x2, grads4x2) = results
+    # fp32; only the order of summation differs
+    torch.testing.assert_close(loss4x2, loss8, rtol=1e-6, atol=0)
+    for name, grad in grads8.items():
+        torch.testing.assert_close(grads4x2[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_global_batch_accumulation_matches_one_big_local_batch(tmp_path):
+    accumulated = train(tiny_job(tmp_path / "a", "--training.global_batch_size", "8"))
+    direct = train(tiny_job(tmp_path / "b", "--training.local_batch_size", "8"))
+    for a, b in zip(accumulated, direct):
+        assert a.loss == pytest.approx(b.loss, rel=1e-5)  # fp32, 5 steps: summation order only
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
+    flags = ("--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "3")
+    uninterrupted = train(tiny_job(tmp_path / "run", *flags))
+    assert complete_steps(tmp_path / "run" / "checkpoint") == [3, 6]
+    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-6")  # as if it died after step 3
+    resumed = train(tiny_job(tmp_path / "run", *flags))
+    assert [r.step for r in resumed] == [4, 5, 6]
+    assert [r.loss for r in resumed] == [r.loss for r in uninterrupted[3:]]
+    assert [r.grad_norm for r in resumed] == [r.grad_norm for r in uninterrupted[3:]]
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint_usable(tmp_path, monkeypatch):
+    import autopar.checkpoint as checkpoint
+
+    flags = ("--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "3")
+    job = tiny_job(tmp_path / "run", *flags)
+    trainer = Trainer(job, validate(job, 1), single_process())
+    real_save = checkpoint.dcp.save
+    calls = []
+
+    def crash_on_second_save(state, checkpoint_id, **kwargs):
+        calls.append(checkpoint_id)
+        if len(calls) == 2:
+            real_save(state, checkpoint_id=checkpoint_id, **kwargs)  # files land, then the crash
+            raise KeyboardInterrupt("killed mid-save")
+        return real_save(state, checkpoint_id=checkpoint_id, **kwargs)
+
+    monkeypatch.setattr(checkpoint.dcp, "save", crash_on_second_save)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    folder = tmp_path / "run" / "checkpoint"
+    assert complete_steps(folder) == [3]
+    assert (folder / ".step-6.partial").is_dir()  # the torn save is ignored, not deleted by hand
+    monkeypatch.setattr(checkpoint.dcp, "save", real_save)
+    resumed = train(tiny_job(tmp_path / "run", *flags))
+    assert [r.step for r in resumed] == [4, 5, 6]
+    assert complete_steps(folder) == [3, 6]
+
+
+def test_keep_latest_k_prunes_only_complete_older_checkpoints(tmp_path):
+    train(tiny_job(tmp_path, "--checkpoint.enable", "true", "--checkpoint.interval", "1",
+                   "--checkpoint.keep_latest_k", "2"))
+    assert complete_steps(tmp_path / "checkpoint") == [4, 5]
+
+
+def test_load_step_that_does_not_exist_is_reported(tmp_path):
+    job = tiny_job(tmp_path, "--checkpoint.enable", "true", "--checkpoint.load_step", "3")
+    with pytest.raises(FileNotFoundError, match="checkpoint.load_step=3: no complete checkpoint"):
+        train(job)
+
+
+def test_metrics_jsonl_has_the_contract_keys_every_log_step(tmp_path):
+    train(tiny_job(tmp_path))
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    for record in records:
+        assert {"step", "loss", "grad_norm", "lr", "tps", "mfu", "memory_gib"} <= record.keys()
+        assert record["mfu"] is None  # no CPU peak is invented
+        assert record["tps"] > 0 and record["memory_gib"] > 0
+
+
+def test_hf_in_trains_and_hf_out_loads_back(tmp_path):
+    from autopar.models import to_hf
+
+    model = Qwen(get_flavor("qwen2.5", "debug", **TINY_MODEL))
+    model.init_weights(seed=9)
+    to_hf(model, tmp_path / "start")
+    job = tiny_job(
+        tmp_path / "run", "--checkpoint.initial_load_path", str(tmp_path / "start"),
+        "--checkpoint.initial_load_in_hf", "true", "--checkpoint.last_save_in_hf", "true",
+        "--optimizer.lr", "0", name="qwen2.5",
+    )
+    train(job)
+    exported = from_hf(tmp_path / "run" / "hf" / "step-5")
+    for (name, before), (_, after) in zip(model.named_parameters(), exported.named_parameters()):
+        torch.testing.assert_close(after, before, rtol=0, atol=0, msg=name)  # lr 0: unchanged
+
+
+@pytest.mark.parametrize("decay_type", ["linear", "sqrt", "cosine"])
+def test_lr_warms_up_then_decays_to_the_floor(decay_type):
+    cfg = LRScheduler(warmup_steps=10, decay_type=decay_type, min_lr_factor=0.1)
+    factors = [lr_factor(s, cfg, 100) for s in range(1, 101)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(factors[9:], factors[10:]))
+    assert factors[-1] == pytest.approx(0.1)
+
+
+def test_wsd_holds_the_peak_until_the_decay_phase():
+    cfg = LRScheduler(warmup_steps=10, decay_ratio=0.2, decay_type="linear")
+    assert lr_factor(80, cfg, 100) == 1.0
+    assert lr_factor(90, cfg, 100) == pytest.approx(0.5)
+    assert lr_factor(100, cfg, 100) == pytest.approx(0.0)
