@@ -29,13 +29,15 @@ from autopar.config.parse import parse_job, set_field
 from autopar.config.validate import validate
 
 NAMED_VARIANTS = {
-    "eager": "",
-    "compiled": "compile.enable=true",
+    "eager": "compile.enable=false,float8.enable=false",
+    "compiled": "compile.enable=true,float8.enable=false",
     "fp8": "compile.enable=true,float8.enable=true",
-    "fp8_eager": "float8.enable=true",
+    "fp8_eager": "compile.enable=false,float8.enable=true",
+    "ac_none": "compile.enable=true,activation_checkpoint.mode=none",
     "ac_full": "compile.enable=true,activation_checkpoint.mode=full",
     "ac_op": "compile.enable=true,activation_checkpoint.mode=selective,activation_checkpoint.selective_ac_option=op",
 }
+"""Each name is shorthand for its overrides; everything else comes from the job."""
 
 
 @dataclass
@@ -46,6 +48,8 @@ class VariantResult:
     tokens_per_second_per_device: float
     mfu: float | None
     peak_memory_gib: float
+    first_loss: float
+    """Loss of step 1: same weights and data in every variant, so it should agree closely."""
     final_loss: float
 
 
@@ -79,16 +83,17 @@ def _bench_on_rank(job: JobConfig, warmup: int) -> dict:
     trainer = Trainer(job, validate(job, world.size), world)
     if world.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(world.device)
-    times, loss = [], float("nan")
+    times, losses = [], []
     for _ in range(job.training.steps):
         start = time.perf_counter()
         loss_t, _ = trainer.train_step()
-        loss = loss_t.item()  # waits for the step, so the timer sees all of it
+        losses.append(loss_t.item())  # waits for the step, so the timer sees all of it
         times.append(time.perf_counter() - start)
     return {
         "step_seconds": statistics.median(times[warmup:]),
         "peak_memory_gib": peak_memory_gib(world.device),
-        "final_loss": loss,
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
         "tokens_per_step": trainer.loader.global_batch * job.training.seq_len,
         "peak_flops": trainer.metrics.peak,
         "flops_per_token": trainer.metrics.flops_per_token,
@@ -107,18 +112,21 @@ def summarize(name: str, overrides: str, ranks: list[dict], nproc: int) -> Varia
     step = max(r["step_seconds"] for r in ranks)
     tps = r0["tokens_per_step"] / step / nproc
     mfu = None if r0["peak_flops"] is None else 100 * tps * r0["flops_per_token"] / r0["peak_flops"]
-    return VariantResult(name, overrides, step, tps, mfu, max(r["peak_memory_gib"] for r in ranks), r0["final_loss"])
+    memory = max(r["peak_memory_gib"] for r in ranks)
+    return VariantResult(name, overrides, step, tps, mfu, memory, r0["first_loss"], r0["final_loss"])
 
 
 def table(results: list[VariantResult]) -> str:
     base = results[0].tokens_per_second_per_device
-    header = f"{'variant':14} {'tokens/s/dev':>13} {'MFU':>7} {'peak mem':>10} {'step ms':>9} {'vs ' + results[0].variant:>12} {'loss':>8}"
+    header = (f"{'variant':14} {'tokens/s/dev':>13} {'MFU':>7} {'peak mem':>10} {'step ms':>9} "
+              f"{'vs ' + results[0].variant:>12} {'loss@1':>8} {'loss@end':>9}")
     lines = [header, "-" * len(header)]
     for r in results:
         mfu = "n/a" if r.mfu is None else f"{r.mfu:.1f}%"
         lines.append(
             f"{r.variant:14} {r.tokens_per_second_per_device:>13,.0f} {mfu:>7} {r.peak_memory_gib:>8.2f}GiB "
-            f"{1000 * r.step_seconds:>9.1f} {r.tokens_per_second_per_device / base:>11.2f}x {r.final_loss:>8.4f}"
+            f"{1000 * r.step_seconds:>9.1f} {r.tokens_per_second_per_device / base:>11.2f}x "
+            f"{r.first_loss:>8.4f} {r.final_loss:>9.4f}"
         )
     return "\n".join(lines)
 

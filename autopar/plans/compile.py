@@ -8,11 +8,25 @@ a silent slowdown.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from autopar.config.job import Compile
+
+
+def _fresh_output(_module: nn.Module, _inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+    return output.clone()
 
 
 def apply_compile(model: nn.Module, cfg: Compile) -> None:
     for block in model.layers.values():
         block.compile(fullgraph=True, backend=cfg.backend)
+    embedding = model.embed_tokens
+    if embedding is not None and isinstance(embedding.weight, DTensor):
+        # A tensor-parallel embedding hands the first block ``DTensor.to_local()``, a view
+        # of the DTensor's local tensor. With that view as a compiled graph's input, its
+        # gradient reaches DTensor's redistribute backward as a plain tensor and backward
+        # fails (seen on torch 2.13, CPU). A fresh copy of the (B, S/tp, H) activations,
+        # once per micro-batch, avoids it.
+        embedding.register_forward_hook(_fresh_output)
