@@ -123,6 +123,7 @@ def fp8_runs(tmp_path_factory):
 @pytest.mark.parametrize("plan", FP8_PLANS)
 def test_torchao_fp8_composes_with_fsdp_and_tp(fp8_runs, plan):
     reference, run = fp8_runs[plan]  # reference: FP8 on one device
-    # same FP8 scales (amax over the whole tensor under every plan); the rest is sum order
-    assert max(relative_deltas(run.losses, reference.losses)) <= 1e-5
+    # same FP8 scales (amax over the whole tensor under every plan), but a one-ulp fp32
+    # difference from sum order can flip an FP8 rounding, so 1e-4 rather than fp32's 1e-5
+    assert max(relative_deltas(run.losses, reference.losses)) <= 1e-4
     assert max(relative_deltas(run.grad_norms, reference.grad_norms)) <= 1e-4
