@@ -34,6 +34,7 @@ SHORT_KEYS = {
     "cp": "parallelism.context_parallel_degree",
     "pp": "parallelism.pipeline_parallel_degree",
     "sp": "parallelism.enable_sequence_parallel",
+    "schedule": "parallelism.pipeline_parallel_schedule",
 }
 _DEGREES = ("dp_replicate", "dp_shard", "tp", "cp", "pp")
 

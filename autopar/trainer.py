@@ -19,6 +19,7 @@ from autopar.metrics import MetricsLogger, flops_per_token
 from autopar.models.args import ModelArgs
 from autopar.models.hf import read_hf_tensors
 from autopar.optim import build_optimizers, lr_factor, set_lr
+from autopar.pipelining.schedule import Pipeline, build_pipeline, pipeline_forward_backward
 from autopar.plans.float8 import after_optimizer_step, resolve_backend, te_autocast
 from autopar.plans.materialize import seeded_values, tensor_values
 from autopar.plans.mesh import Meshes, ParallelDims, build_meshes
@@ -55,7 +56,8 @@ class Trainer:
         torch.manual_seed(job.debug.seed)
         if job.debug.deterministic:
             torch.use_deterministic_algorithms(True)
-        self.parts = build_parts(args, job, self.dims, self.meshes, world.device, self._initial_values())
+        built = build_parts(args, job, self.dims, self.meshes, world.device, self._initial_values())
+        self.parts = built.parts
         self.optimizers = build_optimizers(self.parts, job.optimizer, world.device)
         self.loader = self._build_loader()
         self.checkpointer = Checkpointer(job.checkpoint, job.job.dump_folder, world.rank, self.parts, self.optimizers)
@@ -65,6 +67,13 @@ class Trainer:
             compile_loss=job.compile.enable and "loss" in job.compile.components,
             fp8_autocast=self._te_autocast(),
         )
+        self.pipeline: Pipeline | None = None
+        if self.dims.pp > 1:
+            assert self.meshes is not None
+            self.pipeline = build_pipeline(
+                self.parts, built.stage_ids, built.num_stages, self.meshes.pp, job.parallelism,
+                job.training.local_batch_size, world.device, self.context,
+            )
         self.metrics = MetricsLogger(
             job.job.dump_folder, flops_per_token(args, job.training.seq_len), world.device,
             world.size, world.is_main, job.metrics.enable_tensorboard,
@@ -110,7 +119,11 @@ class Trainer:
         set_lr(self.optimizers, self.job.optimizer.lr * lr_factor(self.step + 1, self.job.lr_scheduler, self.job.training.steps))
         loss_mesh = self.meshes.loss if self.meshes is not None else None
         targets = global_target_count(batches, loss_mesh)
-        local_loss = forward_backward(self.parts[0], batches, targets, self.context)
+        if self.pipeline is not None:
+            local_loss = pipeline_forward_backward(self.pipeline, batches, targets, self.context)
+            local_loss = all_reduce_sum(local_loss, self.meshes.pp)
+        else:
+            local_loss = forward_backward(self.parts[0], batches, targets, self.context)
         norm = grad_norm(self.parts, self.meshes.pp if self.meshes is not None else None)
         if self.job.training.max_norm > 0:
             clip_grads(self.parts, self.job.training.max_norm, norm)

@@ -100,6 +100,18 @@ class Parallelism:
     """Context-parallel ranks (the sequence split across ranks)."""
     pipeline_parallel_degree: int = 1
     """Pipeline-parallel ranks."""
+    pipeline_parallel_schedule: str = "1F1B"
+    """torch schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV."""
+    pipeline_parallel_microbatch_size: int = 1
+    """Sequences per pipeline micro-batch; local_batch_size / this = micro-batches per step."""
+    pipeline_parallel_layers_per_stage: int | None = None
+    """Layers per (virtual) stage; unset: one stage per rank, two for interleaved and V schedules."""
+    pipeline_parallel_first_stage_less_layers: int = 1
+    """The embedding counts as this many layers when balancing stages."""
+    pipeline_parallel_last_stage_less_layers: int = 1
+    """The final norm and head count as this many layers when balancing stages."""
+    module_fqns_per_model_part: list[list[str]] | None = None
+    """Explicit modules per stage, e.g. [["embed_tokens", "layers.0"], ["layers.1", "norm", "lm_head"]]."""
     enable_sequence_parallel: bool = True
     """With TP, shard norms and residuals along the sequence too (less activation memory)."""
     disable_loss_parallel: bool = False

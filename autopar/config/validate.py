@@ -20,6 +20,7 @@ from autopar.data.tokens import DataError
 from autopar.models.args import ModelArgs
 from autopar.models.flavors import get_flavor
 from autopar.models.hf import HFCheckpointError, read_hf_config
+from autopar.pipelining.schedule import check_pipeline
 from autopar.plans.float8 import check_float8
 from autopar.plans.mesh import ParallelDims, check_model_split
 
@@ -152,6 +153,7 @@ def validate(job: JobConfig, world_size: int) -> ModelArgs:
     check_model_split(dims, args, job.training.seq_len, job.parallelism.enable_sequence_parallel)
     _check_batch(job, dims)
     _check_transforms(job, dims)
+    check_pipeline(job.parallelism, args, job.training.local_batch_size)
     _check_data(job, args)
     _check_checkpoint(job, args)
     return args

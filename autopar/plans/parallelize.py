@@ -8,6 +8,7 @@ attention call at run time, see ``plans/context_parallel.py``.)
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -15,6 +16,8 @@ from torch import nn
 from autopar.config.job import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.models.qwen import Qwen
+from autopar.pipelining.schedule import SCHEDULE_STYLES, schedule_name, stage_modules
+from autopar.pipelining.split import prune, stage_ids
 from autopar.plans.activation_checkpoint import apply_ac
 from autopar.plans.compile import apply_compile
 from autopar.plans.float8 import apply_float8, resolve_backend
@@ -84,6 +87,16 @@ def parallelize(
     return model
 
 
+@dataclass
+class ModelParts:
+    """The modules this rank runs: the whole model, or its pipeline stages ``stage_ids`` of
+    ``num_stages``."""
+
+    parts: list[nn.Module]
+    stage_ids: list[int]
+    num_stages: int
+
+
 def build_parts(
     args: ModelArgs,
     job: JobConfig,
@@ -91,16 +104,24 @@ def build_parts(
     meshes: Meshes | None,
     device: torch.device,
     values: FullValue,
-) -> list[nn.Module]:
+) -> ModelParts:
     """The model parts this rank runs, parallelized and filled with ``values``."""
     with torch.device("meta"):
         model = Qwen(args)
     if job.float8.enable:
         count = apply_float8(model, job.float8, device.type)
         logger.info("converted %d linears to FP8 (%s)", count, resolve_backend(job.float8, device.type))
-    parts = [model]
+    if dims.pp > 1:
+        assert meshes is not None
+        stages = stage_modules(job.parallelism, args)
+        style = SCHEDULE_STYLES[schedule_name(job.parallelism)][0]
+        ids = stage_ids(meshes.pp.get_local_rank(), dims.pp, len(stages), style)
+        parts = [prune(model, stages[i]) for i in ids]
+        logger.info("pipeline stages %s of %d: %s", ids, len(stages), [stages[i] for i in ids])
+    else:
+        ids, stages, parts = [0], [[]], [model]
     for part in parts:
-        parallelize(part, args, job, dims, meshes, device)
+        parallelize(part, args, job, dims, meshes, device, pipelined=dims.pp > 1)
         materialize(part, device, values)
         part.train()
-    return parts
+    return ModelParts(parts, ids, len(stages))

@@ -1,0 +1,149 @@
+"""Pipeline parallelism: stage splits, every torch schedule, and composition, against one device."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from autopar.config import ConfigError, parse_job, validate
+from autopar.models import Qwen, get_flavor
+from autopar.parity import Case, _run_plans_on_rank, relative_deltas, run_cases
+from autopar.pipelining.split import check_split, even_split, prune, stage_ids
+from autopar.spawn import run_on_ranks
+from jobs import TINY_MODEL, tiny_job
+
+
+@pytest.mark.parametrize("layers, stages", [(2, 2), (4, 2), (5, 2), (7, 4), (7, 3), (8, 8), (9, 4)])
+def test_even_split_places_every_layer_once_in_order(layers, stages):
+    split = even_split(layers, stages, 1, 1)
+    assert len(split) == stages
+    flat = [name for stage in split for name in stage]
+    assert flat == ["embed_tokens"] + [f"layers.{i}" for i in range(layers)] + ["norm", "lm_head"]
+    check_split(split, layers)
+
+
+def test_even_split_balances_layers_with_embedding_and_head_counted_as_layers():
+    layers = [len([n for n in s if n.startswith("layers")]) for s in even_split(10, 4, 1, 1)]
+    assert layers == [2, 3, 3, 2]  # 12 units: embedding + 2, 3, 3, 2 + head
+    units = [len([n for n in s if n.startswith("layers")]) for s in even_split(8, 4, 1, 2)]
+    assert [units[0] + 1, units[1], units[2], units[3] + 2] == [3, 3, 3, 2]  # 11 units
+
+
+@pytest.mark.parametrize("layers, stages", [(5, 2), (7, 4)])
+def test_split_covers_every_parameter_exactly_once(layers, stages):
+    args = get_flavor("qwen3", "debug", num_hidden_layers=layers, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = Qwen(args)
+    names = [n for part in even_split(layers, stages, 1, 1) for n, _ in prune(model, part).named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())
+    assert len(names) == len(set(names))
+
+
+def test_stage_ids_loop_and_v():
+    assert stage_ids(1, 2, 4, "loop") == [1, 3]
+    assert stage_ids(0, 2, 4, "v") == [0, 3]
+    assert stage_ids(1, 2, 4, "v") == [1, 2]
+
+
+def pp_job(*flags: str, layers: int = 4):
+    base = ["--training.steps", "10", "--lr_scheduler.warmup_steps", "2", "--training.seq_len", "64",
+            "--model.num_hidden_layers", str(layers), "--model.tie_word_embeddings", "false"]
+    return parse_job(base + list(flags))
+
+
+@pytest.mark.parametrize(
+    "world, flags, message",
+    [
+        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_layers_per_stage", "1",
+             "--parallelism.pipeline_parallel_schedule", "1F1B"], "runs exactly 1 stage\\(s\\) per rank, but the split gives 6 stages"),
+        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+         None),
+        (4, ["--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
+         "cannot split 4 layers into 8 stages"),
+        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "3"],
+         "pipeline_parallel_microbatch_size=3 does not divide training.local_batch_size=8"),
+        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
+             "--parallelism.pipeline_parallel_layers_per_stage", "1"], "runs exactly 2 stage\\(s\\) per rank, but the split gives 6"),
+        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "8"],
+         "1F1B needs at least as many micro-batches as stages: .* = 1 < 2"),
+        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Zigzag"],
+         "pipeline_parallel_schedule='Zigzag' is unknown"),
+        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.module_fqns_per_model_part",
+             "embed_tokens,layers.0,layers.1;layers.3,norm,lm_head"], "'layers.2' is in no stage"),
+        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.module_fqns_per_model_part",
+             "embed_tokens,layers.0,layers.1,layers.2;layers.2,layers.3,norm,lm_head"], "'layers.2' is in stage 0 and stage 1"),
+        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.module_fqns_per_model_part",
+             "embed_tokens,layers.2,layers.3;layers.0,layers.1,norm,lm_head"], "layers must run in order"),
+        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.module_fqns_per_model_part",
+             "embed_tokens,layers.0,layers.1,norm;layers.2,layers.3,lm_head"], "norm, lm_head in the last"),
+        (2, ["--parallelism.pipeline_parallel_degree", "2", "--model.tie_word_embeddings", "true"],
+         "tie_word_embeddings=true with pipeline_parallel_degree=2"),
+    ],
+)
+def test_impossible_pipelines_are_refused(world, flags, message):
+    job = pp_job(*flags)
+    if message is None:  # a valid interleaved split: 4 stages of one layer each over 2 ranks
+        validate(job, world)
+        return
+    with pytest.raises(ConfigError, match=message):
+        validate(job, world)
+
+
+def test_more_stages_than_layers_is_refused():
+    with pytest.raises(ConfigError, match="pipeline_parallel_degree=8 is more stages than num_hidden_layers=4"):
+        validate(pp_job("--parallelism.pipeline_parallel_degree", "8"), 8)
+
+
+PLANS = {
+    # name: (plan, layers)
+    "GPipe": ("pp=2,schedule=GPipe", 4),
+    "1F1B": ("pp=2,schedule=1F1B", 4),
+    "Interleaved1F1B": ("pp=2,schedule=Interleaved1F1B", 4),
+    "LoopedBFS": ("pp=2,schedule=LoopedBFS", 4),
+    "InterleavedZeroBubble": ("pp=2,schedule=InterleavedZeroBubble", 4),
+    "ZBVZeroBubble": ("pp=2,schedule=ZBVZeroBubble", 4),
+    "DualPipeV": ("pp=2,schedule=DualPipeV", 4),
+    "5 layers / 2 stages": ("pp=2", 5),
+    "7 layers / 4 stages": ("pp=4", 7),
+    "7 layers / 4 interleaved stages": ("pp=2,schedule=Interleaved1F1B", 7),
+    "PP2 x FSDP2": ("pp=2,dp_shard=2", 4),
+    "PP2 x TP2": ("pp=2,tp=2", 4),
+    "PP2 x FSDP2 x TP2": ("pp=2,dp_shard=2,tp=2", 4),
+}
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pp")
+    bases = {layers: tiny_job(tmp, "--training.local_batch_size", "4", num_hidden_layers=layers,
+                              tie_word_embeddings=False) for layers in {l for _, l in PLANS.values()}}
+    cases = [Case(bases[layers], plan) for plan, layers in PLANS.values()]
+    return dict(zip(PLANS, run_cases(cases, steps=5)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PLANS)
+def test_pipeline_matches_single_device(pipeline_runs, name):
+    reference, run = pipeline_runs[name]
+    # fp32 on CPU: only the order of sums differs from one device
+    assert max(relative_deltas(run.losses, reference.losses)) <= 1e-5
+    assert max(relative_deltas(run.grad_norms, reference.grad_norms)) <= 1e-5
+
+
+@pytest.mark.slow
+def test_checkpoint_saved_under_pp2_resumes_without_pipelining(tmp_path):
+    flags = ["--training.steps", "6", "--training.global_batch_size", "4", "--training.local_batch_size", "4",
+             "--checkpoint.enable", "true", "--checkpoint.interval", "3"]
+    pp2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+    dp2 = ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]
+    jobs = [
+        ("pp2", tiny_job(tmp_path, *flags, *pp2, num_hidden_layers=4, tie_word_embeddings=False)),
+        ("pp2->fsdp2", tiny_job(tmp_path, *flags, *dp2, "--checkpoint.load_step", "3", num_hidden_layers=4,
+                                tie_word_embeddings=False)),
+    ]
+    runs = {r.plan: r for r in run_on_ranks(_run_plans_on_rank, 2, copy.deepcopy(jobs))[0]}
+    uninterrupted, resumed = runs["pp2"], runs["pp2->fsdp2"]
+    assert len(resumed.losses) == 3
+    assert max(relative_deltas(resumed.losses, uninterrupted.losses[3:])) <= 1e-5
