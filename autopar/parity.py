@@ -35,6 +35,7 @@ SHORT_KEYS = {
     "pp": "parallelism.pipeline_parallel_degree",
     "sp": "parallelism.enable_sequence_parallel",
     "schedule": "parallelism.pipeline_parallel_schedule",
+    "lb": "parallelism.context_parallel_load_balancer",
 }
 _DEGREES = ("dp_replicate", "dp_shard", "tp", "cp", "pp")
 

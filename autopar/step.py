@@ -33,8 +33,9 @@ def all_reduce_sum(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor
 class TrainContext:
     """What forward/backward runs under, and the loss function.
 
-    ``forward()`` covers the model's forward (autocast, TE FP8 autocast); ``loss()`` covers
-    the loss and its backward (vocab-parallel cross-entropy needs both inside).
+    ``sequence(batch)`` covers a micro-batch's forward and backward (context parallel);
+    ``forward()`` the model's forward (autocast, TE FP8 autocast); ``loss()`` the loss and
+    its backward (vocab-parallel cross-entropy needs both inside).
     """
 
     def __init__(
@@ -45,12 +46,14 @@ class TrainContext:
         loss_parallel: bool,
         compile_loss: bool = False,
         fp8_autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+        context_parallel: Callable[[Batch], contextlib.AbstractContextManager] | None = None,
     ):
         self.device = device
         self.dtype = dtype
         self.autocast = autocast and dtype != torch.float32
         self.loss_parallel = loss_parallel
         self.fp8_autocast = fp8_autocast
+        self.context_parallel = context_parallel
         # vocab-parallel cross-entropy is a DTensor op dispatch that does not trace; it is
         # already a fused collective-aware kernel, so it stays eager
         self.loss_fn = torch.compile(token_loss_sum) if compile_loss and not loss_parallel else token_loss_sum
@@ -67,11 +70,19 @@ class TrainContext:
     def loss(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
+    def sequence(self, batch: Batch) -> contextlib.AbstractContextManager:
+        """(this rank's part of ``batch``, its RoPE positions or None) while attention runs;
+        with context parallel, a slice of every sequence and attention across CP ranks."""
+        if self.context_parallel is None:
+            return contextlib.nullcontext((batch, None))
+        return self.context_parallel(batch)
 
-def global_target_count(batches: list[Batch], loss_mesh: DeviceMesh | None) -> torch.Tensor:
-    """Target tokens of the whole global batch (all micro-steps and data/context ranks)."""
+
+def global_target_count(batches: list[Batch], dp_mesh: DeviceMesh | None) -> torch.Tensor:
+    """Target tokens of the whole global batch: all micro-steps of all data-parallel ranks
+    (counted before any context-parallel split, so CP ranks of one group agree)."""
     local = sum(count_targets(b.labels) for b in batches).to(torch.float32)
-    return all_reduce_sum(local, loss_mesh)
+    return all_reduce_sum(local, dp_mesh)
 
 
 def forward_backward(
@@ -82,10 +93,10 @@ def forward_backward(
 ) -> torch.Tensor:
     """Run every micro-batch; returns this rank's share of the step loss (detached)."""
     total = torch.zeros((), device=global_targets.device)
-    for batch in batches:
-        with context.loss():
+    for full_batch in batches:
+        with context.sequence(full_batch) as (batch, positions), context.loss():
             with context.forward():
-                logits = model(batch.inputs)
+                logits = model(batch.inputs, positions)
             loss = context.loss_fn(logits, batch.labels) / global_targets
             if isinstance(loss, DTensor):
                 loss = loss.full_tensor()

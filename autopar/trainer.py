@@ -20,6 +20,7 @@ from autopar.models.args import ModelArgs
 from autopar.models.hf import read_hf_tensors
 from autopar.optim import build_optimizers, lr_factor, set_lr
 from autopar.pipelining.schedule import Pipeline, build_pipeline, pipeline_forward_backward
+from autopar.plans.context_parallel import ContextParallel
 from autopar.plans.float8 import after_optimizer_step, resolve_backend, te_autocast
 from autopar.plans.materialize import seeded_values, tensor_values
 from autopar.plans.mesh import Meshes, ParallelDims, build_meshes
@@ -66,6 +67,9 @@ class Trainer:
             world.device, dtype, autocast=not self.dims.fsdp, loss_parallel=loss_parallel_enabled(job, self.dims),
             compile_loss=job.compile.enable and "loss" in job.compile.components,
             fp8_autocast=self._te_autocast(),
+            context_parallel=(
+                ContextParallel(job.parallelism, self.meshes.cp, world.device.type) if self.dims.cp > 1 else None
+            ),
         )
         self.pipeline: Pipeline | None = None
         if self.dims.pp > 1:
@@ -118,7 +122,7 @@ class Trainer:
         batches = self.loader.next_step()
         set_lr(self.optimizers, self.job.optimizer.lr * lr_factor(self.step + 1, self.job.lr_scheduler, self.job.training.steps))
         loss_mesh = self.meshes.loss if self.meshes is not None else None
-        targets = global_target_count(batches, loss_mesh)
+        targets = global_target_count(batches, self.meshes.dp if self.meshes is not None else None)
         if self.pipeline is not None:
             local_loss = pipeline_forward_backward(self.pipeline, batches, targets, self.context)
             local_loss = all_reduce_sum(local_loss, self.meshes.pp)

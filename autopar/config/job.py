@@ -112,6 +112,12 @@ class Parallelism:
     """The final norm and head count as this many layers when balancing stages."""
     module_fqns_per_model_part: list[list[str]] | None = None
     """Explicit modules per stage, e.g. [["embed_tokens", "layers.0"], ["layers.1", "norm", "lm_head"]]."""
+    context_parallel_impl: Literal["auto", "ring", "allgather"] = "auto"
+    """auto: torch ring attention on CUDA, all-gathered k/v elsewhere (same results)."""
+    context_parallel_load_balancer: Literal["headtail", "none"] = "headtail"
+    """headtail: rank r holds chunks r and 2*cp-1-r so causal work is balanced; none: contiguous chunks."""
+    context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
+    """How ring attention exchanges k/v shards."""
     enable_sequence_parallel: bool = True
     """With TP, shard norms and residuals along the sequence too (less activation memory)."""
     disable_loss_parallel: bool = False

@@ -21,6 +21,7 @@ from autopar.models.args import ModelArgs
 from autopar.models.flavors import get_flavor
 from autopar.models.hf import HFCheckpointError, read_hf_config
 from autopar.pipelining.schedule import check_pipeline
+from autopar.plans.context_parallel import check_cp
 from autopar.plans.float8 import check_float8
 from autopar.plans.mesh import ParallelDims, check_model_split
 
@@ -142,7 +143,9 @@ def _check_transforms(job: JobConfig, dims: ParallelDims) -> None:
         _require(ok, f"activation_checkpoint.selective_ac_option={ac.selective_ac_option!r} must be 'op' or a positive integer k (every k-th block)")
     _require(bool(job.compile.components) or not job.compile.enable,
              "compile.components is empty; list 'model' and/or 'loss'")
-    check_float8(job.float8, "cuda" if torch.cuda.is_available() else "cpu", dims.tp)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    check_float8(job.float8, device_type, dims.tp)
+    check_cp(job.parallelism, device_type)
 
 
 def validate(job: JobConfig, world_size: int) -> ModelArgs:
@@ -150,7 +153,9 @@ def validate(job: JobConfig, world_size: int) -> ModelArgs:
     _check_numbers(job)
     args = model_args(job)
     dims = ParallelDims.resolve(job.parallelism, world_size)
-    check_model_split(dims, args, job.training.seq_len, job.parallelism.enable_sequence_parallel)
+    p = job.parallelism
+    check_model_split(dims, args, job.training.seq_len, p.enable_sequence_parallel,
+                      head_tail=p.context_parallel_load_balancer == "headtail")
     _check_batch(job, dims)
     _check_transforms(job, dims)
     check_pipeline(job.parallelism, args, job.training.local_batch_size)

@@ -177,12 +177,13 @@ def pipeline_forward_backward(
     last stage's losses, zero elsewhere)."""
     pipeline.loss.global_targets = global_targets
     total = torch.zeros((), device=global_targets.device)
-    for batch in batches:
+    for full_batch in batches:
         losses: list[torch.Tensor] = []
-        args = (batch.inputs,) if pipeline.has_first else ()
-        target = batch.labels if pipeline.has_last else None
-        with context.loss(), context.forward():
-            pipeline.schedule.step(*args, target=target, losses=losses)
+        with context.sequence(full_batch) as (batch, positions), context.loss(), context.forward():
+            args = (batch.inputs,) if pipeline.has_first else ()
+            target = batch.labels if pipeline.has_last else None
+            kwargs = {} if positions is None else {"positions": positions}
+            pipeline.schedule.step(*args, target=target, losses=losses, **kwargs)
         if losses:
             total += torch.stack([l.detach() for l in losses]).sum()
     return total

@@ -94,7 +94,9 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 64)
 
 
-def check_model_split(dims: ParallelDims, args: ModelArgs, seq_len: int, sequence_parallel: bool) -> None:
+def check_model_split(
+    dims: ParallelDims, args: ModelArgs, seq_len: int, sequence_parallel: bool, head_tail: bool = True
+) -> None:
     """Raise ConfigError when the model or sequence cannot be split by these degrees."""
     tp = dims.tp
     for field in ("num_attention_heads", "num_key_value_heads"):
@@ -111,13 +113,16 @@ def check_model_split(dims: ParallelDims, args: ModelArgs, seq_len: int, sequenc
                 f"parallelism.tensor_parallel_degree={tp} does not divide model.{field}={value}; "
                 f"use a degree dividing it or change model.{field}"
             )
-    split = (tp if sequence_parallel else 1) * (2 * dims.cp if dims.cp > 1 else 1)
+    cp_chunks = (2 if head_tail else 1) * dims.cp if dims.cp > 1 else 1
+    split = (tp if sequence_parallel else 1) * cp_chunks
     if seq_len % split:
         parts = []
         if sequence_parallel and tp > 1:
             parts.append(f"tensor_parallel_degree={tp} (sequence parallel)")
-        if dims.cp > 1:
+        if dims.cp > 1 and head_tail:
             parts.append(f"2 x context_parallel_degree={2 * dims.cp} (load-balanced chunks)")
+        elif dims.cp > 1:
+            parts.append(f"context_parallel_degree={dims.cp}")
         raise ConfigError(
             f"training.seq_len={seq_len} is not divisible by {split} = {' x '.join(parts)}; "
             f"use a seq_len that is a multiple of {split}"

@@ -1,0 +1,125 @@
+"""Context parallelism: each CP rank holds a slice of every sequence and attends to all of it.
+
+Inputs, labels and RoPE positions are split along the sequence. With the ``headtail`` load
+balancer a rank holds chunk r and chunk 2*cp-1-r of 2*cp chunks, so under the causal mask
+every rank has the same amount of attention work (the layout torch and Megatron use).
+
+Two implementations, one switch (``parallelism.context_parallel_impl``), the same results:
+
+- ``ring``: torch's ``context_parallel`` (ring attention; k/v shards rotated by all-gather or
+  all-to-all). It dispatches only the CUDA SDPA kernels, so it needs CUDA.
+- ``allgather``: k and v are all-gathered over the CP ranks with an autograd-aware collective
+  (backward reduce-scatters their gradients) and each rank attends with a causal mask built
+  from the global positions, as Megatron's ``cp_comm_type=allgather``. It runs anywhere,
+  which is why it exists: CI proves CP numerics on CPU with it.
+
+This module is the only place that touches torch's private CP options.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.overrides import TorchFunctionMode
+
+from autopar.config.errors import ConfigError
+from autopar.config.job import Parallelism
+from autopar.data.loader import Batch
+
+
+# torch 2.13 renamed the autograd-aware all-gather; 2.11 has only the old name
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor_autograd
+
+
+def resolve_impl(cfg: Parallelism, device_type: str) -> str:
+    if cfg.context_parallel_impl != "auto":
+        return cfg.context_parallel_impl
+    return "ring" if device_type == "cuda" else "allgather"
+
+
+def check_cp(cfg: Parallelism, device_type: str) -> None:
+    if cfg.context_parallel_degree == 1:
+        return
+    if resolve_impl(cfg, device_type) == "ring" and device_type != "cuda":
+        raise ConfigError(
+            "parallelism.context_parallel_impl='ring' needs CUDA: torch's ring attention has no "
+            "CPU kernel; use --parallelism.context_parallel_impl allgather"
+        )
+
+
+def shard_sequence(x: torch.Tensor, rank: int, size: int, head_tail: bool, dim: int = 1) -> torch.Tensor:
+    """This CP rank's part of ``x`` along ``dim``: chunks r and 2*size-1-r, or chunk r."""
+    if not head_tail:
+        return x.chunk(size, dim=dim)[rank]
+    chunks = x.chunk(2 * size, dim=dim)
+    return torch.cat((chunks[rank], chunks[2 * size - 1 - rank]), dim=dim)
+
+
+class AllGatherKVAttention(TorchFunctionMode):
+    """Causal SDPA over the whole sequence for this rank's queries: k/v gathered from all CP
+    ranks, the mask from global positions (so any sharding layout is handled)."""
+
+    def __init__(self, mesh: DeviceMesh, q_positions: torch.Tensor) -> None:
+        super().__init__()
+        self.mesh = mesh
+        kv_positions = _all_gather(q_positions, gather_dim=0, group=mesh)
+        self.mask = kv_positions[None, :] <= q_positions[:, None]  # (S_local, S)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        query, key, value = args[:3]
+        if len(args) > 3 or kwargs.get("attn_mask") is not None or not kwargs.get("is_causal", False):
+            raise NotImplementedError("context parallel supports causal SDPA without a mask")
+        extra = {k: v for k, v in kwargs.items() if k not in ("is_causal", "attn_mask")}
+        key = _all_gather(key.contiguous(), gather_dim=2, group=self.mesh)  # (B, H, S, D)
+        value = _all_gather(value.contiguous(), gather_dim=2, group=self.mesh)
+        return func(query, key, value, attn_mask=self.mask, **extra)
+
+
+class ContextParallel:
+    """Shards one micro-batch and makes attention span the CP ranks while it runs."""
+
+    def __init__(self, cfg: Parallelism, mesh: DeviceMesh, device_type: str) -> None:
+        self.mesh = mesh
+        self.impl = resolve_impl(cfg, device_type)
+        self.head_tail = cfg.context_parallel_load_balancer == "headtail"
+        self.rotate_method = cfg.context_parallel_rotate_method
+
+    @contextlib.contextmanager
+    def __call__(self, batch: Batch) -> Iterator[tuple[Batch, torch.Tensor]]:
+        """Yields (this rank's batch slice, its global positions (B, S_local))."""
+        bsz, seqlen = batch.inputs.shape
+        positions = torch.arange(seqlen, device=batch.inputs.device).expand(bsz, seqlen).contiguous()
+        if self.impl == "ring":
+            with self._ring(batch, positions) as sharded:
+                yield sharded
+            return
+        rank, size = self.mesh.get_local_rank(), self.mesh.size()
+        inputs, labels, pos = (shard_sequence(t, rank, size, self.head_tail) for t in (batch.inputs, batch.labels, positions))
+        with AllGatherKVAttention(self.mesh, pos[0]):
+            yield Batch(inputs, labels), pos
+
+    @contextlib.contextmanager
+    def _ring(self, batch: Batch, positions: torch.Tensor) -> Iterator[tuple[Batch, torch.Tensor]]:
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
+
+        # torch shards these in place, so they must be fresh contiguous tensors
+        inputs, labels = batch.inputs.clone(), batch.labels.clone()
+        set_rotate_method(self.rotate_method)
+        previous = _cp_options.enable_load_balance
+        _cp_options.enable_load_balance = self.head_tail
+        try:
+            buffers = [inputs, labels, positions]
+            with context_parallel(self.mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1],
+                                  no_restore_buffers=set(buffers)):
+                yield Batch(inputs, labels), positions
+        finally:
+            _cp_options.enable_load_balance = previous
