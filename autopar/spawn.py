@@ -18,7 +18,13 @@ _PRELOAD = ["torch", "autopar.trainer"]
 
 
 def _child(
-    fn: Callable[..., Any], rank: int, world_size: int, store_file: str, queue: Any, args: tuple
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    store_file: str,
+    queue: Any,
+    args: tuple,
+    backend: str | None,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -34,7 +40,7 @@ def _child(
         torch.cuda.set_device(device)
     try:
         dist.init_process_group(
-            backend_for(device), init_method=f"file://{store_file}", rank=rank, world_size=world_size
+            backend or backend_for(device), init_method=f"file://{store_file}", rank=rank, world_size=world_size
         )
         result = fn(*args)
         queue.put((rank, "ok", result))
@@ -45,11 +51,14 @@ def _child(
             dist.destroy_process_group()
 
 
-def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 900) -> list[Any]:
+def run_on_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 900, backend: str | None = None
+) -> list[Any]:
     """``fn(*args)`` on ``world_size`` ranks; returns every rank's result, by rank.
 
     ``fn`` must be importable (module level) and its results picklable. A failure on any
-    rank raises RuntimeError carrying that rank's traceback.
+    rank raises RuntimeError carrying that rank's traceback. ``backend`` overrides the
+    default (NCCL on GPUs, gloo on CPU), e.g. gloo for several ranks sharing one GPU.
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
@@ -57,7 +66,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s:
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_child, args=(fn, r, world_size, store, queue, args), daemon=False)
+            ctx.Process(target=_child, args=(fn, r, world_size, store, queue, args, backend), daemon=False)
             for r in range(world_size)
         ]
         for p in procs:
