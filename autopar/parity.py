@@ -62,6 +62,7 @@ def plan_job(base: JobConfig, plan: str, steps: int, dump_folder: str) -> JobCon
             key, value = "parallelism.disable_loss_parallel", str(value.strip().lower() != "true")
         set_field(job, SHORT_KEYS.get(key, key), value.strip(), from_cli=True)
     set_field(job, "training.steps", str(steps), from_cli=True)
+    job.lr_scheduler.warmup_steps = min(job.lr_scheduler.warmup_steps, steps)
     job.metrics.log_freq = 1
     job.checkpoint.enable = False
     job.checkpoint.last_save_in_hf = False

@@ -64,7 +64,13 @@ def test_activation_checkpointing_gives_the_same_loss_as_none(ac_runs, plan):
     assert max(relative_deltas(run.grad_norms, reference.grad_norms)) <= 1e-5
 
 
-COMPILE_PLANS = ["compile.enable=true", "compile.enable=true,dp_shard=2", "compile.enable=true,tp=2", "compile.enable=true,pp=2"]
+COMPILE_PLANS = [
+    "compile.enable=true",
+    "compile.enable=true,dp_shard=2",
+    "compile.enable=true,tp=2",
+    "compile.enable=true,pp=2",
+    "compile.enable=true,cp=2",
+]
 
 
 @pytest.fixture(scope="module")

@@ -94,6 +94,8 @@ class Parallelism:
     """Replicas of the weights (DDP-like; with shard degree > 1 this is HSDP)."""
     data_parallel_shard_degree: int = -1
     """Ranks sharing one copy of the weights (FSDP2); -1 takes the ranks left over."""
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free gathered block weights after forward (re-gather in backward); default: yes, except under pipelining."""
     tensor_parallel_degree: int = 1
     """Tensor-parallel ranks (DTensor column/row sharding of every block)."""
     context_parallel_degree: int = 1

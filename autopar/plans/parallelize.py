@@ -78,6 +78,7 @@ def parallelize(
             meshes.fsdp(dims),
             param_dtype=compute_dtype(job, device),
             reduce_dtype=torch.float32,
+            policy=p.fsdp_reshard_after_forward,
             pipelined=pipelined,
         )
         kind = "HSDP" if dims.dp_replicate > 1 and dims.dp_shard * dims.cp > 1 else "FSDP2"
