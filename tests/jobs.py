@@ -22,3 +22,19 @@ def tiny_job(dump_folder, *argv: str, name: str = "qwen3", **model: object) -> J
     for key, value in {**TINY_MODEL, **model}.items():
         flags += [f"--model.{key}", str(value).lower() if isinstance(value, bool) else str(value)]
     return parse_job(flags + list(argv))
+
+
+def parity_runs(base: JobConfig, plans: list[str], steps: int = 5) -> dict:
+    """plan -> (single-device reference, plan run), all plans of one world size in one group."""
+    from autopar.parity import Case, run_cases
+
+    return dict(zip(plans, run_cases([Case(base, plan) for plan in plans], steps=steps)))
+
+
+def assert_same_training(run, reference, loss_rtol: float, norm_rtol: float) -> None:
+    """Every step's loss and gradient norm within the given relative tolerances."""
+    from autopar.parity import relative_deltas
+
+    assert len(run.losses) == len(reference.losses)
+    assert max(relative_deltas(run.losses, reference.losses)) <= loss_rtol, (run.losses, reference.losses)
+    assert max(relative_deltas(run.grad_norms, reference.grad_norms)) <= norm_rtol, (run.grad_norms, reference.grad_norms)

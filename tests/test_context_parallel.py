@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from autopar.config import ConfigError, parse_job, validate
-from autopar.parity import Case, relative_deltas, run_cases
 from autopar.plans.context_parallel import shard_sequence
-from jobs import tiny_job
+from jobs import assert_same_training, parity_runs, tiny_job
 
 
 def test_head_tail_shards_pair_early_and_late_chunks():
@@ -58,8 +57,7 @@ PLANS = [
 
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory):
-    base = tiny_job(tmp_path_factory.mktemp("cp"), tie_word_embeddings=False)
-    return dict(zip(PLANS, run_cases([Case(base, p) for p in PLANS], steps=5)))
+    return parity_runs(tiny_job(tmp_path_factory.mktemp("cp"), tie_word_embeddings=False), PLANS)
 
 
 @pytest.mark.slow
@@ -68,5 +66,4 @@ def test_context_parallel_matches_single_device(cp_runs, plan):
     reference, run = cp_runs[plan]
     # fp32: attention over gathered k/v with a positional mask is the same math as one
     # device's causal SDPA; only summation order differs
-    assert max(relative_deltas(run.losses, reference.losses)) <= 1e-5
-    assert max(relative_deltas(run.grad_norms, reference.grad_norms)) <= 1e-5
+    assert_same_training(run, reference, loss_rtol=1e-5, norm_rtol=1e-5)

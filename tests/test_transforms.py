@@ -8,11 +8,10 @@ import torch
 from autopar.config import validate
 from autopar.distributed import single_process
 from autopar.models import Qwen, get_flavor
-from autopar.parity import Case, relative_deltas, run_cases
 from autopar.plans.activation_checkpoint import checkpointed_layers
 from autopar.config.job import ActivationCheckpoint
 from autopar.trainer import Trainer
-from jobs import TINY_MODEL, tiny_job
+from jobs import TINY_MODEL, assert_same_training, parity_runs, tiny_job
 
 
 def test_compiled_block_has_no_graph_breaks():
@@ -51,8 +50,7 @@ AC_PLANS = [
 
 @pytest.fixture(scope="module")
 def ac_runs(tmp_path_factory):
-    base = tiny_job(tmp_path_factory.mktemp("ac"), num_hidden_layers=4)
-    return dict(zip(AC_PLANS, run_cases([Case(base, p) for p in AC_PLANS], steps=5)))
+    return parity_runs(tiny_job(tmp_path_factory.mktemp("ac"), num_hidden_layers=4), AC_PLANS)
 
 
 @pytest.mark.slow
@@ -60,8 +58,7 @@ def ac_runs(tmp_path_factory):
 def test_activation_checkpointing_gives_the_same_loss_as_none(ac_runs, plan):
     reference, run = ac_runs[plan]
     # recompute replays the same fp32 ops; only FSDP's reduction order may differ
-    assert max(relative_deltas(run.losses, reference.losses)) <= 1e-5
-    assert max(relative_deltas(run.grad_norms, reference.grad_norms)) <= 1e-5
+    assert_same_training(run, reference, loss_rtol=1e-5, norm_rtol=1e-5)
 
 
 COMPILE_PLANS = [
@@ -75,8 +72,7 @@ COMPILE_PLANS = [
 
 @pytest.fixture(scope="module")
 def compile_runs(tmp_path_factory):
-    base = tiny_job(tmp_path_factory.mktemp("compile"))
-    return dict(zip(COMPILE_PLANS, run_cases([Case(base, p) for p in COMPILE_PLANS], steps=5)))
+    return parity_runs(tiny_job(tmp_path_factory.mktemp("compile")), COMPILE_PLANS)
 
 
 @pytest.mark.slow
@@ -84,7 +80,7 @@ def compile_runs(tmp_path_factory):
 def test_compiled_matches_eager_single_device(compile_runs, plan):
     reference, run = compile_runs[plan]
     # inductor fuses and reorders fp32 reductions; 1e-4 relative over 5 steps
-    assert max(relative_deltas(run.losses, reference.losses)) <= 1e-4
+    assert_same_training(run, reference, loss_rtol=1e-4, norm_rtol=1e-4)
 
 
 @pytest.mark.slow
@@ -122,7 +118,7 @@ FP8_PLANS = ["dp_shard=2", "dp_shard=2,float8.enable_fsdp_float8_all_gather=true
 def fp8_runs(tmp_path_factory):
     pytest.importorskip("torchao")
     base = tiny_job(tmp_path_factory.mktemp("fp8"), "--float8.enable", "true", "--float8.backend", "torchao")
-    return dict(zip(FP8_PLANS, run_cases([Case(base, p) for p in FP8_PLANS], steps=5)))
+    return parity_runs(base, FP8_PLANS)
 
 
 @pytest.mark.slow
@@ -131,5 +127,4 @@ def test_torchao_fp8_composes_with_fsdp_and_tp(fp8_runs, plan):
     reference, run = fp8_runs[plan]  # reference: FP8 on one device
     # same FP8 scales (amax over the whole tensor under every plan), but a one-ulp fp32
     # difference from sum order can flip an FP8 rounding, so 1e-4 rather than fp32's 1e-5
-    assert max(relative_deltas(run.losses, reference.losses)) <= 1e-4
-    assert max(relative_deltas(run.grad_norms, reference.grad_norms)) <= 1e-4
+    assert_same_training(run, reference, loss_rtol=1e-4, norm_rtol=1e-4)

@@ -7,6 +7,7 @@ the rule and its message live beside the code that depends on it.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 
@@ -67,11 +68,10 @@ def _check_numbers(job: JobConfig) -> None:
     )
     _require(0 <= s.min_lr_factor <= 1, f"lr_scheduler.min_lr_factor={s.min_lr_factor} must be in [0, 1]")
     _require(job.metrics.log_freq >= 1, f"metrics.log_freq={job.metrics.log_freq} must be >= 1")
-    if job.metrics.enable_tensorboard:
-        try:
-            import torch.utils.tensorboard  # noqa: F401
-        except ImportError:
-            raise ConfigError("metrics.enable_tensorboard=true needs tensorboard: pip install tensorboard") from None
+    _require(
+        not job.metrics.enable_tensorboard or importlib.util.find_spec("tensorboard") is not None,
+        "metrics.enable_tensorboard=true needs tensorboard: pip install tensorboard",
+    )
     c = job.checkpoint
     _require(c.interval >= 1, f"checkpoint.interval={c.interval} must be >= 1")
     _require(c.keep_latest_k >= 0, f"checkpoint.keep_latest_k={c.keep_latest_k} must be >= 0 (0 keeps all)")
