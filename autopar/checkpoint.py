@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from autopar.config.job import Checkpoint
 from autopar.models.args import ModelArgs
-from autopar.models.hf import save_hf
+from autopar.models.hf import save_hf_streaming
 from autopar.models.qwen import Qwen
 
 logger = logging.getLogger("autopar")
@@ -188,12 +188,16 @@ class Checkpointer:
 def export_hf(
     checkpoint_dir: str | Path, args: ModelArgs, out_dir: str | Path, dtype: torch.dtype
 ) -> None:
-    """Write the model of a DCP checkpoint as an HF folder. Runs in one process (no collectives),
-    whatever plan saved it."""
+    """Write the model of a DCP checkpoint as an HF folder, one safetensors shard in memory
+    at a time. Runs in one process (no collectives), whatever plan saved it."""
     with torch.device("meta"):
-        names = {n: p.shape for n, p in Qwen(args).named_parameters()}
-    state = {"model": {n: torch.empty(shape, dtype=torch.float32) for n, shape in names.items()}}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
-    save_hf({n: t.to(dtype) for n, t in state["model"].items()}, args, out_dir)
+        layout = {n: (p.shape, dtype) for n, p in Qwen(args).named_parameters()}
+
+    def load(names: list[str]) -> dict[str, torch.Tensor]:
+        state = {"model": {n: torch.empty(layout[n][0], dtype=dtype) for n in names}}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
+        return state["model"]
+
+    save_hf_streaming(layout, load, args, out_dir)

@@ -17,7 +17,7 @@ from autopar.data.tokenizer import build_tokenizer
 from autopar.distributed import World
 from autopar.metrics import MetricsLogger, flops_per_token
 from autopar.models.args import ModelArgs
-from autopar.models.hf import read_hf_tensors
+from autopar.models.hf import HFTensors
 from autopar.optim import build_optimizers, lr_factor, set_lr
 from autopar.pipelining.schedule import Pipeline, build_pipeline, pipeline_forward_backward
 from autopar.plans.context_parallel import ContextParallel
@@ -88,7 +88,7 @@ class Trainer:
         c = self.job.checkpoint
         if c.initial_load_path is not None and c.initial_load_in_hf:
             logger.info("initial weights from HF folder %s", c.initial_load_path)
-            return tensor_values(read_hf_tensors(c.initial_load_path, self.args), self.world.device)
+            return tensor_values(HFTensors(c.initial_load_path, self.args), self.world.device)
         return seeded_values(self.args, self.job.debug.seed, self.world.device)
 
     def _te_autocast(self):

@@ -152,3 +152,17 @@ def test_wsd_holds_the_peak_until_the_decay_phase():
     assert lr_factor(80, cfg, 100) == 1.0
     assert lr_factor(90, cfg, 100) == pytest.approx(0.5)
     assert lr_factor(100, cfg, 100) == pytest.approx(0.0)
+
+
+def test_hf_export_casts_to_the_export_dtype(tmp_path):
+    from safetensors.torch import load_file
+
+    job = tiny_job(tmp_path, "--checkpoint.last_save_in_hf", "true", "--checkpoint.export_dtype", "bfloat16",
+                   "--training.steps", "2")
+    trainer = Trainer(job, validate(job, 1), single_process())
+    trainer.train()
+    exported = load_file(tmp_path / "hf" / "step-2" / "model.safetensors")
+    for name, param in trainer.parts[0].named_parameters():
+        hf_name = name if name == "lm_head.weight" else f"model.{name}"
+        assert exported[hf_name].dtype == torch.bfloat16
+        assert torch.equal(exported[hf_name], param.detach().to(torch.bfloat16)), name

@@ -2,12 +2,13 @@
 
 from autopar.models.args import ModelArgs
 from autopar.models.flavors import FLAVORS, get_flavor
-from autopar.models.hf import HFCheckpointError, from_hf, read_hf_config, save_hf, to_hf
+from autopar.models.hf import HFCheckpointError, HFTensors, from_hf, read_hf_config, save_hf, to_hf
 from autopar.models.qwen import Qwen, initial_value
 
 __all__ = [
     "FLAVORS",
     "HFCheckpointError",
+    "HFTensors",
     "ModelArgs",
     "Qwen",
     "from_hf",

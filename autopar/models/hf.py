@@ -9,8 +9,10 @@ embedding, so a silently untied checkpoint cannot load as tied.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -131,7 +133,11 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     """HF tensor name -> the safetensors file holding it."""
     if (path / INDEX_FILE).is_file():
         weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
-        return {name: path / file for name, file in weight_map.items()}
+        files = {name: path / file for name, file in weight_map.items()}
+        for file in set(files.values()):
+            if not file.is_file():
+                raise HFCheckpointError(f"{file}: listed in {INDEX_FILE} but not found")
+        return files
     single = path / SINGLE_FILE
     if not single.is_file():
         raise HFCheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
@@ -139,47 +145,57 @@ def _tensor_files(path: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def read_hf_tensors(path: str | Path, args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint under our names, checked against the model ``args``."""
-    path = Path(path)
-    files = _tensor_files(path)
-    expected = {to_hf_name(n): tuple(p.shape) for n, p in _meta_params(args).items()}
-    missing = sorted(set(expected) - set(files))
-    extra = sorted(set(files) - set(expected) - {"lm_head.weight"})
-    if missing:
-        raise HFCheckpointError(
-            f"{path}: {len(missing)} tensor(s) missing from the checkpoint, first {missing[0]!r}"
-        )
-    if extra:
-        raise HFCheckpointError(
-            f"{path}: {len(extra)} unexpected tensor(s) in {files[extra[0]].name}, first "
-            f"{extra[0]!r}; the config.json does not describe these weights"
-        )
-    tensors: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[str]] = {}
-    for hf_name, file in files.items():
-        by_file.setdefault(file, []).append(hf_name)
-    for file, names in by_file.items():
-        if not file.is_file():
-            raise HFCheckpointError(f"{file}: listed in {INDEX_FILE} but not found")
-        with safe_open(file, framework="pt") as f:
-            for hf_name in names:
-                tensors[hf_name] = f.get_tensor(hf_name)
-    for hf_name, shape in expected.items():
-        found = tuple(tensors[hf_name].shape)
-        if found != shape:
+def _read(file: Path, hf_name: str) -> torch.Tensor:
+    with safe_open(file, framework="pt") as f:
+        return f.get_tensor(hf_name)
+
+
+class HFTensors(Mapping[str, torch.Tensor]):
+    """The tensors of an HF checkpoint under our names, checked against the model ``args``
+    (names and shapes, from the file headers) and read from disk only when asked for, so a
+    rank that holds one shard of one stage never loads the whole model."""
+
+    def __init__(self, path: str | Path, args: ModelArgs) -> None:
+        path = Path(path)
+        files = _tensor_files(path)
+        expected = {to_hf_name(n): tuple(p.shape) for n, p in _meta_params(args).items()}
+        missing = sorted(set(expected) - set(files))
+        extra = sorted(set(files) - set(expected) - {"lm_head.weight"})
+        if missing:
             raise HFCheckpointError(
-                f"{files[hf_name]}: tensor {hf_name!r} has shape {list(found)}, the config "
-                f"expects {list(shape)}"
+                f"{path}: {len(missing)} tensor(s) missing from the checkpoint, first {missing[0]!r}"
             )
-    if args.tie_word_embeddings and "lm_head.weight" in tensors:
-        head = tensors.pop("lm_head.weight")
-        if not torch.equal(head, tensors["model.embed_tokens.weight"]):
+        if extra:
             raise HFCheckpointError(
-                f"{files['lm_head.weight']}: tie_word_embeddings=true but lm_head.weight "
-                "differs from model.embed_tokens.weight; set tie_word_embeddings=false"
+                f"{path}: {len(extra)} unexpected tensor(s) in {files[extra[0]].name}, first "
+                f"{extra[0]!r}; the config.json does not describe these weights"
             )
-    return {from_hf_name(n): t for n, t in tensors.items()}
+        for hf_name, shape in expected.items():
+            with safe_open(files[hf_name], framework="pt") as f:
+                found = tuple(f.get_slice(hf_name).get_shape())
+            if found != shape:
+                raise HFCheckpointError(
+                    f"{files[hf_name]}: tensor {hf_name!r} has shape {list(found)}, the config "
+                    f"expects {list(shape)}"
+                )
+        if args.tie_word_embeddings and "lm_head.weight" in files:
+            head = _read(files["lm_head.weight"], "lm_head.weight")
+            if not torch.equal(head, _read(files["model.embed_tokens.weight"], "model.embed_tokens.weight")):
+                raise HFCheckpointError(
+                    f"{files['lm_head.weight']}: tie_word_embeddings=true but lm_head.weight "
+                    "differs from model.embed_tokens.weight; set tie_word_embeddings=false"
+                )
+        self._files = {from_hf_name(n): (files[n], n) for n in expected}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        file, hf_name = self._files[name]
+        return _read(file, hf_name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
 
 
 def _meta_params(args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -197,7 +213,7 @@ def from_hf(
     ``dtype=None`` keeps the checkpoint's dtype.
     """
     args = read_hf_config(path)
-    tensors = read_hf_tensors(path, args)
+    tensors = HFTensors(path, args)
     if dtype is None:
         dtype = tensors["embed_tokens.weight"].dtype
     with torch.device("meta"):
@@ -211,15 +227,47 @@ def from_hf(
     return model
 
 
-def hf_state_dict(state: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Our full state dict under HF names, without ``lm_head.weight`` when tied."""
-    out = {}
-    for name, tensor in state.items():
-        hf_name = to_hf_name(name)
-        if hf_name == "lm_head.weight" and args.tie_word_embeddings:
-            continue
-        out[hf_name] = tensor.detach().contiguous()
-    return out
+def _shard_groups(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, nbytes in sizes.items():
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
+
+
+def save_hf_streaming(
+    layout: Mapping[str, tuple[torch.Size, torch.dtype]],
+    load: Callable[[list[str]], Mapping[str, torch.Tensor]],
+    args: ModelArgs,
+    path: str | Path,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
+    """Write config.json and safetensors one shard at a time: ``layout`` gives each of our
+    parameter names its (shape, dtype), ``load(names)`` returns those tensors. Memory stays
+    at one shard (``max_shard_bytes``), whatever the model size. Tied models get no
+    ``lm_head.weight``, as HF writes them."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    names = {n: spec for n, spec in layout.items()
+             if not (args.tie_word_embeddings and to_hf_name(n) == "lm_head.weight")}
+    sizes = {n: math.prod(shape) * dtype.itemsize for n, (shape, dtype) in names.items()}
+    groups = _shard_groups(sizes, max_shard_bytes)
+    weight_map = {}
+    for i, group in enumerate(groups, start=1):
+        file = SINGLE_FILE if len(groups) == 1 else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        tensors = load(group)
+        shard = {to_hf_name(n): tensors[n].detach().contiguous().cpu() for n in group}
+        save_file(shard, str(path / file), metadata={"format": "pt"})
+        weight_map.update({hf_name: file for hf_name in shard})
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    dtype = names["embed_tokens.weight"][1]
+    (path / CONFIG_FILE).write_text(json.dumps(hf_config_from_args(args, dtype), indent=2) + "\n")
 
 
 def save_hf(
@@ -228,34 +276,9 @@ def save_hf(
     path: str | Path,
     max_shard_bytes: int = 5 * 2**30,
 ) -> None:
-    """Write config.json and safetensors (sharded with an index past ``max_shard_bytes``)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tensors = hf_state_dict(state, args)
-    dtype = tensors["model.embed_tokens.weight"].dtype
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor.cpu()
-        size += nbytes
-    metadata = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], str(path / SINGLE_FILE), metadata=metadata)
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, start=1):
-            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(path / file), metadata=metadata)
-            weight_map.update({name: file for name in shard})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    config = hf_config_from_args(args, dtype)
-    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    """Write full tensors under our names as an HF checkpoint folder."""
+    layout = {n: (t.shape, t.dtype) for n, t in state.items()}
+    save_hf_streaming(layout, lambda names: {n: state[n] for n in names}, args, path, max_shard_bytes)
 
 
 def to_hf(model: Qwen, path: str | Path, dtype: torch.dtype | None = None) -> None:

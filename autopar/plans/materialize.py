@@ -7,7 +7,7 @@ weights equal those of one device: the start of every parity guarantee.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -27,8 +27,8 @@ def seeded_values(args: ModelArgs, seed: int, device: torch.device) -> FullValue
     return value
 
 
-def tensor_values(tensors: dict[str, torch.Tensor], device: torch.device) -> FullValue:
-    """Values from full tensors by name (an HF checkpoint read with ``read_hf_tensors``)."""
+def tensor_values(tensors: Mapping[str, torch.Tensor], device: torch.device) -> FullValue:
+    """Values from full tensors by name (e.g. an HF checkpoint's ``HFTensors``)."""
 
     def value(name: str, shape: torch.Size) -> torch.Tensor:
         return tensors[canonical_name(name)].to(device=device, dtype=torch.float32)
