@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.checkpoint import Checkpointer, export_hf
 from autopar.config.job import JobConfig
@@ -22,7 +25,7 @@ from autopar.optim import build_optimizers, lr_factor, set_lr
 from autopar.pipelining.schedule import Pipeline, build_pipeline, pipeline_forward_backward
 from autopar.plans.context_parallel import ContextParallel
 from autopar.plans.float8 import after_optimizer_step, resolve_backend, te_autocast
-from autopar.plans.materialize import seeded_values, tensor_values
+from autopar.plans.materialize import FullValue, seeded_values, tensor_values
 from autopar.plans.mesh import Meshes, ParallelDims, build_meshes
 from autopar.plans.parallelize import build_parts, compute_dtype, loss_parallel_enabled
 from autopar.step import (
@@ -84,14 +87,18 @@ class Trainer:
         )
         self.step = 0
 
-    def _initial_values(self):
+    def _mesh(self, view: str) -> DeviceMesh | None:
+        """A named mesh view (``dp``, ``pp``, ``loss``...), or None for a single process."""
+        return getattr(self.meshes, view) if self.meshes is not None else None
+
+    def _initial_values(self) -> FullValue:
         c = self.job.checkpoint
         if c.initial_load_path is not None and c.initial_load_in_hf:
             logger.info("initial weights from HF folder %s", c.initial_load_path)
             return tensor_values(HFTensors(c.initial_load_path, self.args), self.world.device)
         return seeded_values(self.args, self.job.debug.seed, self.world.device)
 
-    def _te_autocast(self):
+    def _te_autocast(self) -> Callable[[], contextlib.AbstractContextManager] | None:
         f8 = self.job.float8
         if f8.enable and resolve_backend(f8, self.world.device.type) == "te":
             return functools.partial(te_autocast, f8)
@@ -101,7 +108,8 @@ class Trainer:
         t = self.job.training
         tokenizer = build_tokenizer(self.job.model.tokenizer_path)
         samples = build_samples(t.dataset, t.dataset_path, t.dataset_blend, tokenizer, t.seq_len, self.job.debug.seed)
-        dp_rank = self.meshes.dp.get_local_rank() if self.meshes is not None else 0
+        dp_mesh = self._mesh("dp")
+        dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
         global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * self.dims.dp
         return StepLoader(samples, global_batch, t.local_batch_size, dp_rank, self.dims.dp, self.world.device)
 
@@ -121,14 +129,13 @@ class Trainer:
         """One optimizer step; returns (loss, grad norm) as device tensors (no host sync)."""
         batches = self.loader.next_step()
         set_lr(self.optimizers, self.job.optimizer.lr * lr_factor(self.step + 1, self.job.lr_scheduler, self.job.training.steps))
-        loss_mesh = self.meshes.loss if self.meshes is not None else None
-        targets = global_target_count(batches, self.meshes.dp if self.meshes is not None else None)
+        targets = global_target_count(batches, self._mesh("dp"))
         if self.pipeline is not None:
             local_loss = pipeline_forward_backward(self.pipeline, batches, targets, self.context)
-            local_loss = all_reduce_sum(local_loss, self.meshes.pp)
+            local_loss = all_reduce_sum(local_loss, self._mesh("pp"))
         else:
             local_loss = forward_backward(self.parts[0], batches, targets, self.context)
-        norm = grad_norm(self.parts, self.meshes.pp if self.meshes is not None else None)
+        norm = grad_norm(self.parts, self._mesh("pp"))
         if self.job.training.max_norm > 0:
             clip_grads(self.parts, self.job.training.max_norm, norm)
         for opt in self.optimizers:
@@ -136,7 +143,7 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
         after_optimizer_step(self.parts, self.job.float8)
         self.step += 1
-        return all_reduce_sum(local_loss, loss_mesh), norm
+        return all_reduce_sum(local_loss, self._mesh("loss")), norm
 
     def train(self) -> list[StepRecord]:
         """Train to training.steps; returns the logged steps' records."""
