@@ -50,3 +50,31 @@ def test_cuda_bf16_compiled_matches_eager(tmp_path):
     compiled = _train(plan_job(tiny_job(tmp_path, *flags, "--compile.enable", "true"), "", 5, str(tmp_path / "c")))
     # bf16 matmuls fused differently by inductor: a few bf16 ulps on the loss
     assert max(relative_deltas(compiled, eager)) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rotate", ["allgather", "alltoall"])
+def test_cuda_ring_attention_machinery_on_one_rank_matches_plain_forward(tmp_path, rotate):
+    """A CP world of one still runs torch's ring-attention dispatch, the head-tail load
+    balancer and our position buffers on the CUDA SDPA kernels; the logits must not move."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.config.job import Parallelism
+    from autopar.data.loader import Batch
+    from autopar.models import Qwen, get_flavor
+    from autopar.plans.context_parallel import ContextParallel
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("cp",))
+        model = Qwen(get_flavor("qwen3", "debug")).cuda()
+        model.init_weights()
+        tokens = torch.randint(0, 512, (2, 64), device="cuda")
+        expected = model(tokens)
+        cfg = Parallelism(context_parallel_impl="ring", context_parallel_rotate_method=rotate)
+        with ContextParallel(cfg, mesh, "cuda")(Batch(tokens, tokens)) as (batch, positions):
+            got = model(batch.inputs, positions)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # fp32, same kernels
+    finally:
+        dist.destroy_process_group()
