@@ -149,6 +149,8 @@ class Trainer:
         """Train to training.steps; returns the logged steps' records."""
         self.restore()
         steps, log_freq = self.job.training.steps, self.job.metrics.log_freq
+        if self.step >= steps:
+            logger.info("already trained to step %d of training.steps=%d; raise it to continue", self.step, steps)
         tokens_per_step = self.loader.global_batch * self.job.training.seq_len
         records: list[StepRecord] = []
         window_start, window_steps = time.perf_counter(), 0
