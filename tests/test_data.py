@@ -57,6 +57,9 @@ def test_prepare_writes_a_memory_map_equal_to_direct_tokenization(text_dir, tmp_
     mapped = read_prepared(path, ByteTokenizer())
     assert isinstance(mapped, np.memmap) and mapped.size == count
     np.testing.assert_array_equal(mapped, load_tokens(text_dir, ByteTokenizer()))
+    ends = np.fromfile(path.with_suffix(".idx"), dtype=np.int64)
+    assert len(ends) == 21 and ends[-1] == count  # one text file + 20 jsonl lines
+    assert (mapped[ends - 1] == 256).all()
 
 
 def test_prepare_refuses_to_overwrite(text_dir, tmp_path):

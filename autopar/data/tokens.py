@@ -1,7 +1,7 @@
 """Token streams: documents from text/jsonl, tokenized and joined with end-of-text tokens.
 
-A prepared dataset is ``NAME.bin`` (the flat token stream, uint16 or uint32) plus ``NAME.json``
-(its dtype, size and the tokenizer that made it). It is memory-mapped, so a dataset far
+A prepared dataset is ``NAME.bin`` (the flat token stream, uint16 or uint32), ``NAME.idx``
+(where each document ends) and ``NAME.json`` (dtype, sizes, the tokenizer that made it). It is memory-mapped, so a dataset far
 larger than RAM costs nothing to open; Megatron users know this as an indexed dataset.
 """
 
@@ -78,16 +78,20 @@ def is_prepared(path: Path) -> bool:
 
 
 def write_prepared(tokens: np.ndarray, prefix: Path, tokenizer: Tokenizer, sources: list[str]) -> Path:
-    """Write ``prefix.bin`` + ``prefix.json``; the .bin is renamed into place when complete."""
+    """Write ``prefix.bin`` (tokens), ``prefix.idx`` (int64 end offset of every document) and
+    ``prefix.json``; the .bin is renamed into place when complete."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
     bin_path = prefix.with_suffix(".bin")
     partial = bin_path.with_suffix(".bin.partial")
     tokens.tofile(partial)
+    document_ends = np.flatnonzero(tokens == tokenizer.eos_id).astype(np.int64) + 1
+    document_ends.tofile(prefix.with_suffix(".idx"))
     partial.rename(bin_path)
     meta = {
         "version": FORMAT_VERSION,
         "dtype": tokens.dtype.name,
         "num_tokens": int(tokens.size),
+        "num_documents": int(document_ends.size),
         "tokenizer": tokenizer.name,
         "vocab_size": tokenizer.vocab_size,
         "sources": sources,
