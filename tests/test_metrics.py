@@ -1,0 +1,26 @@
+"""MFU accounting: FLOPs per token from the model's real matmul parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.metrics import flops_per_token, matmul_params
+from autopar.models import FLAVORS, Qwen, get_flavor
+
+
+@pytest.mark.parametrize("family, flavor", [(f, v) for f, vs in FLAVORS.items() for v in vs])
+def test_matmul_params_count_every_linear_weight_once(family, flavor):
+    with torch.device("meta"):
+        model = Qwen(get_flavor(family, flavor))
+    weights = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)}
+    assert matmul_params(model.args) == sum(weights.values())
+
+
+def test_flops_per_token_follow_the_palm_formula():
+    args = get_flavor("qwen3", "8B")
+    n = matmul_params(args)
+    attention = 12 * 36 * 32 * 128 * 4096
+    assert flops_per_token(args, 4096) == 6 * n + attention
+    assert 6 * n / 1e9 == pytest.approx(6 * 7.57, rel=0.01)  # 7.57B matmul parameters incl. the head
