@@ -6,10 +6,12 @@ import sys
 
 import torch.distributed as dist
 
-from autopar.config import ConfigError, help_text, parse_job, to_toml, validate
+from autopar.config import ConfigError, help_text, to_toml
 from autopar.distributed import init_world, world_size_from_env
+from autopar.job import parse_job
 from autopar.log import setup_logging
 from autopar.trainer import Trainer
+from autopar.validate import validate
 
 
 def main(argv: list[str]) -> int:

@@ -13,7 +13,6 @@ A variant is a name below or ``name:key=value,...`` with any job field
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import platform
 import statistics
@@ -25,8 +24,9 @@ import torch
 
 from autopar.config.errors import ConfigError
 from autopar.config.job import JobConfig
-from autopar.config.parse import parse_job, set_field
-from autopar.config.validate import validate
+from autopar.job import derive_job, parse_job, short_run
+from autopar.metrics import mfu_percent
+from autopar.validate import validate
 
 NAMED_VARIANTS = {
     "eager": "compile.enable=false,float8.enable=false",
@@ -58,19 +58,15 @@ def variant_job(base: JobConfig, spec: str, steps: int) -> tuple[str, str, JobCo
     name, _, overrides = spec.partition(":")
     if not overrides:
         if name not in NAMED_VARIANTS:
-            raise ConfigError(f"variant {name!r} is unknown; use one of {list(NAMED_VARIANTS)} or name:key=value,...")
+            raise ConfigError(
+                f"variant {name!r} is unknown; use one of {list(NAMED_VARIANTS)} or name:key=value,..."
+            )
         overrides = NAMED_VARIANTS[name]
-    job = copy.deepcopy(base)
-    for item in filter(None, overrides.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise ConfigError(f"variant {spec!r}: {item!r} is not key=value")
-        set_field(job, key.strip(), value.strip(), from_cli=True)
-    job.training.steps = steps
-    job.lr_scheduler.warmup_steps = min(job.lr_scheduler.warmup_steps, steps)
+    try:
+        job = short_run(derive_job(base, filter(None, overrides.split(","))), steps)
+    except ConfigError as err:
+        raise ConfigError(f"variant {spec!r}: {err}") from None
     job.metrics.log_freq = steps + 1
-    job.checkpoint.enable = False
-    job.checkpoint.last_save_in_hf = False
     return name, overrides, job
 
 
@@ -97,7 +93,9 @@ def _bench_on_rank(job: JobConfig, warmup: int) -> dict:
         "tokens_per_step": trainer.loader.global_batch * job.training.seq_len,
         "peak_flops": trainer.metrics.peak,
         "flops_per_token": trainer.metrics.flops_per_token,
-        "device": torch.cuda.get_device_name(world.device) if world.device.type == "cuda" else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name(world.device)
+        if world.device.type == "cuda"
+        else platform.processor() or "cpu",
     }
 
 
@@ -111,15 +109,17 @@ def summarize(name: str, overrides: str, ranks: list[dict], nproc: int) -> Varia
     r0 = ranks[0]
     step = max(r["step_seconds"] for r in ranks)
     tps = r0["tokens_per_step"] / step / nproc
-    mfu = None if r0["peak_flops"] is None else 100 * tps * r0["flops_per_token"] / r0["peak_flops"]
+    mfu = mfu_percent(tps, r0["flops_per_token"], r0["peak_flops"])
     memory = max(r["peak_memory_gib"] for r in ranks)
     return VariantResult(name, overrides, step, tps, mfu, memory, r0["first_loss"], r0["final_loss"])
 
 
 def table(results: list[VariantResult]) -> str:
     base = results[0].tokens_per_second_per_device
-    header = (f"{'variant':14} {'tokens/s/dev':>13} {'MFU':>7} {'peak mem':>10} {'step ms':>9} "
-              f"{'vs ' + results[0].variant:>12} {'loss@1':>8} {'loss@end':>9}")
+    header = (
+        f"{'variant':14} {'tokens/s/dev':>13} {'MFU':>7} {'peak mem':>10} {'step ms':>9} "
+        f"{'vs ' + results[0].variant:>12} {'loss@1':>8} {'loss@end':>9}"
+    )
     lines = [header, "-" * len(header)]
     for r in results:
         mfu = "n/a" if r.mfu is None else f"{r.mfu:.1f}%"
@@ -132,8 +132,11 @@ def table(results: list[VariantResult]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m autopar.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m autopar.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--variants", nargs="+", default=["eager", "compiled"])
     parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation happens here)")
@@ -160,12 +163,16 @@ def main(argv: list[str] | None = None) -> int:
         device = ranks[0]["device"]
         results.append(summarize(name, overrides, ranks, known.nproc))
     text = table(results)
-    print(f"device: {device} x {known.nproc}, torch {torch.__version__}, "
-          f"seq_len {base.training.seq_len}, timed steps {known.steps} after {known.warmup} warm-up")
+    print(
+        f"device: {device} x {known.nproc}, torch {torch.__version__}, "
+        f"seq_len {base.training.seq_len}, timed steps {known.steps} after {known.warmup} warm-up"
+    )
     print(text)
     if known.json:
         payload = {
-            "device": device, "nproc": known.nproc, "torch": torch.__version__,
+            "device": device,
+            "nproc": known.nproc,
+            "torch": torch.__version__,
             "command": " ".join(["python -m autopar.bench"] + (argv if argv is not None else sys.argv[1:])),
             "results": [asdict(r) for r in results],
         }

@@ -29,9 +29,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from autopar.config.errors import ConfigError
 from autopar.config.job import Checkpoint
 from autopar.models.args import ModelArgs
-from autopar.models.hf import save_hf_streaming
+from autopar.models.hf import HFCheckpointError, read_hf_config, save_hf_streaming
 from autopar.models.qwen import Qwen
 
 logger = logging.getLogger("autopar")
@@ -185,9 +186,7 @@ class Checkpointer:
         return self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step)
 
 
-def export_hf(
-    checkpoint_dir: str | Path, args: ModelArgs, out_dir: str | Path, dtype: torch.dtype
-) -> None:
+def export_hf(checkpoint_dir: str | Path, args: ModelArgs, out_dir: str | Path, dtype: torch.dtype) -> None:
     """Write the model of a DCP checkpoint as an HF folder, one safetensors shard in memory
     at a time. Runs in one process (no collectives), whatever plan saved it."""
     with torch.device("meta"):
@@ -201,3 +200,35 @@ def export_hf(
         return state["model"]
 
     save_hf_streaming(layout, load, args, out_dir)
+
+
+def check_initial_load(cfg: Checkpoint, args: ModelArgs, model_label: str) -> None:
+    """``initial_load_path`` names a checkpoint of the right kind, and an HF one this model's
+    shape (``model_label`` names the model in the message, e.g. ``qwen3/8B``)."""
+    if cfg.initial_load_path is None:
+        if cfg.initial_load_in_hf:
+            raise ConfigError("checkpoint.initial_load_in_hf=true needs checkpoint.initial_load_path")
+        return
+    path = Path(cfg.initial_load_path)
+    if not path.exists():
+        raise ConfigError(f"checkpoint.initial_load_path={cfg.initial_load_path!r}: no such folder")
+    if not cfg.initial_load_in_hf:
+        if not (path / ".metadata").is_file():
+            raise ConfigError(
+                f"checkpoint.initial_load_path={cfg.initial_load_path!r} is not a DCP checkpoint "
+                "(no .metadata); for an HF folder set checkpoint.initial_load_in_hf=true"
+            )
+        return
+    try:
+        hf_args = read_hf_config(path)
+    except HFCheckpointError as err:
+        raise ConfigError(f"checkpoint.initial_load_path: {err}") from None
+    for field in ModelArgs.__dataclass_fields__:
+        if field in ("initializer_range", "max_position_embeddings"):
+            continue
+        ours, theirs = getattr(args, field), getattr(hf_args, field)
+        if ours != theirs:
+            raise ConfigError(
+                f"model {model_label} has {field}={ours}, but {path / 'config.json'} has "
+                f"{field}={theirs}; pick the matching flavor or set --model.{field} {theirs}"
+            )

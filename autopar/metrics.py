@@ -59,6 +59,12 @@ def peak_flops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
 
 
+def mfu_percent(tokens_per_second: float, flops_per_token: float, peak: float | None) -> float | None:
+    """Model FLOPs utilization in percent of ``peak`` FLOP/s (None where the peak is unknown);
+    ``tokens_per_second`` per device."""
+    return None if peak is None else 100.0 * tokens_per_second * flops_per_token / peak
+
+
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -115,7 +121,7 @@ class MetricsLogger:
     ) -> StepMetrics:
         """Log one step; ``tokens`` is the global token count over ``seconds``."""
         tps = tokens / max(seconds, 1e-9) / self.world_size
-        mfu = None if self.peak is None else 100.0 * tps * self.flops_per_token / self.peak
+        mfu = mfu_percent(tps, self.flops_per_token, self.peak)
         metrics = StepMetrics(step, loss, grad_norm, lr, tps, mfu, peak_memory_gib(self.device))
         if self.is_main:
             logger.info(metrics.line())

@@ -13,7 +13,6 @@ if any step of any plan differs by more than the tolerance.
 from __future__ import annotations
 
 import argparse
-import copy
 import logging
 import math
 import sys
@@ -22,8 +21,9 @@ from dataclasses import dataclass
 
 from autopar.config.errors import ConfigError
 from autopar.config.job import JobConfig
-from autopar.config.parse import parse_job, set_field, to_toml
-from autopar.config.validate import validate
+from autopar.config.parse import to_toml
+from autopar.job import derive_job, parse_job, short_run
+from autopar.validate import validate
 
 logger = logging.getLogger("autopar")
 
@@ -48,33 +48,36 @@ class PlanRun:
     grad_norms: list[float]
 
 
-def plan_job(base: JobConfig, plan: str, steps: int, dump_folder: str) -> JobConfig:
-    """``base`` with the plan's settings, unset degrees at 1, logging every step, no checkpoints."""
-    job = copy.deepcopy(base)
-    for key in _DEGREES:
-        set_field(job, SHORT_KEYS[key], "1", from_cli=True)
+def plan_overrides(plan: str) -> list[str]:
+    """A plan's ``key=value`` items as job overrides: short keys expanded, unset degrees 1."""
+    overrides = [f"{SHORT_KEYS[key]}=1" for key in _DEGREES]
     for item in filter(None, (s.strip() for s in plan.split(","))):
         key, eq, value = item.partition("=")
         if not eq:
             raise ConfigError(f"plan {plan!r}: item {item!r} is not key=value")
-        key = key.strip()
+        key, value = key.strip(), value.strip()
         if key == "loss_parallel":
-            key, value = "parallelism.disable_loss_parallel", str(value.strip().lower() != "true")
-        set_field(job, SHORT_KEYS.get(key, key), value.strip(), from_cli=True)
-    set_field(job, "training.steps", str(steps), from_cli=True)
-    job.lr_scheduler.warmup_steps = min(job.lr_scheduler.warmup_steps, steps)
+            key, value = "parallelism.disable_loss_parallel", str(value.lower() != "true")
+        overrides.append(f"{SHORT_KEYS.get(key, key)}={value}")
+    return overrides
+
+
+def plan_job(base: JobConfig, plan: str, steps: int, dump_folder: str) -> JobConfig:
+    """``base`` with the plan's settings, logging every step, no checkpoints."""
+    job = short_run(derive_job(base, plan_overrides(plan)), steps)
     job.metrics.log_freq = 1
-    job.checkpoint.enable = False
-    job.checkpoint.last_save_in_hf = False
     job.job.dump_folder = dump_folder
     return job
 
 
 def world_size(job: JobConfig) -> int:
-    p = job.parallelism
+    degrees = job.parallelism
     return (
-        p.data_parallel_replicate_degree * p.data_parallel_shard_degree * p.tensor_parallel_degree
-        * p.context_parallel_degree * p.pipeline_parallel_degree
+        degrees.data_parallel_replicate_degree
+        * degrees.data_parallel_shard_degree
+        * degrees.tensor_parallel_degree
+        * degrees.context_parallel_degree
+        * degrees.pipeline_parallel_degree
     )
 
 
@@ -88,7 +91,8 @@ def run_job(job: JobConfig) -> tuple[list[float], list[float]]:
     return [r.loss for r in records], [r.grad_norm for r in records]
 
 
-def _run_plans_on_rank(jobs: list[tuple[str, JobConfig]]) -> list[PlanRun]:
+def run_plans(jobs: list[tuple[str, JobConfig]]) -> list[PlanRun]:
+    """Train each (plan, job) in turn on this rank's process group (or alone)."""
     logging.getLogger("autopar").setLevel(logging.WARNING)
     runs = []
     for plan, job in jobs:
@@ -111,7 +115,9 @@ def run_cases(cases: list[Case], steps: int) -> list[tuple[PlanRun, PlanRun]]:
     from autopar.spawn import run_on_ranks
 
     with tempfile.TemporaryDirectory(prefix="autopar-parity-") as tmp:
-        keyed = [(to_toml(c.base), plan_job(c.base, c.plan, steps, f"{tmp}/case{i}")) for i, c in enumerate(cases)]
+        keyed = [
+            (to_toml(c.base), plan_job(c.base, c.plan, steps, f"{tmp}/case{i}")) for i, c in enumerate(cases)
+        ]
         references: dict[str, JobConfig] = {}
         for case, (key, _) in zip(cases, keyed):
             if key not in references:
@@ -137,14 +143,13 @@ def run_cases(cases: list[Case], steps: int) -> list[tuple[PlanRun, PlanRun]]:
         runs: dict[int, PlanRun] = {}
         for size, indices in sorted(by_size.items()):
             group = [(cases[i].plan, jobs[i][1]) for i in indices]
-            results = _run_plans_on_rank(group) if size == 1 else run_on_ranks(_run_plans_on_rank, size, group)[0]
+            results = run_plans(group) if size == 1 else run_on_ranks(run_plans, size, group)[0]
             runs.update(zip(indices, results))
     return [(reference_runs[jobs[i][0]], runs[i]) for i in range(len(cases))]
 
 
 def _dp(job: JobConfig) -> int:
-    p = job.parallelism
-    return p.data_parallel_replicate_degree * p.data_parallel_shard_degree
+    return job.parallelism.data_parallel_replicate_degree * job.parallelism.data_parallel_shard_degree
 
 
 def _common_global_batch(base: JobConfig, dps: list[int]) -> int:
@@ -163,22 +168,28 @@ def report(reference: PlanRun, runs: list[PlanRun], rtol: float) -> tuple[str, b
     """A table of the largest per-step relative deltas; whether every plan is within rtol."""
     header = f"{'plan':32} {'ranks':>5} {'max rel d(loss)':>16} {'max rel d(grad norm)':>21}  verdict"
     lines = [header, "-" * len(header)]
-    lines.append(f"{reference.plan:32} {1:>5} {'(reference)':>16} {'':>21}  losses " +
-                 " ".join(f"{x:.5f}" for x in reference.losses))
+    lines.append(
+        f"{reference.plan:32} {1:>5} {'(reference)':>16} {'':>21}  losses "
+        + " ".join(f"{x:.5f}" for x in reference.losses)
+    )
     ok = True
     for run in runs:
         d_loss = max(relative_deltas(run.losses, reference.losses))
         d_norm = max(relative_deltas(run.grad_norms, reference.grad_norms))
         passed = d_loss <= rtol and d_norm <= rtol and len(run.losses) == len(reference.losses)
         ok &= passed
-        lines.append(f"{run.plan:32} {run.world_size:>5} {d_loss:>16.2e} {d_norm:>21.2e}  "
-                     f"{'ok' if passed else 'FAIL'}")
+        lines.append(
+            f"{run.plan:32} {run.world_size:>5} {d_loss:>16.2e} {d_norm:>21.2e}  {'ok' if passed else 'FAIL'}"
+        )
     return "\n".join(lines), ok
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m autopar.parity", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m autopar.parity",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--plans", nargs="+", required=True, help='e.g. "dp_shard=2" "tp=2,sp=false"')
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance per step")

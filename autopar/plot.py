@@ -36,8 +36,11 @@ def plot(paths: list[str], out: str, key: str = "loss") -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m autopar.plot", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m autopar.plot",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("metrics", nargs="+", help="metrics.jsonl files")
     parser.add_argument("-o", "--output", required=True, help="image file to write (.png, .svg, .pdf)")
     parser.add_argument("--key", default="loss", help="metric to plot (default loss)")

@@ -40,7 +40,10 @@ def _child(
         torch.cuda.set_device(device)
     try:
         dist.init_process_group(
-            backend or backend_for(device), init_method=f"file://{store_file}", rank=rank, world_size=world_size
+            backend or backend_for(device),
+            init_method=f"file://{store_file}",
+            rank=rank,
+            world_size=world_size,
         )
         result = fn(*args)
         queue.put((rank, "ok", result))

@@ -34,8 +34,10 @@ class TrainContext:
     """What forward/backward runs under, and the loss function.
 
     ``sequence(batch)`` covers a micro-batch's forward and backward (context parallel);
-    ``forward()`` the model's forward (autocast, TE FP8 autocast); ``loss()`` the loss and
-    its backward (vocab-parallel cross-entropy needs both inside).
+    ``forward_precision()`` the model's forward (autocast, TE FP8 autocast);
+    ``loss_parallel_context()`` the loss and its backward (vocab-parallel cross-entropy needs
+    both inside); ``micro_batch(batch)`` all three, for a pipeline schedule that runs forward,
+    loss and backward in one call.
     """
 
     def __init__(
@@ -59,7 +61,7 @@ class TrainContext:
         self.loss_fn = torch.compile(token_loss_sum) if compile_loss and not loss_parallel else token_loss_sum
 
     @contextlib.contextmanager
-    def forward(self) -> Iterator[None]:
+    def forward_precision(self) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
             if self.autocast:
                 stack.enter_context(torch.autocast(self.device.type, dtype=self.dtype))
@@ -67,7 +69,7 @@ class TrainContext:
                 stack.enter_context(self.fp8_autocast())
             yield
 
-    def loss(self) -> contextlib.AbstractContextManager:
+    def loss_parallel_context(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
     def sequence(self, batch: Batch) -> contextlib.AbstractContextManager:
@@ -76,6 +78,11 @@ class TrainContext:
         if self.context_parallel is None:
             return contextlib.nullcontext((batch, None))
         return self.context_parallel(batch)
+
+    @contextlib.contextmanager
+    def micro_batch(self, batch: Batch) -> Iterator[tuple[Batch, torch.Tensor | None]]:
+        with self.sequence(batch) as local, self.loss_parallel_context(), self.forward_precision():
+            yield local
 
 
 def global_target_count(batches: list[Batch], dp_mesh: DeviceMesh | None) -> torch.Tensor:
@@ -94,8 +101,8 @@ def forward_backward(
     """Run every micro-batch; returns this rank's share of the step loss (detached)."""
     total = torch.zeros((), device=global_targets.device)
     for full_batch in batches:
-        with context.sequence(full_batch) as (batch, positions), context.loss():
-            with context.forward():
+        with context.sequence(full_batch) as (batch, positions), context.loss_parallel_context():
+            with context.forward_precision():
                 logits = model(batch.inputs, positions)
             loss = context.loss_fn(logits, batch.labels) / global_targets
             if isinstance(loss, DTensor):

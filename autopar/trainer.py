@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.checkpoint import Checkpointer, export_hf
 from autopar.config.job import JobConfig
@@ -20,13 +19,14 @@ from autopar.data.tokenizer import build_tokenizer
 from autopar.distributed import World
 from autopar.metrics import MetricsLogger, flops_per_token
 from autopar.models.args import ModelArgs
+from autopar.models.dtypes import DTYPES
 from autopar.models.hf import HFTensors
 from autopar.optim import build_optimizers, lr_factor, set_lr
 from autopar.pipelining.schedule import Pipeline, build_pipeline, pipeline_forward_backward
 from autopar.plans.context_parallel import ContextParallel
 from autopar.plans.float8 import after_optimizer_step, resolve_backend, te_autocast
 from autopar.plans.materialize import FullValue, seeded_values, tensor_values
-from autopar.plans.mesh import Meshes, ParallelDims, build_meshes
+from autopar.plans.mesh import ParallelDims, build_meshes
 from autopar.plans.parallelize import build_parts, compute_dtype, loss_parallel_enabled
 from autopar.step import (
     TrainContext,
@@ -38,7 +38,6 @@ from autopar.step import (
 )
 
 logger = logging.getLogger("autopar")
-_EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -56,86 +55,117 @@ class Trainer:
         self.args = args
         self.world = world
         self.dims = ParallelDims.resolve(job.parallelism, world.size)
-        self.meshes: Meshes | None = build_meshes(self.dims, world.device.type) if world.size > 1 else None
+        self.meshes = build_meshes(self.dims, world.device.type)
         torch.manual_seed(job.debug.seed)
         if job.debug.deterministic:
             torch.use_deterministic_algorithms(True)
-        built = build_parts(args, job, self.dims, self.meshes, world.device, self._initial_values())
+        built = build_parts(args, job, self.meshes, world.device, self._initial_values())
         self.parts = built.parts
         self.optimizers = build_optimizers(self.parts, job.optimizer, world.device)
         self.loader = self._build_loader()
-        self.checkpointer = Checkpointer(job.checkpoint, job.job.dump_folder, world.rank, self.parts, self.optimizers)
+        self.checkpointer = Checkpointer(
+            job.checkpoint, job.job.dump_folder, world.rank, self.parts, self.optimizers
+        )
         dtype = compute_dtype(job, world.device)
         self.context = TrainContext(
-            world.device, dtype, autocast=not self.dims.fsdp, loss_parallel=loss_parallel_enabled(job, self.dims),
+            world.device,
+            dtype,
+            autocast=not self.dims.fsdp_enabled,
+            loss_parallel=loss_parallel_enabled(job, self.dims),
             compile_loss=job.compile.enable and "loss" in job.compile.components,
             fp8_autocast=self._te_autocast(),
-            context_parallel=(
-                ContextParallel(job.parallelism, self.meshes.cp, world.device.type) if self.dims.cp > 1 else None
-            ),
+            context_parallel=self._context_parallel(),
         )
         self.pipeline: Pipeline | None = None
-        if self.dims.pp > 1:
-            assert self.meshes is not None
+        pp_mesh = self.meshes.get("pp")
+        if pp_mesh is not None:
             self.pipeline = build_pipeline(
-                self.parts, built.stage_ids, built.num_stages, self.meshes.pp, job.parallelism,
-                job.training.local_batch_size, world.device, self.context,
+                self.parts,
+                built.stage_ids,
+                built.num_stages,
+                pp_mesh,
+                job.parallelism,
+                job.training.local_batch_size,
+                world.device,
+                self.context.loss_fn,
             )
         self.metrics = MetricsLogger(
-            job.job.dump_folder, flops_per_token(args, job.training.seq_len), world.device,
-            world.size, world.is_main, job.metrics.enable_tensorboard,
+            job.job.dump_folder,
+            flops_per_token(args, job.training.seq_len),
+            world.device,
+            world.size,
+            world.is_main,
+            job.metrics.enable_tensorboard,
         )
         self.step = 0
 
-    def _mesh(self, view: str) -> DeviceMesh | None:
-        """A named mesh view (``dp``, ``pp``, ``loss``...), or None for a single process."""
-        return getattr(self.meshes, view) if self.meshes is not None else None
+    def _context_parallel(self) -> ContextParallel | None:
+        cp_mesh = self.meshes.get("cp")
+        if cp_mesh is None:
+            return None
+        return ContextParallel(self.job.parallelism, cp_mesh, self.world.device.type)
 
     def _initial_values(self) -> FullValue:
-        c = self.job.checkpoint
-        if c.initial_load_path is not None and c.initial_load_in_hf:
-            logger.info("initial weights from HF folder %s", c.initial_load_path)
-            return tensor_values(HFTensors(c.initial_load_path, self.args), self.world.device)
+        checkpoint = self.job.checkpoint
+        if checkpoint.initial_load_path is not None and checkpoint.initial_load_in_hf:
+            logger.info("initial weights from HF folder %s", checkpoint.initial_load_path)
+            return tensor_values(HFTensors(checkpoint.initial_load_path, self.args), self.world.device)
         return seeded_values(self.args, self.job.debug.seed, self.world.device)
 
     def _te_autocast(self) -> Callable[[], contextlib.AbstractContextManager] | None:
-        f8 = self.job.float8
-        if f8.enable and resolve_backend(f8, self.world.device.type) == "te":
-            return functools.partial(te_autocast, f8)
+        float8 = self.job.float8
+        if float8.enable and resolve_backend(float8, self.world.device.type) == "te":
+            return functools.partial(te_autocast, float8)
         return None
 
     def _build_loader(self) -> StepLoader:
-        t = self.job.training
+        training = self.job.training
         tokenizer = build_tokenizer(self.job.model.tokenizer_path)
-        samples = build_samples(t.dataset, t.dataset_path, t.dataset_blend, tokenizer, t.seq_len, self.job.debug.seed)
-        dp_mesh = self._mesh("dp")
+        samples = build_samples(
+            training.dataset,
+            training.dataset_path,
+            training.dataset_blend,
+            tokenizer,
+            training.seq_len,
+            self.job.debug.seed,
+        )
+        dp_mesh = self.meshes.get("dp")
         dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
-        global_batch = t.global_batch_size if t.global_batch_size > 0 else t.local_batch_size * self.dims.dp
-        return StepLoader(samples, global_batch, t.local_batch_size, dp_rank, self.dims.dp, self.world.device)
+        global_batch = (
+            training.global_batch_size
+            if training.global_batch_size > 0
+            else training.local_batch_size * self.dims.dp
+        )
+        return StepLoader(
+            samples, global_batch, training.local_batch_size, dp_rank, self.dims.dp, self.world.device
+        )
 
     def restore(self) -> None:
         """Resume from the latest checkpoint, or load initial weights from a DCP folder."""
-        c = self.job.checkpoint
-        step = self.checkpointer.resume_step() if c.enable else None
+        checkpoint = self.job.checkpoint
+        step = self.checkpointer.resume_step() if checkpoint.enable else None
         if step is not None:
             state = self.checkpointer.load(step)
             self.step = state["step"]
             self.loader.load_state_dict({"consumed_samples": state["consumed_samples"]})
-        elif c.initial_load_path is not None and not c.initial_load_in_hf:
-            logger.info("initial weights from DCP folder %s", c.initial_load_path)
-            self.checkpointer.load_model_only(c.initial_load_path)
+        elif checkpoint.initial_load_path is not None and not checkpoint.initial_load_in_hf:
+            logger.info("initial weights from DCP folder %s", checkpoint.initial_load_path)
+            self.checkpointer.load_model_only(checkpoint.initial_load_path)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step; returns (loss, grad norm) as device tensors (no host sync)."""
         batches = self.loader.next_step()
-        set_lr(self.optimizers, self.job.optimizer.lr * lr_factor(self.step + 1, self.job.lr_scheduler, self.job.training.steps))
-        targets = global_target_count(batches, self._mesh("dp"))
+        set_lr(
+            self.optimizers,
+            self.job.optimizer.lr * lr_factor(self.step + 1, self.job.lr_scheduler, self.job.training.steps),
+        )
+        targets = global_target_count(batches, self.meshes.get("dp"))
         if self.pipeline is not None:
-            local_loss = pipeline_forward_backward(self.pipeline, batches, targets, self.context)
-            local_loss = all_reduce_sum(local_loss, self._mesh("pp"))
+            local_loss = pipeline_forward_backward(self.pipeline, batches, targets, self.context.micro_batch)
+            local_loss = all_reduce_sum(local_loss, self.meshes.get("pp"))
         else:
             local_loss = forward_backward(self.parts[0], batches, targets, self.context)
-        norm = grad_norm(self.parts, self._mesh("pp"))
+        norm = grad_norm(self.parts, self.meshes.get("pp"))
         if self.job.training.max_norm > 0:
             clip_grads(self.parts, self.job.training.max_norm, norm)
         for opt in self.optimizers:
@@ -143,14 +173,16 @@ class Trainer:
             opt.zero_grad(set_to_none=True)
         after_optimizer_step(self.parts, self.job.float8)
         self.step += 1
-        return all_reduce_sum(local_loss, self._mesh("loss")), norm
+        return all_reduce_sum(local_loss, self.meshes.get("loss")), norm
 
     def train(self) -> list[StepRecord]:
         """Train to training.steps; returns the logged steps' records."""
         self.restore()
         steps, log_freq = self.job.training.steps, self.job.metrics.log_freq
         if self.step >= steps:
-            logger.info("already trained to step %d of training.steps=%d; raise it to continue", self.step, steps)
+            logger.info(
+                "already trained to step %d of training.steps=%d; raise it to continue", self.step, steps
+            )
         tokens_per_step = self.loader.global_batch * self.job.training.seq_len
         records: list[StepRecord] = []
         window_start, window_steps = time.perf_counter(), 0
@@ -161,7 +193,9 @@ class Trainer:
                 record = StepRecord(self.step, loss.item(), norm.item())
                 elapsed = time.perf_counter() - window_start
                 lr = self.optimizers[0].param_groups[0]["lr"]
-                self.metrics.record(self.step, record.loss, record.grad_norm, lr, window_steps * tokens_per_step, elapsed)
+                self.metrics.record(
+                    self.step, record.loss, record.grad_norm, lr, window_steps * tokens_per_step, elapsed
+                )
                 records.append(record)
                 window_start, window_steps = time.perf_counter(), 0
             if self.checkpointer.should_save(self.step, steps):
@@ -172,11 +206,11 @@ class Trainer:
         return records
 
     def _export_hf(self) -> None:
-        c = self.job.checkpoint
+        checkpoint = self.job.checkpoint
         ckpt = self.checkpointer.folder / f"step-{self.step}"
         if not ckpt.is_dir():
             ckpt = self.checkpointer.save(self.step, self.loader.consumed_samples)
         out = Path(self.job.job.dump_folder) / "hf" / f"step-{self.step}"
         if self.world.is_main:
-            export_hf(ckpt, self.args, out, _EXPORT_DTYPES[c.export_dtype])
+            export_hf(ckpt, self.args, out, DTYPES[checkpoint.export_dtype])
             logger.info("exported HF checkpoint %s", out)

@@ -2,24 +2,59 @@
 
 from __future__ import annotations
 
-from autopar.config import JobConfig, parse_job
+from autopar.config import JobConfig
+from autopar.job import parse_job
 
 TINY_MODEL = {
-    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "intermediate_size": 128, "vocab_size": 320,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 320,
 }
+
+VALID_FLAGS = ["--training.steps", "10", "--lr_scheduler.warmup_steps", "2", "--training.seq_len", "64"]
+"""Flags that make the default (debug-flavor) job validate; tests of one rule add theirs."""
+
+TINY_FLAGS = [
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    *(f"--model.{key}={value}" for key, value in TINY_MODEL.items()),
+]
+"""The tiny model at a short sequence: seconds per step on CPU."""
+
+
+def debug_job(*argv: str) -> JobConfig:
+    """The default job made valid by ``VALID_FLAGS``, with ``argv`` on top."""
+    return parse_job([*VALID_FLAGS, *argv])
 
 
 def tiny_job(dump_folder, *argv: str, name: str = "qwen3", **model: object) -> JobConfig:
     """A 5-step fp32 job of a two-layer model; ``argv`` and ``model`` override it."""
     flags = [
-        "--model.name", name, "--model.flavor", "debug",
-        "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "5",
-        "--training.mixed_precision_param", "float32",
-        "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "0.01",
-        "--metrics.log_freq", "1", "--job.dump_folder", str(dump_folder),
+        *TINY_FLAGS,
+        "--model.name",
+        name,
+        "--model.flavor",
+        "debug",
+        "--training.steps",
+        "5",
+        "--training.mixed_precision_param",
+        "float32",
+        "--optimizer.lr",
+        "0.01",
+        "--metrics.log_freq",
+        "1",
+        "--job.dump_folder",
+        str(dump_folder),
     ]
-    for key, value in {**TINY_MODEL, **model}.items():
+    for key, value in model.items():
         flags += [f"--model.{key}", str(value).lower() if isinstance(value, bool) else str(value)]
     return parse_job(flags + list(argv))
 
@@ -37,4 +72,7 @@ def assert_same_training(run, reference, loss_rtol: float, norm_rtol: float) -> 
 
     assert len(run.losses) == len(reference.losses)
     assert max(relative_deltas(run.losses, reference.losses)) <= loss_rtol, (run.losses, reference.losses)
-    assert max(relative_deltas(run.grad_norms, reference.grad_norms)) <= norm_rtol, (run.grad_norms, reference.grad_norms)
+    assert max(relative_deltas(run.grad_norms, reference.grad_norms)) <= norm_rtol, (
+        run.grad_norms,
+        reference.grad_norms,
+    )

@@ -10,12 +10,10 @@ from pathlib import Path
 import pytest
 
 from autopar.metrics import read_metrics
-from jobs import TINY_MODEL
+
+from jobs import TINY_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_FLAGS = [f"--model.{k}={v}" for k, v in TINY_MODEL.items()] + [
-    "--training.seq_len", "32", "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "2",
-]
 
 
 def run(*argv: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -23,9 +21,20 @@ def run(*argv: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 def test_train_py_trains_the_debug_job_and_writes_metrics(tmp_path):
-    result = run(sys.executable, "train.py", "--job.config", "train_configs/debug_model.toml",
-                 "--training.steps", "40", "--metrics.log_freq", "10", "--job.dump_folder", str(tmp_path),
-                 "--checkpoint.enable", "false")
+    result = run(
+        sys.executable,
+        "train.py",
+        "--job.config",
+        "train_configs/debug_model.toml",
+        "--training.steps",
+        "40",
+        "--metrics.log_freq",
+        "10",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--checkpoint.enable",
+        "false",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 10, 20, 30, 40]
@@ -34,27 +43,62 @@ def test_train_py_trains_the_debug_job_and_writes_metrics(tmp_path):
 
 
 def test_train_py_reports_a_config_error_and_touches_nothing(tmp_path):
-    result = run(sys.executable, "train.py", "--job.config", "train_configs/debug_model.toml",
-                 "--parallelism.tensor_parallel_degree", "3", "--job.dump_folder", str(tmp_path / "out"))
+    result = run(
+        sys.executable,
+        "train.py",
+        "--job.config",
+        "train_configs/debug_model.toml",
+        "--parallelism.tensor_parallel_degree",
+        "3",
+        "--job.dump_folder",
+        str(tmp_path / "out"),
+    )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("config error: world size 1 is not divisible")
     assert not (tmp_path / "out").exists()
 
 
 def test_print_config_shows_overrides():
-    result = run(sys.executable, "train.py", "--job.config", "train_configs/qwen3_8b.toml",
-                 "--parallelism.tensor_parallel_degree", "4", "--print-config")
+    result = run(
+        sys.executable,
+        "train.py",
+        "--job.config",
+        "train_configs/qwen3_8b.toml",
+        "--parallelism.tensor_parallel_degree",
+        "4",
+        "--print-config",
+    )
     assert result.returncode == 0
     assert 'flavor = "8B"' in result.stdout and "tensor_parallel_degree = 4" in result.stdout
 
 
 @pytest.mark.slow
 def test_torchrun_runs_fsdp_x_tp_on_four_cpu_ranks(tmp_path):
-    result = run(sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--master_port=29631",
-                 "train.py", "--job.config", "train_configs/debug_model.toml", *TINY_FLAGS,
-                 "--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2",
-                 "--training.steps", "3", "--metrics.log_freq", "1", "--job.dump_folder", str(tmp_path),
-                 "--checkpoint.enable", "true", "--checkpoint.interval", "3")
+    result = run(
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=4",
+        "--master_port=29631",
+        "train.py",
+        "--job.config",
+        "train_configs/debug_model.toml",
+        *TINY_FLAGS,
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        "--parallelism.tensor_parallel_degree",
+        "2",
+        "--training.steps",
+        "3",
+        "--metrics.log_freq",
+        "1",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "3",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
     assert (tmp_path / "checkpoint" / "step-3" / ".metadata").is_file()
@@ -62,16 +106,34 @@ def test_torchrun_runs_fsdp_x_tp_on_four_cpu_ranks(tmp_path):
 
 @pytest.mark.slow
 def test_parity_cli_prints_the_table_and_passes(tmp_path):
-    result = run(sys.executable, "-m", "autopar.parity", "--job.config", "train_configs/debug_model.toml",
-                 *TINY_FLAGS, "--plans", "dp_shard=2", "tp=2,sp=false", "--steps", "3")
+    result = run(
+        sys.executable,
+        "-m",
+        "autopar.parity",
+        "--job.config",
+        "train_configs/debug_model.toml",
+        *TINY_FLAGS,
+        "--plans",
+        "dp_shard=2",
+        "tp=2,sp=false",
+        "--steps",
+        "3",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "all plans within rtol 1e-05 of single device" in result.stdout
     assert "tp=2,sp=false" in result.stdout
 
 
 def test_parity_cli_refuses_an_impossible_plan():
-    result = run(sys.executable, "-m", "autopar.parity", "--job.config", "train_configs/debug_model.toml",
-                 "--plans", "tp=3")
+    result = run(
+        sys.executable,
+        "-m",
+        "autopar.parity",
+        "--job.config",
+        "train_configs/debug_model.toml",
+        "--plans",
+        "tp=3",
+    )
     assert result.returncode == 2
     assert "plan 'tp=3': parallelism.tensor_parallel_degree=3 does not divide" in result.stderr
 
@@ -79,8 +141,23 @@ def test_parity_cli_refuses_an_impossible_plan():
 @pytest.mark.slow
 def test_bench_prints_the_table_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
-    result = run(sys.executable, "-m", "autopar.bench", "--job.config", "train_configs/debug_model.toml",
-                 *TINY_FLAGS, "--variants", "eager", "compiled", "--warmup", "1", "--steps", "2", "--json", str(out))
+    result = run(
+        sys.executable,
+        "-m",
+        "autopar.bench",
+        "--job.config",
+        "train_configs/debug_model.toml",
+        *TINY_FLAGS,
+        "--variants",
+        "eager",
+        "compiled",
+        "--warmup",
+        "1",
+        "--steps",
+        "2",
+        "--json",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tokens/s/dev" in result.stdout and "vs eager" in result.stdout
     results = json.loads(out.read_text())["results"]
@@ -95,7 +172,14 @@ def test_plot_overlays_runs(tmp_path):
         lines = [json.dumps({"step": i + 1, "loss": loss}) for i, loss in enumerate(losses)]
         (tmp_path / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp_path / "curves.png"
-    result = run(sys.executable, "-m", "autopar.plot", str(tmp_path / "a" / "metrics.jsonl"),
-                 str(tmp_path / "b" / "metrics.jsonl"), "-o", str(out))
+    result = run(
+        sys.executable,
+        "-m",
+        "autopar.plot",
+        str(tmp_path / "a" / "metrics.jsonl"),
+        str(tmp_path / "b" / "metrics.jsonl"),
+        "-o",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

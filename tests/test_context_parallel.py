@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.config import ConfigError, parse_job, validate
+from autopar.config import ConfigError
 from autopar.plans.context_parallel import shard_sequence
-from jobs import assert_same_training, parity_runs, tiny_job
+from autopar.validate import validate
+
+from jobs import assert_same_training, debug_job, parity_runs, tiny_job
 
 
 def test_head_tail_shards_pair_early_and_late_chunks():
@@ -27,21 +29,26 @@ def test_head_tail_gives_every_rank_the_same_causal_work():
 
 
 def cp_job(*flags: str):
-    base = ["--training.steps", "10", "--lr_scheduler.warmup_steps", "2", "--training.seq_len", "64"]
-    return parse_job(base + list(flags))
+    return debug_job(*flags)
 
 
 def test_ring_attention_on_cpu_is_refused_with_the_fix():
     if torch.cuda.is_available():
         pytest.skip("CUDA present: ring attention is allowed")
     job = cp_job("--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_impl", "ring")
-    with pytest.raises(ConfigError, match="context_parallel_impl='ring' needs CUDA.*allgather"):
+    with pytest.raises(ConfigError, match=r"context_parallel_impl='ring' needs CUDA.*allgather"):
         validate(job, 2)
 
 
 def test_unbalanced_cp_needs_only_cp_chunks():
-    job = cp_job("--parallelism.context_parallel_degree", "4", "--training.seq_len", "68",
-                 "--parallelism.context_parallel_load_balancer", "none")
+    job = cp_job(
+        "--parallelism.context_parallel_degree",
+        "4",
+        "--training.seq_len",
+        "68",
+        "--parallelism.context_parallel_load_balancer",
+        "none",
+    )
     validate(job, 4)
     job.parallelism.context_parallel_load_balancer = "headtail"
     with pytest.raises(ConfigError, match="seq_len=68 is not divisible by 8"):

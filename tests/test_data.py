@@ -36,8 +36,10 @@ def test_hf_tokenizer_json_is_used(tmp_path):
 
     tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator(["the cat sat on the mat"] * 20, trainers.BpeTrainer(
-        vocab_size=60, special_tokens=["<unk>", "<|endoftext|>"]))
+    tok.train_from_iterator(
+        ["the cat sat on the mat"] * 20,
+        trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "<|endoftext|>"]),
+    )
     tok.save(str(tmp_path / "tokenizer.json"))
     from autopar.data import HFTokenizer
 
@@ -94,7 +96,7 @@ def test_windows_cover_every_target_once_per_epoch():
 
 
 def test_too_short_dataset_names_the_fix():
-    with pytest.raises(DataError, match="cannot fill one sequence of training.seq_len=64"):
+    with pytest.raises(DataError, match=r"cannot fill one sequence of training\.seq_len=64"):
         PackedWindows(np.arange(10, dtype=np.uint16), seq_len=64, seed=0)
 
 

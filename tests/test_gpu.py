@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autopar.config import validate
 from autopar.distributed import single_process
 from autopar.parity import plan_job, relative_deltas
 from autopar.plans.context_parallel import shard_sequence
 from autopar.trainer import Trainer
+from autopar.validate import validate
+
 from jobs import tiny_job
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -47,7 +48,9 @@ def _train(job):
 def test_cuda_bf16_compiled_matches_eager(tmp_path):
     flags = ("--training.mixed_precision_param", "bfloat16", "--training.seq_len", "128")
     eager = _train(plan_job(tiny_job(tmp_path, *flags), "", 5, str(tmp_path / "e")))
-    compiled = _train(plan_job(tiny_job(tmp_path, *flags, "--compile.enable", "true"), "", 5, str(tmp_path / "c")))
+    compiled = _train(
+        plan_job(tiny_job(tmp_path, *flags, "--compile.enable", "true"), "", 5, str(tmp_path / "c"))
+    )
     # bf16 matmuls fused differently by inductor: a few bf16 ulps on the loss
     assert max(relative_deltas(compiled, eager)) <= 2e-2
 

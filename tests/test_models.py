@@ -16,10 +16,18 @@ transformers = pytest.importorskip("transformers")
 # "1.7B", Qwen2.5-32B's config gives 32.76B against "32.5B"), hence 1.5% tolerance; a wrong
 # width, depth or tie flag moves the count by far more.
 PUBLISHED_BILLIONS = {
-    ("qwen3", "0.6B"): 0.6, ("qwen3", "1.7B"): 1.7, ("qwen3", "4B"): 4.0,
-    ("qwen3", "8B"): 8.2, ("qwen3", "14B"): 14.8, ("qwen3", "32B"): 32.8,
-    ("qwen2.5", "0.5B"): 0.49, ("qwen2.5", "1.5B"): 1.54, ("qwen2.5", "3B"): 3.09,
-    ("qwen2.5", "7B"): 7.61, ("qwen2.5", "14B"): 14.7, ("qwen2.5", "32B"): 32.5,
+    ("qwen3", "0.6B"): 0.6,
+    ("qwen3", "1.7B"): 1.7,
+    ("qwen3", "4B"): 4.0,
+    ("qwen3", "8B"): 8.2,
+    ("qwen3", "14B"): 14.8,
+    ("qwen3", "32B"): 32.8,
+    ("qwen2.5", "0.5B"): 0.49,
+    ("qwen2.5", "1.5B"): 1.54,
+    ("qwen2.5", "3B"): 3.09,
+    ("qwen2.5", "7B"): 7.61,
+    ("qwen2.5", "14B"): 14.7,
+    ("qwen2.5", "32B"): 32.5,
     ("qwen2.5", "72B"): 72.7,
 }
 
@@ -27,21 +35,36 @@ PUBLISHED_BILLIONS = {
 def tiny_args(family: str, kv_ratio: int, tied: bool, head_dim: int = 24) -> ModelArgs:
     heads = 4
     return ModelArgs(
-        vocab_size=97, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-        num_attention_heads=heads, num_key_value_heads=heads // kv_ratio, head_dim=head_dim,
-        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=tied,
-        attention_bias=family == "qwen2", qk_norm=family == "qwen3", max_position_embeddings=128,
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=112,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // kv_ratio,
+        head_dim=head_dim,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+        attention_bias=family == "qwen2",
+        qk_norm=family == "qwen3",
+        max_position_embeddings=128,
     )
 
 
 def hf_model_for(args: ModelArgs):
     config_cls = transformers.Qwen3Config if args.qk_norm else transformers.Qwen2Config
     config = config_cls(
-        vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-        intermediate_size=args.intermediate_size, num_hidden_layers=args.num_hidden_layers,
-        num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
-        head_dim=args.head_dim, rope_theta=args.rope_theta, rms_norm_eps=args.rms_norm_eps,
-        tie_word_embeddings=args.tie_word_embeddings, max_position_embeddings=128,
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_hidden_layers,
+        num_attention_heads=args.num_attention_heads,
+        num_key_value_heads=args.num_key_value_heads,
+        head_dim=args.head_dim,
+        rope_theta=args.rope_theta,
+        rms_norm_eps=args.rms_norm_eps,
+        tie_word_embeddings=args.tie_word_embeddings,
+        max_position_embeddings=128,
         attn_implementation="eager",
     )
     torch.manual_seed(0)
@@ -218,7 +241,7 @@ def test_missing_tensor_is_named(tmp_path):
     tensors = load_file(path / "model.safetensors")
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, path / "model.safetensors")
-    with pytest.raises(HFCheckpointError, match="missing .* 'model.layers.1.mlp.up_proj.weight'"):
+    with pytest.raises(HFCheckpointError, match=r"missing .* 'model\.layers\.1\.mlp\.up_proj\.weight'"):
         from_hf(path)
 
 
@@ -231,7 +254,9 @@ def test_shape_mismatch_prints_expected_and_found(tmp_path):
     config = json.loads((path / "config.json").read_text())
     config["intermediate_size"] = 128
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(HFCheckpointError, match=r"gate_proj.weight' has shape \[112, 64\], the config expects \[128, 64\]"):
+    with pytest.raises(
+        HFCheckpointError, match=r"gate_proj.weight' has shape \[112, 64\], the config expects \[128, 64\]"
+    ):
         from_hf(path)
 
 
@@ -260,5 +285,5 @@ def test_tied_config_with_a_different_head_is_rejected(tmp_path):
     config["tie_word_embeddings"] = True
     (path / "config.json").write_text(json.dumps(config))
     save_file(load_file(path / "model.safetensors"), path / "model.safetensors")
-    with pytest.raises(HFCheckpointError, match="lm_head.weight differs from model.embed_tokens.weight"):
+    with pytest.raises(HFCheckpointError, match=r"lm_head\.weight differs from model\.embed_tokens\.weight"):
         from_hf(path)

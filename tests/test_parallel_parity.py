@@ -10,17 +10,18 @@ import copy
 
 import pytest
 
-from autopar.parity import Case, _run_plans_on_rank, relative_deltas, run_cases
+from autopar.parity import Case, relative_deltas, run_cases, run_plans
 from autopar.spawn import run_on_ranks
+
 from jobs import assert_same_training, tiny_job
 
 pytestmark = pytest.mark.slow
 
 MODELS = {
-    "qwen3-untied": dict(name="qwen3", tie_word_embeddings=False),
-    "qwen3-tied": dict(name="qwen3", tie_word_embeddings=True),
-    "qwen2.5-tied": dict(name="qwen2.5", tie_word_embeddings=True),
-    "qwen2.5-untied": dict(name="qwen2.5", tie_word_embeddings=False),
+    "qwen3-untied": {"name": "qwen3", "tie_word_embeddings": False},
+    "qwen3-tied": {"name": "qwen3", "tie_word_embeddings": True},
+    "qwen2.5-tied": {"name": "qwen2.5", "tie_word_embeddings": True},
+    "qwen2.5-untied": {"name": "qwen2.5", "tie_word_embeddings": False},
 }
 PLANS = [
     "dp_shard=2",
@@ -58,8 +59,17 @@ def test_training_actually_moves_the_loss(parity):
 
 
 def _resume_job(folder, plan_flags, load_step=None):
-    flags = ["--training.steps", "6", "--training.global_batch_size", "4", "--checkpoint.enable", "true",
-             "--checkpoint.interval", "3", *plan_flags]
+    flags = [
+        "--training.steps",
+        "6",
+        "--training.global_batch_size",
+        "4",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "3",
+        *plan_flags,
+    ]
     if load_step is not None:
         flags += ["--checkpoint.load_step", str(load_step)]
     job = tiny_job(folder, *flags)
@@ -80,7 +90,7 @@ def resharded(tmp_path_factory):
         ("tp", _resume_job(tmp / "b", TP2)),
         ("tp->fsdp", _resume_job(tmp / "b", FSDP2, load_step=3)),
     ]
-    runs = {r.plan: r for r in run_on_ranks(_run_plans_on_rank, 2, copy.deepcopy(jobs))[0]}
+    runs = {r.plan: r for r in run_on_ranks(run_plans, 2, copy.deepcopy(jobs))[0]}
     return runs
 
 

@@ -7,12 +7,14 @@ import copy
 import pytest
 import torch
 
-from autopar.config import ConfigError, parse_job, validate
+from autopar.config import ConfigError
 from autopar.models import Qwen, get_flavor
-from autopar.parity import Case, _run_plans_on_rank, relative_deltas, run_cases
+from autopar.parity import Case, relative_deltas, run_cases, run_plans
 from autopar.pipelining.split import check_split, even_split, prune, stage_ids
 from autopar.spawn import run_on_ranks
-from jobs import assert_same_training, tiny_job
+from autopar.validate import validate
+
+from jobs import assert_same_training, debug_job, tiny_job
 
 
 @pytest.mark.parametrize("layers, stages", [(2, 2), (4, 2), (5, 2), (7, 4), (7, 3), (8, 8), (9, 4)])
@@ -48,38 +50,131 @@ def test_stage_ids_loop_and_v():
 
 
 def pp_job(*flags: str, layers: int = 4):
-    base = ["--training.steps", "10", "--lr_scheduler.warmup_steps", "2", "--training.seq_len", "64",
-            "--model.num_hidden_layers", str(layers), "--model.tie_word_embeddings", "false"]
-    return parse_job(base + list(flags))
+    return debug_job("--model.num_hidden_layers", str(layers), "--model.tie_word_embeddings", "false", *flags)
 
 
 @pytest.mark.parametrize(
     "world, flags, message",
     [
-        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_layers_per_stage", "1",
-             "--parallelism.pipeline_parallel_schedule", "1F1B"], "runs exactly 1 stage\\(s\\) per rank, but the split gives 6 stages"),
-        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
-         None),
-        (4, ["--parallelism.pipeline_parallel_degree", "4", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"],
-         "cannot split 4 layers into 8 stages"),
-        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "3"],
-         "pipeline_parallel_microbatch_size=3 does not divide training.local_batch_size=8"),
-        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble",
-             "--parallelism.pipeline_parallel_layers_per_stage", "1"], "runs exactly 2 stage\\(s\\) per rank, but the split gives 6"),
-        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_microbatch_size", "8"],
-         "1F1B needs at least as many micro-batches as stages: .* = 1 < 2"),
-        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "Zigzag"],
-         "pipeline_parallel_schedule='Zigzag' is unknown"),
-        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.module_fqns_per_model_part",
-             "embed_tokens,layers.0,layers.1;layers.3,norm,lm_head"], "'layers.2' is in no stage"),
-        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.module_fqns_per_model_part",
-             "embed_tokens,layers.0,layers.1,layers.2;layers.2,layers.3,norm,lm_head"], "'layers.2' is in stage 0 and stage 1"),
-        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.module_fqns_per_model_part",
-             "embed_tokens,layers.2,layers.3;layers.0,layers.1,norm,lm_head"], "layers must run in order"),
-        (2, ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.module_fqns_per_model_part",
-             "embed_tokens,layers.0,layers.1,norm;layers.2,layers.3,lm_head"], "norm, lm_head in the last"),
-        (2, ["--parallelism.pipeline_parallel_degree", "2", "--model.tie_word_embeddings", "true"],
-         "tie_word_embeddings=true with pipeline_parallel_degree=2"),
+        (
+            2,
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_layers_per_stage",
+                "1",
+                "--parallelism.pipeline_parallel_schedule",
+                "1F1B",
+            ],
+            "runs exactly 1 stage\\(s\\) per rank, but the split gives 6 stages",
+        ),
+        (
+            2,
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_schedule",
+                "Interleaved1F1B",
+            ],
+            None,
+        ),
+        (
+            4,
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "4",
+                "--parallelism.pipeline_parallel_schedule",
+                "ZBVZeroBubble",
+            ],
+            "cannot split 4 layers into 8 stages",
+        ),
+        (
+            2,
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_microbatch_size",
+                "3",
+            ],
+            "pipeline_parallel_microbatch_size=3 does not divide training.local_batch_size=8",
+        ),
+        (
+            2,
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_schedule",
+                "ZBVZeroBubble",
+                "--parallelism.pipeline_parallel_layers_per_stage",
+                "1",
+            ],
+            "runs exactly 2 stage\\(s\\) per rank, but the split gives 6",
+        ),
+        (
+            2,
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_microbatch_size",
+                "8",
+            ],
+            "1F1B needs at least as many micro-batches as stages: .* = 1 < 2",
+        ),
+        (
+            2,
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_schedule",
+                "Zigzag",
+            ],
+            "pipeline_parallel_schedule='Zigzag' is unknown",
+        ),
+        (
+            2,
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.module_fqns_per_model_part",
+                "embed_tokens,layers.0,layers.1;layers.3,norm,lm_head",
+            ],
+            "'layers.2' is in no stage",
+        ),
+        (
+            2,
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.module_fqns_per_model_part",
+                "embed_tokens,layers.0,layers.1,layers.2;layers.2,layers.3,norm,lm_head",
+            ],
+            "'layers.2' is in stage 0 and stage 1",
+        ),
+        (
+            2,
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.module_fqns_per_model_part",
+                "embed_tokens,layers.2,layers.3;layers.0,layers.1,norm,lm_head",
+            ],
+            "layers must run in order",
+        ),
+        (
+            2,
+            [
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.module_fqns_per_model_part",
+                "embed_tokens,layers.0,layers.1,norm;layers.2,layers.3,lm_head",
+            ],
+            "norm, lm_head in the last",
+        ),
+        (
+            2,
+            ["--parallelism.pipeline_parallel_degree", "2", "--model.tie_word_embeddings", "true"],
+            "tie_word_embeddings=true with pipeline_parallel_degree=2",
+        ),
     ],
 )
 def test_impossible_pipelines_are_refused(world, flags, message):
@@ -92,7 +187,9 @@ def test_impossible_pipelines_are_refused(world, flags, message):
 
 
 def test_more_stages_than_layers_is_refused():
-    with pytest.raises(ConfigError, match="pipeline_parallel_degree=8 is more stages than num_hidden_layers=4"):
+    with pytest.raises(
+        ConfigError, match="pipeline_parallel_degree=8 is more stages than num_hidden_layers=4"
+    ):
         validate(pp_job("--parallelism.pipeline_parallel_degree", "8"), 8)
 
 
@@ -117,8 +214,12 @@ PLANS = {
 @pytest.fixture(scope="module")
 def pipeline_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pp")
-    bases = {layers: tiny_job(tmp, "--training.local_batch_size", "4", num_hidden_layers=layers,
-                              tie_word_embeddings=False) for layers in {l for _, l in PLANS.values()}}
+    bases = {
+        layers: tiny_job(
+            tmp, "--training.local_batch_size", "4", num_hidden_layers=layers, tie_word_embeddings=False
+        )
+        for layers in {n for _, n in PLANS.values()}
+    }
     cases = [Case(bases[layers], plan) for plan, layers in PLANS.values()]
     return dict(zip(PLANS, run_cases(cases, steps=5)))
 
@@ -133,16 +234,36 @@ def test_pipeline_matches_single_device(pipeline_runs, name):
 
 @pytest.mark.slow
 def test_checkpoint_saved_under_pp2_resumes_without_pipelining(tmp_path):
-    flags = ["--training.steps", "6", "--training.global_batch_size", "4", "--training.local_batch_size", "4",
-             "--checkpoint.enable", "true", "--checkpoint.interval", "3"]
+    flags = [
+        "--training.steps",
+        "6",
+        "--training.global_batch_size",
+        "4",
+        "--training.local_batch_size",
+        "4",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "3",
+    ]
     pp2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
     dp2 = ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]
     jobs = [
         ("pp2", tiny_job(tmp_path, *flags, *pp2, num_hidden_layers=4, tie_word_embeddings=False)),
-        ("pp2->fsdp2", tiny_job(tmp_path, *flags, *dp2, "--checkpoint.load_step", "3", num_hidden_layers=4,
-                                tie_word_embeddings=False)),
+        (
+            "pp2->fsdp2",
+            tiny_job(
+                tmp_path,
+                *flags,
+                *dp2,
+                "--checkpoint.load_step",
+                "3",
+                num_hidden_layers=4,
+                tie_word_embeddings=False,
+            ),
+        ),
     ]
-    runs = {r.plan: r for r in run_on_ranks(_run_plans_on_rank, 2, copy.deepcopy(jobs))[0]}
+    runs = {r.plan: r for r in run_on_ranks(run_plans, 2, copy.deepcopy(jobs))[0]}
     uninterrupted, resumed = runs["pp2"], runs["pp2->fsdp2"]
     assert len(resumed.losses) == 3
     assert max(relative_deltas(resumed.losses, uninterrupted.losses[3:])) <= 1e-5

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import itertools
 import shutil
 
 import pytest
 import torch
 
 from autopar.checkpoint import complete_steps
-from autopar.config import validate
+from autopar.config.job import LRScheduler
 from autopar.data.loader import Batch
 from autopar.distributed import single_process
 from autopar.metrics import read_metrics
 from autopar.models import Qwen, from_hf, get_flavor
 from autopar.optim import lr_factor
-from autopar.config.job import LRScheduler
 from autopar.step import TrainContext, forward_backward
 from autopar.trainer import Trainer
+from autopar.validate import validate
+
 from jobs import TINY_MODEL, tiny_job
 
 
@@ -100,14 +102,23 @@ def test_interrupted_save_keeps_the_previous_checkpoint_usable(tmp_path, monkeyp
 
 
 def test_keep_latest_k_prunes_only_complete_older_checkpoints(tmp_path):
-    train(tiny_job(tmp_path, "--checkpoint.enable", "true", "--checkpoint.interval", "1",
-                   "--checkpoint.keep_latest_k", "2"))
+    train(
+        tiny_job(
+            tmp_path,
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.interval",
+            "1",
+            "--checkpoint.keep_latest_k",
+            "2",
+        )
+    )
     assert complete_steps(tmp_path / "checkpoint") == [4, 5]
 
 
 def test_load_step_that_does_not_exist_is_reported(tmp_path):
     job = tiny_job(tmp_path, "--checkpoint.enable", "true", "--checkpoint.load_step", "3")
-    with pytest.raises(FileNotFoundError, match="checkpoint.load_step=3: no complete checkpoint"):
+    with pytest.raises(FileNotFoundError, match=r"checkpoint\.load_step=3: no complete checkpoint"):
         train(job)
 
 
@@ -128,9 +139,16 @@ def test_hf_in_trains_and_hf_out_loads_back(tmp_path):
     model.init_weights(seed=9)
     to_hf(model, tmp_path / "start")
     job = tiny_job(
-        tmp_path / "run", "--checkpoint.initial_load_path", str(tmp_path / "start"),
-        "--checkpoint.initial_load_in_hf", "true", "--checkpoint.last_save_in_hf", "true",
-        "--optimizer.lr", "0", name="qwen2.5",
+        tmp_path / "run",
+        "--checkpoint.initial_load_path",
+        str(tmp_path / "start"),
+        "--checkpoint.initial_load_in_hf",
+        "true",
+        "--checkpoint.last_save_in_hf",
+        "true",
+        "--optimizer.lr",
+        "0",
+        name="qwen2.5",
     )
     train(job)
     exported = from_hf(tmp_path / "run" / "hf" / "step-5")
@@ -143,7 +161,7 @@ def test_lr_warms_up_then_decays_to_the_floor(decay_type):
     cfg = LRScheduler(warmup_steps=10, decay_type=decay_type, min_lr_factor=0.1)
     factors = [lr_factor(s, cfg, 100) for s in range(1, 101)]
     assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
-    assert all(a >= b for a, b in zip(factors[9:], factors[10:]))
+    assert all(a >= b for a, b in itertools.pairwise(factors[9:]))
     assert factors[-1] == pytest.approx(0.1)
 
 
@@ -157,8 +175,15 @@ def test_wsd_holds_the_peak_until_the_decay_phase():
 def test_hf_export_casts_to_the_export_dtype(tmp_path):
     from safetensors.torch import load_file
 
-    job = tiny_job(tmp_path, "--checkpoint.last_save_in_hf", "true", "--checkpoint.export_dtype", "bfloat16",
-                   "--training.steps", "2")
+    job = tiny_job(
+        tmp_path,
+        "--checkpoint.last_save_in_hf",
+        "true",
+        "--checkpoint.export_dtype",
+        "bfloat16",
+        "--training.steps",
+        "2",
+    )
     trainer = Trainer(job, validate(job, 1), single_process())
     trainer.train()
     exported = load_file(tmp_path / "hf" / "step-2" / "model.safetensors")

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.config import validate
+from autopar.config.job import ActivationCheckpoint
 from autopar.distributed import single_process
 from autopar.models import Qwen, get_flavor
 from autopar.plans.activation_checkpoint import checkpointed_layers
-from autopar.config.job import ActivationCheckpoint
 from autopar.trainer import Trainer
+from autopar.validate import validate
+
 from jobs import TINY_MODEL, assert_same_training, parity_runs, tiny_job
 
 
@@ -32,8 +33,12 @@ def test_compiled_block_has_no_graph_breaks():
 
 @pytest.mark.parametrize(
     "mode, option, expected",
-    [("none", "op", []), ("full", "op", ["0", "1", "2", "3"]), ("selective", "op", ["0", "1", "2", "3"]),
-     ("selective", "2", ["0", "2"])],
+    [
+        ("none", "op", []),
+        ("full", "op", ["0", "1", "2", "3"]),
+        ("selective", "op", ["0", "1", "2", "3"]),
+        ("selective", "2", ["0", "2"]),
+    ],
 )
 def test_checkpointed_layers_follow_the_mode(mode, option, expected):
     cfg = ActivationCheckpoint(mode=mode, selective_ac_option=option)
@@ -86,8 +91,18 @@ def test_compiled_matches_eager_single_device(compile_runs, plan):
 @pytest.mark.slow
 def test_torchao_fp8_trains_and_starts_near_fp32(tmp_path):
     pytest.importorskip("torchao")
-    flags = ("--training.steps", "30", "--float8.enable", "true", "--float8.backend", "torchao",
-             "--metrics.log_freq", "1", "--training.local_batch_size", "4")
+    flags = (
+        "--training.steps",
+        "30",
+        "--float8.enable",
+        "true",
+        "--float8.backend",
+        "torchao",
+        "--metrics.log_freq",
+        "1",
+        "--training.local_batch_size",
+        "4",
+    )
     fp8_job = tiny_job(tmp_path / "fp8", *flags)
     fp32_job = tiny_job(tmp_path / "fp32", *flags[:2], "--training.local_batch_size", "4")
     fp8 = Trainer(fp8_job, validate(fp8_job, 1), single_process()).train()

@@ -9,18 +9,20 @@ that are model args (``num_hidden_layers``...) become ``model.overrides``.
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import difflib
 import inspect
+import itertools
 import sys
 import types
 import typing
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from autopar.config.errors import ConfigError
 from autopar.config.job import JobConfig, Model
-from autopar.models.args import ModelArgs
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -43,9 +45,6 @@ def sections() -> dict[str, type]:
 def field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-_MODEL_ARG_TYPES = field_types(ModelArgs)
 
 
 def _type_name(annotation: Any) -> str:
@@ -95,9 +94,12 @@ def coerce(value: Any, annotation: Any, key: str, from_cli: bool) -> Any:
                 return annotation(value)
             except ValueError:
                 pass
-        elif not isinstance(value, bool) and isinstance(value, (int, float)):
-            if annotation is float or float(value).is_integer():
-                return annotation(value)
+        elif (
+            not isinstance(value, bool)
+            and isinstance(value, (int, float))
+            and (annotation is float or float(value).is_integer())
+        ):
+            return annotation(value)
         raise ConfigError(f"{key}={value!r} is not {'an int' if annotation is int else 'a number'}")
     if annotation is str:
         if isinstance(value, str):
@@ -114,7 +116,12 @@ def _unknown(kind: str, name: str, known: list[str]) -> ConfigError:
     return ConfigError(f"unknown {kind} {name!r}{hint}")
 
 
-def set_field(job: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
+ModelFields = Mapping[str, Any]
+"""Model argument name -> type: the keys ``[model]`` accepts besides its own fields. The
+config floor does not know the model; callers pass its fields (``autopar.job`` does)."""
+
+
+def set_field(job: JobConfig, dotted: str, value: Any, from_cli: bool, model_fields: ModelFields) -> None:
     """Assign ``section.field`` (or a model arg under ``model.``), type-checked."""
     section_name, _, name = dotted.partition(".")
     all_sections = sections()
@@ -123,23 +130,23 @@ def set_field(job: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
     section = getattr(job, section_name)
     types_ = field_types(type(section))
     if isinstance(section, Model) and name not in types_:
-        if name not in _MODEL_ARG_TYPES:
-            known = [n for n in types_ if n != "overrides"] + list(_MODEL_ARG_TYPES)
+        if name not in model_fields:
+            known = [n for n in types_ if n != "overrides"] + list(model_fields)
             raise _unknown("model field", dotted, [f"model.{n}" for n in known])
-        section.overrides[name] = coerce(value, _MODEL_ARG_TYPES[name], dotted, from_cli)
+        section.overrides[name] = coerce(value, model_fields[name], dotted, from_cli)
         return
     if name not in types_ or (isinstance(section, Model) and name == "overrides"):
         raise _unknown("config field", dotted, [f"{section_name}.{n}" for n in types_])
     setattr(section, name, coerce(value, types_[name], dotted, from_cli))
 
 
-def apply_toml(job: JobConfig, data: dict[str, Any], source: str) -> None:
+def apply_toml(job: JobConfig, data: dict[str, Any], source: str, model_fields: ModelFields) -> None:
     for section_name, table in data.items():
         if not isinstance(table, dict):
             raise ConfigError(f"{source}: top-level key {section_name!r} must be a [section] table")
         for name, value in table.items():
             try:
-                set_field(job, f"{section_name}.{name}", value, from_cli=False)
+                set_field(job, f"{section_name}.{name}", value, False, model_fields)
             except ConfigError as err:
                 raise ConfigError(f"{source}: {err}") from None
 
@@ -167,7 +174,7 @@ def _split_cli(argv: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
     return pairs, print_config
 
 
-def parse_job(argv: list[str]) -> JobConfig:
+def parse_job(argv: list[str], model_fields: ModelFields) -> JobConfig:
     """The resolved JobConfig of a command line (CLI > TOML > defaults), not yet validated."""
     pairs, print_config = _split_cli(argv)
     job = JobConfig()
@@ -180,16 +187,16 @@ def parse_job(argv: list[str]) -> JobConfig:
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
             raise ConfigError(f"{config_file}: not valid TOML ({err})") from None
-        apply_toml(job, data, config_file)
+        apply_toml(job, data, config_file, model_fields)
         job.job.config_file = config_file
     for key, value in pairs:
         if key in ("job.config", "job.config_file"):
             continue
         if value is not None:
-            set_field(job, key, value, from_cli=True)
+            set_field(job, key, value, True, model_fields)
             continue
         try:
-            set_field(job, key, "true", from_cli=True)  # a bare flag means true
+            set_field(job, key, "true", True, model_fields)  # a bare flag means true
         except ConfigError as err:
             if str(err).startswith("unknown"):
                 raise
@@ -198,12 +205,23 @@ def parse_job(argv: list[str]) -> JobConfig:
     return job
 
 
+def derive_job(base: JobConfig, overrides: Iterable[str], model_fields: ModelFields) -> JobConfig:
+    """A copy of ``base`` with ``key=value`` overrides applied as CLI flags would be."""
+    job = copy.deepcopy(base)
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"override {item!r} is not key=value (e.g. training.steps=20)")
+        set_field(job, key.strip(), value.strip(), True, model_fields)
+    return job
+
+
 def field_docs(cls: type) -> dict[str, str]:
     """The string literal under each field of ``cls`` (its --help text)."""
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body
     docs = {}
-    for node, following in zip(body, body[1:]):
+    for node, following in itertools.pairwise(body):
         if (
             isinstance(node, ast.AnnAssign)
             and isinstance(node.target, ast.Name)

@@ -14,8 +14,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from autopar.config.errors import ConfigError
+from autopar.config.job import Training
 from autopar.data.dataset import Blend, PackedWindows, SampleSource
-from autopar.data.tokenizer import Tokenizer
+from autopar.data.tokenizer import Tokenizer, build_tokenizer, tokenizer_file
 from autopar.data.tokens import BUILTIN_DATASETS, DataError, load_tokens
 
 IGNORE_INDEX = -100
@@ -127,3 +129,37 @@ def check_data(dataset: str, path: str | None, blend: list[str]) -> None:
     source = dataset_path(dataset, path)
     if not source.exists():
         raise DataError(f"training.dataset_path={str(source)!r}: no such file or folder")
+
+
+def check_training_data(
+    cfg: Training, tokenizer_path: str | None, vocab_size: int, max_position_embeddings: int
+) -> None:
+    """The job's data, tokenizer and sequence length against a model's vocabulary and length."""
+    if tokenizer_path is not None and not tokenizer_file(tokenizer_path).is_file():
+        raise ConfigError(f"model.tokenizer_path={tokenizer_path!r}: no tokenizer.json there")
+    try:
+        check_data(cfg.dataset, cfg.dataset_path, cfg.dataset_blend)
+        tokenizer = build_tokenizer(tokenizer_path)
+    except (DataError, ValueError) as err:
+        raise ConfigError(str(err)) from None
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer.vocab_size}); raise model.vocab_size or use a smaller tokenizer"
+        )
+    if cfg.seq_len > max_position_embeddings:
+        raise ConfigError(
+            f"training.seq_len={cfg.seq_len} exceeds model.max_position_embeddings="
+            f"{max_position_embeddings}; lower seq_len or raise max_position_embeddings"
+        )
+
+
+def check_batch(cfg: Training, dp: int) -> None:
+    """The global batch must split evenly into micro-steps of ``local_batch_size`` x ``dp``."""
+    per_micro_step = cfg.local_batch_size * dp
+    if cfg.global_batch_size != -1 and cfg.global_batch_size % per_micro_step:
+        raise ConfigError(
+            f"training.global_batch_size={cfg.global_batch_size} is not a multiple of "
+            f"local_batch_size x data-parallel degree = {cfg.local_batch_size} x {dp} = "
+            f"{per_micro_step}; use a multiple of {per_micro_step}"
+        )

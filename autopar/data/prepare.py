@@ -33,8 +33,11 @@ def prepare(inputs: list[str], output: str, tokenizer_path: str | None) -> tuple
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m autopar.data.prepare", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m autopar.data.prepare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--input", nargs="+", required=True, help="text/jsonl files or folders")
     parser.add_argument("--output", required=True, help="output prefix (writes PREFIX.bin and PREFIX.json)")
     parser.add_argument("--tokenizer", default=None, help="HF tokenizer.json; default: byte tokenizer")

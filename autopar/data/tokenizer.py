@@ -45,8 +45,11 @@ class HFTokenizer:
         self._tok = _Tokenizer.from_file(str(file))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         eos = next(
-            (self._tok.token_to_id(t) for t in ("<|endoftext|>", "</s>", "<eos>", "<|im_end|>")
-             if self._tok.token_to_id(t) is not None),
+            (
+                self._tok.token_to_id(t)
+                for t in ("<|endoftext|>", "</s>", "<eos>", "<|im_end|>")
+                if self._tok.token_to_id(t) is not None
+            ),
             None,
         )
         if eos is None:

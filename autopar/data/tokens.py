@@ -48,7 +48,7 @@ def documents(path: Path) -> Iterator[str]:
                 try:
                     yield json.loads(line)["text"]
                 except (json.JSONDecodeError, KeyError, TypeError):
-                    raise DataError(f"{path}:{lineno}: not a JSON object with a \"text\" field") from None
+                    raise DataError(f'{path}:{lineno}: not a JSON object with a "text" field') from None
     elif path.suffix in TEXT_SUFFIXES:
         yield path.read_text(encoding="utf-8")
     else:
@@ -64,7 +64,7 @@ def tokenize_files(files: list[Path], tokenizer: Tokenizer) -> np.ndarray:
     chunks = []
     for file in files:
         for doc in documents(file):
-            chunks.append(np.asarray(tokenizer.encode(doc) + [tokenizer.eos_id], dtype=np.int64))
+            chunks.append(np.asarray([*tokenizer.encode(doc), tokenizer.eos_id], dtype=np.int64))
     if not chunks:
         raise DataError(f"{files[0].parent}: no documents found")
     return np.concatenate(chunks).astype(token_dtype(tokenizer.vocab_size))

@@ -39,8 +39,13 @@ class ModelArgs:
     def check(self) -> None:
         """Raise ValueError naming the field when the shape is not a valid model."""
         positive = (
-            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "head_dim",
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
         )
         for name in positive:
             if getattr(self, name) <= 0:

@@ -15,30 +15,53 @@ from autopar.models.args import ModelArgs
 
 def _qwen3(hidden: int, layers: int, heads: int, inter: int, tied: bool) -> ModelArgs:
     return ModelArgs(
-        vocab_size=151936, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
-        rms_norm_eps=1e-6, tie_word_embeddings=tied, attention_bias=False, qk_norm=True,
+        vocab_size=151936,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+        attention_bias=False,
+        qk_norm=True,
         max_position_embeddings=40960,
     )
 
 
-def _qwen25(
-    hidden: int, layers: int, heads: int, kv: int, inter: int, vocab: int, tied: bool
-) -> ModelArgs:
+def _qwen25(hidden: int, layers: int, heads: int, kv: int, inter: int, vocab: int, tied: bool) -> ModelArgs:
     return ModelArgs(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads,
-        rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=tied, attention_bias=True,
-        qk_norm=False, max_position_embeddings=32768,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=hidden // heads,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tied,
+        attention_bias=True,
+        qk_norm=False,
+        max_position_embeddings=32768,
     )
 
 
 FLAVORS: dict[str, dict[str, ModelArgs]] = {
     "qwen3": {
         "debug": ModelArgs(
-            vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-            num_attention_heads=8, num_key_value_heads=4, head_dim=32, tie_word_embeddings=False,
-            qk_norm=True, max_position_embeddings=4096,
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=32,
+            tie_word_embeddings=False,
+            qk_norm=True,
+            max_position_embeddings=4096,
         ),
         "0.6B": _qwen3(1024, 28, 16, 3072, tied=True),
         "1.7B": _qwen3(2048, 28, 16, 6144, tied=True),
@@ -49,9 +72,16 @@ FLAVORS: dict[str, dict[str, ModelArgs]] = {
     },
     "qwen2.5": {
         "debug": ModelArgs(
-            vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
-            attention_bias=True, max_position_embeddings=4096,
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=True,
+            attention_bias=True,
+            max_position_embeddings=4096,
         ),
         "0.5B": _qwen25(896, 24, 14, 2, 4864, 151936, tied=True),
         "1.5B": _qwen25(1536, 28, 12, 2, 8960, 151936, tied=True),
@@ -70,9 +100,7 @@ def get_flavor(name: str, flavor: str, **overrides: Any) -> ModelArgs:
         raise ValueError(f"model.name={name!r} is unknown; choose one of {sorted(FLAVORS)}")
     family = FLAVORS[name]
     if flavor not in family:
-        raise ValueError(
-            f"model.flavor={flavor!r} is unknown for {name}; choose one of {list(family)}"
-        )
+        raise ValueError(f"model.flavor={flavor!r} is unknown for {name}; choose one of {list(family)}")
     fields = {f.name for f in dataclasses.fields(ModelArgs)}
     unknown = sorted(set(overrides) - fields)
     if unknown:

@@ -19,13 +19,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from autopar.models.args import ModelArgs
+from autopar.models.dtypes import dtype_name
 from autopar.models.qwen import Qwen, canonical_name
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class HFCheckpointError(ValueError):
@@ -106,14 +106,14 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
         "rope_scaling": None,
         "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
         "tie_word_embeddings": args.tie_word_embeddings,
-        "attention_bias": False if args.qk_norm else True,
+        "attention_bias": not args.qk_norm,
         "use_sliding_window": False,
         "sliding_window": None,
         "max_window_layers": args.num_hidden_layers,
         "attention_dropout": 0.0,
         "use_cache": True,
-        "torch_dtype": _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")),
-        "dtype": _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")),
+        "torch_dtype": dtype_name(dtype),
+        "dtype": dtype_name(dtype),
     }
 
 
@@ -142,7 +142,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     if not single.is_file():
         raise HFCheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
     with safe_open(single, framework="pt") as f:
-        return {name: single for name in f.keys()}
+        return dict.fromkeys(f.keys(), single)
 
 
 def _read(file: Path, hf_name: str) -> torch.Tensor:
@@ -252,8 +252,11 @@ def save_hf_streaming(
     ``lm_head.weight``, as HF writes them."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    names = {n: spec for n, spec in layout.items()
-             if not (args.tie_word_embeddings and to_hf_name(n) == "lm_head.weight")}
+    names = {
+        n: spec
+        for n, spec in layout.items()
+        if not (args.tie_word_embeddings and to_hf_name(n) == "lm_head.weight")
+    }
     sizes = {n: math.prod(shape) * dtype.itemsize for n, (shape, dtype) in names.items()}
     groups = _shard_groups(sizes, max_shard_bytes)
     weight_map = {}
@@ -262,7 +265,7 @@ def save_hf_streaming(
         tensors = load(group)
         shard = {to_hf_name(n): tensors[n].detach().contiguous().cpu() for n in group}
         save_file(shard, str(path / file), metadata={"format": "pt"})
-        weight_map.update({hf_name: file for hf_name in shard})
+        weight_map.update(dict.fromkeys(shard, file))
     if len(groups) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
@@ -283,7 +286,5 @@ def save_hf(
 
 def to_hf(model: Qwen, path: str | Path, dtype: torch.dtype | None = None) -> None:
     """Write a single-device ``model`` as an HF checkpoint that ``from_pretrained`` loads."""
-    state = {
-        name: (p if dtype is None else p.to(dtype)) for name, p in model.named_parameters()
-    }
+    state = {name: (p if dtype is None else p.to(dtype)) for name, p in model.named_parameters()}
     save_hf(state, model.args, path)

@@ -34,9 +34,7 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rotary_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables for ``positions`` in fp32, shape (*positions.shape, head_dim)."""
     exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponent)  # (D/2,)

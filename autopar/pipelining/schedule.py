@@ -1,13 +1,20 @@
 """Pipeline schedules from ``torch.distributed.pipelining``, driven with the trainer's loss.
 
-The last stage computes the same token-summed loss divided by the global target count as
-the non-pipelined step, and ``scale_grads=False`` stops the schedule from dividing again by
-the number of micro-batches; so pipelining, accumulation and data parallelism all agree.
+The last stage computes the token-summed loss and ``scale_grads=False`` stops the schedule
+from dividing by the number of micro-batches; after the step's micro-batches, gradients
+are divided once by the global target count. The result is the non-pipelined step's
+(loss / global targets), so pipelining, accumulation and data parallelism all agree.
+
+The loss and the per-micro-batch context (context parallel, autocast, loss parallel) come
+in as plain callables: this floor does not know the training step.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -21,18 +28,29 @@ from autopar.config.job import Parallelism
 from autopar.data.loader import Batch
 from autopar.models.args import ModelArgs
 from autopar.pipelining.split import StageStyle, check_split, even_split
-from autopar.step import TrainContext
 
-SCHEDULE_STYLES: dict[str, tuple[StageStyle, int | None]] = {
-    "GPipe": ("loop", 1),
-    "1F1B": ("loop", 1),
-    "Interleaved1F1B": ("loop", None),
-    "LoopedBFS": ("loop", None),
-    "InterleavedZeroBubble": ("loop", None),
-    "ZBVZeroBubble": ("v", 2),
-    "DualPipeV": ("v", 2),
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(logits, labels) -> summed token loss."""
+MicroBatchContext = Callable[[Batch], contextlib.AbstractContextManager[tuple[Batch, "torch.Tensor | None"]]]
+"""Full micro-batch -> context giving (this rank's part of it, its RoPE positions or None)."""
+
+
+class ScheduleStyle(NamedTuple):
+    placement: StageStyle
+    """How stages map to ranks: ``loop`` (stage s on rank s mod pp) or ``v`` (down and back)."""
+    stages_per_rank: int | None
+    """Stages each rank runs; None: any number (2 by default)."""
+
+
+SCHEDULE_STYLES: dict[str, ScheduleStyle] = {
+    "GPipe": ScheduleStyle("loop", 1),
+    "1F1B": ScheduleStyle("loop", 1),
+    "Interleaved1F1B": ScheduleStyle("loop", None),
+    "LoopedBFS": ScheduleStyle("loop", None),
+    "InterleavedZeroBubble": ScheduleStyle("loop", None),
+    "ZBVZeroBubble": ScheduleStyle("v", 2),
+    "DualPipeV": ScheduleStyle("v", 2),
 }
-"""Schedule name -> (how stages map to ranks, stages per rank; None: any, default 2)."""
 
 
 def schedule_name(cfg: Parallelism) -> str:
@@ -56,9 +74,13 @@ def num_stages(cfg: Parallelism, num_layers: int) -> int:
     if cfg.module_fqns_per_model_part:
         return len(cfg.module_fqns_per_model_part)
     if cfg.pipeline_parallel_layers_per_stage is not None:
-        units = num_layers + cfg.pipeline_parallel_first_stage_less_layers + cfg.pipeline_parallel_last_stage_less_layers
+        units = (
+            num_layers
+            + cfg.pipeline_parallel_first_stage_less_layers
+            + cfg.pipeline_parallel_last_stage_less_layers
+        )
         return -(-units // cfg.pipeline_parallel_layers_per_stage)
-    per_rank = SCHEDULE_STYLES[schedule_name(cfg)][1] or 2
+    per_rank = SCHEDULE_STYLES[schedule_name(cfg)].stages_per_rank or 2
     return cfg.pipeline_parallel_degree * per_rank
 
 
@@ -66,9 +88,11 @@ def check_schedule(cfg: Parallelism, stages: int, microbatches: int) -> None:
     """The rules torch's schedules enforce at run time, checked before anything starts."""
     name = schedule_name(cfg)
     pp = cfg.pipeline_parallel_degree
-    style, per_rank = SCHEDULE_STYLES[name]
+    per_rank = SCHEDULE_STYLES[name].stages_per_rank
     if stages % pp:
-        raise ConfigError(f"{stages} pipeline stages do not divide over pipeline_parallel_degree={pp}; use a multiple of {pp}")
+        raise ConfigError(
+            f"{stages} pipeline stages do not divide over pipeline_parallel_degree={pp}; use a multiple of {pp}"
+        )
     if per_rank is not None and stages != pp * per_rank:
         raise ConfigError(
             f"parallelism.pipeline_parallel_schedule={name!r} runs exactly {per_rank} stage(s) per "
@@ -83,7 +107,9 @@ def check_schedule(cfg: Parallelism, stages: int, microbatches: int) -> None:
     if name == "Interleaved1F1B":
         rounds = max(1, microbatches // pp)
         if microbatches % rounds:
-            raise ConfigError(f"Interleaved1F1B needs micro-batches ({microbatches}) to be a multiple of {rounds}")
+            raise ConfigError(
+                f"Interleaved1F1B needs micro-batches ({microbatches}) to be a multiple of {rounds}"
+            )
 
 
 def stage_modules(cfg: Parallelism, args: ModelArgs) -> list[list[str]]:
@@ -92,7 +118,9 @@ def stage_modules(cfg: Parallelism, args: ModelArgs) -> list[list[str]]:
         stages = cfg.module_fqns_per_model_part
     else:
         stages = even_split(
-            args.num_hidden_layers, num_stages(cfg, args.num_hidden_layers), cfg.pipeline_parallel_first_stage_less_layers,
+            args.num_hidden_layers,
+            num_stages(cfg, args.num_hidden_layers),
+            cfg.pipeline_parallel_first_stage_less_layers,
             cfg.pipeline_parallel_last_stage_less_layers,
         )
     check_split(stages, args.num_hidden_layers)
@@ -118,24 +146,23 @@ def check_pipeline(cfg: Parallelism, args: ModelArgs, local_batch_size: int) -> 
     check_schedule(cfg, len(stage_modules(cfg, args)), local_batch_size // mbs)
 
 
-class PipelineLoss:
-    """The last stage's loss: token-summed cross-entropy over the step's global target count."""
+def _plain(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` with a DTensor result (vocab-parallel loss) made a plain tensor, which the
+    schedule's backward expects."""
 
-    def __init__(self, context: TrainContext) -> None:
-        self.context = context
-        self.global_targets = torch.ones(())
+    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        value = loss_fn(logits, labels)
+        return value.full_tensor() if isinstance(value, DTensor) else value
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = self.context.loss_fn(logits, labels) / self.global_targets
-        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+    return loss
 
 
 @dataclass
 class Pipeline:
     schedule: object
+    parts: list[nn.Module]
     stage_ids: list[int]
     num_stages: int
-    loss: PipelineLoss
 
     @property
     def has_first(self) -> bool:
@@ -154,36 +181,42 @@ def build_pipeline(
     cfg: Parallelism,
     local_batch_size: int,
     device: torch.device,
-    context: TrainContext,
+    loss_fn: LossFn,
 ) -> Pipeline:
+    """The schedule that runs this rank's ``parts`` (stages ``stage_ids``) with ``loss_fn``."""
     stages = [
         PipelineStage(part, sid, total_stages, device, group=pp_mesh.get_group())
         for part, sid in zip(parts, stage_ids)
     ]
-    loss = PipelineLoss(context)
     cls = get_schedule_class(schedule_name(cfg))
     n_micro = local_batch_size // cfg.pipeline_parallel_microbatch_size
     if issubclass(cls, PipelineScheduleSingle):
-        schedule = cls(stages[0], n_microbatches=n_micro, loss_fn=loss, scale_grads=False)
+        schedule = cls(stages[0], n_microbatches=n_micro, loss_fn=_plain(loss_fn), scale_grads=False)
     else:
-        schedule = cls(stages, n_microbatches=n_micro, loss_fn=loss, scale_grads=False)
-    return Pipeline(schedule, stage_ids, total_stages, loss)
+        schedule = cls(stages, n_microbatches=n_micro, loss_fn=_plain(loss_fn), scale_grads=False)
+    return Pipeline(schedule, parts, stage_ids, total_stages)
 
 
 def pipeline_forward_backward(
-    pipeline: Pipeline, batches: list[Batch], global_targets: torch.Tensor, context: TrainContext
+    pipeline: Pipeline,
+    batches: list[Batch],
+    global_targets: torch.Tensor,
+    micro_batch_context: MicroBatchContext,
 ) -> torch.Tensor:
-    """Run every micro-step through the schedule; this rank's share of the step loss (the
-    last stage's losses, zero elsewhere)."""
-    pipeline.loss.global_targets = global_targets
+    """Run every micro-step through the schedule, then divide the gradients by
+    ``global_targets``; returns this rank's share of the step loss (the last stage's
+    losses over the global targets, zero elsewhere)."""
     total = torch.zeros((), device=global_targets.device)
     for full_batch in batches:
         losses: list[torch.Tensor] = []
-        with context.sequence(full_batch) as (batch, positions), context.loss(), context.forward():
+        with micro_batch_context(full_batch) as (batch, positions):
             args = (batch.inputs,) if pipeline.has_first else ()
             target = batch.labels if pipeline.has_last else None
             kwargs = {} if positions is None else {"positions": positions}
             pipeline.schedule.step(*args, target=target, losses=losses, **kwargs)
         if losses:
-            total += torch.stack([l.detach() for l in losses]).sum()
-    return total
+            total += torch.stack([loss.detach() for loss in losses]).sum()
+    scale = 1.0 / global_targets.item()
+    grads = [p.grad for part in pipeline.parts for p in part.parameters() if p.grad is not None]
+    torch._foreach_mul_(grads, scale)
+    return total * scale

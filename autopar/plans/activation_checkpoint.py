@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from autopar.config.errors import ConfigError
 from autopar.config.job import ActivationCheckpoint
 
 _aten = torch.ops.aten
@@ -45,6 +46,16 @@ def _save_expensive_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 def _op_context():
     return create_selective_checkpoint_contexts(_save_expensive_ops)
+
+
+def check_ac(cfg: ActivationCheckpoint) -> None:
+    """Refuse a selective option that is neither 'op' nor a positive integer."""
+    option = cfg.selective_ac_option
+    if cfg.mode == "selective" and option != "op" and not (option.isdigit() and int(option) >= 1):
+        raise ConfigError(
+            f"activation_checkpoint.selective_ac_option={option!r} must be 'op' or a positive "
+            "integer k (every k-th block)"
+        )
 
 
 def checkpointed_layers(cfg: ActivationCheckpoint, layer_ids: list[str]) -> list[str]:

@@ -12,7 +12,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from autopar.config.errors import ConfigError
 from autopar.config.job import Compile
+
+
+def check_compile(cfg: Compile) -> None:
+    if cfg.enable and not cfg.components:
+        raise ConfigError("compile.components is empty; list 'model' and/or 'loss'")
 
 
 def _fresh_output(_module: nn.Module, _inputs: tuple, output: torch.Tensor) -> torch.Tensor:

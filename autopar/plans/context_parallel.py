@@ -22,15 +22,14 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 from autopar.config.errors import ConfigError
 from autopar.config.job import Parallelism
 from autopar.data.loader import Batch
-
 
 # torch 2.13 renamed the autograd-aware all-gather; 2.11 has only the old name
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor_autograd
@@ -102,7 +101,9 @@ class ContextParallel:
                 yield sharded
             return
         rank, size = self.mesh.get_local_rank(), self.mesh.size()
-        inputs, labels, pos = (shard_sequence(t, rank, size, self.head_tail) for t in (batch.inputs, batch.labels, positions))
+        inputs, labels, pos = (
+            shard_sequence(t, rank, size, self.head_tail) for t in (batch.inputs, batch.labels, positions)
+        )
         with AllGatherKVAttention(self.mesh, pos[0]):
             yield Batch(inputs, labels), pos
 
@@ -118,8 +119,9 @@ class ContextParallel:
         _cp_options.enable_load_balance = self.head_tail
         try:
             buffers = [inputs, labels, positions]
-            with context_parallel(self.mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1],
-                                  no_restore_buffers=set(buffers)):
+            with context_parallel(
+                self.mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)
+            ):
                 yield Batch(inputs, labels), positions
         finally:
             _cp_options.enable_load_balance = previous

@@ -117,10 +117,17 @@ def apply_float8(model: nn.Module, cfg: Float8, device_type: str) -> int:
             parent_name, _, child = fqn.rpartition(".")
             parent = model.get_submodule(parent_name)
             linear = getattr(parent, child)
-            setattr(parent, child, te.Linear(
-                linear.in_features, linear.out_features, bias=linear.bias is not None,
-                params_dtype=linear.weight.dtype, device=linear.weight.device,
-            ))
+            setattr(
+                parent,
+                child,
+                te.Linear(
+                    linear.in_features,
+                    linear.out_features,
+                    bias=linear.bias is not None,
+                    params_dtype=linear.weight.dtype,
+                    device=linear.weight.device,
+                ),
+            )
     return len(targets)
 
 
@@ -132,8 +139,9 @@ def te_autocast(cfg: Float8):
     if resolve_recipe(cfg, "te") == "current":
         fp8_recipe = te_recipe.Float8CurrentScaling()
     else:
-        fp8_recipe = te_recipe.DelayedScaling(fp8_format=te_recipe.Format.HYBRID, amax_history_len=16,
-                                              amax_compute_algo="max")
+        fp8_recipe = te_recipe.DelayedScaling(
+            fp8_format=te_recipe.Format.HYBRID, amax_history_len=16, amax_compute_algo="max"
+        )
     return te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe)
 
 

@@ -18,9 +18,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 ReshardPolicy = Literal["default", "always", "never"]
 
 
-def fsdp_groups(
-    model: nn.Module, policy: ReshardPolicy, pipelined: bool
-) -> list[tuple[list[str], bool]]:
+def fsdp_groups(model: nn.Module, policy: ReshardPolicy, pipelined: bool) -> list[tuple[list[str], bool]]:
     """[(module paths sharded together, reshard_after_forward)], root excluded.
 
     ``default`` reshards blocks after forward except under pipelining (where each micro-batch
@@ -28,13 +26,15 @@ def fsdp_groups(
     needs it first.
     """
     reshard = {"always": True, "never": False, "default": not pipelined}[policy]
-    tied = model.embed_tokens is not None and model.lm_head is not None and (
-        model.embed_tokens.weight is model.lm_head.weight
+    tied = (
+        model.embed_tokens is not None
+        and model.lm_head is not None
+        and (model.embed_tokens.weight is model.lm_head.weight)
     )
     groups: list[tuple[list[str], bool]] = []
     if model.embed_tokens is not None and not tied:
         groups.append((["embed_tokens"], reshard))
-    groups.extend(([f"layers.{i}"], reshard) for i in model.layers.keys())
+    groups.extend(([f"layers.{i}"], reshard) for i in model.layers)
     tail = [name for name in ("norm", "lm_head") if getattr(model, name) is not None]
     if tail and not tied:
         groups.append((tail, policy == "always"))
@@ -61,8 +61,12 @@ def apply_fsdp(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for paths, reshard in fsdp_groups(model, policy, pipelined):
         modules = [model.get_submodule(p) for p in paths]
-        fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh, mp_policy=mp,
-                    reshard_after_forward=reshard)
+        fully_shard(
+            modules if len(modules) > 1 else modules[0],
+            mesh=mesh,
+            mp_policy=mp,
+            reshard_after_forward=reshard,
+        )
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=not pipelined)
     for module in model.modules():
         if isinstance(module, FSDPModule):

@@ -11,6 +11,7 @@ pp, dp_replicate, dp_shard, cp, tp, tp fastest):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -18,7 +19,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autopar.config.errors import ConfigError
 from autopar.config.job import Parallelism
 from autopar.models.args import ModelArgs
-
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,10 @@ class ParallelDims:
                 f"but the world size is {world_size}; make the product equal the number of ranks"
             )
         return cls(
-            dp_replicate=cfg.data_parallel_replicate_degree, dp_shard=shard,
-            cp=cfg.context_parallel_degree, tp=cfg.tensor_parallel_degree,
+            dp_replicate=cfg.data_parallel_replicate_degree,
+            dp_shard=shard,
+            cp=cfg.context_parallel_degree,
+            tp=cfg.tensor_parallel_degree,
             pp=cfg.pipeline_parallel_degree,
         )
 
@@ -80,10 +82,9 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def fsdp(self) -> bool:
+    def fsdp_enabled(self) -> bool:
         """Whether parameters are sharded or replicated across data/context ranks."""
         return self.dp_replicate * self.dp_shard * self.cp > 1
-
 
 
 def _product_text(degrees: dict[str, int]) -> str:
@@ -134,43 +135,46 @@ def check_model_split(
         )
 
 
+MESH_NAMES = ("pp", "tp", "dp", "cp", "loss", "fsdp")
+"""The mesh views a job asks for by name (see the module docstring)."""
+
+
 @dataclass(frozen=True)
 class Meshes:
-    """The named mesh views of one job (see the module docstring)."""
+    """The degrees of one job and its mesh views; one process has no mesh at all.
 
-    dense: DeviceMesh
-    batch: DeviceMesh
-    loss: DeviceMesh
+    ``get(name)`` is the single door: a mesh where that dimension spans more than one rank,
+    else None, so code that needs a dimension asks for it and skips it when absent.
+    """
 
-    @property
-    def pp(self) -> DeviceMesh:
-        return self.dense["pp"]
+    dims: ParallelDims
+    views: Mapping[str, DeviceMesh]
 
-    @property
-    def tp(self) -> DeviceMesh:
-        return self.dense["tp"]
-
-    @property
-    def dp(self) -> DeviceMesh:
-        return self.batch["dp"]
-
-    @property
-    def cp(self) -> DeviceMesh:
-        return self.batch["cp"]
-
-    def fsdp(self, dims: ParallelDims) -> DeviceMesh:
-        """1-D shard mesh for FSDP, 2-D (replicate, shard) for HSDP."""
-        if dims.dp_replicate > 1:
-            return self.dense["dp_replicate", "fsdp"]
-        return self.dense["fsdp"]
+    def get(self, name: str) -> DeviceMesh | None:
+        if name not in MESH_NAMES:
+            raise KeyError(f"unknown mesh {name!r}; one of {MESH_NAMES}")
+        return self.views.get(name)
 
 
 def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
-    """Every mesh view of a job; called once, on every rank."""
+    """Every mesh view of a job; called once, on every rank (no process group for one rank)."""
+    if dims.world_size == 1:
+        return Meshes(dims, {})
     world = init_device_mesh(device_type, (dims.world_size,), mesh_dim_names=("world",))
     dense = world._unflatten(
-        0, (dims.pp, dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp), ("pp", "dp_replicate", "fsdp", "tp")
+        0,
+        (dims.pp, dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp),
+        ("pp", "dp_replicate", "fsdp", "tp"),
     )
     batch = world._unflatten(0, (dims.pp, dims.dp, dims.cp, dims.tp), ("pp", "dp", "cp", "tp"))
-    loss = batch["dp", "cp"]._flatten("loss")
-    return Meshes(dense=dense, batch=batch, loss=loss)
+    views = {
+        "pp": dense["pp"],
+        "tp": dense["tp"],
+        "dp": batch["dp"],
+        "cp": batch["cp"],
+        "loss": batch["dp", "cp"]._flatten("loss"),
+        # HSDP: (replicate, shard) 2-D; FSDP: the shard dimension alone
+        "fsdp": dense["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else dense["fsdp"],
+    }
+    enabled = {"fsdp": dims.fsdp_enabled}
+    return Meshes(dims, {k: v for k, v in views.items() if enabled.get(k, v.size() > 1)})

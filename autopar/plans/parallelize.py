@@ -15,6 +15,7 @@ from torch import nn
 
 from autopar.config.job import JobConfig
 from autopar.models.args import ModelArgs
+from autopar.models.dtypes import DTYPES
 from autopar.models.qwen import Qwen
 from autopar.pipelining.schedule import SCHEDULE_STYLES, schedule_name, stage_modules
 from autopar.pipelining.split import prune, stage_ids
@@ -34,7 +35,7 @@ def compute_dtype(job: JobConfig, device: torch.device) -> torch.dtype:
     choice = job.training.mixed_precision_param
     if choice == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return torch.bfloat16 if choice == "bfloat16" else torch.float32
+    return DTYPES[choice]
 
 
 def loss_parallel_enabled(job: JobConfig, dims: ParallelDims) -> bool:
@@ -45,40 +46,46 @@ def parallelize(
     model: nn.Module,
     args: ModelArgs,
     job: JobConfig,
-    dims: ParallelDims,
-    meshes: Meshes | None,
+    meshes: Meshes,
     device: torch.device,
     pipelined: bool = False,
 ) -> nn.Module:
     """Apply every transformation the job asks for to one (meta-device) model part."""
-    p = job.parallelism
-    if dims.tp > 1:
-        assert meshes is not None
+    parallelism, dims = job.parallelism, meshes.dims
+    tp_mesh = meshes.get("tp")
+    if tp_mesh is not None:
         apply_tp(
-            model, meshes.tp, args, p.enable_sequence_parallel, loss_parallel_enabled(job, dims),
+            model,
+            tp_mesh,
+            args,
+            parallelism.enable_sequence_parallel,
+            loss_parallel_enabled(job, dims),
             float8=job.float8.enable and resolve_backend(job.float8, device.type) == "torchao",
         )
         logger.info(
             "applied tensor parallel: degree %d, sequence parallel %s, loss parallel %s",
-            dims.tp, p.enable_sequence_parallel, loss_parallel_enabled(job, dims),
+            dims.tp,
+            parallelism.enable_sequence_parallel,
+            loss_parallel_enabled(job, dims),
         )
     if job.activation_checkpoint.mode != "none":
         apply_ac(model, job.activation_checkpoint)
         logger.info(
             "applied activation checkpointing: %s (%s)",
-            job.activation_checkpoint.mode, job.activation_checkpoint.selective_ac_option,
+            job.activation_checkpoint.mode,
+            job.activation_checkpoint.selective_ac_option,
         )
     if job.compile.enable and "model" in job.compile.components:
         apply_compile(model, job.compile)
         logger.info("compiled each block with torch.compile (backend %s)", job.compile.backend)
-    if dims.fsdp:
-        assert meshes is not None
+    fsdp_mesh = meshes.get("fsdp")
+    if fsdp_mesh is not None:
         apply_fsdp(
             model,
-            meshes.fsdp(dims),
+            fsdp_mesh,
             param_dtype=compute_dtype(job, device),
             reduce_dtype=torch.float32,
-            policy=p.fsdp_reshard_after_forward,
+            policy=parallelism.fsdp_reshard_after_forward,
             pipelined=pipelined,
         )
         kind = "HSDP" if dims.dp_replicate > 1 and dims.dp_shard * dims.cp > 1 else "FSDP2"
@@ -101,8 +108,7 @@ class ModelParts:
 def build_parts(
     args: ModelArgs,
     job: JobConfig,
-    dims: ParallelDims,
-    meshes: Meshes | None,
+    meshes: Meshes,
     device: torch.device,
     values: FullValue,
 ) -> ModelParts:
@@ -112,17 +118,17 @@ def build_parts(
     if job.float8.enable:
         count = apply_float8(model, job.float8, device.type)
         logger.info("converted %d linears to FP8 (%s)", count, resolve_backend(job.float8, device.type))
-    if dims.pp > 1:
-        assert meshes is not None
+    pp_mesh = meshes.get("pp")
+    if pp_mesh is not None:
         stages = stage_modules(job.parallelism, args)
-        style = SCHEDULE_STYLES[schedule_name(job.parallelism)][0]
-        ids = stage_ids(meshes.pp.get_local_rank(), dims.pp, len(stages), style)
+        placement = SCHEDULE_STYLES[schedule_name(job.parallelism)].placement
+        ids = stage_ids(pp_mesh.get_local_rank(), pp_mesh.size(), len(stages), placement)
         parts = [prune(model, stages[i]) for i in ids]
         logger.info("pipeline stages %s of %d: %s", ids, len(stages), [stages[i] for i in ids])
     else:
         ids, stages, parts = [0], [[]], [model]
     for part in parts:
-        parallelize(part, args, job, dims, meshes, device, pipelined=dims.pp > 1)
+        parallelize(part, args, job, meshes, device, pipelined=pp_mesh is not None)
         materialize(part, device, values)
         part.train()
     return ModelParts(parts, ids, len(stages))

@@ -1,0 +1,68 @@
+"""Checks that need nothing but the job's own numbers (the config floor's share of ``validate``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+from autopar.config.errors import ConfigError
+from autopar.config.job import JobConfig
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise ConfigError(message) unless ``ok``."""
+    if not ok:
+        raise ConfigError(message)
+
+
+def check_numbers(job: JobConfig) -> None:
+    """Every field whose valid range is known without the model, data or world."""
+    training, optimizer, scheduler = job.training, job.optimizer, job.lr_scheduler
+    require(training.steps >= 1, f"training.steps={training.steps} must be >= 1")
+    require(
+        training.local_batch_size >= 1,
+        f"training.local_batch_size={training.local_batch_size} must be >= 1",
+    )
+    require(training.seq_len >= 2, f"training.seq_len={training.seq_len} must be >= 2")
+    require(
+        training.max_norm >= 0,
+        f"training.max_norm={training.max_norm} must be >= 0 (0 disables clipping)",
+    )
+    require(
+        training.global_batch_size == -1 or training.global_batch_size >= 1,
+        f"training.global_batch_size={training.global_batch_size} must be -1 or >= 1",
+    )
+    require(
+        optimizer.lr >= 0 and math.isfinite(optimizer.lr),
+        f"optimizer.lr={optimizer.lr} must be a finite number >= 0",
+    )
+    for name in ("beta1", "beta2"):
+        value = getattr(optimizer, name)
+        require(0 <= value < 1, f"optimizer.{name}={value} must be in [0, 1)")
+    require(optimizer.eps > 0, f"optimizer.eps={optimizer.eps} must be > 0")
+    require(optimizer.weight_decay >= 0, f"optimizer.weight_decay={optimizer.weight_decay} must be >= 0")
+    require(scheduler.warmup_steps >= 0, f"lr_scheduler.warmup_steps={scheduler.warmup_steps} must be >= 0")
+    require(
+        scheduler.warmup_steps <= training.steps,
+        f"lr_scheduler.warmup_steps={scheduler.warmup_steps} exceeds training.steps={training.steps}; "
+        "lower warmup_steps",
+    )
+    require(
+        scheduler.decay_ratio is None or 0 < scheduler.decay_ratio <= 1,
+        f"lr_scheduler.decay_ratio={scheduler.decay_ratio} must be in (0, 1], or unset",
+    )
+    require(
+        0 <= scheduler.min_lr_factor <= 1,
+        f"lr_scheduler.min_lr_factor={scheduler.min_lr_factor} must be in [0, 1]",
+    )
+    require(job.metrics.log_freq >= 1, f"metrics.log_freq={job.metrics.log_freq} must be >= 1")
+    require(
+        not job.metrics.enable_tensorboard or importlib.util.find_spec("tensorboard") is not None,
+        "metrics.enable_tensorboard=true needs tensorboard: pip install tensorboard",
+    )
+    checkpoint = job.checkpoint
+    require(checkpoint.interval >= 1, f"checkpoint.interval={checkpoint.interval} must be >= 1")
+    require(
+        checkpoint.keep_latest_k >= 0,
+        f"checkpoint.keep_latest_k={checkpoint.keep_latest_k} must be >= 0 (0 keeps all)",
+    )

@@ -1,0 +1,53 @@
+"""A job as the trainer and the tools read it: the config parser bound to the model's
+argument names, the model args a job resolves to, and jobs derived from a base job.
+
+``autopar.config`` cannot import the model (it is the ground floor), so the names that
+``[model]`` accepts besides its own fields are passed to it from here.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+from autopar.config import parse
+from autopar.config.errors import ConfigError
+from autopar.config.job import JobConfig
+from autopar.models.args import ModelArgs
+from autopar.models.flavors import get_flavor
+
+MODEL_FIELDS = parse.field_types(ModelArgs)
+"""Model argument name -> type: what ``--model.<arg>`` and ``[model]`` keys may set."""
+
+
+def parse_job(argv: list[str]) -> JobConfig:
+    """The resolved JobConfig of a command line (CLI > TOML > defaults), not yet validated."""
+    return parse.parse_job(argv, MODEL_FIELDS)
+
+
+def set_field(job: JobConfig, dotted: str, value: str) -> None:
+    """Assign one ``section.field`` from a string, as the command line would."""
+    parse.set_field(job, dotted, value, True, MODEL_FIELDS)
+
+
+def derive_job(base: JobConfig, overrides: Iterable[str]) -> JobConfig:
+    """A copy of ``base`` with ``key=value`` overrides applied as command-line flags."""
+    return parse.derive_job(base, overrides, MODEL_FIELDS)
+
+
+def short_run(job: JobConfig, steps: int) -> JobConfig:
+    """``job`` cut to a ``steps``-step measurement: warmup clamped, no checkpoints or export."""
+    job = copy.deepcopy(job)
+    job.training.steps = steps
+    job.lr_scheduler.warmup_steps = min(job.lr_scheduler.warmup_steps, steps)
+    job.checkpoint.enable = False
+    job.checkpoint.last_save_in_hf = False
+    return job
+
+
+def model_args(job: JobConfig) -> ModelArgs:
+    """The job's model: the flavor with ``[model]`` overrides applied."""
+    try:
+        return get_flavor(job.model.name, job.model.flavor, **job.model.overrides)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None

@@ -1,0 +1,55 @@
+"""One validation pass over a job, before any process group, model or file is touched.
+
+Every check raises ``ConfigError`` naming the field, its value and the fix. The rules live
+beside the code that depends on them (each part's ``check_*``); this module only calls them
+all, in an order that reports the most basic mistake first. ``check_plan`` is the subset
+that decides whether a parallel plan can run at all, which the planner reuses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.checkpoint import check_initial_load
+from autopar.config.checks import check_numbers
+from autopar.config.job import JobConfig
+from autopar.data.loader import check_batch, check_training_data
+from autopar.job import model_args
+from autopar.models.args import ModelArgs
+from autopar.pipelining.schedule import check_pipeline
+from autopar.plans.activation_checkpoint import check_ac
+from autopar.plans.compile import check_compile
+from autopar.plans.context_parallel import check_cp
+from autopar.plans.float8 import check_float8
+from autopar.plans.mesh import ParallelDims, check_model_split
+
+
+def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: str) -> ParallelDims:
+    """The parallel plan and its transformations fit this model on ``world_size`` ranks of
+    ``device_type``; returns the resolved degrees."""
+    parallelism = job.parallelism
+    dims = ParallelDims.resolve(parallelism, world_size)
+    check_model_split(
+        dims,
+        args,
+        job.training.seq_len,
+        parallelism.enable_sequence_parallel,
+        head_tail=parallelism.context_parallel_load_balancer == "headtail",
+    )
+    check_batch(job.training, dims.dp)
+    check_ac(job.activation_checkpoint)
+    check_compile(job.compile)
+    check_float8(job.float8, device_type, dims.tp)
+    check_cp(parallelism, device_type)
+    check_pipeline(parallelism, args, job.training.local_batch_size)
+    return dims
+
+
+def validate(job: JobConfig, world_size: int) -> ModelArgs:
+    """Check the whole job for ``world_size`` ranks of this machine; the resolved model args."""
+    check_numbers(job)
+    args = model_args(job)
+    check_plan(job, args, world_size, "cuda" if torch.cuda.is_available() else "cpu")
+    check_training_data(job.training, job.model.tokenizer_path, args.vocab_size, args.max_position_embeddings)
+    check_initial_load(job.checkpoint, args, f"{job.model.name}/{job.model.flavor}")
+    return args

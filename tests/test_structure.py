@@ -1,0 +1,107 @@
+"""The package's floors: every module imports on its own, and lower floors never import higher ones."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "autopar"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = sorted(module_name(p) for p in PACKAGE.rglob("*.py"))
+
+
+def autopar_imports(module: str) -> set[str]:
+    """Every autopar module ``module`` imports, at top level or inside functions."""
+    path = PACKAGE.parent / (module.replace(".", "/") + ".py")
+    if not path.is_file():
+        path = PACKAGE.parent / module.replace(".", "/") / "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return {name for name in found if name == "autopar" or name.startswith("autopar.")}
+
+
+def in_package(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_every_module_imports_on_its_own_in_a_fresh_interpreter():
+    # One interpreter (torch imports once); before each module every autopar module is
+    # forgotten, so each import starts from nothing of autopar, as in a fresh process.
+    script = (
+        "import importlib, sys, traceback\n"
+        f"for name in {MODULES!r}:\n"
+        "    for loaded in [m for m in sys.modules if m == 'autopar' or m.startswith('autopar.')]:\n"
+        "        del sys.modules[loaded]\n"
+        "    try:\n"
+        "        importlib.import_module(name)\n"
+        "    except Exception:\n"
+        "        print(f'{name}: {traceback.format_exc().splitlines()[-1]}')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout == "", f"modules that fail to import on their own:\n{result.stdout}"
+
+
+@pytest.mark.parametrize(
+    "floor, allowed",
+    [
+        ("autopar.config", ("autopar.config",)),
+        ("autopar.models", ("autopar.models",)),
+    ],
+)
+def test_floor_imports_only_itself(floor, allowed):
+    offenders = {
+        module: sorted(
+            name for name in autopar_imports(module) if not any(in_package(name, a) for a in allowed)
+        )
+        for module in MODULES
+        if in_package(module, floor)
+    }
+    assert {m: names for m, names in offenders.items() if names} == {}
+
+
+def test_pipelining_imports_neither_the_step_nor_the_trainer():
+    forbidden = ("autopar.step", "autopar.trainer")
+    offenders = {
+        module: sorted(
+            name for name in autopar_imports(module) if any(in_package(name, f) for f in forbidden)
+        )
+        for module in MODULES
+        if in_package(module, "autopar.pipelining")
+    }
+    assert {m: names for m, names in offenders.items() if names} == {}
+
+
+def test_the_import_graph_has_no_cycles():
+    graph = {module: {name for name in autopar_imports(module) if name in MODULES} for module in MODULES}
+    visiting, done, cycles = set(), set(), []
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in done:
+            return
+        if module in visiting:
+            cycles.append([*path[path.index(module) :], module])
+            return
+        visiting.add(module)
+        for child in sorted(graph[module]):
+            visit(child, [*path, child])
+        visiting.discard(module)
+        done.add(module)
+
+    for module in MODULES:
+        visit(module, [module])
+    assert cycles == []
