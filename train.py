@@ -1,8 +1,13 @@
-"""Train a Qwen model: ``[torchrun --nproc_per_node=N] train.py --job.config FILE [--section.field VALUE ...]``."""
+"""Train a Qwen model: ``[torchrun --nproc_per_node=N] train.py --job.config FILE [--section.field VALUE ...]``.
+
+``--dry-run --world-size N`` builds the job for N GPUs under fake tensors and a fake process
+group on this machine, runs one step per distinct rank role and reports its peak memory.
+"""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -10,8 +15,35 @@ from autopar.config import ConfigError, help_text, to_toml
 from autopar.distributed import init_world, world_size_from_env
 from autopar.job import parse_job
 from autopar.log import setup_logging
+from autopar.planner.dry_run import compare, report, write_dry_run
 from autopar.trainer import Trainer
 from autopar.validate import validate
+
+
+def _dry_run_flags(argv: list[str]) -> tuple[list[str], int | None]:
+    """argv without ``--dry-run --world-size N``, and N (None when not a dry run)."""
+    if "--dry-run" not in argv:
+        return argv, None
+    rest = [a for a in argv if a != "--dry-run"]
+    if "--world-size" not in rest or rest.index("--world-size") + 1 >= len(rest):
+        raise ConfigError("--dry-run needs --world-size N: the number of GPUs to simulate")
+    i = rest.index("--world-size")
+    value = rest[i + 1]
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"--world-size {value!r} must be a positive integer")
+    return rest[:i] + rest[i + 2 :], int(value)
+
+
+def dry_run_main(argv: list[str], world_size: int) -> int:
+    job = parse_job(argv)
+    args = validate(job, world_size, device_type="cuda")
+    setup_logging(0)
+    ranks = compare(job, args, world_size)
+    print(report(ranks))
+    path = Path(job.job.dump_folder) / "dry_run.json"
+    write_dry_run(path, ranks)
+    print(f"wrote {path}")
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -19,6 +51,9 @@ def main(argv: list[str]) -> int:
         print(help_text())
         return 0
     try:
+        argv, dry_world = _dry_run_flags(argv)
+        if dry_world is not None:
+            return dry_run_main(argv, dry_world)
         job = parse_job(argv)
         if job.job.print_config:
             print(to_toml(job))

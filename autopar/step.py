@@ -8,6 +8,7 @@ ranks gives the mean loss of the global batch, whatever the plan.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -17,8 +18,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from autopar.config.job import JobConfig
 from autopar.data.loader import Batch
+from autopar.distributed import World
 from autopar.loss import count_targets, token_loss_sum
+from autopar.optim import build_optimizers, set_lr
+from autopar.pipelining.schedule import Pipeline, build_pipeline, pipeline_forward_backward
+from autopar.plans.context_parallel import ContextParallel
+from autopar.plans.float8 import after_optimizer_step, resolve_backend, te_autocast
+from autopar.plans.mesh import Meshes
+from autopar.plans.parallelize import ModelParts, compute_dtype, loss_parallel_enabled
 
 
 def all_reduce_sum(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
@@ -127,3 +136,79 @@ def grad_norm(parts: list[nn.Module], pp_mesh: DeviceMesh | None) -> torch.Tenso
 def clip_grads(parts: list[nn.Module], max_norm: float, norm: torch.Tensor) -> None:
     grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
     torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+
+
+class TrainStep:
+    """This rank's model parts, optimizers, loss context and pipeline: one optimizer step.
+
+    The trainer calls it with the loader's batches; the dry run with synthetic ones under
+    fake tensors, so both run the same step.
+    """
+
+    def __init__(self, job: JobConfig, world: World, meshes: Meshes, built: ModelParts) -> None:
+        self.job = job
+        self.dims = meshes.dims
+        self.meshes = meshes
+        self.parts = built.parts
+        self.optimizers = build_optimizers(self.parts, job.optimizer, world.device)
+        self.context = TrainContext(
+            world.device,
+            compute_dtype(job, world.device),
+            autocast=not self.dims.fsdp_enabled,
+            loss_parallel=loss_parallel_enabled(job, self.dims),
+            compile_loss=job.compile.enable and "loss" in job.compile.components,
+            fp8_autocast=self._te_autocast(world.device),
+            context_parallel=self._context_parallel(world.device),
+        )
+        self.pipeline: Pipeline | None = None
+        pp_mesh = self.meshes.get("pp")
+        if pp_mesh is not None:
+            self.pipeline = build_pipeline(
+                self.parts,
+                built.stage_ids,
+                built.num_stages,
+                pp_mesh,
+                job.parallelism,
+                job.training.local_batch_size,
+                world.device,
+                self.context.loss_fn,
+            )
+
+    def _context_parallel(self, device: torch.device) -> ContextParallel | None:
+        cp_mesh = self.meshes.get("cp")
+        if cp_mesh is None:
+            return None
+        return ContextParallel(self.job.parallelism, cp_mesh, device.type)
+
+    def _te_autocast(self, device: torch.device) -> Callable[[], contextlib.AbstractContextManager] | None:
+        float8 = self.job.float8
+        if float8.enable and resolve_backend(float8, device.type) == "te":
+            return functools.partial(te_autocast, float8)
+        return None
+
+    def __call__(self, batches: list[Batch], lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step at ``lr``; (step loss, grad norm) as device tensors (no host sync)."""
+        loss = self.forward_backward(batches)
+        return loss, self.update(lr)
+
+    def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
+        """Gradients of the step's micro-batches; the step loss summed over all ranks."""
+        targets = global_target_count(batches, self.meshes.get("dp"))
+        if self.pipeline is not None:
+            local_loss = pipeline_forward_backward(self.pipeline, batches, targets, self.context.micro_batch)
+            local_loss = all_reduce_sum(local_loss, self.meshes.get("pp"))
+        else:
+            local_loss = forward_backward(self.parts[0], batches, targets, self.context)
+        return all_reduce_sum(local_loss, self.meshes.get("loss"))
+
+    def update(self, lr: float) -> torch.Tensor:
+        """Clip, step the optimizers at ``lr`` and free the gradients; the grad norm."""
+        set_lr(self.optimizers, lr)
+        norm = grad_norm(self.parts, self.meshes.get("pp"))
+        if self.job.training.max_norm > 0:
+            clip_grads(self.parts, self.job.training.max_norm, norm)
+        for opt in self.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        after_optimizer_step(self.parts, self.job.float8)
+        return norm

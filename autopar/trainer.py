@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,21 +18,11 @@ from autopar.metrics import MetricsLogger, flops_per_token
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
 from autopar.models.hf import HFTensors
-from autopar.optim import build_optimizers, lr_factor, set_lr
-from autopar.pipelining.schedule import Pipeline, build_pipeline, pipeline_forward_backward
-from autopar.plans.context_parallel import ContextParallel
-from autopar.plans.float8 import after_optimizer_step, resolve_backend, te_autocast
+from autopar.optim import lr_factor
 from autopar.plans.materialize import FullValue, seeded_values, tensor_values
 from autopar.plans.mesh import ParallelDims, build_meshes
-from autopar.plans.parallelize import build_parts, compute_dtype, loss_parallel_enabled
-from autopar.step import (
-    TrainContext,
-    all_reduce_sum,
-    clip_grads,
-    forward_backward,
-    global_target_count,
-    grad_norm,
-)
+from autopar.plans.parallelize import build_parts
+from autopar.step import TrainStep
 
 logger = logging.getLogger("autopar")
 
@@ -54,41 +41,18 @@ class Trainer:
         self.job = job
         self.args = args
         self.world = world
-        self.dims = ParallelDims.resolve(job.parallelism, world.size)
-        self.meshes = build_meshes(self.dims, world.device.type)
         torch.manual_seed(job.debug.seed)
         if job.debug.deterministic:
             torch.use_deterministic_algorithms(True)
+        self.dims = ParallelDims.resolve(job.parallelism, world.size)
+        self.meshes = build_meshes(self.dims, world.device.type)
         built = build_parts(args, job, self.meshes, world.device, self._initial_values())
-        self.parts = built.parts
-        self.optimizers = build_optimizers(self.parts, job.optimizer, world.device)
+        self.one_step = TrainStep(job, world, self.meshes, built)
+        self.parts, self.optimizers = self.one_step.parts, self.one_step.optimizers
         self.loader = self._build_loader()
         self.checkpointer = Checkpointer(
             job.checkpoint, job.job.dump_folder, world.rank, self.parts, self.optimizers
         )
-        dtype = compute_dtype(job, world.device)
-        self.context = TrainContext(
-            world.device,
-            dtype,
-            autocast=not self.dims.fsdp_enabled,
-            loss_parallel=loss_parallel_enabled(job, self.dims),
-            compile_loss=job.compile.enable and "loss" in job.compile.components,
-            fp8_autocast=self._te_autocast(),
-            context_parallel=self._context_parallel(),
-        )
-        self.pipeline: Pipeline | None = None
-        pp_mesh = self.meshes.get("pp")
-        if pp_mesh is not None:
-            self.pipeline = build_pipeline(
-                self.parts,
-                built.stage_ids,
-                built.num_stages,
-                pp_mesh,
-                job.parallelism,
-                job.training.local_batch_size,
-                world.device,
-                self.context.loss_fn,
-            )
         self.metrics = MetricsLogger(
             job.job.dump_folder,
             flops_per_token(args, job.training.seq_len),
@@ -99,24 +63,12 @@ class Trainer:
         )
         self.step = 0
 
-    def _context_parallel(self) -> ContextParallel | None:
-        cp_mesh = self.meshes.get("cp")
-        if cp_mesh is None:
-            return None
-        return ContextParallel(self.job.parallelism, cp_mesh, self.world.device.type)
-
     def _initial_values(self) -> FullValue:
         checkpoint = self.job.checkpoint
         if checkpoint.initial_load_path is not None and checkpoint.initial_load_in_hf:
             logger.info("initial weights from HF folder %s", checkpoint.initial_load_path)
             return tensor_values(HFTensors(checkpoint.initial_load_path, self.args), self.world.device)
         return seeded_values(self.args, self.job.debug.seed, self.world.device)
-
-    def _te_autocast(self) -> Callable[[], contextlib.AbstractContextManager] | None:
-        float8 = self.job.float8
-        if float8.enable and resolve_backend(float8, self.world.device.type) == "te":
-            return functools.partial(te_autocast, float8)
-        return None
 
     def _build_loader(self) -> StepLoader:
         training = self.job.training
@@ -153,27 +105,12 @@ class Trainer:
             self.checkpointer.load_model_only(checkpoint.initial_load_path)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step; returns (loss, grad norm) as device tensors (no host sync)."""
-        batches = self.loader.next_step()
-        set_lr(
-            self.optimizers,
-            self.job.optimizer.lr * lr_factor(self.step + 1, self.job.lr_scheduler, self.job.training.steps),
-        )
-        targets = global_target_count(batches, self.meshes.get("dp"))
-        if self.pipeline is not None:
-            local_loss = pipeline_forward_backward(self.pipeline, batches, targets, self.context.micro_batch)
-            local_loss = all_reduce_sum(local_loss, self.meshes.get("pp"))
-        else:
-            local_loss = forward_backward(self.parts[0], batches, targets, self.context)
-        norm = grad_norm(self.parts, self.meshes.get("pp"))
-        if self.job.training.max_norm > 0:
-            clip_grads(self.parts, self.job.training.max_norm, norm)
-        for opt in self.optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        after_optimizer_step(self.parts, self.job.float8)
+        """The next optimizer step on the loader's next batches; (loss, grad norm) as device
+        tensors (no host sync)."""
+        lr = self.job.optimizer.lr * lr_factor(self.step + 1, self.job.lr_scheduler, self.job.training.steps)
+        result = self.one_step(self.loader.next_step(), lr)
         self.step += 1
-        return all_reduce_sum(local_loss, self.meshes.get("loss")), norm
+        return result
 
     def train(self) -> list[StepRecord]:
         """Train to training.steps; returns the logged steps' records."""

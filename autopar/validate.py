@@ -45,11 +45,13 @@ def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: st
     return dims
 
 
-def validate(job: JobConfig, world_size: int) -> ModelArgs:
-    """Check the whole job for ``world_size`` ranks of this machine; the resolved model args."""
+def validate(job: JobConfig, world_size: int, device_type: str | None = None) -> ModelArgs:
+    """Check the whole job for ``world_size`` ranks of ``device_type`` (default: this
+    machine's); the resolved model args."""
     check_numbers(job)
     args = model_args(job)
-    check_plan(job, args, world_size, "cuda" if torch.cuda.is_available() else "cpu")
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_plan(job, args, world_size, device_type)
     check_training_data(job.training, job.model.tokenizer_path, args.vocab_size, args.max_position_embeddings)
     check_initial_load(job.checkpoint, args, f"{job.model.name}/{job.model.flavor}")
     return args

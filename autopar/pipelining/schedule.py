@@ -216,7 +216,6 @@ def pipeline_forward_backward(
             pipeline.schedule.step(*args, target=target, losses=losses, **kwargs)
         if losses:
             total += torch.stack([loss.detach() for loss in losses]).sum()
-    scale = 1.0 / global_targets.item()
     grads = [p.grad for part in pipeline.parts for p in part.parameters() if p.grad is not None]
-    torch._foreach_mul_(grads, scale)
-    return total * scale
+    torch._foreach_div_(grads, global_targets)  # a device tensor: no host sync
+    return total / global_targets

@@ -105,14 +105,8 @@ class ModelParts:
     num_stages: int
 
 
-def build_parts(
-    args: ModelArgs,
-    job: JobConfig,
-    meshes: Meshes,
-    device: torch.device,
-    values: FullValue,
-) -> ModelParts:
-    """The model parts this rank runs, parallelized and filled with ``values``."""
+def parallelized_parts(args: ModelArgs, job: JobConfig, meshes: Meshes, device: torch.device) -> ModelParts:
+    """The model parts this rank runs, parallelized on the meta device (no memory yet)."""
     with torch.device("meta"):
         model = Qwen(args)
     if job.float8.enable:
@@ -129,6 +123,23 @@ def build_parts(
         ids, stages, parts = [0], [[]], [model]
     for part in parts:
         parallelize(part, args, job, meshes, device, pipelined=pp_mesh is not None)
+    return ModelParts(parts, ids, len(stages))
+
+
+def materialize_parts(built: ModelParts, device: torch.device, values: FullValue) -> ModelParts:
+    """Allocate every part on ``device``, filled with ``values``, in training mode."""
+    for part in built.parts:
         materialize(part, device, values)
         part.train()
-    return ModelParts(parts, ids, len(stages))
+    return built
+
+
+def build_parts(
+    args: ModelArgs,
+    job: JobConfig,
+    meshes: Meshes,
+    device: torch.device,
+    values: FullValue,
+) -> ModelParts:
+    """The model parts this rank runs, parallelized and filled with ``values``."""
+    return materialize_parts(parallelized_parts(args, job, meshes, device), device, values)

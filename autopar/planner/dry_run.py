@@ -1,0 +1,186 @@
+"""A launch at real scale with no GPUs: this job's real parallelized model, one training step,
+under torch's fake process group and fake tensors, its memory measured by torch's trackers.
+
+One rank of each distinct role runs (the first, a middle and the last pipeline stage; every
+other rank holds the same shapes as one of these). What runs is ``autopar.step.TrainStep``,
+the trainer's own step, on synthetic token batches; nothing is allocated and nothing touches
+the disk except ``dry_run.json``.
+
+Differences from the GPU run, stated rather than hidden:
+
+- Compute dtype ``auto`` becomes bfloat16 (what the GPU would use). The tracker watches the
+  forward and backward, where the peak is; it misattributes the optimizer step's
+  temporaries, which CUDA's fused AdamW does not have.
+- ``torch.compile`` is off: eager saves at least what the compiled graph saves, so the
+  figures are an upper bound for a compiled job.
+- Attention takes the CPU flash kernel, which saves what CUDA flash attention saves (the
+  output and a float32 logsumexp, no S x S matrix). Context parallelism takes the CPU
+  all-gather implementation; ``memory.predict`` is told so (``cp_impl``).
+- The allocator's rounding, the CUDA context and NCCL buffers are not simulated; the planner
+  names them as a separate allowance.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from autopar.config.job import JobConfig
+from autopar.data.loader import Batch
+from autopar.distributed import World
+from autopar.models.args import ModelArgs
+from autopar.planner.memory import predict
+from autopar.plans.mesh import ParallelDims, build_meshes
+from autopar.plans.parallelize import materialize_parts, parallelized_parts
+from autopar.step import TrainStep
+
+GIB = 2**30
+
+# tracker category -> our breakdown name
+_CATEGORIES = {
+    "Parameter": "params",
+    "Sharded Param": "params",
+    "Unsharded Param": "gathered_params",
+    "Buffer": "params",
+    "Gradient": "grads",
+    "Sharded Grad": "grads",
+    "Unsharded Grad": "gathered_grads",
+    "Activation": "activations",
+    "Temp": "backward_temps",
+    "All Gather": "gathered_params",
+    "Reduce Scatter": "gathered_grads",
+    "Optstate": "optimizer",
+    "OptState": "optimizer",
+    "Inputs": "activations",
+    "Other": "backward_temps",
+}
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    rank: int
+    role: str
+    measured_peak_gib: float
+    breakdown_gib: dict[str, float]
+    predicted_peak_gib: float | None = None
+
+
+def role_ranks(dims: ParallelDims) -> dict[int, str]:
+    """One rank per distinct role: pipeline stage 0, a middle stage and the last stage (the
+    pipeline dimension is the outermost, so stage s starts at rank s * world / pp)."""
+    per_stage = dims.world_size // dims.pp
+    if dims.pp == 1:
+        return {0: "all ranks"}
+    stages = {0: "first stage", dims.pp // 2: "middle stage", dims.pp - 1: "last stage"}
+    return {stage * per_stage: role for stage, role in sorted(stages.items())}
+
+
+def dry_run_job(job: JobConfig) -> JobConfig:
+    """The job as the fake run executes it (see the module docstring for why)."""
+    job = copy.deepcopy(job)
+    if job.training.mixed_precision_param == "auto":
+        job.training.mixed_precision_param = "bfloat16"
+    job.optimizer.implementation = "for-loop"
+    job.compile.enable = False
+    job.float8.enable = False
+    return job
+
+
+def _batches(job: JobConfig, dims: ParallelDims) -> list[Batch]:
+    training = job.training
+    global_batch = (
+        training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dims.dp
+    )
+    micro_steps = min(2, global_batch // (training.local_batch_size * dims.dp))
+    shape = (training.local_batch_size, training.seq_len)
+    return [Batch(torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long))] * micro_steps
+
+
+def _fake_values(name: str, shape: torch.Size) -> torch.Tensor:
+    return torch.empty(shape)
+
+
+def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) -> dict[str, int]:
+    """Peak bytes by category of ``rank`` over the forward and backward of a second training
+    step (the first creates the optimizer state); leaves no process group behind."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    job = dry_run_job(job)
+    dims = ParallelDims.resolve(job.parallelism, world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        world = World(rank=rank, size=world_size, local_rank=rank, device=torch.device("cpu"))
+        meshes = build_meshes(dims, "cpu")
+        # parallelizing on meta allocates nothing; FSDP builds meshes of its own from real
+        # rank lists, so only materializing and the step run under fake tensors
+        built = parallelized_parts(args, job, meshes, world.device)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            step = TrainStep(job, world, meshes, materialize_parts(built, world.device, _fake_values))
+            batches = _batches(job, dims)
+            step(batches, job.optimizer.lr)  # creates the optimizer state
+            if dims.fsdp_enabled and len(step.parts) == 1:
+                tracker = FSDPMemTracker(step.parts[0], step.optimizers[0])
+            else:
+                tracker = MemTracker()
+                tracker.track_external(*step.parts, *step.optimizers)
+            # the tracker misreads optimizer-step temporaries on DTensors, so it watches the
+            # forward and backward; the update's own peak (params, grads, state) is lower
+            with tracker:
+                step.forward_backward(batches)
+            step.update(job.optimizer.lr)
+            peak = tracker.get_tracker_snapshot("peak")
+    finally:
+        dist.destroy_process_group()
+    by_category: dict[str, int] = {}
+    for device_peak in peak.values():
+        for key, value in device_peak.items():
+            if key == "Total":
+                continue
+            name = _CATEGORIES[str(getattr(key, "value", key))]
+            by_category[name] = by_category.get(name, 0) + value
+    return by_category
+
+
+def dry_run(job: JobConfig, args: ModelArgs, world_size: int) -> list[RankMemory]:
+    """Measured peak memory of one rank per role."""
+    dims = ParallelDims.resolve(job.parallelism, world_size)
+    out = []
+    for rank, role in role_ranks(dims).items():
+        by_category = measure_rank(job, args, world_size, rank)
+        breakdown = {k: v / GIB for k, v in sorted(by_category.items())}
+        out.append(RankMemory(rank, role, sum(by_category.values()) / GIB, breakdown))
+    return out
+
+
+def write_dry_run(path: Path, ranks: list[RankMemory]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"ranks": [asdict(r) for r in ranks]}, indent=2) + "\n")
+
+
+def compare(job: JobConfig, args: ModelArgs, world_size: int) -> list[RankMemory]:
+    """Measured peak of each role beside the planner's prediction for the same dispatch."""
+    predicted = predict(args, dry_run_job(job), world_size, cp_impl="allgather")
+    return [
+        replace(rank, predicted_peak_gib=memory.peak / GIB)
+        for rank, memory in zip(dry_run(job, args, world_size), predicted, strict=True)
+    ]
+
+
+def report(ranks: list[RankMemory]) -> str:
+    """A table: one row per role, measured and predicted peaks and the measured breakdown."""
+    names = sorted({k for r in ranks for k, v in r.breakdown_gib.items() if v > 0})
+    header = f"{'rank':>6} {'role':<13} {'measured':>9} {'predicted':>9}  " + "  ".join(names)
+    rows = [header]
+    for r in ranks:
+        predicted = "-" if r.predicted_peak_gib is None else f"{r.predicted_peak_gib:.2f}"
+        cells = "  ".join(f"{r.breakdown_gib.get(n, 0.0):>{len(n)}.2f}" for n in names)
+        rows.append(f"{r.rank:>6} {r.role:<13} {r.measured_peak_gib:>9.2f} {predicted:>9}  {cells}")
+    return "\n".join(rows) + "\n(GiB per rank; bf16 compute, eager, no CUDA context/NCCL/allocator slack)"

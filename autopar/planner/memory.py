@@ -1,0 +1,309 @@
+"""Peak memory per rank of a plan, by category, before anything is built.
+
+Parameter, gradient and optimizer bytes are exact: every parameter's local shard is computed
+from the tensor-parallel plan's own styles (``plans.tensor_parallel.tp_plan``) and FSDP2's
+dim-0 sharding with padding. Activations count what autograd saves in this model's forward
+(read off ``torch.autograd.graph.saved_tensors_hooks`` and checked against the dry run):
+
+per token of a block, with ``c`` the compute dtype's bytes and heads/intermediate per TP rank,
+- each RMSNorm: its float32 input, the normalized ``c`` copy and a float32 rsqrt per row
+  (sharded along the sequence under sequence parallel); each sublayer's linear input ``c*h``
+  (gathered over the sequence under SP);
+- Qwen3's q/k norms the same per head; attention saves q, k and v expanded to all query
+  heads (GQA is repeated before SDPA), its output and a float32 logsumexp;
+- SwiGLU saves gate, silu(gate), up and their product, ``4*c*I``.
+
+Selective per-op checkpointing keeps the outputs of matmuls, attention and collectives
+(``plans.activation_checkpoint.SAVED_OPS``); full checkpointing keeps each block's input and
+recomputes one block at a time in backward. The peak of a step is taken as the larger of two
+moments: the loss's backward (every block's activations, the logits, the float32 softmax
+and its two gradients over the vocabulary) and the first block's backward (the same blocks,
+one recomputed block and its gradients, and the FSDP gradient buffers).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from autopar.config.job import JobConfig
+from autopar.models.args import ModelArgs
+from autopar.models.qwen import Qwen
+from autopar.pipelining.schedule import SCHEDULE_STYLES, schedule_name, stage_modules
+from autopar.plans.activation_checkpoint import checkpointed_layers
+from autopar.plans.mesh import ParallelDims
+from autopar.plans.parallelize import loss_parallel_enabled
+from autopar.plans.tensor_parallel import tp_plan
+
+GIB = 2**30
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Predicted peak bytes of one rank, by category (keys as in the dry run's breakdown)."""
+
+    role: str
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> float:
+        return sum(self.parts.values())
+
+    def gib(self) -> dict[str, float]:
+        return {k: v / GIB for k, v in self.parts.items()}
+
+
+def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every parameter's full shape (tied weights once), from the model built on meta."""
+    with torch.device("meta"):
+        model = Qwen(args)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def _tp_dim(style: object, module_path: str, param: str) -> int | None:
+    """The dimension a TP style shards ``param`` along (None: replicated)."""
+    if isinstance(style, ColwiseParallel):
+        return 0
+    if isinstance(style, RowwiseParallel):
+        if module_path == "embed_tokens":
+            return 0
+        return 1 if param == "weight" else None
+    return None
+
+
+def local_numel(shape: tuple[int, ...], tp_dim: int | None, tp: int, fsdp: int) -> int:
+    """Elements of one rank's shard: TP splits ``tp_dim``; FSDP2 then splits dim 0, padded."""
+    dims = list(shape)
+    if tp_dim is not None and tp > 1:
+        dims[tp_dim] = math.ceil(dims[tp_dim] / tp)
+    if fsdp > 1:
+        dims[0] = math.ceil(dims[0] / fsdp)
+    return math.prod(dims)
+
+
+def _stage_params(shapes: dict[str, tuple[int, ...]], modules: list[str]) -> dict[str, tuple[int, ...]]:
+    prefixes = tuple(m + "." for m in modules)
+    return {n: s for n, s in shapes.items() if n.startswith(prefixes)}
+
+
+def sharded_numel(
+    shapes: dict[str, tuple[int, ...]], args: ModelArgs, job: JobConfig, dims: ParallelDims
+) -> int:
+    """Elements this rank keeps of ``shapes`` under the job's TP plan and FSDP sharding."""
+    layer_ids = sorted({n.split(".")[1] for n in shapes if n.startswith("layers.")}, key=int)
+    plan = tp_plan(
+        args, layer_ids, job.parallelism.enable_sequence_parallel, loss_parallel_enabled(job, dims)
+    )
+    fsdp = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
+    total = 0
+    for name, shape in shapes.items():
+        module_path, _, param = name.rpartition(".")
+        total += local_numel(shape, _tp_dim(plan.get(module_path), module_path, param), dims.tp, fsdp)
+    return total
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """Per-rank sizes that the activation formulas need."""
+
+    tokens: int  # tokens of one micro-batch on this rank (after the CP split)
+    seq: int  # this rank's tokens per sequence
+    c: int  # compute dtype bytes
+    h: int
+    nq: int  # query heads per TP rank
+    nkv: int
+    d: int
+    inter: int  # intermediate size per TP rank
+    sp: int  # sequence-parallel shard factor of norms and residuals
+    kv_seq_factor: int  # how many times the local sequence k/v span (all-gather CP)
+
+
+def block_bytes_no_ac(z: _Sizes, qk_norm: bool) -> float:
+    """Bytes one block saves for backward per micro-batch, without checkpointing."""
+    t = z.tokens
+    norm = (FP32 + z.c) * z.h * t / z.sp + FP32 * t / z.sp
+    linear_inputs = 2 * z.c * z.h * t
+    heads = z.nq * z.d * t
+    qk = (FP32 + z.c) * (z.nq + z.nkv) * z.d * t + FP32 * (z.nq + z.nkv) * t if qk_norm else 0
+    rope = 4 * z.c * z.seq * z.d
+    attention = 2 * z.c * heads + 2 * z.c * heads * z.kv_seq_factor + FP32 * z.nq * t
+    mlp = 4 * z.c * z.inter * t
+    return 2 * norm + linear_inputs + qk + rope + attention + mlp
+
+
+def block_bytes_op_ac(z: _Sizes, tp: int) -> float:
+    """Bytes one block keeps under per-op selective checkpointing (matmul, attention and
+    collective outputs, and the block input)."""
+    t = z.tokens
+    qkv = z.c * (z.nq + 2 * z.nkv) * z.d * t
+    attention = z.c * z.nq * z.d * t + FP32 * z.nq * t
+    out_proj = 2 * z.c * z.h * t  # o_proj and down_proj outputs (partial sums under TP)
+    mlp = 2 * z.c * z.inter * t
+    block_input = z.c * z.h * t / z.sp
+    collectives = 0.0
+    if tp > 1:
+        # two all-gathers (c*h) and two reduce-scatters (c*h/tp) under SP; two all-reduces otherwise
+        collectives = 2 * z.c * z.h * t * (1 + 1 / tp) if z.sp > 1 else 2 * z.c * z.h * t
+    return qkv + attention + out_proj + mlp + block_input + collectives
+
+
+def head_peak_bytes(z: _Sizes, vocab: int, tp_loss_parallel: int) -> float:
+    """The loss's backward: logits (c), float32 log-softmax output, and the float32 gradients
+    of nll and log-softmax; plus the final norm's saves and the head's gathered input.
+    Under loss parallel the logits and softmax are vocab-sharded, but torch's vocab-parallel
+    cross-entropy backward builds its two float32 gradients over the whole vocabulary
+    (measured by the dry run)."""
+    t = z.tokens
+    local = vocab // tp_loss_parallel
+    vocab_bytes = (z.c + FP32) * local * t + 2 * FP32 * vocab * t
+    norm = (FP32 + z.c) * z.h * t / z.sp + FP32 * t / z.sp
+    return vocab_bytes + norm + z.c * z.h * t
+
+
+def in_flight_microbatches(schedule: str, pp: int, stage: int, n_micro: int, stages_per_rank: int) -> int:
+    """Micro-batches whose activations a rank holds at once, at its peak."""
+    if schedule in ("GPipe", "LoopedBFS"):
+        return n_micro * stages_per_rank
+    if stages_per_rank == 1:
+        return min(n_micro, pp - stage)
+    # interleaved and V schedules: warmup of their first (virtual) stage
+    return min(n_micro * stages_per_rank, 2 * (pp - stage) + (stages_per_rank - 1) * pp)
+
+
+def _sizes(
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, micro_batch: int, cp_impl: str, c: int
+) -> _Sizes:
+    seq = job.training.seq_len // dims.cp
+    sequence_parallel = dims.tp > 1 and job.parallelism.enable_sequence_parallel
+    return _Sizes(
+        tokens=micro_batch * seq,
+        seq=seq,
+        c=c,
+        h=args.hidden_size,
+        nq=args.num_attention_heads // dims.tp,
+        nkv=args.num_key_value_heads // dims.tp,
+        d=args.head_dim,
+        inter=args.intermediate_size // dims.tp,
+        sp=dims.tp if sequence_parallel else 1,
+        kv_seq_factor=dims.cp if (dims.cp > 1 and cp_impl == "allgather") else 1,
+    )
+
+
+def predict(
+    args: ModelArgs,
+    job: JobConfig,
+    world_size: int,
+    cp_impl: str = "ring",
+    compute_bytes: int = 2,
+) -> list[Memory]:
+    """Predicted peak of one rank per role (as ``dry_run.role_ranks``), on a GPU with bf16
+    compute by default. ``cp_impl``: ``ring`` (CUDA) or ``allgather`` (what CPU runs)."""
+    dims = ParallelDims.resolve(job.parallelism, world_size)
+    shapes = param_shapes(args)
+    if dims.pp == 1:
+        stages = [
+            ["embed_tokens", *(f"layers.{i}" for i in range(args.num_hidden_layers)), "norm", "lm_head"]
+        ]
+        roles = {0: "all ranks"}
+    else:
+        stages = stage_modules(job.parallelism, args)
+        roles = {0: "first stage", dims.pp // 2: "middle stage", dims.pp - 1: "last stage"}
+    return [
+        _predict_stage_rank(args, job, dims, shapes, stages, rank_stage, role, cp_impl, compute_bytes)
+        for rank_stage, role in sorted(roles.items())
+    ]
+
+
+def _rank_stage_ids(job: JobConfig, dims: ParallelDims, num_stages: int, pp_rank: int) -> list[int]:
+    from autopar.pipelining.split import stage_ids
+
+    placement = SCHEDULE_STYLES[schedule_name(job.parallelism)].placement
+    return stage_ids(pp_rank, dims.pp, num_stages, placement)
+
+
+def _predict_stage_rank(
+    args: ModelArgs,
+    job: JobConfig,
+    dims: ParallelDims,
+    shapes: dict[str, tuple[int, ...]],
+    stages: list[list[str]],
+    pp_rank: int,
+    role: str,
+    cp_impl: str,
+    c: int,
+) -> Memory:
+    ids = _rank_stage_ids(job, dims, len(stages), pp_rank) if dims.pp > 1 else [0]
+    modules = [m for i in ids for m in stages[i]]
+    own = _stage_params(shapes, modules)
+    numel = sharded_numel(own, args, job, dims)
+    layers = [m.split(".")[1] for m in modules if m.startswith("layers.")]
+    has_head = "lm_head" in modules
+    micro = (
+        job.parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else job.training.local_batch_size
+    )
+    z = _sizes(args, job, dims, micro, cp_impl, c)
+
+    ac = job.activation_checkpoint
+    op = ac.mode == "selective" and ac.selective_ac_option == "op"
+    full = set() if op else set(checkpointed_layers(ac, layers))
+    no_ac = block_bytes_no_ac(z, args.qk_norm)
+    per_block = block_bytes_op_ac(z, dims.tp) if op else no_ac
+    block_input = z.c * z.h * z.tokens / z.sp
+    blocks = sum(block_input if i in full else per_block for i in layers)
+    recompute = no_ac if full else 0.0
+
+    n_micro = job.training.local_batch_size // micro
+    if dims.pp > 1:
+        style = SCHEDULE_STYLES[schedule_name(job.parallelism)]
+        held = in_flight_microbatches(
+            schedule_name(job.parallelism), dims.pp, pp_rank, n_micro, style.stages_per_rank or 2
+        )
+        blocks = blocks / len(ids) * held if len(ids) > 1 else blocks * held
+    shards = dims.tp if loss_parallel_enabled(job, dims) else 1
+    head = head_peak_bytes(z, args.vocab_size, shards) if has_head else 0.0
+
+    gathered = _gathered_bytes(args, job, dims, own, layers, has_head, c)
+    accumulating = dims.pp > 1 or _micro_steps(job, dims) > 1
+    parts = {
+        "params": FP32 * numel,
+        "optimizer": 2 * FP32 * numel,
+        "grads": FP32 * numel if accumulating else 0.0,
+        "gathered_params": gathered,
+        "activations": blocks + max(head, recompute),
+    }
+    return Memory(role, parts)
+
+
+def _micro_steps(job: JobConfig, dims: ParallelDims) -> int:
+    training = job.training
+    if training.global_batch_size <= 0:
+        return 1
+    return training.global_batch_size // (training.local_batch_size * dims.dp)
+
+
+def _gathered_bytes(
+    args: ModelArgs,
+    job: JobConfig,
+    dims: ParallelDims,
+    own: dict[str, tuple[int, ...]],
+    layers: list[str],
+    has_head: bool,
+    c: int,
+) -> float:
+    """Compute-dtype copies of parameters alive at the peak: FSDP's unsharded head (its group
+    is not resharded after forward), or every block when nothing reshards (pipelining);
+    without FSDP, autocast's cached low-precision weights."""
+    unsharded_dims = ParallelDims(1, 1, 1, dims.tp, dims.pp)
+    if not dims.fsdp_enabled:
+        return sharded_numel(own, args, job, unsharded_dims) * c if c < FP32 else 0.0
+    policy = job.parallelism.fsdp_reshard_after_forward
+    keep_blocks = policy == "never" or (policy == "default" and dims.pp > 1)
+    head = ("norm.", "lm_head.", "embed_tokens.") if args.tie_word_embeddings else ("norm.", "lm_head.")
+    kept = {n: s for n, s in own.items() if n.startswith(head)} if has_head else {}
+    if keep_blocks:
+        kept = own
+    return sharded_numel(kept, args, job, unsharded_dims) * c
