@@ -33,6 +33,7 @@ from autopar.config.job import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.models.qwen import Qwen
 from autopar.pipelining.schedule import SCHEDULE_STYLES, schedule_name, stage_modules
+from autopar.pipelining.split import stage_ids
 from autopar.plans.activation_checkpoint import checkpointed_layers
 from autopar.plans.mesh import ParallelDims
 from autopar.plans.parallelize import loss_parallel_enabled
@@ -219,8 +220,6 @@ def predict(
 
 
 def _rank_stage_ids(job: JobConfig, dims: ParallelDims, num_stages: int, pp_rank: int) -> list[int]:
-    from autopar.pipelining.split import stage_ids
-
     placement = SCHEDULE_STYLES[schedule_name(job.parallelism)].placement
     return stage_ids(pp_rank, dims.pp, num_stages, placement)
 
