@@ -6,15 +6,20 @@ group on this machine, runs one step per distinct rank role and reports its peak
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from autopar.config import ConfigError, help_text, to_toml
 from autopar.distributed import init_world, world_size_from_env
 from autopar.job import parse_job
 from autopar.log import setup_logging
+from autopar.metrics import read_metrics
+from autopar.planner.auto import auto_job, record_measured, write_plan
 from autopar.planner.dry_run import compare, report, write_dry_run
 from autopar.trainer import Trainer
 from autopar.validate import validate
@@ -55,6 +60,11 @@ def main(argv: list[str]) -> int:
         if dry_world is not None:
             return dry_run_main(argv, dry_world)
         job = parse_job(argv)
+        auto = None
+        if job.parallelism.auto:
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+            gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            job, *auto = auto_job(job, argv, world_size_from_env(), device_type, gpus_per_node)
         if job.job.print_config:
             print(to_toml(job))
             return 0
@@ -64,11 +74,26 @@ def main(argv: list[str]) -> int:
         return 2
     world = init_world()
     setup_logging(world.rank)
+    dump = Path(job.job.dump_folder)
+    metrics_path = dump / "metrics.jsonl"
+    earlier_rows = len(read_metrics(metrics_path)) if metrics_path.is_file() else 0
+    if auto and world.is_main:
+        plan, device = auto
+        logging.getLogger("autopar").info(
+            "auto plan: %s; predicted peak %.1f GiB of %.1f, %.0f tokens/s per device",
+            plan.describe(),
+            plan.peak_gib,
+            device.memory_gib,
+            plan.tokens_per_s,
+        )
+        write_plan(dump / "plan.json", plan, device, world.size)
     try:
         Trainer(job, args, world).train()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if auto and world.is_main:
+        record_measured(dump / "plan.json", metrics_path, earlier_rows)
     return 0
 
 

@@ -23,7 +23,7 @@ from autopar.data.loader import Batch
 from autopar.distributed import World
 from autopar.loss import count_targets, token_loss_sum
 from autopar.optim import build_optimizers, set_lr
-from autopar.pipelining.schedule import Pipeline, build_pipeline, pipeline_forward_backward
+from autopar.pipelining.schedule import Pipeline, StageIO, build_pipeline, pipeline_forward_backward
 from autopar.plans.context_parallel import ContextParallel
 from autopar.plans.float8 import after_optimizer_step, resolve_backend, te_autocast
 from autopar.plans.mesh import Meshes
@@ -145,7 +145,14 @@ class TrainStep:
     fake tensors, so both run the same step.
     """
 
-    def __init__(self, job: JobConfig, world: World, meshes: Meshes, built: ModelParts) -> None:
+    def __init__(
+        self,
+        job: JobConfig,
+        world: World,
+        meshes: Meshes,
+        built: ModelParts,
+        stage_io: list[StageIO] | None = None,
+    ) -> None:
         self.job = job
         self.dims = meshes.dims
         self.meshes = meshes
@@ -172,6 +179,7 @@ class TrainStep:
                 job.training.local_batch_size,
                 world.device,
                 self.context.loss_fn,
+                stage_io,
             )
 
     def _context_parallel(self, device: torch.device) -> ContextParallel | None:

@@ -34,39 +34,25 @@ def real_scale_job(name: str, flavor: str, *argv: str):
 
 
 SMALL_VOCAB = "--model.vocab_size=2048"  # blocks dominate, so a wrong block formula shows
-BLOCK_BACKWARD_GAP = pytest.mark.xfail(
+OP_AC_BLOCK_BACKWARD = pytest.mark.xfail(
     strict=True,
-    reason="with a tiny vocabulary the peak moves into a block's backward (one block's fp32 "
-    "gradient buffer, its gathered weights and backward temporaries), not yet modelled",
+    reason="per-op AC's block backward is over-predicted by ~12%: fewer of the saved matmul "
+    "outputs are alive at that moment than block_bytes_op_ac counts",
 )
 
 GRID = [
     # (world, model, flags): FSDP, HSDP, TP+SP with and without loss parallel, CP, AC modes
     (8, ("qwen3", "0.6B"), [SMALL_VOCAB]),
-    pytest.param(
-        8, ("qwen3", "8B"), [SMALL_VOCAB, "--activation_checkpoint.mode=full"], marks=BLOCK_BACKWARD_GAP
-    ),
-    pytest.param(
-        64, ("qwen3", "8B"), [SMALL_VOCAB, "--activation_checkpoint.mode=selective"], marks=BLOCK_BACKWARD_GAP
-    ),
-    pytest.param(
-        16,
-        ("qwen3", "32B"),
-        [SMALL_VOCAB, "--parallelism.tensor_parallel_degree=4"],
-        marks=BLOCK_BACKWARD_GAP,
-    ),
+    (8, ("qwen3", "8B"), [SMALL_VOCAB, "--activation_checkpoint.mode=full"]),
     pytest.param(
         64,
         ("qwen3", "8B"),
-        [SMALL_VOCAB, "--parallelism.context_parallel_degree=2"],
-        marks=BLOCK_BACKWARD_GAP,
+        [SMALL_VOCAB, "--activation_checkpoint.mode=selective"],
+        marks=OP_AC_BLOCK_BACKWARD,
     ),
-    pytest.param(
-        128,
-        ("qwen2.5", "72B"),
-        [SMALL_VOCAB, "--parallelism.tensor_parallel_degree=8"],
-        marks=BLOCK_BACKWARD_GAP,
-    ),
+    (16, ("qwen3", "32B"), [SMALL_VOCAB, "--parallelism.tensor_parallel_degree=4"]),
+    (64, ("qwen3", "8B"), [SMALL_VOCAB, "--parallelism.context_parallel_degree=2"]),
+    (128, ("qwen2.5", "72B"), [SMALL_VOCAB, "--parallelism.tensor_parallel_degree=8"]),
     (8, ("qwen3", "0.6B"), []),
     (8, ("qwen3", "8B"), ["--activation_checkpoint.mode=full"]),
     (64, ("qwen3", "8B"), ["--activation_checkpoint.mode=selective"]),

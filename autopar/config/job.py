@@ -90,6 +90,8 @@ class Training:
 
 @dataclass
 class Parallelism:
+    auto: bool = False
+    """Let the planner choose every plan setting the job does not pin (python -m autopar.plan explains)."""
     data_parallel_replicate_degree: int = 1
     """Replicas of the weights (DDP-like; with shard degree > 1 this is HSDP)."""
     data_parallel_shard_degree: int = -1

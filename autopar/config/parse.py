@@ -205,6 +205,18 @@ def parse_job(argv: list[str], model_fields: ModelFields) -> JobConfig:
     return job
 
 
+def explicit_keys(argv: list[str]) -> tuple[set[str], set[str]]:
+    """Dotted keys (``section.field``) the command line sets, and those its TOML file sets."""
+    pairs, _ = _split_cli(argv)
+    cli = {k for k, _ in pairs if k not in ("job.config", "job.config_file")}
+    config_file = next((v for k, v in pairs if k in ("job.config", "job.config_file")), None)
+    if config_file is None:
+        return cli, set()
+    data = tomllib.loads(Path(config_file).read_text())
+    toml = {f"{s}.{k}" for s, table in data.items() if isinstance(table, dict) for k in table}
+    return cli, toml
+
+
 def derive_job(base: JobConfig, overrides: Iterable[str], model_fields: ModelFields) -> JobConfig:
     """A copy of ``base`` with ``key=value`` overrides applied as CLI flags would be."""
     job = copy.deepcopy(base)

@@ -35,6 +35,10 @@ MicroBatchContext = Callable[[Batch], contextlib.AbstractContextManager[tuple[Ba
 """Full micro-batch -> context giving (this rank's part of it, its RoPE positions or None)."""
 
 
+StageIO = dict[str, "torch.Tensor | None"]
+"""PipelineStage's static metadata: input_args, output_args, input_grads, output_grads."""
+
+
 class ScheduleStyle(NamedTuple):
     placement: StageStyle
     """How stages map to ranks: ``loop`` (stage s on rank s mod pp) or ``v`` (down and back)."""
@@ -182,11 +186,15 @@ def build_pipeline(
     local_batch_size: int,
     device: torch.device,
     loss_fn: LossFn,
+    stage_io: list[StageIO] | None = None,
 ) -> Pipeline:
-    """The schedule that runs this rank's ``parts`` (stages ``stage_ids``) with ``loss_fn``."""
+    """The schedule that runs this rank's ``parts`` (stages ``stage_ids``) with ``loss_fn``.
+    ``stage_io``: example tensors per part, for process groups that cannot exchange shapes at
+    the first step (the dry run's fake group); by default torch infers them."""
+    examples = stage_io or [{}] * len(parts)
     stages = [
-        PipelineStage(part, sid, total_stages, device, group=pp_mesh.get_group())
-        for part, sid in zip(parts, stage_ids)
+        PipelineStage(part, sid, total_stages, device, group=pp_mesh.get_group(), **io)
+        for part, sid, io in zip(parts, stage_ids, examples, strict=True)
     ]
     cls = get_schedule_class(schedule_name(cfg))
     n_micro = local_batch_size // cfg.pipeline_parallel_microbatch_size
@@ -213,7 +221,8 @@ def pipeline_forward_backward(
             args = (batch.inputs,) if pipeline.has_first else ()
             target = batch.labels if pipeline.has_last else None
             kwargs = {} if positions is None else {"positions": positions}
-            pipeline.schedule.step(*args, target=target, losses=losses, **kwargs)
+            # return_outputs=False: the last stage keeps no logits of finished micro-batches
+            pipeline.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         if losses:
             total += torch.stack([loss.detach() for loss in losses]).sum()
     grads = [p.grad for part in pipeline.parts for p in part.parameters() if p.grad is not None]

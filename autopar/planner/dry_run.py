@@ -32,14 +32,17 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.tensor import DTensor, Shard
 
 from autopar.config.job import JobConfig
 from autopar.data.loader import Batch
 from autopar.distributed import World
 from autopar.models.args import ModelArgs
+from autopar.models.dtypes import DTYPES
+from autopar.pipelining.schedule import StageIO
 from autopar.planner.memory import predict
-from autopar.plans.mesh import ParallelDims, build_meshes
-from autopar.plans.parallelize import materialize_parts, parallelized_parts
+from autopar.plans.mesh import Meshes, ParallelDims, build_meshes
+from autopar.plans.parallelize import ModelParts, loss_parallel_enabled, materialize_parts, parallelized_parts
 from autopar.step import TrainStep
 
 GIB = 2**30
@@ -108,6 +111,36 @@ def _fake_values(name: str, shape: torch.Size) -> torch.Tensor:
     return torch.empty(shape)
 
 
+def _stage_io(job: JobConfig, meshes: Meshes, built: ModelParts) -> list[StageIO]:
+    """Example tensors of each pipeline stage, which the fake process group cannot exchange:
+    token ids into the first stage, hidden states between stages (sequence-sharded under CP
+    and SP; FSDP's compute dtype, or fp32 under autocast). Built from shapes, not by running
+    a stage: a forward before the first step would make FSDP re-register its parameters."""
+    dims = meshes.dims
+    micro = job.parallelism.pipeline_parallel_microbatch_size
+    seq = job.training.seq_len // dims.cp
+    sp = dims.tp if dims.tp > 1 and job.parallelism.enable_sequence_parallel else 1
+    hidden_dtype = DTYPES[job.training.mixed_precision_param] if dims.fsdp_enabled else torch.float32
+    compute = DTYPES[job.training.mixed_precision_param]
+    io = []
+    for part, sid in zip(built.parts, built.stage_ids, strict=True):
+        hidden = torch.empty((micro, seq // sp, part.args.hidden_size), dtype=hidden_dtype)
+        logits: torch.Tensor = torch.empty((micro, seq, part.args.vocab_size), dtype=compute)
+        if loss_parallel_enabled(job, dims):
+            local = torch.empty((micro, seq, part.args.vocab_size // dims.tp), dtype=compute)
+            logits = DTensor.from_local(local, meshes.get("tp"), [Shard(2)], run_check=False)
+        first, last = sid == 0, sid == built.num_stages - 1
+        io.append(
+            {
+                "input_args": torch.zeros((micro, seq), dtype=torch.long) if first else hidden,
+                "output_args": logits if last else hidden,
+                "input_grads": None if first else torch.empty_like(hidden),
+                "output_grads": None if last else torch.empty_like(hidden),
+            }
+        )
+    return io
+
+
 def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) -> dict[str, int]:
     """Peak bytes by category of ``rank`` over the forward and backward of a second training
     step (the first creates the optimizer state); leaves no process group behind."""
@@ -123,7 +156,9 @@ def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) ->
         # rank lists, so only materializing and the step run under fake tensors
         built = parallelized_parts(args, job, meshes, world.device)
         with FakeTensorMode(allow_non_fake_inputs=True):
-            step = TrainStep(job, world, meshes, materialize_parts(built, world.device, _fake_values))
+            parts = materialize_parts(built, world.device, _fake_values)
+            io = _stage_io(job, meshes, parts) if dims.pp > 1 else None
+            step = TrainStep(job, world, meshes, parts, io)
             batches = _batches(job, dims)
             step(batches, job.optimizer.lr)  # creates the optimizer state
             if dims.fsdp_enabled and len(step.parts) == 1:

@@ -23,6 +23,7 @@ one recomputed block and its gradients, and the FSDP gradient buffers).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -58,8 +59,10 @@ class Memory:
         return {k: v / GIB for k, v in self.parts.items()}
 
 
+@functools.lru_cache(maxsize=16)
 def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every parameter's full shape (tied weights once), from the model built on meta."""
+    """Every parameter's full shape (tied weights once), from the model built on meta.
+    Cached per model: callers must not modify the result."""
     with torch.device("meta"):
         model = Qwen(args)
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -86,25 +89,33 @@ def local_numel(shape: tuple[int, ...], tp_dim: int | None, tp: int, fsdp: int) 
     return math.prod(dims)
 
 
-def _stage_params(shapes: dict[str, tuple[int, ...]], modules: list[str]) -> dict[str, tuple[int, ...]]:
-    prefixes = tuple(m + "." for m in modules)
-    return {n: s for n, s in shapes.items() if n.startswith(prefixes)}
-
-
-def sharded_numel(
-    shapes: dict[str, tuple[int, ...]], args: ModelArgs, job: JobConfig, dims: ParallelDims
-) -> int:
-    """Elements this rank keeps of ``shapes`` under the job's TP plan and FSDP sharding."""
-    layer_ids = sorted({n.split(".")[1] for n in shapes if n.startswith("layers.")}, key=int)
-    plan = tp_plan(
-        args, layer_ids, job.parallelism.enable_sequence_parallel, loss_parallel_enabled(job, dims)
-    )
-    fsdp = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
-    total = 0
-    for name, shape in shapes.items():
+@functools.lru_cache(maxsize=1024)
+def module_numel(
+    args: ModelArgs, tp: int, fsdp: int, sequence_parallel: bool, loss_parallel: bool
+) -> dict[str, int]:
+    """Elements one rank keeps of each top-level module (``layer`` for any one block, all
+    blocks being alike) under the TP plan's styles and FSDP2's dim-0 sharding over ``fsdp``."""
+    plan = tp_plan(args, ["0"], sequence_parallel, loss_parallel)
+    numel: dict[str, int] = {}
+    for name, shape in param_shapes(args).items():
+        if name.startswith("layers.") and not name.startswith("layers.0."):
+            continue
         module_path, _, param = name.rpartition(".")
-        total += local_numel(shape, _tp_dim(plan.get(module_path), module_path, param), dims.tp, fsdp)
-    return total
+        key = "layer" if name.startswith("layers.") else name.split(".")[0]
+        tp_dim = _tp_dim(plan.get(module_path), module_path, param)
+        numel[key] = numel.get(key, 0) + local_numel(shape, tp_dim, tp, fsdp)
+    return numel
+
+
+def modules_numel(
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str], sharded: bool = True
+) -> int:
+    """Elements this rank keeps of ``modules`` (top-level paths such as ``layers.3``), FSDP
+    shards included when ``sharded``."""
+    fsdp = dims.dp_shard * dims.cp if (sharded and dims.fsdp_enabled) else 1
+    sequence_parallel = job.parallelism.enable_sequence_parallel
+    numel = module_numel(args, dims.tp, fsdp, sequence_parallel, loss_parallel_enabled(job, dims))
+    return sum(numel.get("layer" if m.startswith("layers.") else m, 0) for m in modules)
 
 
 @dataclass(frozen=True)
@@ -175,7 +186,7 @@ def in_flight_microbatches(schedule: str, pp: int, stage: int, n_micro: int, sta
     return min(n_micro * stages_per_rank, 2 * (pp - stage) + (stages_per_rank - 1) * pp)
 
 
-def _sizes(
+def sizes(
     args: ModelArgs, job: JobConfig, dims: ParallelDims, micro_batch: int, cp_impl: str, c: int
 ) -> _Sizes:
     seq = job.training.seq_len // dims.cp
@@ -203,8 +214,13 @@ def predict(
 ) -> list[Memory]:
     """Predicted peak of one rank per role (as ``dry_run.role_ranks``), on a GPU with bf16
     compute by default. ``cp_impl``: ``ring`` (CUDA) or ``allgather`` (what CPU runs)."""
-    dims = ParallelDims.resolve(job.parallelism, world_size)
-    shapes = param_shapes(args)
+    return predict_dims(args, job, ParallelDims.resolve(job.parallelism, world_size), cp_impl, compute_bytes)
+
+
+def predict_dims(
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, cp_impl: str = "ring", compute_bytes: int = 2
+) -> list[Memory]:
+    """``predict`` for resolved degrees (the planner's inner loop)."""
     if dims.pp == 1:
         stages = [
             ["embed_tokens", *(f"layers.{i}" for i in range(args.num_hidden_layers)), "norm", "lm_head"]
@@ -214,7 +230,7 @@ def predict(
         stages = stage_modules(job.parallelism, args)
         roles = {0: "first stage", dims.pp // 2: "middle stage", dims.pp - 1: "last stage"}
     return [
-        _predict_stage_rank(args, job, dims, shapes, stages, rank_stage, role, cp_impl, compute_bytes)
+        _predict_stage_rank(args, job, dims, stages, rank_stage, role, cp_impl, compute_bytes)
         for rank_stage, role in sorted(roles.items())
     ]
 
@@ -228,7 +244,6 @@ def _predict_stage_rank(
     args: ModelArgs,
     job: JobConfig,
     dims: ParallelDims,
-    shapes: dict[str, tuple[int, ...]],
     stages: list[list[str]],
     pp_rank: int,
     role: str,
@@ -237,14 +252,13 @@ def _predict_stage_rank(
 ) -> Memory:
     ids = _rank_stage_ids(job, dims, len(stages), pp_rank) if dims.pp > 1 else [0]
     modules = [m for i in ids for m in stages[i]]
-    own = _stage_params(shapes, modules)
-    numel = sharded_numel(own, args, job, dims)
+    numel = modules_numel(args, job, dims, modules)
     layers = [m.split(".")[1] for m in modules if m.startswith("layers.")]
     has_head = "lm_head" in modules
     micro = (
         job.parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else job.training.local_batch_size
     )
-    z = _sizes(args, job, dims, micro, cp_impl, c)
+    z = sizes(args, job, dims, micro, cp_impl, c)
 
     ac = job.activation_checkpoint
     op = ac.mode == "selective" and ac.selective_ac_option == "op"
@@ -264,45 +278,66 @@ def _predict_stage_rank(
         blocks = blocks / len(ids) * held if len(ids) > 1 else blocks * held
     shards = dims.tp if loss_parallel_enabled(job, dims) else 1
     head = head_peak_bytes(z, args.vocab_size, shards) if has_head else 0.0
+    if op:
+        recompute = no_ac - per_block  # what per-op AC drops and rebuilds for one block
 
-    gathered = _gathered_bytes(args, job, dims, own, layers, has_head, c)
-    accumulating = dims.pp > 1 or _micro_steps(job, dims) > 1
-    parts = {
+    gathered = _gathered_bytes(args, job, dims, modules, c)
+    accumulating = dims.pp > 1 or micro_steps(job, dims) > 1
+    static = {
         "params": FP32 * numel,
         "optimizer": 2 * FP32 * numel,
         "grads": FP32 * numel if accumulating else 0.0,
-        "gathered_params": gathered,
-        "activations": blocks + max(head, recompute),
     }
+    # the larger of two moments: the loss's backward (logits and their float32 gradients)
+    # and the end of the last block's backward: its gradient cast to float32 for FSDP's
+    # reduce-scatter, its gathered weights and the next block's prefetched ones (or, under
+    # checkpointing, the bf16 gradient beside the float32 one), and either its activations
+    # freed (no AC) or the rebuilt ones still alive (AC)
+    loss_moment = {"gathered_params": gathered, "activations": blocks + head}
+    block_moment = {"gathered_params": gathered, "activations": blocks + recompute}
+    if dims.fsdp_enabled and layers:
+        block = modules_numel(args, job, dims, ["layers.0"], sharded=False)
+        kept = _keeps_blocks(job, dims)
+        block_moment = {
+            "gathered_params": gathered
+            if kept
+            else gathered - _head_group_bytes(args, job, dims, modules, c) + 2 * c * block,
+            "activations": blocks + recompute if full or op else blocks - per_block,
+            "gradient_buffers": FP32 * block,
+        }
+    moment = max(loss_moment, block_moment, key=lambda m: sum(m.values()))
+    parts = {**static, **moment}
     return Memory(role, parts)
 
 
-def _micro_steps(job: JobConfig, dims: ParallelDims) -> int:
+def micro_steps(job: JobConfig, dims: ParallelDims) -> int:
     training = job.training
     if training.global_batch_size <= 0:
         return 1
     return training.global_batch_size // (training.local_batch_size * dims.dp)
 
 
-def _gathered_bytes(
-    args: ModelArgs,
-    job: JobConfig,
-    dims: ParallelDims,
-    own: dict[str, tuple[int, ...]],
-    layers: list[str],
-    has_head: bool,
-    c: int,
-) -> float:
+def _gathered_bytes(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str], c: int) -> float:
     """Compute-dtype copies of parameters alive at the peak: FSDP's unsharded head (its group
     is not resharded after forward), or every block when nothing reshards (pipelining);
     without FSDP, autocast's cached low-precision weights."""
-    unsharded_dims = ParallelDims(1, 1, 1, dims.tp, dims.pp)
     if not dims.fsdp_enabled:
-        return sharded_numel(own, args, job, unsharded_dims) * c if c < FP32 else 0.0
+        return modules_numel(args, job, dims, modules, sharded=False) * c if c < FP32 else 0.0
+    if _keeps_blocks(job, dims):
+        return modules_numel(args, job, dims, modules, sharded=False) * c
+    return _head_group_bytes(args, job, dims, modules, c)
+
+
+def _keeps_blocks(job: JobConfig, dims: ParallelDims) -> bool:
+    """Whether FSDP keeps every block gathered between forward and backward."""
     policy = job.parallelism.fsdp_reshard_after_forward
-    keep_blocks = policy == "never" or (policy == "default" and dims.pp > 1)
-    head = ("norm.", "lm_head.", "embed_tokens.") if args.tie_word_embeddings else ("norm.", "lm_head.")
-    kept = {n: s for n, s in own.items() if n.startswith(head)} if has_head else {}
-    if keep_blocks:
-        kept = own
-    return sharded_numel(kept, args, job, unsharded_dims) * c
+    return policy == "never" or (policy == "default" and dims.pp > 1)
+
+
+def _head_group_bytes(
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str], c: int
+) -> float:
+    """The last FSDP group (norm and head, with a tied embedding), never resharded after forward."""
+    head = ["norm", "lm_head", "embed_tokens"] if args.tie_word_embeddings else ["norm", "lm_head"]
+    kept = [m for m in modules if m in head] if "lm_head" in modules else []
+    return modules_numel(args, job, dims, kept, sharded=False) * c

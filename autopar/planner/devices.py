@@ -1,0 +1,62 @@
+"""What the planner needs to know about a device: memory, peak FLOP/s, memory and link bandwidth.
+
+Presets are the vendors' datasheet figures for the SXM parts (dense, no sparsity); bandwidths
+are per GPU and per direction: NVLink within a node, the GPU's share of the network (one
+400 Gb/s NIC per H100/H200, 200 Gb/s per A100) between nodes. ``memory_gib`` is what
+``torch.cuda.get_device_properties().total_memory`` reports, not the marketing figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from autopar.config.errors import ConfigError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    memory_gib: float
+    bf16_flops: float
+    fp8_flops: float | None  # None: no FP8 tensor cores
+    hbm_bytes_per_s: float
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+
+
+PRESETS: dict[str, DeviceSpec] = {
+    "h100": DeviceSpec("h100", 79.1, 989e12, 1979e12, 3350 * GB, 450 * GB, 50 * GB),
+    "h200": DeviceSpec("h200", 139.8, 989e12, 1979e12, 4800 * GB, 450 * GB, 50 * GB),
+    "a100": DeviceSpec("a100", 79.2, 312e12, None, 2039 * GB, 300 * GB, 25 * GB),
+}
+
+
+def device_spec(name: str, memory_gib: float | None = None) -> DeviceSpec:
+    """The preset ``name``, with its memory replaced by ``memory_gib`` when given."""
+    spec = PRESETS.get(name.lower())
+    if spec is None:
+        raise ConfigError(f"--device {name!r} is not a known device; choose one of {sorted(PRESETS)}")
+    if memory_gib is not None:
+        if memory_gib <= 0:
+            raise ConfigError(f"--gpu-memory-gib {memory_gib} must be > 0")
+        spec = dataclasses.replace(spec, memory_gib=memory_gib)
+    return spec
+
+
+def this_machine(device_type: str, local_ranks: int) -> DeviceSpec:
+    """The spec of the device this process trains on: the matching preset with the memory
+    torch reports on CUDA; on CPU, this machine's RAM shared by its ``local_ranks`` (speed
+    figures there only rank plans against each other)."""
+    if device_type == "cuda":
+        import torch
+
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        name = props.name.lower()
+        preset = next((p for key, p in PRESETS.items() if key in name), PRESETS["h100"])
+        return dataclasses.replace(preset, name=props.name, memory_gib=props.total_memory / 2**30)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return DeviceSpec("cpu", ram / 2**30 / max(1, local_ranks), 1e12, None, 50 * GB, 10 * GB, 10 * GB)

@@ -1,0 +1,398 @@
+"""Every valid plan of a job on a cluster, ranked by predicted throughput among those that fit.
+
+A plan is the settings in ``PLAN_FIELDS``: the five parallel degrees, the pipeline schedule and
+micro-batch size, the activation checkpointing mode, the local batch and FSDP's reshard policy.
+Settings the job pins are held; the rest are enumerated. Whether a plan can run at all is
+decided by ``validate.check_plan``, the rules the trainer itself enforces; its memory by
+``planner.memory`` plus a runtime reserve, its speed by ``planner.time``.
+
+The global batch is held when the job sets ``training.global_batch_size`` (the local batch and
+gradient accumulation fill it); otherwise the local batch is free and the global batch is
+local x data-parallel degree, as in the trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from autopar.config.errors import ConfigError
+from autopar.config.job import JobConfig
+from autopar.metrics import flops_per_token
+from autopar.models.args import ModelArgs
+from autopar.planner.devices import DeviceSpec
+from autopar.planner.memory import GIB, Memory, predict_dims
+from autopar.planner.time import StepTime, predict_time, tokens_per_step
+from autopar.plans.mesh import ParallelDims
+from autopar.validate import check_plan
+
+PLAN_FIELDS = (
+    "parallelism.data_parallel_replicate_degree",
+    "parallelism.data_parallel_shard_degree",
+    "parallelism.context_parallel_degree",
+    "parallelism.tensor_parallel_degree",
+    "parallelism.pipeline_parallel_degree",
+    "parallelism.pipeline_parallel_schedule",
+    "parallelism.pipeline_parallel_microbatch_size",
+    "parallelism.fsdp_reshard_after_forward",
+    "activation_checkpoint.mode",
+    "activation_checkpoint.selective_ac_option",
+    "training.local_batch_size",
+)
+"""The settings a plan consists of, as ``section.field``."""
+
+SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+AC_MODES = (("none", "op"), ("selective", "op"), ("selective", "2"), ("full", "op"))
+LOCAL_BATCHES = (1, 2, 4, 8, 16)
+MICRO_BATCHES = (1, 2)
+RUNTIME_GIB = 0.5
+"""CUDA context and library workspaces outside torch's allocator (not yet measured here)."""
+NCCL_GIB_PER_GROUP = 0.25
+"""NCCL's buffers per communicator a rank belongs to (not yet measured here)."""
+ALLOCATOR_SLACK = 0.05
+"""Fragmentation: the caching allocator reserves a few percent more than it hands out."""
+PIPELINE_MARGIN = 0.25
+"""Pipeline stages' peaks measured by the dry run exceed the memory model by 14-21% (gradient
+buffers accumulated over micro-batches are not modelled yet), so pipelined plans carry this
+much more until they are."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One evaluated plan: its settings, the worst rank's memory and (if it fits) its speed."""
+
+    settings: dict[str, str]
+    dims: ParallelDims
+    memory: Memory
+    fits: bool
+    time: StepTime | None
+    tokens_per_s: float  # per GPU
+    mfu: float  # fraction of the bf16 peak
+
+    @property
+    def peak_gib(self) -> float:
+        return self.memory.peak / GIB
+
+    @property
+    def overrides(self) -> list[str]:
+        """The command-line flags that run this plan (those that matter to it)."""
+        s = self.settings
+        unused = set()
+        if self.dims.pp == 1:
+            unused |= {
+                "parallelism.pipeline_parallel_schedule",
+                "parallelism.pipeline_parallel_microbatch_size",
+            }
+        if s["activation_checkpoint.mode"] != "selective":
+            unused.add("activation_checkpoint.selective_ac_option")
+        return [f"--{key}={value}" for key, value in s.items() if key not in unused]
+
+    @property
+    def complexity(self) -> int:
+        """How many non-default mechanisms the plan uses (fewer wins a tie)."""
+        d = self.dims
+        s = self.settings
+        return (
+            (d.tp > 1)
+            + (d.cp > 1)
+            + (d.pp > 1)
+            + (d.dp_replicate > 1)
+            + (s["activation_checkpoint.mode"] != "none")
+            + (s["parallelism.fsdp_reshard_after_forward"] != "default")
+        )
+
+    def describe(self) -> str:
+        d, s = self.dims, self.settings
+        text = f"dp_rep={d.dp_replicate} dp_shard={d.dp_shard} tp={d.tp} cp={d.cp} pp={d.pp}"
+        if d.pp > 1:
+            text += f" {s['parallelism.pipeline_parallel_schedule']} mbs={s['parallelism.pipeline_parallel_microbatch_size']}"
+        text += f" ac={ac_text(s)} local_batch={s['training.local_batch_size']}"
+        reshard = s["parallelism.fsdp_reshard_after_forward"]
+        return text if reshard == "default" else f"{text} reshard={reshard}"
+
+    def to_json(self) -> dict:
+        d = self.dims
+        return {
+            "degrees": {
+                "dp_replicate": d.dp_replicate,
+                "dp_shard": d.dp_shard,
+                "tp": d.tp,
+                "cp": d.cp,
+                "pp": d.pp,
+            },
+            "settings": self.settings,
+            "overrides": self.overrides,
+            "fits": self.fits,
+            "predicted_peak_gib": self.peak_gib,
+            "breakdown_gib": self.memory.gib(),
+            "predicted_tokens_per_s": self.tokens_per_s,
+            "predicted_mfu": self.mfu,
+            "predicted_step_s": self.time.total if self.time else None,
+            "time_split": self.time.split() if self.time else None,
+        }
+
+
+def ac_text(settings: dict[str, str]) -> str:
+    mode = settings["activation_checkpoint.mode"]
+    if mode != "selective":
+        return mode
+    option = settings["activation_checkpoint.selective_ac_option"]
+    return "op" if option == "op" else f"every-{option}"
+
+
+def job_settings(job: JobConfig) -> dict[str, str]:
+    """The job's own values of ``PLAN_FIELDS``, as strings."""
+    out = {}
+    for key in PLAN_FIELDS:
+        section, name = key.split(".")
+        out[key] = str(getattr(getattr(job, section), name))
+    return out
+
+
+def with_settings(job: JobConfig, settings: dict[str, str]) -> JobConfig:
+    """A shallow copy of ``job`` with ``settings`` (typed as the fields are) applied."""
+    changes: dict[str, dict[str, object]] = {}
+    for key, value in settings.items():
+        section, name = key.split(".")
+        current = getattr(getattr(job, section), name)
+        changes.setdefault(section, {})[name] = type(current)(value)
+    return dataclasses.replace(
+        job, **{section: dataclasses.replace(getattr(job, section), **c) for section, c in changes.items()}
+    )
+
+
+def runtime_reserve(allocated: float, dims: ParallelDims) -> float:
+    """Bytes a rank needs beyond what torch allocates for tensors."""
+    groups = sum(n > 1 for n in (dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp, dims.cp, dims.pp))
+    return (RUNTIME_GIB + NCCL_GIB_PER_GROUP * groups) * GIB + ALLOCATOR_SLACK * allocated
+
+
+def evaluate(
+    args: ModelArgs,
+    job: JobConfig,
+    dims: ParallelDims,
+    device: DeviceSpec,
+    gpus_per_node: int,
+    settings: dict[str, str] | None = None,
+    device_type: str = "cuda",
+) -> Plan:
+    """Memory of the most loaded rank and, when it fits, the step time of ``job``."""
+    precision = job.training.mixed_precision_param
+    fp32 = precision == "float32" or (precision == "auto" and device_type != "cuda")
+    worst = max(predict_dims(args, job, dims, compute_bytes=4 if fp32 else 2), key=lambda m: m.peak)
+    parts = dict(worst.parts, runtime=runtime_reserve(worst.peak, dims))
+    if dims.pp > 1:
+        parts["pipeline_margin"] = PIPELINE_MARGIN * worst.peak
+    memory = Memory(worst.role, parts)
+    fits = memory.peak <= device.memory_gib * GIB
+    time, tokens_per_s, mfu = None, 0.0, 0.0
+    if fits:
+        time = predict_time(args, job, dims, device, gpus_per_node)
+        tokens_per_s = tokens_per_step(job, dims) / time.total / dims.world_size
+        mfu = tokens_per_s * flops_per_token(args, job.training.seq_len) / device.bf16_flops
+    return Plan(settings or job_settings(job), dims, memory, fits, time, tokens_per_s, mfu)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(
+    job: JobConfig, args: ModelArgs, world_size: int, gpus_per_node: int, pinned: set[str]
+) -> Iterator[dict[str, str]]:
+    """Settings of every plan to try (validity not yet checked); pinned fields keep the job's value."""
+    own = job_settings(job)
+
+    def options(key: str, values: list) -> list[str]:
+        return [own[key]] if key in pinned else [str(v) for v in values]
+
+    global_batch = job.training.global_batch_size
+    for tp in options(
+        "parallelism.tensor_parallel_degree", [d for d in _divisors(world_size) if d <= gpus_per_node]
+    ):
+        rest = world_size // int(tp) if world_size % int(tp) == 0 else 0
+        for cp in options(
+            "parallelism.context_parallel_degree", [d for d in _divisors(rest) if d <= 16] if rest else []
+        ):
+            rest_cp = rest // int(cp) if rest % int(cp) == 0 else 0
+            pps = [d for d in _divisors(rest_cp) if d <= args.num_hidden_layers] if rest_cp else []
+            for pp in options("parallelism.pipeline_parallel_degree", pps):
+                if not rest_cp or rest_cp % int(pp):
+                    continue
+                dp = rest_cp // int(pp)
+                yield from _data_parallel(
+                    own, pinned, job, args, dp, int(tp), int(cp), int(pp), gpus_per_node, global_batch
+                )
+
+
+def _data_parallel(
+    own: dict[str, str],
+    pinned: set[str],
+    job: JobConfig,
+    args: ModelArgs,
+    dp: int,
+    tp: int,
+    cp: int,
+    pp: int,
+    gpus_per_node: int,
+    global_batch: int,
+) -> Iterator[dict[str, str]]:
+    replicate_key, shard_key = (
+        "parallelism.data_parallel_replicate_degree",
+        "parallelism.data_parallel_shard_degree",
+    )
+    # FSDP over every data-parallel rank, or HSDP with each shard group filling one node
+    replicates = {1}
+    in_node = gpus_per_node // (tp * cp) if gpus_per_node % (tp * cp) == 0 else 0
+    if in_node and dp % in_node == 0 and dp // in_node > 1:
+        replicates.add(dp // in_node)
+    if replicate_key in pinned:
+        replicates = {int(own[replicate_key])}
+    if shard_key in pinned and own[shard_key] != "-1":
+        replicates = {r for r in replicates if r * int(own[shard_key]) == dp}
+    if global_batch > 0:
+        locals_ = [b for b in _divisors(global_batch // dp) if b <= 64] if global_batch % dp == 0 else []
+    else:
+        locals_ = list(LOCAL_BATCHES)
+    if "training.local_batch_size" in pinned:
+        locals_ = [int(own["training.local_batch_size"])]
+    schedules = (
+        [own["parallelism.pipeline_parallel_schedule"]]
+        if "parallelism.pipeline_parallel_schedule" in pinned
+        else list(SCHEDULES)
+    )
+    micros = (
+        [int(own["parallelism.pipeline_parallel_microbatch_size"])]
+        if "parallelism.pipeline_parallel_microbatch_size" in pinned
+        else list(MICRO_BATCHES)
+    )
+    reshards = ["default", "never"] if pp == 1 else ["default"]
+    if "parallelism.fsdp_reshard_after_forward" in pinned:
+        reshards = [own["parallelism.fsdp_reshard_after_forward"]]
+    acs = [
+        (mode, option)
+        for mode, option in AC_MODES
+        if own["activation_checkpoint.mode"] == mode or "activation_checkpoint.mode" not in pinned
+        if mode != "selective"
+        or "activation_checkpoint.selective_ac_option" not in pinned
+        or own["activation_checkpoint.selective_ac_option"] == option
+    ]
+    if "activation_checkpoint.mode" in pinned and not acs:  # a pinned every-k other than 2
+        acs = [(own["activation_checkpoint.mode"], own["activation_checkpoint.selective_ac_option"])]
+    pipe = (
+        list(itertools.product(schedules, micros))
+        if pp > 1
+        else [
+            (
+                own["parallelism.pipeline_parallel_schedule"],
+                int(own["parallelism.pipeline_parallel_microbatch_size"]),
+            )
+        ]
+    )
+    for replicate, local, (schedule, micro), (mode, option), reshard in itertools.product(
+        sorted(replicates), locals_, pipe, acs, reshards
+    ):
+        if pp > 1 and local % micro:
+            continue
+        yield {
+            replicate_key: str(replicate),
+            shard_key: str(dp // replicate),
+            "parallelism.context_parallel_degree": str(cp),
+            "parallelism.tensor_parallel_degree": str(tp),
+            "parallelism.pipeline_parallel_degree": str(pp),
+            "parallelism.pipeline_parallel_schedule": schedule,
+            "parallelism.pipeline_parallel_microbatch_size": str(micro),
+            "parallelism.fsdp_reshard_after_forward": reshard,
+            "activation_checkpoint.mode": mode,
+            "activation_checkpoint.selective_ac_option": option,
+            "training.local_batch_size": str(local),
+        }
+
+
+def search(
+    job: JobConfig,
+    args: ModelArgs,
+    world_size: int,
+    gpus_per_node: int,
+    device: DeviceSpec,
+    pinned: set[str] = frozenset(),
+    device_type: str = "cuda",
+) -> list[Plan]:
+    """Every valid plan, best first (see ``rank``); ConfigError when none can run."""
+    evaluated: list[Plan] = []
+    first_error: ConfigError | None = None
+    pins = ", ".join(f"{k}={v}" for k, v in job_settings(job).items() if k in pinned) or "none"
+    for settings in candidates(job, args, world_size, gpus_per_node, pinned):
+        candidate = with_settings(job, settings)
+        try:
+            dims = check_plan(candidate, args, world_size, device_type)
+        except ConfigError as err:
+            first_error = first_error or err
+            continue
+        evaluated.append(evaluate(args, candidate, dims, device, gpus_per_node, settings, device_type))
+    if first_error is None and not evaluated:
+        raise ConfigError(
+            f"the pinned settings ({pins}) leave no parallel degrees that multiply to the world "
+            f"size {world_size} (tensor parallelism stays within a node of {gpus_per_node}); "
+            "change or unpin one"
+        )
+    if not evaluated:
+        raise ConfigError(f"no plan runs this job on {world_size} GPUs (pinned: {pins}): {first_error}")
+    return rank(evaluated)
+
+
+TIE = 0.01
+"""Plans within this fraction of the best throughput count as tied; the simplest wins."""
+
+
+def rank(plans: list[Plan]) -> list[Plan]:
+    """Fitting plans by tokens/s, those tied with the best ordered simplest first; then the
+    others by predicted peak."""
+    fitting = sorted((p for p in plans if p.fits), key=lambda p: -p.tokens_per_s)
+    others = sorted((p for p in plans if not p.fits), key=lambda p: p.memory.peak)
+    if not fitting:
+        return others
+    best = fitting[0].tokens_per_s
+    tied = [p for p in fitting if p.tokens_per_s >= best * (1 - TIE)]
+    tied.sort(key=lambda p: (p.complexity, -p.tokens_per_s))
+    return tied + fitting[len(tied) :] + others
+
+
+def no_fit_message(best: Plan, device: DeviceSpec, world_size: int, pinned: set[str]) -> str:
+    """One paragraph: the smallest predicted peak, its plan, what dominates it, and what would fit."""
+    parts = best.memory.gib()
+    largest = sorted(parts.items(), key=lambda kv: -kv[1])[:3]
+    over = best.peak_gib - device.memory_gib
+    weights = parts["params"] + parts["optimizer"] + parts["grads"]
+    if weights > device.memory_gib * 0.5:
+        fix = (
+            f"the weights, gradients and Adam state alone take {weights:.1f} GiB per GPU: use more GPUs "
+            "(FSDP divides them by the data-parallel degree) or a device with more memory"
+        )
+    else:
+        fix = (
+            "activations dominate: a shorter training.seq_len, a smaller local batch, or leaving "
+            "tensor/context parallelism and activation checkpointing free for the planner to use"
+        )
+    pins = ", ".join(sorted(k for k in pinned if k in PLAN_FIELDS))
+    pinned_text = f" The job pins {pins}." if pins else ""
+    return (
+        f"No plan fits {world_size} x {device.name} ({device.memory_gib:.1f} GiB). The smallest predicted "
+        f"peak is {best.peak_gib:.1f} GiB ({over:.1f} GiB over) with {best.describe()}; its largest parts are "
+        + ", ".join(f"{k} {v:.1f} GiB" for k, v in largest)
+        + f". To fit: {fix}.{pinned_text}"
+    )
+
+
+def pinned_fields(job: JobConfig, cli_keys: set[str], toml_keys: set[str]) -> set[str]:
+    """The plan settings a job holds fixed: those given on the command line, and those its
+    TOML sets when the TOML itself asks for ``auto`` (a TOML with a hand-made plan is only the
+    starting point the planner is compared against). A shard degree of -1 pins nothing."""
+    keys = set(cli_keys)
+    if "parallelism.auto" in toml_keys and job.parallelism.auto:
+        keys |= toml_keys
+    if job.parallelism.data_parallel_shard_degree == -1:
+        keys.discard("parallelism.data_parallel_shard_degree")
+    return keys & set(PLAN_FIELDS)

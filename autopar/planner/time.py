@@ -1,0 +1,200 @@
+"""Predicted time of one optimizer step of a plan: compute, recompute, exposed communication
+and pipeline bubble.
+
+Compute is the step's model FLOPs (``metrics.flops_per_token``, the same count MFU uses) at a
+fraction of the device's peak measured on a real run: ``COMPUTE_EFFICIENCY`` is the MFU of
+``python -m autopar.bench`` on one H100 (BENCHMARKS.md, Qwen3-1.7B, seq 4096, batch 2):
+47.9% compiled, 29.4% eager; ``FP8_SPEEDUP`` the compiled FP8 / compiled bf16 tokens/s there.
+Communication is each collective's bytes per rank over the link its mesh dimension uses
+(NVLink when the group fits in a node, the network otherwise) at ``COMM_EFFICIENCY`` of the
+link. That figure is an assumption until a multi-GPU run calibrates it; every real run's
+``plan.json`` records prediction beside measurement for that purpose.
+
+What overlaps: FSDP's all-gathers and reduce-scatters (and HSDP's all-reduce) run on their own
+stream behind compute, so only what exceeds compute plus the first all-gather is exposed;
+context-parallel k/v exchange hides behind attention; TP collectives and pipeline sends sit on
+the critical path. The bubble is the schedule's idle fraction of the compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.config.job import JobConfig
+from autopar.metrics import flops_per_token
+from autopar.models.args import ModelArgs
+from autopar.pipelining.schedule import SCHEDULE_STYLES, schedule_name
+from autopar.planner.devices import DeviceSpec
+from autopar.planner.memory import (
+    block_bytes_no_ac,
+    block_bytes_op_ac,
+    micro_steps,
+    modules_numel,
+    sizes,
+)
+from autopar.plans.activation_checkpoint import checkpointed_layers
+from autopar.plans.mesh import ParallelDims
+
+COMPUTE_EFFICIENCY = {"compiled": 0.479, "eager": 0.294}
+FP8_SPEEDUP = 39_492 / 36_037
+COMM_EFFICIENCY = 0.7
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds of one optimizer step on one GPU, split by what the GPU waits for."""
+
+    compute: float
+    recompute: float
+    exposed_comm: float
+    bubble: float
+    comm_by_dim: dict[str, float] = field(default_factory=dict)  # total (not only exposed) seconds
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.recompute + self.exposed_comm + self.bubble
+
+    def split(self) -> dict[str, float]:
+        """Each part's share of the step."""
+        parts = {
+            "compute": self.compute,
+            "recompute": self.recompute,
+            "exposed_comm": self.exposed_comm,
+            "bubble": self.bubble,
+        }
+        return {k: v / self.total for k, v in parts.items()}
+
+
+def tokens_per_step(job: JobConfig, dims: ParallelDims) -> int:
+    """Tokens of one optimizer step over all ranks."""
+    return job.training.local_batch_size * dims.dp * micro_steps(job, dims) * job.training.seq_len
+
+
+def link_bytes_per_s(span: int, gpus_per_node: int, device: DeviceSpec) -> float:
+    """Bandwidth a collective over a group of ``span`` consecutive ranks reaches."""
+    link = device.intra_node_bytes_per_s if span <= gpus_per_node else device.inter_node_bytes_per_s
+    return link * COMM_EFFICIENCY
+
+
+def compute_rate(job: JobConfig, device: DeviceSpec) -> float:
+    """Model FLOP/s one GPU sustains for this job."""
+    rate = device.bf16_flops * COMPUTE_EFFICIENCY["compiled" if job.compile.enable else "eager"]
+    if job.float8.enable and device.fp8_flops is not None:
+        rate *= FP8_SPEEDUP
+    return rate
+
+
+def predict_time(
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, device: DeviceSpec, gpus_per_node: int
+) -> StepTime:
+    """Predicted step time of ``job`` under ``dims`` on ``device``."""
+    c = 2
+    seq = job.training.seq_len
+    world = dims.world_size
+    rate = compute_rate(job, device)
+    tokens = tokens_per_step(job, dims)
+    compute = flops_per_token(args, seq) * tokens / world / rate
+
+    pipelined = dims.pp > 1
+    micro = job.parallelism.pipeline_parallel_microbatch_size if pipelined else job.training.local_batch_size
+    n_micro = job.training.local_batch_size // micro if pipelined else 1
+    micro_batches = n_micro * micro_steps(job, dims)  # micro-batches this rank runs per step
+    z = sizes(args, job, dims, micro, "ring", c)
+    layers = args.num_hidden_layers / dims.pp
+
+    # recompute: full blocks rerun their forward; per-op AC rereads and rewrites what it dropped
+    ac = job.activation_checkpoint
+    op = ac.mode == "selective" and ac.selective_ac_option == "op"
+    recompute = 0.0
+    if op:
+        dropped = block_bytes_no_ac(z, args.qk_norm) - block_bytes_op_ac(z, dims.tp)
+        recompute = 2 * dropped * layers * micro_batches / device.hbm_bytes_per_s
+    elif ac.mode != "none":
+        ids = [str(i) for i in range(args.num_hidden_layers)]
+        share = len(checkpointed_layers(ac, ids)) / len(ids)
+        block_fwd = 2 * block_params(args) + 4 * args.num_attention_heads * args.head_dim * seq
+        recompute = share * block_fwd * args.num_hidden_layers * tokens / world / rate
+
+    spans = _spans(dims)
+    comm: dict[str, float] = {}
+    if dims.tp > 1:
+        # SP: all-gather + reduce-scatter around attention and MLP, forward and backward (all-reduces
+        # without SP move the same bytes); plus the embedding's and the head's
+        per_collective = (dims.tp - 1) / dims.tp * c * z.h * z.tokens
+        collectives = 8 * layers + 4
+        comm["tp"] = (
+            collectives
+            * micro_batches
+            * per_collective
+            / link_bytes_per_s(spans["tp"], gpus_per_node, device)
+        )
+    cp_exposed = 0.0
+    if dims.cp > 1:
+        kv = 2 * c * z.nkv * z.d * z.tokens
+        cp_bytes = 3 * (dims.cp - 1) * kv * layers * micro_batches
+        comm["cp"] = cp_bytes / link_bytes_per_s(spans["cp"], gpus_per_node, device)
+        attention = 12 * z.nq * z.d * seq * z.tokens * layers * micro_batches / rate
+        cp_exposed = max(0.0, comm["cp"] - attention)
+    fsdp = dims.dp_shard * dims.cp
+    unsharded = _rank_params(args, job, dims)
+    if fsdp > 1:
+        policy = job.parallelism.fsdp_reshard_after_forward
+        reshard = policy == "always" or (policy == "default" and not pipelined)
+        gathers = micro_batches * (2 if reshard else 1)
+        moved = (fsdp - 1) / fsdp * (c * unsharded * gathers + 4 * unsharded * micro_batches)
+        comm["fsdp"] = moved / link_bytes_per_s(spans["fsdp"], gpus_per_node, device)
+    if dims.dp_replicate > 1:
+        r = dims.dp_replicate
+        moved = 2 * (r - 1) / r * 4 * unsharded / fsdp * micro_batches
+        comm["dp_replicate"] = moved / link_bytes_per_s(spans["dp_replicate"], gpus_per_node, device)
+    background = comm.get("fsdp", 0.0) + comm.get("dp_replicate", 0.0)
+    first_gather = comm.get("fsdp", 0.0) / max(1.0, layers * micro_batches * 3)
+    if pipelined:
+        stages_per_rank = SCHEDULE_STYLES[schedule_name(job.parallelism)].stages_per_rank or 2
+        p2p = 2 * c * z.h * z.tokens * micro_batches * stages_per_rank
+        comm["pp"] = p2p / link_bytes_per_s(spans["pp"], gpus_per_node, device)
+    exposed = (
+        comm.get("tp", 0.0)
+        + comm.get("pp", 0.0)
+        + cp_exposed
+        + max(0.0, background - compute - recompute)
+        + first_gather
+    )
+    bubble = 0.0
+    if pipelined:
+        bubble = bubble_fraction(schedule_name(job.parallelism), dims.pp, n_micro, stages_per_rank)
+        bubble *= compute + recompute
+    return StepTime(compute, recompute, exposed, bubble, comm)
+
+
+def bubble_fraction(schedule: str, pp: int, n_micro: int, stages_per_rank: int) -> float:
+    """Idle time of a rank relative to its busy time: (pp - 1) warm-up/cool-down slots over
+    the micro-batches, each slot a 1/v stage for interleaved and V schedules; zero-bubble
+    schedules fill two thirds of each slot with deferred weight gradients."""
+    loops = 1 if schedule in ("GPipe", "1F1B") else stages_per_rank
+    fraction = (pp - 1) / (n_micro * loops)
+    return fraction / 3 if schedule in ZERO_BUBBLE else fraction
+
+
+def block_params(args: ModelArgs) -> int:
+    """Matmul parameters of one block."""
+    q = args.num_attention_heads * args.head_dim
+    kv = args.num_key_value_heads * args.head_dim
+    return args.hidden_size * (2 * q + 2 * kv) + 3 * args.hidden_size * args.intermediate_size
+
+
+def _rank_params(args: ModelArgs, job: JobConfig, dims: ParallelDims) -> int:
+    """Parameters of this rank's stage (TP-sharded, not FSDP-sharded), the busiest stage."""
+    layers = -(-args.num_hidden_layers // dims.pp)
+    modules = [f"layers.{i}" for i in range(layers)] + ["embed_tokens", "norm", "lm_head"]
+    return modules_numel(args, job, dims, modules, sharded=False)
+
+
+def _spans(dims: ParallelDims) -> dict[str, int]:
+    """Consecutive ranks each mesh dimension's group spans (rank order pp, dp_replicate,
+    dp_shard, cp, tp, tp fastest): a group is inside a node when its span fits in one."""
+    tp = dims.tp
+    cp = dims.cp * tp
+    fsdp = dims.dp_shard * cp
+    return {"tp": tp, "cp": cp, "fsdp": fsdp, "dp_replicate": dims.dp_replicate * fsdp, "pp": dims.world_size}

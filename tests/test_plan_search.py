@@ -1,0 +1,178 @@
+"""The planner's choice: every plan it returns is one the trainer accepts, pinned settings hold,
+its time model reproduces measured runs, and its CLI and ``auto = true`` behave for users."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autopar.config import ConfigError
+from autopar.job import derive_job, model_args, parse_job
+from autopar.planner.devices import PRESETS, device_spec
+from autopar.planner.search import evaluate, rank, search
+from autopar.planner.time import bubble_fraction, predict_time
+from autopar.plans.mesh import ParallelDims
+from autopar.validate import check_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+H100 = PRESETS["h100"]
+
+
+def preset(name: str, *argv: str):
+    return parse_job(["--job.config", str(ROOT / "train_configs" / f"{name}.toml"), *argv])
+
+
+def run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_every_plan_in_the_top_ten_passes_the_trainers_own_checks():
+    job = preset("qwen3_32b")
+    plans = search(job, model_args(job), 64, 8, H100)
+    for plan in plans[:10]:
+        chosen = derive_job(job, [o.removeprefix("--") for o in plan.overrides])
+        assert check_plan(chosen, model_args(chosen), 64, "cuda") == plan.dims
+
+
+def test_pinned_settings_hold_in_every_plan():
+    job = preset("qwen3_8b", "--parallelism.tensor_parallel_degree=2", "--activation_checkpoint.mode=full")
+    pinned = {"parallelism.tensor_parallel_degree", "activation_checkpoint.mode"}
+    plans = search(job, model_args(job), 16, 8, H100, pinned)
+    assert {p.dims.tp for p in plans} == {2}
+    assert {p.settings["activation_checkpoint.mode"] for p in plans} == {"full"}
+
+
+def test_the_naive_32b_plan_on_64_h100s_does_not_fit_but_the_chosen_one_does():
+    job = preset("qwen3_32b", "--parallelism.tensor_parallel_degree=1", "--activation_checkpoint.mode=none")
+    args = model_args(job)
+    naive = evaluate(args, job, check_plan(job, args, 64, "cuda"), H100, 8)
+    assert not naive.fits and naive.peak_gib > H100.memory_gib
+    best = search(job, args, 64, 8, H100)[0]
+    assert best.fits and best.peak_gib <= H100.memory_gib
+
+
+def test_pinned_degrees_that_cannot_multiply_to_the_world_are_one_error():
+    job = preset("qwen3_8b", "--parallelism.tensor_parallel_degree=3")
+    with pytest.raises(ConfigError, match=r"tensor_parallel_degree=3.*world size 8"):
+        search(job, model_args(job), 8, 8, H100, {"parallelism.tensor_parallel_degree"})
+
+
+def test_ties_go_to_the_simpler_plan():
+    job = preset("qwen3_8b")
+    args = model_args(job)
+    plain = evaluate(args, job, ParallelDims(1, 8, 1, 1, 1), H100, 8)
+    tp = derive_job(job, ["parallelism.tensor_parallel_degree=2"])
+    with_tp = evaluate(args, tp, ParallelDims(1, 4, 1, 2, 1), H100, 8)
+    faster_by_half_a_percent = type(with_tp)(
+        **{**with_tp.__dict__, "tokens_per_s": plain.tokens_per_s * 1.005}
+    )
+    assert rank([faster_by_half_a_percent, plain])[0] is plain
+
+
+def test_one_gpu_compiled_throughput_matches_the_measured_benchmarks():
+    # BENCHMARKS.md, one H100, seq 4096, batch 2, compiled: 1.7B 36,037 and 0.6B 68,796 tokens/s
+    # (1.7B is the calibration point; 0.6B checks the FLOP count carries across sizes)
+    for flavor, measured in (("1.7B", 36_037), ("0.6B", 68_796)):
+        job = preset(f"qwen3_{flavor.lower()}", "--training.local_batch_size=2", "--compile.enable=true")
+        args = model_args(job)
+        time = predict_time(args, job, ParallelDims(1, 1, 1, 1, 1), H100, 8)
+        predicted = 2 * 4096 / time.total
+        assert predicted == pytest.approx(measured, rel=0.20), flavor
+
+
+def test_tensor_parallel_across_nodes_is_slower_than_within_one():
+    job = preset("qwen3_8b", "--parallelism.tensor_parallel_degree=8")
+    args, dims = model_args(job), ParallelDims(1, 2, 1, 8, 1)
+    assert predict_time(args, job, dims, H100, 4).total > predict_time(args, job, dims, H100, 8).total
+
+
+def test_recompute_costs_more_with_fuller_checkpointing():
+    def recompute(*flags: str) -> float:
+        job = preset("qwen3_8b", *flags)
+        return predict_time(model_args(job), job, ParallelDims(1, 8, 1, 1, 1), H100, 8).recompute
+
+    none = recompute("--activation_checkpoint.mode=none")
+    op = recompute("--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op")
+    every2 = recompute(
+        "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2"
+    )
+    full = recompute("--activation_checkpoint.mode=full")
+    assert none == 0 < op < every2 < full
+
+
+def test_bubble_shrinks_with_more_micro_batches_interleaving_and_zero_bubble():
+    assert bubble_fraction("1F1B", 4, 8, 1) == pytest.approx(3 / 8)
+    assert bubble_fraction("Interleaved1F1B", 4, 8, 2) == pytest.approx(3 / 16)
+    assert bubble_fraction("ZBVZeroBubble", 4, 8, 2) == pytest.approx(3 / 48)
+    assert bubble_fraction("1F1B", 4, 16, 1) < bubble_fraction("1F1B", 4, 8, 1)
+
+
+def test_an_unknown_device_preset_names_the_known_ones():
+    with pytest.raises(ConfigError, match="h100"):
+        device_spec("tpu")
+
+
+def test_plan_cli_prints_the_best_plans_and_writes_json(tmp_path):
+    out = tmp_path / "plans.json"
+    result = run(
+        "-m", "autopar.plan", "--job.config", "train_configs/qwen3_8b.toml", "--world-size", "16", "--top", "3",
+        "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "run the best plan with:" in result.stdout
+    plans = json.loads(out.read_text())["plans"]
+    assert len(plans) == 3
+    assert plans[0]["predicted_tokens_per_s"] >= plans[-1]["predicted_tokens_per_s"]
+    assert set(plans[0]) >= {"degrees", "overrides", "predicted_peak_gib", "breakdown_gib", "predicted_mfu"}
+
+
+def test_plan_cli_explains_in_one_paragraph_when_nothing_fits():
+    result = run(
+        "-m", "autopar.plan", "--job.config", "train_configs/qwen3_32b.toml", "--world-size", "8",
+        "--gpu-memory-gib", "16",
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "No plan fits 8 x h100 (16.0 GiB)" in result.stderr
+    assert "Traceback" not in result.stderr and "more GPUs" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--world-size", "8", "--device", "tpu"],
+        ["--world-size", "0"],
+        ["--job.config", "train_configs/qwen3_8b.toml"],
+        ["--world-size", "8", "--parallelism.tensor_parallel_degree", "3"],
+    ],
+    ids=["unknown device", "zero world", "no world size", "degrees that cannot divide"],
+)
+def test_plan_cli_bad_input_is_one_line_and_exit_2(flags):
+    result = run("-m", "autopar.plan", *flags)
+    assert result.returncode == 2
+    assert result.stderr.startswith("plan error:") and "Traceback" not in result.stderr
+
+
+def test_auto_plan_runs_and_keeps_prediction_beside_measurement(tmp_path):
+    result = run(
+        "train.py", "--job.config", "train_configs/debug_model.toml", "--parallelism.auto", "true",
+        "--training.local_batch_size", "2", "--training.steps", "3", "--lr_scheduler.warmup_steps", "1",
+        "--metrics.log_freq", "1", "--checkpoint.enable", "false", "--job.dump_folder", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    record = json.loads((tmp_path / "plan.json").read_text())
+    assert record["plan"]["fits"] and record["plan"]["settings"]["training.local_batch_size"] == "2"
+    assert record["measured"]["steps_logged"] == 3 and record["measured"]["tokens_per_s"] > 0
+
+
+def test_auto_with_pinned_degrees_that_contradict_the_world_is_exit_2(tmp_path):
+    result = run(
+        "train.py", "--job.config", "train_configs/debug_model.toml", "--parallelism.auto", "true",
+        "--parallelism.pipeline_parallel_degree", "2", "--job.dump_folder", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "config error:" in result.stderr and "Traceback" not in result.stderr
+    assert not any(tmp_path.iterdir())
