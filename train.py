@@ -20,7 +20,9 @@ from autopar.job import parse_job
 from autopar.log import setup_logging
 from autopar.metrics import read_metrics
 from autopar.planner.auto import auto_job, record_measured, write_plan
+from autopar.planner.devices import DeviceSpec
 from autopar.planner.dry_run import compare, report, write_dry_run
+from autopar.planner.search import Plan
 from autopar.trainer import Trainer
 from autopar.validate import validate
 
@@ -60,11 +62,12 @@ def main(argv: list[str]) -> int:
         if dry_world is not None:
             return dry_run_main(argv, dry_world)
         job = parse_job(argv)
-        auto = None
+        auto: tuple[Plan, DeviceSpec] | None = None
         if job.parallelism.auto:
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
             gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            job, *auto = auto_job(job, argv, world_size_from_env(), device_type, gpus_per_node)
+            job, plan, device = auto_job(job, argv, world_size_from_env(), device_type, gpus_per_node)
+            auto = (plan, device)
         if job.job.print_config:
             print(to_toml(job))
             return 0

@@ -15,9 +15,11 @@ import time
 from pathlib import Path
 
 from autopar.config import ConfigError
+from autopar.config.job import JobConfig
 from autopar.config.parse import explicit_keys
 from autopar.job import model_args, parse_job
-from autopar.planner.devices import device_spec
+from autopar.models.args import ModelArgs
+from autopar.planner.devices import DeviceSpec, device_spec
 from autopar.planner.search import Plan, ac_text, evaluate, no_fit_message, pinned_fields, search
 from autopar.validate import check_plan
 
@@ -122,7 +124,9 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def own_plan_line(job, args, world: int, gpus_per_node: int, device, best: Plan) -> str:
+def own_plan_line(
+    job: JobConfig, args: ModelArgs, world: int, gpus_per_node: int, device: DeviceSpec, best: Plan
+) -> str:
     """How the job's plan as written compares with the best."""
     try:
         dims = check_plan(job, args, world, "cuda")

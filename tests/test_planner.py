@@ -40,6 +40,12 @@ OP_AC_BLOCK_BACKWARD = pytest.mark.xfail(
     "outputs are alive at that moment than block_bytes_op_ac counts",
 )
 
+PIPELINE_GRADIENT_BUFFERS = pytest.mark.xfail(
+    strict=True,
+    reason="pipeline stages measure 14-21% above the model: the gradient buffers FSDP keeps "
+    "across micro-batches under pipelining are not modelled yet (the planner adds a 25% margin)",
+)
+
 GRID = [
     # (world, model, flags): FSDP, HSDP, TP+SP with and without loss parallel, CP, AC modes
     (8, ("qwen3", "0.6B"), [SMALL_VOCAB]),
@@ -78,6 +84,16 @@ GRID = [
         4,
         ("qwen3", "8B"),
         ["--parallelism.tensor_parallel_degree=4", "--parallelism.data_parallel_shard_degree=1"],
+    ),
+    pytest.param(
+        8,
+        ("qwen3", "8B"),
+        [
+            "--model.num_hidden_layers=4",
+            "--parallelism.pipeline_parallel_degree=2",
+            "--training.local_batch_size=2",
+        ],
+        marks=PIPELINE_GRADIENT_BUFFERS,
     ),
 ]
 
