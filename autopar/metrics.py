@@ -36,13 +36,17 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
 )
 
 
-def matmul_params(args: ModelArgs) -> int:
-    """Parameters used in matmuls: every block projection and the output head (not the lookup)."""
+def block_matmul_params(args: ModelArgs) -> int:
+    """Parameters of one block's projections (attention q/k/v/o and the SwiGLU MLP)."""
     q = args.num_attention_heads * args.head_dim
     kv = args.num_key_value_heads * args.head_dim
     attention = args.hidden_size * (q + 2 * kv) + q * args.hidden_size
-    mlp = 3 * args.hidden_size * args.intermediate_size
-    return args.num_hidden_layers * (attention + mlp) + args.hidden_size * args.vocab_size
+    return attention + 3 * args.hidden_size * args.intermediate_size
+
+
+def matmul_params(args: ModelArgs) -> int:
+    """Parameters used in matmuls: every block projection and the output head (not the lookup)."""
+    return args.num_hidden_layers * block_matmul_params(args) + args.hidden_size * args.vocab_size
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:

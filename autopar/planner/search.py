@@ -18,6 +18,8 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
+
 from autopar.config.errors import ConfigError
 from autopar.config.job import JobConfig
 from autopar.metrics import flops_per_token
@@ -26,6 +28,7 @@ from autopar.planner.devices import DeviceSpec
 from autopar.planner.memory import GIB, Memory, predict_dims
 from autopar.planner.time import StepTime, predict_time, tokens_per_step
 from autopar.plans.mesh import ParallelDims
+from autopar.plans.parallelize import compute_dtype
 from autopar.validate import check_plan
 
 PLAN_FIELDS = (
@@ -179,9 +182,8 @@ def evaluate(
     device_type: str = "cuda",
 ) -> Plan:
     """Memory of the most loaded rank and, when it fits, the step time of ``job``."""
-    precision = job.training.mixed_precision_param
-    fp32 = precision == "float32" or (precision == "auto" and device_type != "cuda")
-    worst = max(predict_dims(args, job, dims, compute_bytes=4 if fp32 else 2), key=lambda m: m.peak)
+    compute_bytes = compute_dtype(job, torch.device(device_type)).itemsize
+    worst = max(predict_dims(args, job, dims, compute_bytes=compute_bytes), key=lambda m: m.peak)
     parts = dict(worst.parts, runtime=runtime_reserve(worst.peak, dims))
     if dims.pp > 1:
         parts["pipeline_margin"] = PIPELINE_MARGIN * worst.peak

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autopar.config.job import JobConfig
-from autopar.metrics import flops_per_token
+from autopar.metrics import block_matmul_params, flops_per_token
 from autopar.models.args import ModelArgs
 from autopar.pipelining.schedule import SCHEDULE_STYLES, schedule_name
 from autopar.planner.devices import DeviceSpec
@@ -113,7 +113,7 @@ def predict_time(
     elif ac.mode != "none":
         ids = [str(i) for i in range(args.num_hidden_layers)]
         share = len(checkpointed_layers(ac, ids)) / len(ids)
-        block_fwd = 2 * block_params(args) + 4 * args.num_attention_heads * args.head_dim * seq
+        block_fwd = 2 * block_matmul_params(args) + 4 * args.num_attention_heads * args.head_dim * seq
         recompute = share * block_fwd * args.num_hidden_layers * tokens / world / rate
 
     spans = _spans(dims)
@@ -175,13 +175,6 @@ def bubble_fraction(schedule: str, pp: int, n_micro: int, stages_per_rank: int) 
     loops = 1 if schedule in ("GPipe", "1F1B") else stages_per_rank
     fraction = (pp - 1) / (n_micro * loops)
     return fraction / 3 if schedule in ZERO_BUBBLE else fraction
-
-
-def block_params(args: ModelArgs) -> int:
-    """Matmul parameters of one block."""
-    q = args.num_attention_heads * args.head_dim
-    kv = args.num_key_value_heads * args.head_dim
-    return args.hidden_size * (2 * q + 2 * kv) + 3 * args.hidden_size * args.intermediate_size
 
 
 def _rank_params(args: ModelArgs, job: JobConfig, dims: ParallelDims) -> int:
