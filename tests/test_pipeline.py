@@ -10,6 +10,7 @@ import torch
 from autopar.config import ConfigError
 from autopar.models import Qwen, get_flavor
 from autopar.parity import Case, relative_deltas, run_cases, run_plans
+from autopar.pipelining.schedule import rank_actions
 from autopar.pipelining.split import check_split, even_split, prune, stage_ids
 from autopar.spawn import run_on_ranks
 from autopar.validate import validate
@@ -267,3 +268,11 @@ def test_checkpoint_saved_under_pp2_resumes_without_pipelining(tmp_path):
     uninterrupted, resumed = runs["pp2"], runs["pp2->fsdp2"]
     assert len(resumed.losses) == 3
     assert max(relative_deltas(resumed.losses, uninterrupted.losses[3:])) <= 1e-5
+
+
+def test_rank_actions_follow_torchs_schedule_order():
+    one_f_one_b = rank_actions("1F1B", 2, 2, 4, 0)
+    assert [f"{k}{m}" for k, _, m in one_f_one_b] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+    zbv = rank_actions("ZBVZeroBubble", 2, 4, 2, 1)
+    assert {s for _, s, _ in zbv} == {1, 2}  # the V: rank 1 holds stages 1 and 2
+    assert {k for k, _, _ in zbv} == {"F", "I", "W"}

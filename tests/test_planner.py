@@ -40,11 +40,19 @@ OP_AC_BLOCK_BACKWARD = pytest.mark.xfail(
     "outputs are alive at that moment than block_bytes_op_ac counts",
 )
 
-PIPELINE_GRADIENT_BUFFERS = pytest.mark.xfail(
+EMBEDDING_BACKWARD = pytest.mark.xfail(
     strict=True,
-    reason="pipeline stages measure 14-21% above the model: the gradient buffers FSDP keeps "
-    "across micro-batches under pipelining are not modelled yet (the planner adds a 25% margin)",
+    reason="under-predicted by 12%: at the embedding's backward, the last moment of the step, "
+    "the embedding and head are both gathered beside the embedding's float32 gradient and "
+    "vocabulary-sized tensors context parallelism still holds; not modelled yet",
 )
+
+PIPELINE = [
+    "--model.num_hidden_layers=8",
+    "--parallelism.pipeline_parallel_degree=4",
+    "--training.local_batch_size=4",
+]
+
 
 GRID = [
     # (world, model, flags): FSDP, HSDP, TP+SP with and without loss parallel, CP, AC modes
@@ -85,7 +93,7 @@ GRID = [
         ("qwen3", "8B"),
         ["--parallelism.tensor_parallel_degree=4", "--parallelism.data_parallel_shard_degree=1"],
     ),
-    pytest.param(
+    (
         8,
         ("qwen3", "8B"),
         [
@@ -93,8 +101,20 @@ GRID = [
             "--parallelism.pipeline_parallel_degree=2",
             "--training.local_batch_size=2",
         ],
-        marks=PIPELINE_GRADIENT_BUFFERS,
     ),
+    # pipelines: first, middle and last stage each checked; torch's own action order
+    (16, ("qwen3", "8B"), PIPELINE),
+    (16, ("qwen3", "8B"), [*PIPELINE, "--parallelism.pipeline_parallel_schedule=Interleaved1F1B"]),
+    (16, ("qwen3", "8B"), [*PIPELINE, "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble"]),
+    # the other sizes
+    (8, ("qwen3", "1.7B"), ["--activation_checkpoint.mode=full"]),
+    (32, ("qwen3", "4B"), ["--parallelism.tensor_parallel_degree=2"]),
+    (32, ("qwen3", "14B"), ["--parallelism.tensor_parallel_degree=4", "--activation_checkpoint.mode=full"]),
+    pytest.param(
+        64, ("qwen2.5", "14B"), ["--parallelism.context_parallel_degree=2"], marks=EMBEDDING_BACKWARD
+    ),
+    (64, ("qwen2.5", "14B"), ["--activation_checkpoint.mode=full"]),
+    (64, ("qwen2.5", "32B"), ["--parallelism.tensor_parallel_degree=8"]),
 ]
 
 

@@ -12,8 +12,10 @@ in as plain callables: this floor does not know the training step.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -27,7 +29,7 @@ from autopar.config.errors import ConfigError
 from autopar.config.job import Parallelism
 from autopar.data.loader import Batch
 from autopar.models.args import ModelArgs
-from autopar.pipelining.split import StageStyle, check_split, even_split
+from autopar.pipelining.split import StageStyle, check_split, even_split, stage_ids
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(logits, labels) -> summed token loss."""
@@ -119,16 +121,53 @@ def check_schedule(cfg: Parallelism, stages: int, microbatches: int) -> None:
 def stage_modules(cfg: Parallelism, args: ModelArgs) -> list[list[str]]:
     """Module names of every stage, explicit or evenly balanced, checked."""
     if cfg.module_fqns_per_model_part:
-        stages = cfg.module_fqns_per_model_part
-    else:
-        stages = even_split(
-            args.num_hidden_layers,
-            num_stages(cfg, args.num_hidden_layers),
-            cfg.pipeline_parallel_first_stage_less_layers,
-            cfg.pipeline_parallel_last_stage_less_layers,
+        check_split(cfg.module_fqns_per_model_part, args.num_hidden_layers)
+        return cfg.module_fqns_per_model_part
+    return even_split(  # valid by construction
+        args.num_hidden_layers,
+        num_stages(cfg, args.num_hidden_layers),
+        cfg.pipeline_parallel_first_stage_less_layers,
+        cfg.pipeline_parallel_last_stage_less_layers,
+    )
+
+
+Action = tuple[str, int, int]
+"""(kind, stage, micro-batch): ``F`` forward, ``B`` full backward, ``I`` input gradient, ``W``
+weight gradient (zero-bubble schedules split ``B`` into ``I`` then ``W``)."""
+
+
+@functools.lru_cache(maxsize=4096)
+def rank_actions(name: str, pp: int, total_stages: int, n_micro: int, pp_rank: int) -> tuple[Action, ...]:
+    """The compute actions pipeline rank ``pp_rank`` runs in one schedule step, in order.
+
+    Read off torch's schedule class itself, built over stand-in stages (a schedule orders
+    its actions from the stage layout alone), so whoever models a step's timeline (the
+    planner's memory) follows torch's order rather than a copy of it."""
+    placement = SCHEDULE_STYLES[name].placement
+    stages = [
+        SimpleNamespace(
+            stage_index=sid,
+            num_stages=total_stages,
+            group_size=pp,
+            group_rank=pp_rank,
+            is_first=sid == 0,
+            is_last=sid == total_stages - 1,
+            submod=None,
         )
-    check_split(stages, args.num_hidden_layers)
-    return stages
+        for sid in stage_ids(pp_rank, pp, total_stages, placement)
+    ]
+    cls = get_schedule_class(name)
+    first: object = stages[0] if issubclass(cls, PipelineScheduleSingle) else stages
+    order = cls(first, n_microbatches=n_micro).pipeline_order[pp_rank]
+    actions: list[Action] = []
+    for action in order:
+        if action is None:
+            continue
+        for step in action.sub_actions or (action,):
+            kind = step.computation_type.value
+            if kind in ("F", "B", "I", "W"):
+                actions.append((kind, step.stage_index, step.microbatch_index))
+    return tuple(actions)
 
 
 def check_pipeline(cfg: Parallelism, args: ModelArgs, local_batch_size: int) -> None:

@@ -9,6 +9,7 @@ a list of module names per stage, computed evenly or given by the user.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Literal
 
 from torch import nn
@@ -25,20 +26,30 @@ def even_split(
 ) -> list[list[str]]:
     """Module names per stage, balancing layers with the embedding counted as
     ``first_stage_less`` layers and the head as ``last_stage_less`` layers."""
+    stages = _even_split(num_layers, num_stages, first_stage_less, last_stage_less)
+    return [list(names) for names in stages]
+
+
+@functools.lru_cache(maxsize=1024)
+def _even_split(
+    num_layers: int, num_stages: int, first_stage_less: int, last_stage_less: int
+) -> tuple[tuple[str, ...], ...]:
+    """``even_split``, cached for the planner, which asks for the same splits many times."""
     units = num_layers + first_stage_less + last_stage_less
     base, extra = divmod(units, num_stages)
     sizes = [base + (1 if i < extra else 0) for i in range(num_stages)]
     sizes[0] -= first_stage_less
     sizes[-1] -= last_stage_less
     if num_stages == 1:
-        return [[EMBEDDING] + [f"layers.{i}" for i in range(num_layers)] + list(HEAD)]
+        return ((EMBEDDING, *(f"layers.{i}" for i in range(num_layers)), *HEAD),)
     if min(sizes) < 0 or sum(sizes) != num_layers:
         raise ConfigError(
             f"cannot split {num_layers} layers into {num_stages} stages with "
             f"pipeline_parallel_first_stage_less_layers={first_stage_less} and "
             f"last_stage_less_layers={last_stage_less}; lower them or use fewer stages"
         )
-    stages, start = [], 0
+    stages: list[tuple[str, ...]] = []
+    start = 0
     for i, size in enumerate(sizes):
         names = [f"layers.{j}" for j in range(start, start + size)]
         start += size
@@ -46,8 +57,8 @@ def even_split(
             names.insert(0, EMBEDDING)
         if i == num_stages - 1:
             names.extend(HEAD)
-        stages.append(names)
-    return stages
+        stages.append(tuple(names))
+    return tuple(stages)
 
 
 def check_split(stages: list[list[str]], num_layers: int) -> None:

@@ -15,10 +15,14 @@ per token of a block, with ``c`` the compute dtype's bytes and heads/intermediat
 
 Selective per-op checkpointing keeps the outputs of matmuls, attention and collectives
 (``plans.activation_checkpoint.SAVED_OPS``); full checkpointing keeps each block's input and
-recomputes one block at a time in backward. The peak of a step is taken as the larger of two
-moments: the loss's backward (every block's activations, the logits, the float32 softmax
-and its two gradients over the vocabulary) and the first block's backward (the same blocks,
-one recomputed block and its gradients, and the FSDP gradient buffers).
+recomputes one block at a time in backward. The peak is the largest of the moments met while
+walking this rank's step in the schedule's own order (``pipelining.schedule.rank_actions``,
+read off torch's schedule; without pipelining one forward then one backward): each forward
+adds a micro-batch's saves; each loss backward adds the logits, the float32 softmax and its
+two gradients over the vocabulary; each block backward adds one recomputed block and FSDP's
+gradient buffers; zero-bubble input steps keep the gradients at every weight's output until
+their weight step; and under pipelining with FSDP, gradients stay unsharded in float32 from
+a stage's first backward to its last micro-batch (torch turns gradient sync off in between).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from autopar.config.job import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.models.qwen import Qwen
-from autopar.pipelining.schedule import SCHEDULE_STYLES, schedule_name, stage_modules
+from autopar.pipelining.schedule import SCHEDULE_STYLES, rank_actions, schedule_name, stage_modules
 from autopar.pipelining.split import stage_ids
 from autopar.plans.activation_checkpoint import checkpointed_layers
 from autopar.plans.mesh import ParallelDims
@@ -163,6 +167,15 @@ def block_bytes_op_ac(z: _Sizes, tp: int) -> float:
     return qkv + attention + out_proj + mlp + block_input + collectives
 
 
+def block_weight_output_grad_bytes(z: _Sizes, qk_norm: bool) -> float:
+    """The gradients at the outputs of one block's weighted ops (projections and norms), which
+    a zero-bubble schedule keeps from a micro-batch's input step to its weight step."""
+    t = z.tokens
+    projections = (z.nq + 2 * z.nkv) * z.d + 2 * z.h + 2 * z.inter  # qkv, o, gate/up, down
+    norms = 2 * z.h / z.sp + ((z.nq + z.nkv) * z.d if qk_norm else 0)
+    return z.c * t * (projections + norms)
+
+
 def head_peak_bytes(z: _Sizes, vocab: int, tp_loss_parallel: int) -> float:
     """The loss's backward: logits (c), float32 log-softmax output, and the float32 gradients
     of nll and log-softmax; plus the final norm's saves and the head's gathered input.
@@ -174,16 +187,6 @@ def head_peak_bytes(z: _Sizes, vocab: int, tp_loss_parallel: int) -> float:
     vocab_bytes = (z.c + FP32) * local * t + 2 * FP32 * vocab * t
     norm = (FP32 + z.c) * z.h * t / z.sp + FP32 * t / z.sp
     return vocab_bytes + norm + z.c * z.h * t
-
-
-def in_flight_microbatches(schedule: str, pp: int, stage: int, n_micro: int, stages_per_rank: int) -> int:
-    """Micro-batches whose activations a rank holds at once, at its peak."""
-    if schedule in ("GPipe", "LoopedBFS"):
-        return n_micro * stages_per_rank
-    if stages_per_rank == 1:
-        return min(n_micro, pp - stage)
-    # interleaved and V schedules: warmup of their first (virtual) stage
-    return min(n_micro * stages_per_rank, 2 * (pp - stage) + (stages_per_rank - 1) * pp)
 
 
 def sizes(
@@ -235,6 +238,10 @@ def predict_dims(
     ]
 
 
+def _num_layers(modules: list[str]) -> int:
+    return sum(m.startswith("layers.") for m in modules)
+
+
 def _rank_stage_ids(job: JobConfig, dims: ParallelDims, num_stages: int, pp_rank: int) -> list[int]:
     placement = SCHEDULE_STYLES[schedule_name(job.parallelism)].placement
     return stage_ids(pp_rank, dims.pp, num_stages, placement)
@@ -253,8 +260,6 @@ def _predict_stage_rank(
     ids = _rank_stage_ids(job, dims, len(stages), pp_rank) if dims.pp > 1 else [0]
     modules = [m for i in ids for m in stages[i]]
     numel = modules_numel(args, job, dims, modules)
-    layers = [m.split(".")[1] for m in modules if m.startswith("layers.")]
-    has_head = "lm_head" in modules
     micro = (
         job.parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else job.training.local_batch_size
     )
@@ -262,52 +267,100 @@ def _predict_stage_rank(
 
     ac = job.activation_checkpoint
     op = ac.mode == "selective" and ac.selective_ac_option == "op"
+    layers = [m.split(".")[1] for m in modules if m.startswith("layers.")]
     full = set() if op else set(checkpointed_layers(ac, layers))
     no_ac = block_bytes_no_ac(z, args.qk_norm)
     per_block = block_bytes_op_ac(z, dims.tp) if op else no_ac
     block_input = z.c * z.h * z.tokens / z.sp
-    blocks = sum(block_input if i in full else per_block for i in layers)
-    recompute = no_ac if full else 0.0
-
-    n_micro = job.training.local_batch_size // micro
-    if dims.pp > 1:
-        style = SCHEDULE_STYLES[schedule_name(job.parallelism)]
-        held = in_flight_microbatches(
-            schedule_name(job.parallelism), dims.pp, pp_rank, n_micro, style.stages_per_rank or 2
+    # what one micro-batch leaves saved in each of this rank's stages: its blocks' saves, and
+    # under pipelining the activation a stage received and the one it sent (kept for backward)
+    saved = {
+        i: sum(
+            block_input if m.split(".")[1] in full else per_block
+            for m in stages[i]
+            if m.startswith("layers.")
         )
-        blocks = blocks / len(ids) * held if len(ids) > 1 else blocks * held
+        + block_input * ((i > 0) + (i < len(stages) - 1))
+        for i in ids
+    }
+    # what a block's backward rebuilds: all of it (full/every-k) or what per-op AC dropped
+    recompute = no_ac - per_block if op else (no_ac if full else 0.0)
+    weight_output_grads = block_weight_output_grad_bytes(z, args.qk_norm)
     shards = dims.tp if loss_parallel_enabled(job, dims) else 1
-    head = head_peak_bytes(z, args.vocab_size, shards) if has_head else 0.0
-    if op:
-        recompute = no_ac - per_block  # what per-op AC drops and rebuilds for one block
+    head = head_peak_bytes(z, args.vocab_size, shards)
 
     gathered = _gathered_bytes(args, job, dims, modules, c)
-    accumulating = dims.pp > 1 or micro_steps(job, dims) > 1
+    # sharded gradients outlive a backward only when micro-steps accumulate into them, or
+    # when a pipeline without FSDP keeps them whole across micro-batches
+    accumulating = micro_steps(job, dims) > 1 or (dims.pp > 1 and not dims.fsdp_enabled)
     static = {
         "params": FP32 * numel,
         "optimizer": 2 * FP32 * numel,
         "grads": FP32 * numel if accumulating else 0.0,
     }
-    # the larger of two moments: the loss's backward (logits and their float32 gradients)
-    # and the end of the last block's backward: its gradient cast to float32 for FSDP's
-    # reduce-scatter, its gathered weights and the next block's prefetched ones (or, under
-    # checkpointing, the bf16 gradient beside the float32 one), and either its activations
-    # freed (no AC) or the rebuilt ones still alive (AC)
-    loss_moment = {"gathered_params": gathered, "activations": blocks + head}
-    block_moment = {"gathered_params": gathered, "activations": blocks + recompute}
     if dims.fsdp_enabled and layers:
         block = modules_numel(args, job, dims, ["layers.0"], sharded=False)
         kept = _keeps_blocks(job, dims)
-        block_moment = {
-            "gathered_params": gathered
-            if kept
-            else gathered - _head_group_bytes(args, job, dims, modules, c) + 2 * c * block,
-            "activations": blocks + recompute if full or op else blocks - per_block,
-            "gradient_buffers": FP32 * block,
-        }
-    moment = max(loss_moment, block_moment, key=lambda m: sum(m.values()))
-    parts = {**static, **moment}
-    return Memory(role, parts)
+        # the end of a block's backward: its gradient cast to float32 for FSDP's
+        # reduce-scatter, its gathered weights and the next block's prefetched ones,
+        # and either its activations freed (no AC) or the rebuilt ones still alive (AC)
+        block_gathered = (
+            gathered if kept else gathered - _head_group_bytes(args, job, dims, modules, c) + 2 * c * block
+        )
+        block_activations = recompute if (full or op) else -per_block
+        block_buffers = FP32 * block
+    else:
+        block_gathered, block_activations, block_buffers = gathered, recompute, 0.0
+    # torch's pipeline stage turns FSDP's gradient sync off for every micro-batch but the
+    # last: from a stage's first backward on, its gradients stay unsharded in float32
+    n_micro = job.training.local_batch_size // micro
+    unsynced = dims.pp > 1 and dims.fsdp_enabled and n_micro > 1
+
+    # walk this rank's step in the schedule's own order; the peak is the largest moment
+    actions = (
+        rank_actions(schedule_name(job.parallelism), dims.pp, len(stages), n_micro, pp_rank)
+        if dims.pp > 1
+        else (("F", 0, 0), ("B", 0, 0))
+    )
+    pending = {i: weight_output_grads * _num_layers(stages[i]) for i in ids}
+    unsynced_grads = {}
+    if unsynced:
+        whole = module_numel(args, dims.tp, 1, job.parallelism.enable_sequence_parallel, shards > 1)
+        for i in ids:
+            sizes_ = [whole.get("layer" if m.startswith("layers.") else m, 0) for m in stages[i]]
+            # the stage's largest gradient, in the compute dtype, beside its float32 copy
+            unsynced_grads[i] = (FP32 * sum(sizes_), c * max(sizes_))
+    heads = {i for i in ids if "lm_head" in stages[i]}
+    alive, accumulated = 0.0, 0.0
+    # (gathered_params, activations, gradient_buffers) of the largest moment so far
+    peak = (0.0, 0.0, 0.0)
+
+    def consider(moment: tuple[float, float, float]) -> None:
+        nonlocal peak
+        if sum(moment) > sum(peak):
+            peak = moment
+
+    for kind, stage, _ in actions:
+        if kind == "F":
+            alive += saved[stage]
+        elif kind == "I":
+            # a zero-bubble input step keeps the gradient at every weight's output until
+            # the stage's weight step uses it
+            alive += pending[stage]
+        if kind in ("B", "I"):  # the loss's backward, then each block's
+            if stage in heads:
+                consider((gathered, alive + head, accumulated))
+            if saved[stage] or recompute:
+                consider((block_gathered, alive + block_activations, accumulated + block_buffers))
+        if kind in ("B", "W"):
+            alive -= saved[stage] + (pending[stage] if kind == "W" else 0.0)
+            if stage in unsynced_grads:
+                grads, transient = unsynced_grads.pop(stage)
+                accumulated += grads
+                consider((gathered, alive, accumulated + transient))
+        consider((gathered, alive, accumulated))
+    moment = dict(zip(("gathered_params", "activations", "gradient_buffers"), peak, strict=True))
+    return Memory(role, {**static, **{k: v for k, v in moment.items() if v}})
 
 
 def micro_steps(job: JobConfig, dims: ParallelDims) -> int:

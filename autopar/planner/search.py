@@ -56,10 +56,6 @@ NCCL_GIB_PER_GROUP = 0.25
 """NCCL's buffers per communicator a rank belongs to (not yet measured here)."""
 ALLOCATOR_SLACK = 0.05
 """Fragmentation: the caching allocator reserves a few percent more than it hands out."""
-PIPELINE_MARGIN = 0.25
-"""Pipeline stages' peaks measured by the dry run exceed the memory model by 14-21% (gradient
-buffers accumulated over micro-batches are not modelled yet), so pipelined plans carry this
-much more until they are."""
 
 
 @dataclass(frozen=True)
@@ -185,8 +181,6 @@ def evaluate(
     compute_bytes = compute_dtype(job, torch.device(device_type)).itemsize
     worst = max(predict_dims(args, job, dims, compute_bytes=compute_bytes), key=lambda m: m.peak)
     parts = dict(worst.parts, runtime=runtime_reserve(worst.peak, dims))
-    if dims.pp > 1:
-        parts["pipeline_margin"] = PIPELINE_MARGIN * worst.peak
     memory = Memory(worst.role, parts)
     fits = memory.peak <= device.memory_gib * GIB
     time, tokens_per_s, mfu = None, 0.0, 0.0
