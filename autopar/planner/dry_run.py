@@ -1,5 +1,7 @@
 """A launch at real scale with no GPUs: this job's real parallelized model, one training step,
-under torch's fake process group and fake tensors, its memory measured by torch's trackers.
+under torch's fake process group and fake tensors, its memory measured by torch's
+FSDPMemTracker or, where that cannot follow the rank (several pipeline stages, no FSDP), by
+``PeakTracker``.
 
 One rank of each distinct role runs (the first, a middle and the last pipeline stage; every
 other rank holds the same shapes as one of these). What runs is ``autopar.step.TrainStep``,
