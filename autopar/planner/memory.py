@@ -322,7 +322,8 @@ def _predict_stage_rank(
         if dims.pp > 1
         else (("F", 0, 0), ("B", 0, 0))
     )
-    pending = {i: weight_output_grads * _num_layers(stages[i]) for i in ids}
+    blocks = {i: _num_layers(stages[i]) for i in ids}
+    pending = {i: weight_output_grads * blocks[i] for i in ids}
     unsynced_grads = {}
     if unsynced:
         whole = module_numel(args, dims.tp, 1, job.parallelism.enable_sequence_parallel, shards > 1)
@@ -350,7 +351,7 @@ def _predict_stage_rank(
         if kind in ("B", "I"):  # the loss's backward, then each block's
             if stage in heads:
                 consider((gathered, alive + head, accumulated))
-            if saved[stage] or recompute:
+            if blocks[stage]:
                 consider((block_gathered, alive + block_activations, accumulated + block_buffers))
         if kind in ("B", "W"):
             alive -= saved[stage] + (pending[stage] if kind == "W" else 0.0)
