@@ -20,13 +20,20 @@ Differences from the GPU run, stated rather than hidden:
   all-gather implementation; ``memory.predict`` is told so (``cp_impl``).
 - The allocator's rounding, the CUDA context and NCCL buffers are not simulated; the planner
   names them as a separate allowance.
+- DTensor's shape propagation, which reruns ops on whole (unsharded) fakes in the active fake
+  mode, is hidden from the trackers: a real run never allocates those.
+
+``measure_jobs`` measures real runs the same way (what ``tests/test_planner_live.py`` checks
+the planner against on CPU ranks).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import weakref
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -38,12 +45,13 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.tensor import DTensor, Shard
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten
 
 from autopar.config.job import JobConfig
 from autopar.data.loader import Batch
-from autopar.distributed import World
+from autopar.distributed import World, init_world
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
 from autopar.pipelining.schedule import Pipeline, StageIO
@@ -51,6 +59,8 @@ from autopar.planner.memory import predict
 from autopar.plans.mesh import Meshes, ParallelDims, build_meshes
 from autopar.plans.parallelize import ModelParts, loss_parallel_enabled, materialize_parts, parallelized_parts
 from autopar.step import TrainStep
+from autopar.trainer import Trainer
+from autopar.validate import validate
 
 GIB = 2**30
 
@@ -223,8 +233,7 @@ def _agree_on_static_metadata(pipeline: Pipeline) -> None:
 
 
 def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) -> dict[str, int]:
-    """Peak bytes by category of ``rank`` over the forward and backward of a second training
-    step (the first creates the optimizer state); leaves no process group behind."""
+    """``measure_step`` of ``rank`` under a fake process group of its own, destroyed after."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     job = dry_run_job(job)
@@ -242,21 +251,59 @@ def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) ->
             step = TrainStep(job, world, meshes, parts, io)
             if step.pipeline is not None:
                 _agree_on_static_metadata(step.pipeline)
-            batches = _batches(job, dims)
-            step(batches, job.optimizer.lr)  # creates the optimizer state
-            if dims.fsdp_enabled and len(step.parts) == 1:
-                tracker: FSDPMemTracker | PeakTracker = FSDPMemTracker(step.parts[0], step.optimizers[0])
-            else:
-                tracker = PeakTracker(step.parts, step.optimizers)
-            # the tracker misreads optimizer-step temporaries on DTensors, so it watches the
-            # forward and backward; the update's own peak (params, grads, state) is lower
-            with tracker:
-                step.forward_backward(batches)
-            step.update(job.optimizer.lr)
-            peak = tracker.peak if isinstance(tracker, PeakTracker) else _fsdp_peak(tracker)
+            peak = measure_step(step, _batches(job, dims), job.optimizer.lr)
     finally:
         dist.destroy_process_group()
     return peak
+
+
+def measure_step(step: TrainStep, batches: list[Batch], lr: float) -> dict[str, int]:
+    """Peak bytes by category of this rank over the forward and backward of a second training
+    step on ``batches`` (the first creates the optimizer state), fake or real alike."""
+    step(batches, lr)
+    if step.dims.fsdp_enabled and len(step.parts) == 1:
+        tracker: FSDPMemTracker | PeakTracker = FSDPMemTracker(step.parts[0], step.optimizers[0])
+    else:
+        tracker = PeakTracker(step.parts, step.optimizers)
+    # the tracker misreads optimizer-step temporaries on DTensors, so it watches the forward
+    # and backward; the update's own peak (params, grads, state) is lower
+    with _untracked_sharding_propagation(), tracker:
+        step.forward_backward(batches)
+    step.update(lr)
+    return tracker.peak if isinstance(tracker, PeakTracker) else _fsdp_peak(tracker)
+
+
+def measure_jobs(jobs: list[JobConfig]) -> list[dict[str, int]]:
+    """The real-run counterpart of ``measure_rank``: each job's trainer built on this rank's
+    process group (or alone) with its own weights and data, one step measured by
+    ``measure_step``. What the planner's predictions are checked against on real ranks."""
+    peaks = []
+    for job in jobs:
+        world = init_world()
+        trainer = Trainer(job, validate(job, world.size), world)
+        peaks.append(measure_step(trainer.one_step, trainer.loader.next_step(), job.optimizer.lr))
+    return peaks
+
+
+@contextlib.contextmanager
+def _untracked_sharding_propagation() -> Iterator[None]:
+    """Hide DTensor's shape propagation from the trackers. It runs each op once more on
+    whole-tensor (unsharded) fakes, in the active fake mode when there is one: a real run
+    never allocates those, yet at the loss-parallel backward they are two vocabulary-sized
+    float32 tensors (4.6 GiB for Qwen3 at 4096 tokens) alive at the peak."""
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def untracked(self: ShardingPropagator, op_schema: object) -> object:
+        if not isinstance(_get_current_dispatch_mode(), (PeakTracker, FSDPMemTracker)):
+            return original(self, op_schema)
+        with _pop_mode_temporarily():
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = untracked  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
 
 
 def _fsdp_peak(tracker: FSDPMemTracker) -> dict[str, int]:

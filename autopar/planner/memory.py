@@ -19,8 +19,10 @@ recomputes one block at a time in backward. The peak is the largest of the momen
 walking this rank's step in the schedule's own order (``pipelining.schedule.rank_actions``,
 read off torch's schedule; without pipelining one forward then one backward): each forward
 adds a micro-batch's saves; each loss backward adds the logits, the float32 softmax and its
-two gradients over the vocabulary; each block backward adds one recomputed block and FSDP's
-gradient buffers; zero-bubble input steps keep the gradients at every weight's output until
+gradients over the vocabulary (vocab-sharded under loss parallel); each block backward adds one recomputed block, the
+gradients inside it and FSDP's gradient buffers; the embedding's backward, which ends a
+stage's, adds every fresh gradient and, under TP or FSDP, one over the whole vocabulary;
+zero-bubble input steps keep the gradients at every weight's output until
 their weight step; and under pipelining with FSDP, gradients stay unsharded in float32 from
 a stage's first backward to its last micro-batch (torch turns gradient sync off in between).
 """
@@ -41,7 +43,7 @@ from autopar.pipelining.schedule import SCHEDULE_STYLES, rank_actions, schedule_
 from autopar.pipelining.split import stage_ids
 from autopar.plans.activation_checkpoint import checkpointed_layers
 from autopar.plans.mesh import ParallelDims
-from autopar.plans.parallelize import loss_parallel_enabled
+from autopar.plans.parallelize import compute_dtype, loss_parallel_enabled
 from autopar.plans.tensor_parallel import tp_plan
 
 GIB = 2**30
@@ -176,15 +178,21 @@ def block_weight_output_grad_bytes(z: _Sizes, qk_norm: bool) -> float:
     return z.c * t * (projections + norms)
 
 
+def block_backward_transient_bytes(z: _Sizes) -> float:
+    """The gradients alive inside one block's backward beside its saves: at SwiGLU's product,
+    the gradient arriving at it and the two it sends to silu(gate) and up."""
+    return 3 * z.c * z.inter * z.tokens
+
+
 def head_peak_bytes(z: _Sizes, vocab: int, tp_loss_parallel: int) -> float:
     """The loss's backward: logits (c), float32 log-softmax output, and the float32 gradients
-    of nll and log-softmax; plus the final norm's saves and the head's gathered input.
-    Under loss parallel the logits and softmax are vocab-sharded, but torch's vocab-parallel
-    cross-entropy backward builds its two float32 gradients over the whole vocabulary
-    (measured by the dry run)."""
+    of nll and log-softmax (under loss parallel, vocab-sharded, and three: torch's fused
+    backward keeps its one-hot target, the sum with softmax and the product alive at once);
+    plus the final norm's saves and the head's gathered input."""
     t = z.tokens
     local = vocab // tp_loss_parallel
-    vocab_bytes = (z.c + FP32) * local * t + 2 * FP32 * vocab * t
+    gradients = 3 if tp_loss_parallel > 1 else 2
+    vocab_bytes = (z.c + FP32) * local * t + gradients * FP32 * local * t
     norm = (FP32 + z.c) * z.h * t / z.sp + FP32 * t / z.sp
     return vocab_bytes + norm + z.c * z.h * t
 
@@ -213,17 +221,19 @@ def predict(
     job: JobConfig,
     world_size: int,
     cp_impl: str = "ring",
-    compute_bytes: int = 2,
+    device_type: str = "cuda",
 ) -> list[Memory]:
-    """Predicted peak of one rank per role (as ``dry_run.role_ranks``), on a GPU with bf16
-    compute by default. ``cp_impl``: ``ring`` (CUDA) or ``allgather`` (what CPU runs)."""
-    return predict_dims(args, job, ParallelDims.resolve(job.parallelism, world_size), cp_impl, compute_bytes)
+    """Predicted peak of one rank per role (as ``dry_run.role_ranks``) on ``device_type``,
+    whose default compute dtype differs. ``cp_impl``: ``ring`` (CUDA) or ``allgather`` (what
+    CPU runs)."""
+    return predict_dims(args, job, ParallelDims.resolve(job.parallelism, world_size), cp_impl, device_type)
 
 
 def predict_dims(
-    args: ModelArgs, job: JobConfig, dims: ParallelDims, cp_impl: str = "ring", compute_bytes: int = 2
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, cp_impl: str = "ring", device_type: str = "cuda"
 ) -> list[Memory]:
     """``predict`` for resolved degrees (the planner's inner loop)."""
+    compute_bytes = compute_dtype(job, torch.device(device_type)).itemsize
     if dims.pp == 1:
         stages = [
             ["embed_tokens", *(f"layers.{i}" for i in range(args.num_hidden_layers)), "norm", "lm_head"]
@@ -286,6 +296,7 @@ def _predict_stage_rank(
     # what a block's backward rebuilds: all of it (full/every-k) or what per-op AC dropped
     recompute = no_ac - per_block if op else (no_ac if full else 0.0)
     weight_output_grads = block_weight_output_grad_bytes(z, args.qk_norm)
+    transient = block_backward_transient_bytes(z)
     shards = dims.tp if loss_parallel_enabled(job, dims) else 1
     head = head_peak_bytes(z, args.vocab_size, shards)
 
@@ -332,14 +343,19 @@ def _predict_stage_rank(
             # the stage's largest gradient, in the compute dtype, beside its float32 copy
             unsynced_grads[i] = (FP32 * sum(sizes_), c * max(sizes_))
     heads = {i for i in ids if "lm_head" in stages[i]}
+    embeds = {i for i in ids if "embed_tokens" in stages[i]}
+    embedding_gathered, embedding_grads = _embedding_backward_bytes(args, job, dims, modules, c, not unsynced)
+    # without accumulation, the step's gradients all exist by its last backward
+    fresh_grads = 0.0 if accumulating or unsynced else FP32 * numel
     alive, accumulated = 0.0, 0.0
     # (gathered_params, activations, gradient_buffers) of the largest moment so far
-    peak = (0.0, 0.0, 0.0)
+    peak, peak_total = (0.0, 0.0, 0.0), 0.0
 
     def consider(moment: tuple[float, float, float]) -> None:
-        nonlocal peak
-        if sum(moment) > sum(peak):
-            peak = moment
+        nonlocal peak, peak_total
+        total = moment[0] + moment[1] + moment[2]
+        if total > peak_total:
+            peak, peak_total = moment, total
 
     for kind, stage, _ in actions:
         if kind == "F":
@@ -352,6 +368,7 @@ def _predict_stage_rank(
             if stage in heads:
                 consider((gathered, alive + head, accumulated))
             if blocks[stage]:
+                consider((block_gathered, alive + recompute + transient, accumulated))
                 consider((block_gathered, alive + block_activations, accumulated + block_buffers))
         if kind in ("B", "W"):
             alive -= saved[stage] + (pending[stage] if kind == "W" else 0.0)
@@ -359,6 +376,8 @@ def _predict_stage_rank(
                 grads, transient = unsynced_grads.pop(stage)
                 accumulated += grads
                 consider((gathered, alive, accumulated + transient))
+            if stage in embeds:  # the embedding's backward ends the stage's
+                consider((gathered + embedding_gathered, alive, accumulated + fresh_grads + embedding_grads))
         consider((gathered, alive, accumulated))
     moment = dict(zip(("gathered_params", "activations", "gradient_buffers"), peak, strict=True))
     return Memory(role, {**static, **{k: v for k, v in moment.items() if v}})
@@ -380,6 +399,24 @@ def _gathered_bytes(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules
     if _keeps_blocks(job, dims):
         return modules_numel(args, job, dims, modules, sharded=False) * c
     return _head_group_bytes(args, job, dims, modules, c)
+
+
+def _embedding_backward_bytes(
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str], c: int, synced: bool
+) -> tuple[float, float]:
+    """(gathered weights, gradient temporaries) the embedding's backward adds. Its gradient
+    covers the whole vocabulary: under TP the vocabulary-sharded lookup's gradient is a partial
+    sum reduce-scattered afterwards, and under FSDP it is the unsharded weight's; when FSDP
+    syncs, it copies its TP shard into a float32 reduce-scatter buffer (and gathers the
+    embedding again, unless it is tied to the head, whose group stays gathered)."""
+    if dims.tp == 1 and not dims.fsdp_enabled:
+        return 0.0, 0.0  # the gradient is the parameter's own .grad
+    whole = args.vocab_size * args.hidden_size
+    if not dims.fsdp_enabled:
+        return 0.0, FP32 * whole
+    shard = modules_numel(args, job, dims, ["embed_tokens"], sharded=False)
+    regathered = 0.0 if (args.tie_word_embeddings or _keeps_blocks(job, dims)) else c * shard
+    return regathered, c * whole + (FP32 * shard if synced else 0.0)
 
 
 def _keeps_blocks(job: JobConfig, dims: ParallelDims) -> bool:

@@ -18,8 +18,6 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import torch
-
 from autopar.config.errors import ConfigError
 from autopar.config.job import JobConfig
 from autopar.metrics import flops_per_token
@@ -28,7 +26,6 @@ from autopar.planner.devices import DeviceSpec
 from autopar.planner.memory import GIB, Memory, predict_dims
 from autopar.planner.time import StepTime, predict_time, tokens_per_step
 from autopar.plans.mesh import ParallelDims
-from autopar.plans.parallelize import compute_dtype
 from autopar.validate import check_plan
 
 PLAN_FIELDS = (
@@ -178,8 +175,7 @@ def evaluate(
     device_type: str = "cuda",
 ) -> Plan:
     """Memory of the most loaded rank and, when it fits, the step time of ``job``."""
-    compute_bytes = compute_dtype(job, torch.device(device_type)).itemsize
-    worst = max(predict_dims(args, job, dims, compute_bytes=compute_bytes), key=lambda m: m.peak)
+    worst = max(predict_dims(args, job, dims, device_type=device_type), key=lambda m: m.peak)
     parts = dict(worst.parts, runtime=runtime_reserve(worst.peak, dims))
     memory = Memory(worst.role, parts)
     fits = memory.peak <= device.memory_gib * GIB

@@ -1,0 +1,85 @@
+"""The planner's memory model against real runs: small fp32 models trained on 1, 2 and 4 CPU
+ranks over gloo, each rank's peak measured by the same trackers as the dry run."""
+
+from __future__ import annotations
+
+import pytest
+
+from autopar.config.job import JobConfig
+from autopar.job import model_args, parse_job
+from autopar.planner.dry_run import measure_jobs, role_ranks
+from autopar.planner.memory import predict
+from autopar.plans.mesh import ParallelDims
+from autopar.spawn import run_on_ranks
+
+pytestmark = pytest.mark.slow
+
+# blocks, head and embedding all matter at this size: 10 MiB of weights, ~100 MiB peaks
+SMALL = [
+    "--model.name=qwen3",
+    "--model.flavor=debug",
+    "--model.hidden_size=256",
+    "--model.num_attention_heads=4",
+    "--model.num_key_value_heads=2",
+    "--model.head_dim=64",
+    "--model.intermediate_size=768",
+    "--model.num_hidden_layers=2",
+    "--model.vocab_size=2048",
+    "--training.seq_len=512",
+    "--training.local_batch_size=2",
+    "--training.mixed_precision_param=float32",
+    "--training.steps=10",
+    "--lr_scheduler.warmup_steps=1",
+]
+PIPELINE_2 = ["--parallelism.pipeline_parallel_degree=2", "--training.local_batch_size=4"]
+PLANS = {
+    1: [[]],
+    2: [
+        ["--parallelism.data_parallel_shard_degree=2"],
+        ["--parallelism.tensor_parallel_degree=2"],
+        PIPELINE_2,
+        ["--parallelism.context_parallel_degree=2"],
+    ],
+    4: [
+        ["--parallelism.data_parallel_shard_degree=2", "--parallelism.tensor_parallel_degree=2"],
+        [
+            "--parallelism.data_parallel_shard_degree=2",
+            "--parallelism.tensor_parallel_degree=2",
+            "--activation_checkpoint.mode=full",
+        ],
+        ["--parallelism.data_parallel_shard_degree=2", *PIPELINE_2],
+        [
+            "--parallelism.data_parallel_shard_degree=4",
+            "--activation_checkpoint.mode=selective",
+            "--activation_checkpoint.selective_ac_option=op",
+        ],
+    ],
+}
+CASES = [(world, i) for world, plans in PLANS.items() for i in range(len(plans))]
+
+
+def _job(plan: list[str], dump_folder) -> JobConfig:
+    return parse_job([*SMALL, *plan, f"--job.dump_folder={dump_folder}"])
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """{(world, plan index): (job, every rank's peak bytes by category)}; one process group
+    per world size."""
+    out = {}
+    for world, plans in PLANS.items():
+        jobs = [_job(plan, tmp_path_factory.mktemp(f"w{world}")) for plan in plans]
+        per_rank = [measure_jobs(jobs)] if world == 1 else run_on_ranks(measure_jobs, world, jobs)
+        for i, job in enumerate(jobs):
+            out[(world, i)] = (job, [peaks[i] for peaks in per_rank])
+    return out
+
+
+@pytest.mark.parametrize(("world", "plan"), CASES)
+def test_predicted_peak_is_within_ten_percent_of_a_real_gloo_run(measured, world, plan):
+    job, per_rank = measured[(world, plan)]
+    predicted = predict(model_args(job), job, world, cp_impl="allgather", device_type="cpu")
+    ranks = role_ranks(ParallelDims.resolve(job.parallelism, world))
+    for rank, memory in zip(ranks, predicted, strict=True):
+        real = sum(per_rank[rank].values())
+        assert memory.peak == pytest.approx(real, rel=0.10), (rank, memory.parts, per_rank[rank])
