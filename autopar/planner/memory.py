@@ -313,12 +313,13 @@ def _predict_stage_rank(
         block = modules_numel(args, job, dims, ["layers.0"], sharded=False)
         kept = _keeps_blocks(job, dims)
         # the end of a block's backward: its gradient cast to float32 for FSDP's
-        # reduce-scatter, its gathered weights and the next block's prefetched ones,
-        # and either its activations freed (no AC) or the rebuilt ones still alive (AC)
+        # reduce-scatter, its gathered weights and the next block's prefetched ones, and
+        # its activations freed (no AC), the rebuilt ones still alive (full AC), or those
+        # per-op AC rebuilt alive and those it kept used up
         block_gathered = (
             gathered if kept else gathered - _head_group_bytes(args, job, dims, modules, c) + 2 * c * block
         )
-        block_activations = recompute if (full or op) else -per_block
+        block_activations = recompute if full else (recompute - per_block if op else -per_block)
         block_buffers = FP32 * block
     else:
         block_gathered, block_activations, block_buffers = gathered, recompute, 0.0
