@@ -345,7 +345,7 @@ def _predict_stage_rank(
             unsynced_grads[i] = (FP32 * sum(sizes_), c * max(sizes_))
     heads = {i for i in ids if "lm_head" in stages[i]}
     embeds = {i for i in ids if "embed_tokens" in stages[i]}
-    embedding_gathered, embedding_grads = _embedding_backward_bytes(args, job, dims, modules, c, not unsynced)
+    embedding_gathered, embedding_grads = _embedding_backward_bytes(args, job, dims, c, not unsynced)
     # without accumulation, the step's gradients all exist by its last backward
     fresh_grads = 0.0 if accumulating or unsynced else FP32 * numel
     alive, accumulated = 0.0, 0.0
@@ -403,7 +403,7 @@ def _gathered_bytes(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules
 
 
 def _embedding_backward_bytes(
-    args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str], c: int, synced: bool
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, c: int, synced: bool
 ) -> tuple[float, float]:
     """(gathered weights, gradient temporaries) the embedding's backward adds. Its gradient
     covers the whole vocabulary: under TP the vocabulary-sharded lookup's gradient is a partial
