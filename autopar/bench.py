@@ -16,9 +16,11 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -31,8 +33,9 @@ from autopar.validate import validate
 NAMED_VARIANTS = {
     "eager": "compile.enable=false,float8.enable=false",
     "compiled": "compile.enable=true,float8.enable=false",
-    "fp8": "compile.enable=true,float8.enable=true",
-    "fp8_eager": "compile.enable=false,float8.enable=true",
+    "fp8": "compile.enable=true,float8.enable=true,float8.backend=torchao",
+    "fp8_eager": "compile.enable=false,float8.enable=true,float8.backend=torchao",
+    "fp8_te": "compile.enable=false,float8.enable=true,float8.backend=te",
     "ac_none": "compile.enable=true,activation_checkpoint.mode=none",
     "ac_full": "compile.enable=true,activation_checkpoint.mode=full",
     "ac_op": "compile.enable=true,activation_checkpoint.mode=selective,activation_checkpoint.selective_ac_option=op",
@@ -114,6 +117,22 @@ def summarize(name: str, overrides: str, ranks: list[dict], nproc: int) -> Varia
     return VariantResult(name, overrides, step, tps, mfu, memory, r0["first_loss"], r0["final_loss"])
 
 
+def source_commit() -> str:
+    """The commit the benchmarked code comes from, ``+dirty`` when it has uncommitted
+    changes (figures from such a run do not belong in BENCHMARKS.md); ``unknown`` outside git."""
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, check=True).stdout
+
+    try:
+        commit = git("rev-parse", "HEAD").strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no").strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
 def table(results: list[VariantResult]) -> str:
     base = results[0].tokens_per_second_per_device
     header = (
@@ -173,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": device,
             "nproc": known.nproc,
             "torch": torch.__version__,
+            "commit": source_commit(),
             "command": " ".join(["python -m autopar.bench"] + (argv if argv is not None else sys.argv[1:])),
             "results": [asdict(r) for r in results],
         }

@@ -27,7 +27,7 @@ from autopar.pipelining.schedule import Pipeline, StageIO, build_pipeline, pipel
 from autopar.plans.context_parallel import ContextParallel
 from autopar.plans.float8 import after_optimizer_step, resolve_backend, te_autocast
 from autopar.plans.mesh import Meshes
-from autopar.plans.parallelize import ModelParts, compute_dtype, loss_parallel_enabled
+from autopar.plans.parallelize import ModelParts, loss_parallel_enabled
 
 
 def all_reduce_sum(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
@@ -43,7 +43,8 @@ class TrainContext:
     """What forward/backward runs under, and the loss function.
 
     ``sequence(batch)`` covers a micro-batch's forward and backward (context parallel);
-    ``forward_precision()`` the model's forward (autocast, TE FP8 autocast);
+    ``forward_precision()`` the model's forward (Transformer Engine's FP8 autocast; bf16 is
+    the model parts' own, see ``plans/mixed_precision.py``);
     ``loss_parallel_context()`` the loss and its backward (vocab-parallel cross-entropy needs
     both inside); ``micro_batch(batch)`` all three, for a pipeline schedule that runs forward,
     loss and backward in one call.
@@ -51,17 +52,11 @@ class TrainContext:
 
     def __init__(
         self,
-        device: torch.device,
-        dtype: torch.dtype,
-        autocast: bool,
         loss_parallel: bool,
         compile_loss: bool = False,
         fp8_autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
         context_parallel: Callable[[Batch], contextlib.AbstractContextManager] | None = None,
     ):
-        self.device = device
-        self.dtype = dtype
-        self.autocast = autocast and dtype != torch.float32
         self.loss_parallel = loss_parallel
         self.fp8_autocast = fp8_autocast
         self.context_parallel = context_parallel
@@ -69,14 +64,8 @@ class TrainContext:
         # already a fused collective-aware kernel, so it stays eager
         self.loss_fn = torch.compile(token_loss_sum) if compile_loss and not loss_parallel else token_loss_sum
 
-    @contextlib.contextmanager
-    def forward_precision(self) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            if self.autocast:
-                stack.enter_context(torch.autocast(self.device.type, dtype=self.dtype))
-            if self.fp8_autocast is not None:
-                stack.enter_context(self.fp8_autocast())
-            yield
+    def forward_precision(self) -> contextlib.AbstractContextManager:
+        return self.fp8_autocast() if self.fp8_autocast is not None else contextlib.nullcontext()
 
     def loss_parallel_context(self) -> contextlib.AbstractContextManager:
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
@@ -159,9 +148,6 @@ class TrainStep:
         self.parts = built.parts
         self.optimizers = build_optimizers(self.parts, job.optimizer, world.device)
         self.context = TrainContext(
-            world.device,
-            compute_dtype(job, world.device),
-            autocast=not self.dims.fsdp_enabled,
             loss_parallel=loss_parallel_enabled(job, self.dims),
             compile_loss=job.compile.enable and "loss" in job.compile.components,
             fp8_autocast=self._te_autocast(world.device),

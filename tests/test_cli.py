@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -160,7 +161,9 @@ def test_bench_prints_the_table_and_writes_json(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tokens/s/dev" in result.stdout and "vs eager" in result.stdout
-    results = json.loads(out.read_text())["results"]
+    payload = json.loads(out.read_text())
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", payload["commit"]), payload["commit"]
+    results = payload["results"]
     assert [r["variant"] for r in results] == ["eager", "compiled"]
     assert results[1]["first_loss"] == pytest.approx(results[0]["first_loss"], rel=1e-4)
 

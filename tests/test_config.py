@@ -192,6 +192,29 @@ def test_validation_rejects_with_field_value_and_fix(argv, message):
         validate(parse_job(argv), world_size=1)
 
 
+def test_transformer_engine_fp8_with_compile_is_refused_on_cuda():
+    job = parse_job(valid("--float8.enable", "true", "--float8.backend", "te", "--compile.enable", "true"))
+    with pytest.raises(ConfigError, match=r"float8.backend='te' does not compose with compile.enable=true"):
+        validate(job, world_size=1, device_type="cuda")
+
+
+def test_compiled_allgather_context_parallel_with_recompute_is_refused():
+    job = parse_job(
+        valid(
+            "--parallelism.context_parallel_degree",
+            "2",
+            "--parallelism.data_parallel_shard_degree",
+            "1",
+            "--compile.enable",
+            "true",
+            "--activation_checkpoint.mode",
+            "full",
+        )
+    )
+    with pytest.raises(ConfigError, match=r"compile.enable=true and activation_checkpoint.mode='full'"):
+        validate(job, world_size=2)
+
+
 def test_hf_initial_load_must_match_the_flavor(tmp_path):
     from autopar.models import Qwen, get_flavor, to_hf
 

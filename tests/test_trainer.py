@@ -45,7 +45,7 @@ def test_accumulating_four_micro_batches_of_two_equals_one_batch_of_eight():
     results = []
     for batches in (whole, split):
         model.zero_grad()
-        context = TrainContext(torch.device("cpu"), torch.float32, autocast=False, loss_parallel=False)
+        context = TrainContext(loss_parallel=False)
         loss = forward_backward(model, batches, targets, context)
         results.append((loss, {n: p.grad.clone() for n, p in model.named_parameters()}))
     (loss8, grads8), (loss4x2, grads4x2) = results

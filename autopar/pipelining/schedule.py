@@ -5,8 +5,8 @@ from dividing by the number of micro-batches; after the step's micro-batches, gr
 are divided once by the global target count. The result is the non-pipelined step's
 (loss / global targets), so pipelining, accumulation and data parallelism all agree.
 
-The loss and the per-micro-batch context (context parallel, autocast, loss parallel) come
-in as plain callables: this floor does not know the training step.
+The loss and the per-micro-batch context (context parallel, FP8 autocast, loss parallel)
+come in as plain callables: this floor does not know the training step.
 """
 
 from __future__ import annotations

@@ -131,17 +131,16 @@ def _fake_values(name: str, shape: torch.Size) -> torch.Tensor:
 def _stage_io(job: JobConfig, meshes: Meshes, built: ModelParts) -> list[StageIO]:
     """Example tensors of each pipeline stage, which the fake process group cannot exchange:
     token ids into the first stage, hidden states between stages (sequence-sharded under CP
-    and SP; FSDP's compute dtype, or fp32 under autocast). Built from shapes, not by running
+    and SP; in the compute dtype under every plan). Built from shapes, not by running
     a stage: a forward before the first step would make FSDP re-register its parameters."""
     dims = meshes.dims
     micro = job.parallelism.pipeline_parallel_microbatch_size
     seq = job.training.seq_len // dims.cp
     sp = dims.tp if dims.tp > 1 and job.parallelism.enable_sequence_parallel else 1
-    hidden_dtype = DTYPES[job.training.mixed_precision_param] if dims.fsdp_enabled else torch.float32
     compute = DTYPES[job.training.mixed_precision_param]
     io = []
     for part, sid in zip(built.parts, built.stage_ids, strict=True):
-        hidden = torch.empty((micro, seq // sp, part.args.hidden_size), dtype=hidden_dtype)
+        hidden = torch.empty((micro, seq // sp, part.args.hidden_size), dtype=compute)
         logits: torch.Tensor = torch.empty((micro, seq, part.args.vocab_size), dtype=compute)
         if loss_parallel_enabled(job, dims):
             local = torch.empty((micro, seq, part.args.vocab_size // dims.tp), dtype=compute)

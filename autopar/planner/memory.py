@@ -43,7 +43,8 @@ from autopar.pipelining.schedule import SCHEDULE_STYLES, rank_actions, schedule_
 from autopar.pipelining.split import stage_ids
 from autopar.plans.activation_checkpoint import checkpointed_layers
 from autopar.plans.mesh import ParallelDims
-from autopar.plans.parallelize import compute_dtype, loss_parallel_enabled
+from autopar.plans.mixed_precision import compute_dtype
+from autopar.plans.parallelize import loss_parallel_enabled
 from autopar.plans.tensor_parallel import tp_plan
 
 GIB = 2**30
@@ -394,7 +395,8 @@ def micro_steps(job: JobConfig, dims: ParallelDims) -> int:
 def _gathered_bytes(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str], c: int) -> float:
     """Compute-dtype copies of parameters alive at the peak: FSDP's unsharded head (its group
     is not resharded after forward), or every block when nothing reshards (pipelining);
-    without FSDP, autocast's cached low-precision weights."""
+    without FSDP, the compute-dtype casts of the weights, which
+    autograd keeps for backward."""
     if not dims.fsdp_enabled:
         return modules_numel(args, job, dims, modules, sharded=False) * c if c < FP32 else 0.0
     if _keeps_blocks(job, dims):

@@ -9,11 +9,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.overrides import _get_current_function_mode_stack
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.config.errors import ConfigError
@@ -48,6 +50,25 @@ def _op_context():
     return create_selective_checkpoint_contexts(_save_expensive_ops)
 
 
+def _recompute_under_forward_modes(per_op: bool):
+    """(forward, recompute) contexts for eager ``checkpoint``: recompute runs under the
+    torch-function modes that were active in the forward. Context parallel's attention is
+    such a mode, and backward (where recompute happens) runs with it switched off. (A
+    compiled block recomputes inside its compiled backward, which needs no mode.)"""
+    forward, recompute = _op_context() if per_op else (contextlib.nullcontext(), contextlib.nullcontext())
+    modes = _get_current_function_mode_stack()
+
+    @contextlib.contextmanager
+    def recompute_as_forward():
+        with contextlib.ExitStack() as stack:
+            for mode in modes:
+                stack.enter_context(mode)
+            stack.enter_context(recompute)
+            yield
+
+    return forward, recompute_as_forward()
+
+
 def check_ac(cfg: ActivationCheckpoint) -> None:
     """Refuse a selective option that is neither 'op' nor a positive integer."""
     option = cfg.selective_ac_option
@@ -68,12 +89,16 @@ def checkpointed_layers(cfg: ActivationCheckpoint, layer_ids: list[str]) -> list
     return [i for i in layer_ids if int(i) % every == 0]
 
 
-def apply_ac(model: nn.Module, cfg: ActivationCheckpoint) -> None:
+def apply_ac(model: nn.Module, cfg: ActivationCheckpoint, compiled: bool) -> None:
     """Wrap the chosen blocks in place (parameter names gain a wrapper prefix that
-    checkpoints and the init code strip)."""
+    checkpoints and the init code strip). ``compiled``: the blocks will be compiled, and
+    torch.compile accepts only dispatch-mode contexts."""
     per_op = cfg.mode == "selective" and cfg.selective_ac_option == "op"
-    for i in checkpointed_layers(cfg, list(model.layers.keys())):
+    if not compiled:
+        extra = {"context_fn": functools.partial(_recompute_under_forward_modes, per_op)}
+    else:
         extra = {"context_fn": _op_context} if per_op else {}
+    for i in checkpointed_layers(cfg, list(model.layers.keys())):
         model.layers[i] = checkpoint_wrapper(
             model.layers[i],
             checkpoint_fn=functools.partial(checkpoint, use_reentrant=False),

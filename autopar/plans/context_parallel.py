@@ -41,13 +41,21 @@ def resolve_impl(cfg: Parallelism, device_type: str) -> str:
     return "ring" if device_type == "cuda" else "allgather"
 
 
-def check_cp(cfg: Parallelism, device_type: str) -> None:
+def check_cp(cfg: Parallelism, device_type: str, compiled: bool, ac_mode: str) -> None:
     if cfg.context_parallel_degree == 1:
         return
-    if resolve_impl(cfg, device_type) == "ring" and device_type != "cuda":
+    impl = resolve_impl(cfg, device_type)
+    if impl == "ring" and device_type != "cuda":
         raise ConfigError(
             "parallelism.context_parallel_impl='ring' needs CUDA: torch's ring attention has no "
             "CPU kernel; use --parallelism.context_parallel_impl allgather"
+        )
+    if impl == "allgather" and compiled and ac_mode != "none":
+        # measured: the compiled backward recomputes attention over the local k/v only
+        raise ConfigError(
+            f"context_parallel_impl='allgather' with compile.enable=true and activation_checkpoint."
+            f"mode={ac_mode!r} gives wrong gradients (the compiled recomputation drops the k/v "
+            "all-gather); use --activation_checkpoint.mode none or --compile.enable false"
         )
 
 

@@ -11,7 +11,7 @@ What each backend composes with:
 | --- | --- | --- | --- | --- |
 | torchao (tensorwise) | yes | yes, with optional FP8 all-gather | yes (FP8 TP styles) | yes |
 | torchao (rowwise) | yes | yes | no | yes |
-| te (delayed / current) | yes | yes | no (TE has its own TP; DTensor TP is refused) | no |
+| te (delayed / current) | yes | yes | no (TE has its own TP; DTensor TP is refused) | no (refused) |
 
 Transformer Engine and torchao are optional and imported only when asked for.
 """
@@ -54,7 +54,7 @@ def eligible(filter_fqns: list[str]) -> Callable[[nn.Module, str], bool]:
     return keep_fp8
 
 
-def check_float8(cfg: Float8, device_type: str, tp_degree: int) -> None:
+def check_float8(cfg: Float8, device_type: str, tp_degree: int, compiled: bool) -> None:
     """Refuse a float8 setup that cannot run, naming the field and the fix."""
     if not cfg.enable:
         return
@@ -66,6 +66,12 @@ def check_float8(cfg: Float8, device_type: str, tp_degree: int) -> None:
     if backend == "te":
         if device_type != "cuda":
             raise ConfigError("float8.backend='te' needs CUDA; on CPU use --float8.backend torchao")
+        if compiled:
+            raise ConfigError(
+                "float8.backend='te' does not compose with compile.enable=true (Transformer Engine's "
+                "FP8 autocast and modules break the compiled graphs); use --float8.backend torchao, "
+                "which compiles, or --compile.enable false"
+            )
         if tp_degree > 1:
             raise ConfigError(
                 "float8.backend='te' does not compose with DTensor tensor parallel "

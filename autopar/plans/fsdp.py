@@ -10,7 +10,6 @@ from __future__ import annotations
 import warnings
 from typing import Literal
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -44,12 +43,12 @@ def fsdp_groups(model: nn.Module, policy: ReshardPolicy, pipelined: bool) -> lis
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
-    param_dtype: torch.dtype,
-    reduce_dtype: torch.dtype,
+    mp: MixedPrecisionPolicy,
     policy: ReshardPolicy = "default",
     pipelined: bool = False,
 ) -> None:
-    """Shard ``model`` over ``mesh`` (1-D: FSDP; 2-D replicate x shard: HSDP).
+    """Shard ``model`` over ``mesh`` (1-D: FSDP; 2-D replicate x shard: HSDP), casting
+    gathered weights and reducing gradients as ``mp`` says (``plans/mixed_precision.py``).
 
     Gradients are summed, not averaged: the loss is already divided by the global token
     count, so averaging would divide twice.
@@ -58,7 +57,6 @@ def apply_fsdp(
     # the pre-backward hook). Embedding outputs are always views; the model never writes
     # into them in place, so the warning says nothing about this model.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for paths, reshard in fsdp_groups(model, policy, pipelined):
         modules = [model.get_submodule(p) for p in paths]
         fully_shard(

@@ -1,8 +1,8 @@
 """The one place that turns a job into model parts: build on meta, transform, materialize.
 
-Transformations run in a fixed order, one log line each: TP -> CP -> activation
-checkpointing -> compile -> FSDP. (CP changes no module: it acts on the inputs and the
-attention call at run time, see ``plans/context_parallel.py``.)
+Transformations run in a fixed order, one log line each: TP -> CP -> compute dtype
+(without FSDP) -> activation checkpointing -> compile -> FSDP. (CP changes no module: it
+acts on the inputs and the attention call at run time, see ``plans/context_parallel.py``.)
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from torch import nn
 
 from autopar.config.job import JobConfig
 from autopar.models.args import ModelArgs
-from autopar.models.dtypes import DTYPES
 from autopar.models.qwen import Qwen
 from autopar.pipelining.schedule import SCHEDULE_STYLES, schedule_name, stage_modules
 from autopar.pipelining.split import prune, stage_ids
@@ -25,17 +24,10 @@ from autopar.plans.float8 import apply_float8, resolve_backend
 from autopar.plans.fsdp import apply_fsdp
 from autopar.plans.materialize import FullValue, materialize
 from autopar.plans.mesh import Meshes, ParallelDims
+from autopar.plans.mixed_precision import apply_compute_dtype, compute_dtype, fsdp_policy
 from autopar.plans.tensor_parallel import apply_tp
 
 logger = logging.getLogger("autopar")
-
-
-def compute_dtype(job: JobConfig, device: torch.device) -> torch.dtype:
-    """The dtype matmuls run in; master weights and optimizer state are always fp32."""
-    choice = job.training.mixed_precision_param
-    if choice == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[choice]
 
 
 def loss_parallel_enabled(job: JobConfig, dims: ParallelDims) -> bool:
@@ -68,23 +60,27 @@ def parallelize(
             parallelism.enable_sequence_parallel,
             loss_parallel_enabled(job, dims),
         )
+    dtype = compute_dtype(job, device)
+    fsdp_mesh = meshes.get("fsdp")
+    if fsdp_mesh is None and dtype != torch.float32:
+        apply_compute_dtype(model, dtype)
+        logger.info("weights cast to %s in each block's forward (fp32 master weights)", dtype)
+    compiled = job.compile.enable and "model" in job.compile.components
     if job.activation_checkpoint.mode != "none":
-        apply_ac(model, job.activation_checkpoint)
+        apply_ac(model, job.activation_checkpoint, compiled)
         logger.info(
             "applied activation checkpointing: %s (%s)",
             job.activation_checkpoint.mode,
             job.activation_checkpoint.selective_ac_option,
         )
-    if job.compile.enable and "model" in job.compile.components:
+    if compiled:
         apply_compile(model, job.compile)
         logger.info("compiled each block with torch.compile (backend %s)", job.compile.backend)
-    fsdp_mesh = meshes.get("fsdp")
     if fsdp_mesh is not None:
         apply_fsdp(
             model,
             fsdp_mesh,
-            param_dtype=compute_dtype(job, device),
-            reduce_dtype=torch.float32,
+            fsdp_policy(job, device),
             policy=parallelism.fsdp_reshard_after_forward,
             pipelined=pipelined,
         )
