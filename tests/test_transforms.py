@@ -128,20 +128,23 @@ FP8 = ("--float8.enable", "true", "--float8.backend", "torchao")
 
 @pytest.fixture(scope="module")
 def fp8_split_runs(tmp_path_factory):
-    """FP8 under PP and CP, and the one-device fp32 run that sizes FP8's own rounding."""
+    """FP8 under PP and CP, rowwise FP8 under FSDP, and the one-device fp32 run that sizes
+    FP8's own rounding."""
     pytest.importorskip("torchao")
     tmp = tmp_path_factory.mktemp("fp8-split")
     # one sample per micro-batch on both sides (two pipeline micro-batches; two accumulation
     # steps on one device), so every GEMM scales by the same amax
     per_sample = tiny_job(tmp, *FP8, "--training.local_batch_size", "1", "--training.global_batch_size", "2")
     base = tiny_job(tmp, *FP8)
+    rowwise = tiny_job(tmp, *FP8, "--float8.recipe", "rowwise")
     cases = [
         Case(per_sample, "pp=2,training.local_batch_size=2"),
         Case(base, "cp=2"),
         Case(tiny_job(tmp), "cp=2"),
+        Case(rowwise, "dp_shard=2"),
     ]
-    pp, cp, (fp32, _) = run_cases(cases, steps=5)
-    return {"pp": pp, "cp": cp, "fp32": fp32}
+    pp, cp, (fp32, _), fsdp_rowwise = run_cases(cases, steps=5)
+    return {"pp": pp, "cp": cp, "fp32": fp32, "fsdp rowwise": fsdp_rowwise}
 
 
 @pytest.mark.slow
@@ -159,3 +162,9 @@ def test_torchao_fp8_under_cp_stays_within_fp8_rounding(fp8_split_runs):
     fp32 = fp8_split_runs["fp32"]
     fp8_gap = max(relative_deltas(reference.losses, fp32.losses))
     assert fp8_gap > 1e-4 and max(relative_deltas(run.losses, reference.losses)) <= 2 * fp8_gap
+
+
+@pytest.mark.slow
+def test_rowwise_fp8_under_fsdp_matches_one_device_rowwise_fp8(fp8_split_runs):
+    reference, run = fp8_split_runs["fsdp rowwise"]  # per-row scales do not see the split
+    assert_same_training(run, reference, loss_rtol=1e-4, norm_rtol=1e-4)
