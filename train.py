@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from autopar.config import ConfigError, help_text, to_toml
 from autopar.distributed import init_world, world_size_from_env
+from autopar.faults import TrainingStopped
 from autopar.job import parse_job
 from autopar.log import setup_logging
-from autopar.metrics import read_metrics
 from autopar.planner.auto import auto_job, record_measured, write_plan
 from autopar.planner.devices import DeviceSpec
 from autopar.planner.dry_run import compare, report, write_dry_run
@@ -79,7 +79,6 @@ def main(argv: list[str]) -> int:
     setup_logging(world.rank)
     dump = Path(job.job.dump_folder)
     metrics_path = dump / "metrics.jsonl"
-    earlier_rows = len(read_metrics(metrics_path)) if metrics_path.is_file() else 0
     if auto and world.is_main:
         plan, device = auto
         logging.getLogger("autopar").info(
@@ -91,12 +90,15 @@ def main(argv: list[str]) -> int:
         )
         write_plan(dump / "plan.json", plan, device, world.size)
     try:
-        Trainer(job, args, world).train()
+        records = Trainer(job, args, world).train()
+    except TrainingStopped as err:
+        logging.getLogger("autopar").error("training stopped: %s", err)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     if auto and world.is_main:
-        record_measured(dump / "plan.json", metrics_path, earlier_rows)
+        record_measured(dump / "plan.json", metrics_path, len(records))
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import resource
 import sys
 from dataclasses import dataclass
@@ -85,6 +86,14 @@ class StepMetrics:
     tps: float
     mfu: float | None
     memory_gib: float
+    skipped: bool = False
+
+    def record(self) -> dict[str, Any]:
+        """The JSON record: non-finite numbers become null (JSON has no NaN), ``skipped`` says
+        the step made no update."""
+        return {
+            k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in self.__dict__.items()
+        }
 
     def line(self) -> str:
         mfu = "n/a" if self.mfu is None else f"{self.mfu:.1f}%"
@@ -121,21 +130,38 @@ class MetricsLogger:
                 self._tb = SummaryWriter(str(Path(dump_folder) / "tb"))
 
     def record(
-        self, step: int, loss: float, grad_norm: float, lr: float, tokens: int, seconds: float
+        self,
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        tokens: int,
+        seconds: float,
+        skipped: bool = False,
     ) -> StepMetrics:
-        """Log one step; ``tokens`` is the global token count over ``seconds``."""
+        """Log one step; ``tokens`` is the global token count over ``seconds``; ``skipped``:
+        the step made no update (its loss or gradient norm was not finite)."""
         tps = tokens / max(seconds, 1e-9) / self.world_size
         mfu = mfu_percent(tps, self.flops_per_token, self.peak)
-        metrics = StepMetrics(step, loss, grad_norm, lr, tps, mfu, peak_memory_gib(self.device))
+        metrics = StepMetrics(step, loss, grad_norm, lr, tps, mfu, peak_memory_gib(self.device), skipped)
         if self.is_main:
             logger.info(metrics.line())
             with self.path.open("a") as f:
-                f.write(json.dumps(metrics.__dict__) + "\n")
+                f.write(json.dumps(metrics.record()) + "\n")
             if self._tb is not None:
-                for key, value in metrics.__dict__.items():
-                    if key != "step" and value is not None:
+                for key, value in metrics.record().items():
+                    if key not in ("step", "skipped") and value is not None:
                         self._tb.add_scalar(key, value, step)
         return metrics
+
+    def forget_after(self, step: int) -> None:
+        """Drop the records of steps after ``step`` (a resumed run replays them)."""
+        if not self.is_main or not self.path.is_file():
+            return
+        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        tmp.replace(self.path)
 
     def close(self) -> None:
         if self._tb is not None:

@@ -197,12 +197,26 @@ class TrainStep:
 
     def update(self, lr: float) -> torch.Tensor:
         """Clip, step the optimizers at ``lr`` and free the gradients; the grad norm."""
+        norm = self.grad_norm()
+        self.apply(lr, norm)
+        return norm
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global gradient norm of this step (the same tensor value on every rank)."""
+        return grad_norm(self.parts, self.meshes.get("pp"))
+
+    def apply(self, lr: float, norm: torch.Tensor) -> None:
+        """Clip to ``training.max_norm`` by ``norm``, step the optimizers at ``lr``, free the
+        gradients."""
         set_lr(self.optimizers, lr)
-        norm = grad_norm(self.parts, self.meshes.get("pp"))
         if self.job.training.max_norm > 0:
             clip_grads(self.parts, self.job.training.max_norm, norm)
         for opt in self.optimizers:
             opt.step()
-            opt.zero_grad(set_to_none=True)
+        self.discard()
         after_optimizer_step(self.parts, self.job.float8)
-        return norm
+
+    def discard(self) -> None:
+        """Free the gradients without an update (a skipped step)."""
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)

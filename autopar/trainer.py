@@ -14,6 +14,7 @@ from autopar.config.job import JobConfig
 from autopar.data.loader import StepLoader, build_samples
 from autopar.data.tokenizer import build_tokenizer
 from autopar.distributed import World
+from autopar.faults import TrainingStopped, nonfinite, parameters_finite, skipped_too_often
 from autopar.metrics import MetricsLogger, flops_per_token
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
@@ -62,6 +63,8 @@ class Trainer:
             job.metrics.enable_tensorboard,
         )
         self.step = 0
+        self.bad: list[str] = []  # what was not finite at the last step
+        self.skipped_in_a_row = 0
 
     def _initial_values(self) -> FullValue:
         checkpoint = self.job.checkpoint
@@ -99,6 +102,7 @@ class Trainer:
         if step is not None:
             state = self.checkpointer.load(step)
             self.step = state["step"]
+            self.metrics.forget_after(self.step)  # the steps after it run again
             self.loader.load_state_dict({"consumed_samples": state["consumed_samples"]})
         elif checkpoint.initial_load_path is not None and not checkpoint.initial_load_in_hf:
             logger.info("initial weights from DCP folder %s", checkpoint.initial_load_path)
@@ -106,11 +110,24 @@ class Trainer:
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next optimizer step on the loader's next batches; (loss, grad norm) as device
-        tensors (no host sync)."""
+        tensors. A step whose loss or gradient norm is not finite makes no update (see
+        ``autopar.faults``); reading them is this step's one host sync."""
         lr = self.job.optimizer.lr * lr_factor(self.step + 1, self.job.lr_scheduler, self.job.training.steps)
-        result = self.one_step(self.loader.next_step(), lr)
+        loss = self.one_step.forward_backward(self.loader.next_step())
+        norm = self.one_step.grad_norm()
         self.step += 1
-        return result
+        self.bad = nonfinite(loss.item(), norm.item())
+        if not self.bad:
+            self.one_step.apply(lr, norm)
+            self.skipped_in_a_row = 0
+            return loss, norm
+        self.one_step.discard()
+        self.skipped_in_a_row += 1
+        limit = self.job.training.max_skipped_steps
+        if self.skipped_in_a_row > limit:
+            raise skipped_too_often(self.step, self.bad, self.skipped_in_a_row, limit)
+        logger.warning("step %d: %s not finite; skipped (no update)", self.step, " and ".join(self.bad))
+        return loss, norm
 
     def train(self) -> list[StepRecord]:
         """Train to training.steps; returns the logged steps' records."""
@@ -131,22 +148,37 @@ class Trainer:
                 elapsed = time.perf_counter() - window_start
                 lr = self.optimizers[0].param_groups[0]["lr"]
                 self.metrics.record(
-                    self.step, record.loss, record.grad_norm, lr, window_steps * tokens_per_step, elapsed
+                    self.step,
+                    record.loss,
+                    record.grad_norm,
+                    lr,
+                    window_steps * tokens_per_step,
+                    elapsed,
+                    skipped=bool(self.bad),
                 )
                 records.append(record)
                 window_start, window_steps = time.perf_counter(), 0
             if self.checkpointer.should_save(self.step, steps):
-                self.checkpointer.save(self.step, self.loader.consumed_samples)
+                self._save()
         if self.job.checkpoint.last_save_in_hf:
             self._export_hf()
         self.metrics.close()
         return records
 
+    def _save(self) -> Path:
+        """A checkpoint of this step, refused when any weight is not finite."""
+        if not parameters_finite(self.parts):
+            raise TrainingStopped(
+                f"step {self.step}: weights are not finite, so no checkpoint was written (the last "
+                "one on disk is kept); lower optimizer.lr or training.max_norm and resume from it"
+            )
+        return self.checkpointer.save(self.step, self.loader.consumed_samples)
+
     def _export_hf(self) -> None:
         checkpoint = self.job.checkpoint
         ckpt = self.checkpointer.folder / f"step-{self.step}"
         if not ckpt.is_dir():
-            ckpt = self.checkpointer.save(self.step, self.loader.consumed_samples)
+            ckpt = self._save()
         out = Path(self.job.job.dump_folder) / "hf" / f"step-{self.step}"
         if self.world.is_main:
             export_hf(ckpt, self.args, out, DTYPES[checkpoint.export_dtype])

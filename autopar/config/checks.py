@@ -29,6 +29,11 @@ def check_numbers(job: JobConfig) -> None:
         f"training.max_norm={training.max_norm} must be >= 0 (0 disables clipping)",
     )
     require(
+        training.max_skipped_steps >= 0,
+        f"training.max_skipped_steps={training.max_skipped_steps} must be >= 0 (0 stops at the first "
+        "non-finite step)",
+    )
+    require(
         training.global_batch_size == -1 or training.global_batch_size >= 1,
         f"training.global_batch_size={training.global_batch_size} must be -1 or >= 1",
     )

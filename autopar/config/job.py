@@ -80,6 +80,9 @@ class Training:
     """Tokens per sequence."""
     max_norm: float = 1.0
     """Gradient clipping norm; 0 disables clipping (the norm is still logged)."""
+    max_skipped_steps: int = 0
+    """Steps in a row whose loss or gradient norm is not finite that are skipped (no update)
+    before the job stops with an error; 0 stops at the first."""
     steps: int = 10000
     """Optimizer steps to train."""
     mixed_precision_param: Literal["auto", "bfloat16", "float32"] = "auto"

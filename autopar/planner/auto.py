@@ -39,11 +39,11 @@ def write_plan(path: Path, plan: Plan, device: DeviceSpec, world_size: int) -> N
     path.write_text(json.dumps(record, indent=2))
 
 
-def record_measured(path: Path, metrics_path: Path, earlier_rows: int) -> dict[str, float]:
+def record_measured(path: Path, metrics_path: Path, logged: int) -> dict[str, float]:
     """Add the run's measured peak memory and tokens/s per GPU (median over its logged steps
-    after the first, which includes warm-up) to ``plan.json``; ``earlier_rows`` of
-    ``metrics.jsonl`` belong to earlier runs. Returns the measured figures."""
-    rows = read_metrics(metrics_path)[earlier_rows:] if metrics_path.is_file() else []
+    after the first, which includes warm-up) to ``plan.json``; the run logged the last
+    ``logged`` rows of ``metrics.jsonl``. Returns the measured figures."""
+    rows = read_metrics(metrics_path)[-logged:] if metrics_path.is_file() and logged else []
     if not rows:
         return {}
     steady = rows[1:] or rows
