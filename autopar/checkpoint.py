@@ -2,17 +2,27 @@
 
 Layout: ``<dump_folder>/<checkpoint.folder>/step-<N>/``. A save is written to a hidden
 ``.step-<N>.partial`` folder and renamed into place only after every rank finished, so an
-interrupted save is never picked up and never costs the previous good checkpoint. Tensors
-are stored by parameter name with their global shapes, so a checkpoint saved under one
-plan loads under any other (DCP reshards on load).
+interrupted save is never picked up and never costs the previous good checkpoint (leftover
+partial folders are removed at the next save). Tensors are stored by parameter name with
+their global shapes, so a checkpoint saved under one plan loads under any other (DCP
+reshards on load).
+
+Each save lists its files with their sizes and CRC-32 in ``manifest.json`` (CRC-32: zlib
+streams it at disk speed, and it catches truncation and flipped bytes, which is what goes
+wrong on disk; it is no defence against tampering). The ranks share the checksumming, on
+save and on resume. Resuming verifies the latest checkpoint and falls back to the newest
+intact one, saying which file is broken; an explicit ``checkpoint.load_step`` that is broken
+is refused. The saved parameter names and shapes must equal the model's.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import shutil
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +41,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from autopar.config.errors import ConfigError
 from autopar.config.job import Checkpoint
+from autopar.faults import TrainingStopped
 from autopar.models.args import ModelArgs
 from autopar.models.hf import HFCheckpointError, read_hf_config, save_hf_streaming
 from autopar.models.qwen import Qwen
@@ -98,6 +109,84 @@ def _barrier() -> None:
         dist.barrier()
 
 
+MANIFEST = "manifest.json"
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _my_share(names: list[str]) -> list[str]:
+    """This rank's part of a list every rank holds: every world-size-th name."""
+    if not dist.is_initialized():
+        return names
+    return names[dist.get_rank() :: dist.get_world_size()]
+
+
+def _gathered(mine: list[Any]) -> list[Any]:
+    """Every rank's list, concatenated in rank order (the same on every rank)."""
+    if not dist.is_initialized():
+        return mine
+    every: list[list[Any]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, mine)
+    return [item for items in every for item in items]
+
+
+def write_manifest(folder: Path) -> None:
+    """List every file in ``folder`` with its size and CRC-32 (collective: ranks share the
+    checksumming, rank 0 writes the list)."""
+    names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    mine = [(name, (folder / name).stat().st_size, _crc32(folder / name)) for name in _my_share(names)]
+    files = {name: {"bytes": size, "crc32": crc} for name, size, crc in _gathered(mine)}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+
+
+def broken_file(folder: Path) -> str | None:
+    """What is wrong with the checkpoint in ``folder`` by its manifest (collective), or None.
+    A checkpoint without a manifest (saved before manifests existed) is not checked."""
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        return None
+    files = json.loads(manifest.read_text())["files"]
+    problems = []
+    for name in _my_share(sorted(files)):
+        path, expected = folder / name, files[name]
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+        elif (size := path.stat().st_size) != expected["bytes"]:
+            problems.append(f"{path} has {size} bytes, {expected['bytes']} were written")
+        elif _crc32(path) != expected["crc32"]:
+            problems.append(f"{path} does not match the checksum written with it")
+    problems = _gathered(problems)
+    return problems[0] if problems else None
+
+
+def model_mismatch(folder: Path, args: ModelArgs) -> str | None:
+    """How the parameters saved in ``folder`` differ from ``args``' model, or None."""
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    saved = {k.removeprefix("model."): tuple(v.size) for k, v in metadata.items() if k.startswith("model.")}
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Qwen(args).state_dict(keep_vars=True).items()}
+    differences = [f"{name} is not in the checkpoint" for name in expected if name not in saved]
+    differences += [
+        f"{name} is in the checkpoint but not in the model" for name in saved if name not in expected
+    ]
+    differences += [
+        f"{name} is {list(saved[name])} in the checkpoint, {list(shape)} in the model"
+        for name, shape in expected.items()
+        if name in saved and saved[name] != shape
+    ]
+    if not differences:
+        return None
+    more = f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""
+    return "; ".join(differences[:3]) + more
+
+
 class Checkpointer:
     """Saves and restores one job's training state."""
 
@@ -106,10 +195,12 @@ class Checkpointer:
         cfg: Checkpoint,
         dump_folder: str | Path,
         rank: int,
+        args: ModelArgs,
         parts: list[nn.Module],
         optimizers: list[torch.optim.Optimizer],
     ) -> None:
         self.cfg = cfg
+        self.args = args
         self.folder = Path(dump_folder) / cfg.folder
         self.rank = rank
         self.parts = parts
@@ -127,12 +218,14 @@ class Checkpointer:
         final = self.folder / f"step-{step}"
         partial = self.folder / f".step-{step}.partial"
         if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
+            self._remove_leftovers()
             partial.mkdir(parents=True)
         _barrier()
         train = {"step": step, "consumed_samples": consumed_samples}
         _dcp(dcp.save, self._state(train), partial)
         torch.save(torch.get_rng_state(), partial / f"rng-rank{self.rank}.pt")
+        _barrier()
+        write_manifest(partial)
         _barrier()
         if self.rank == 0:
             if final.exists():  # re-saving a step: keep the old copy until the new one is in place
@@ -148,6 +241,13 @@ class Checkpointer:
         _barrier()
         return final
 
+    def _remove_leftovers(self) -> None:
+        """Partial and stale folders of interrupted saves."""
+        for leftover in self.folder.glob(".step-*.partial"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        for leftover in self.folder.glob(".step-*.stale"):
+            shutil.rmtree(leftover, ignore_errors=True)
+
     def _prune(self) -> None:
         if self.cfg.keep_latest_k <= 0:
             return
@@ -155,20 +255,43 @@ class Checkpointer:
             shutil.rmtree(self.folder / f"step-{step}")
 
     def resume_step(self) -> int | None:
-        """The step to resume from: checkpoint.load_step, else the latest complete one."""
+        """The step to resume from: checkpoint.load_step, else the newest intact checkpoint
+        (collective: every rank verifies a share of the files)."""
         steps = complete_steps(self.folder)
         if self.cfg.load_step >= 0:
             if self.cfg.load_step not in steps:
-                raise FileNotFoundError(
+                raise TrainingStopped(
                     f"checkpoint.load_step={self.cfg.load_step}: no complete checkpoint "
                     f"{self.folder}/step-{self.cfg.load_step}; complete steps: {steps}"
                 )
+            problem = broken_file(self.folder / f"step-{self.cfg.load_step}")
+            if problem is not None:
+                raise TrainingStopped(
+                    f"checkpoint.load_step={self.cfg.load_step} is broken: {problem}; "
+                    f"pick another of {steps}, or leave load_step unset to use the newest intact one"
+                )
             return self.cfg.load_step
-        return steps[-1] if steps else None
+        for step in reversed(steps):
+            problem = broken_file(self.folder / f"step-{step}")
+            if problem is None:
+                return step
+            logger.warning("checkpoint step-%d is broken (%s); trying the one before", step, problem)
+        if steps:
+            raise TrainingStopped(
+                f"every checkpoint in {self.folder} is broken (steps {steps}); move the folder "
+                "away to start afresh"
+            )
+        return None
 
     def load(self, step: int) -> dict[str, int]:
         """Restore everything saved at ``step``; returns {"step", "consumed_samples"}."""
         path = self.folder / f"step-{step}"
+        mismatch = model_mismatch(path, self.args)
+        if mismatch is not None:
+            raise TrainingStopped(
+                f"checkpoint {path} was saved from another model: {mismatch}; resume with the "
+                "model it was saved with, or train into a new job.dump_folder"
+            )
         train = {"step": 0, "consumed_samples": 0}
         state = self._state(train)
         _dcp(dcp.load, state, path)

@@ -1,19 +1,30 @@
 """Training that goes wrong stops with a message, never with bad weights on disk.
 
-A step whose loss or gradient norm is not finite is skipped (no optimizer update) up to
-``training.max_skipped_steps`` times in a row; then training stops with ``TrainingStopped``.
-Both values are global (summed or reduced over every rank before they are read), so every
-rank takes the same decision without another collective.
+- A step whose loss or gradient norm is not finite is skipped (no optimizer update) up to
+  ``training.max_skipped_steps`` times in a row; then training stops with ``TrainingStopped``.
+  Both values are global (reduced over every rank before they are read), so every rank takes
+  the same decision without another collective.
+- SIGTERM, SIGUSR1 (SLURM's warning before pre-emption) and SIGINT ask training to stop
+  after the current step: the ranks agree on it (a signal may reach only some of them), save
+  a checkpoint and exit normally. A second signal stops the process at once.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+import signal
+import threading
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+logger = logging.getLogger("autopar")
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class TrainingStopped(RuntimeError):
@@ -42,3 +53,38 @@ def parameters_finite(parts: list[nn.Module]) -> bool:
     if dist.is_initialized():
         dist.all_reduce(bad)
     return not bool(bad.item())
+
+
+class StopRequest:
+    """While entered, turns the first stop signal into a request ``requested()`` reports on
+    every rank; handlers are installed only from the main thread and restored on exit."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        if self.signal_name is not None:  # the second one: stop now, as without us
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signal_name = signal.Signals(signum).name
+        logger.warning(
+            "%s: stopping after this step (a checkpoint is saved); again to stop at once", self.signal_name
+        )
+
+    def requested(self, device: torch.device) -> bool:
+        """Whether any rank was signalled (one all-reduce of a flag when distributed)."""
+        flag = torch.tensor(float(self.signal_name is not None), device=device)
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())

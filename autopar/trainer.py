@@ -14,7 +14,7 @@ from autopar.config.job import JobConfig
 from autopar.data.loader import StepLoader, build_samples
 from autopar.data.tokenizer import build_tokenizer
 from autopar.distributed import World
-from autopar.faults import TrainingStopped, nonfinite, parameters_finite, skipped_too_often
+from autopar.faults import StopRequest, TrainingStopped, nonfinite, parameters_finite, skipped_too_often
 from autopar.metrics import MetricsLogger, flops_per_token
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
@@ -52,7 +52,7 @@ class Trainer:
         self.parts, self.optimizers = self.one_step.parts, self.one_step.optimizers
         self.loader = self._build_loader()
         self.checkpointer = Checkpointer(
-            job.checkpoint, job.job.dump_folder, world.rank, self.parts, self.optimizers
+            job.checkpoint, job.job.dump_folder, world.rank, args, self.parts, self.optimizers
         )
         self.metrics = MetricsLogger(
             job.job.dump_folder,
@@ -140,30 +140,47 @@ class Trainer:
         tokens_per_step = self.loader.global_batch * self.job.training.seq_len
         records: list[StepRecord] = []
         window_start, window_steps = time.perf_counter(), 0
-        while self.step < steps:
-            loss, norm = self.train_step()
-            window_steps += 1
-            if self.step % log_freq == 0 or self.step in (1, steps):
-                record = StepRecord(self.step, loss.item(), norm.item())
-                elapsed = time.perf_counter() - window_start
-                lr = self.optimizers[0].param_groups[0]["lr"]
-                self.metrics.record(
-                    self.step,
-                    record.loss,
-                    record.grad_norm,
-                    lr,
-                    window_steps * tokens_per_step,
-                    elapsed,
-                    skipped=bool(self.bad),
-                )
-                records.append(record)
-                window_start, window_steps = time.perf_counter(), 0
-            if self.checkpointer.should_save(self.step, steps):
-                self._save()
-        if self.job.checkpoint.last_save_in_hf:
+        stopped = False
+        with StopRequest() as stop:
+            while self.step < steps and not stopped:
+                loss, norm = self.train_step()
+                window_steps += 1
+                if self.step % log_freq == 0 or self.step in (1, steps):
+                    record = StepRecord(self.step, loss.item(), norm.item())
+                    elapsed = time.perf_counter() - window_start
+                    lr = self.optimizers[0].param_groups[0]["lr"]
+                    self.metrics.record(
+                        self.step,
+                        record.loss,
+                        record.grad_norm,
+                        lr,
+                        window_steps * tokens_per_step,
+                        elapsed,
+                        skipped=bool(self.bad),
+                    )
+                    records.append(record)
+                    window_start, window_steps = time.perf_counter(), 0
+                saved = self.checkpointer.should_save(self.step, steps)
+                if saved:
+                    self._save()
+                stopped = self.step < steps and stop.requested(self.world.device)  # the last step ends anyway
+                if stopped:
+                    self._stop_early(stop.signal_name or "a stop signal (on another rank)", saved)
+        if self.job.checkpoint.last_save_in_hf and not stopped:
             self._export_hf()
         self.metrics.close()
         return records
+
+    def _stop_early(self, why: str, saved: bool) -> None:
+        """Save this step (unless just saved) and say how to go on."""
+        if not self.job.checkpoint.enable:
+            logger.warning("stopped by %s after step %d; checkpointing is off, nothing saved", why, self.step)
+            return
+        if not saved:
+            self._save()
+        logger.warning(
+            "stopped by %s after step %d and saved it; the same command resumes from there", why, self.step
+        )
 
     def _save(self) -> Path:
         """A checkpoint of this step, refused when any weight is not finite."""

@@ -4,6 +4,8 @@ metrics.jsonl stays valid JSON with each step once."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -142,3 +144,155 @@ def test_train_py_with_an_exploding_lr_exits_1_with_one_message(tmp_path):
     assert result.returncode == 1, result.stderr[-2000:]
     assert result.stderr.count("training stopped: step") == 1, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def start_long_run(folder: Path) -> subprocess.Popen:
+    """train.py on the tiny job for many steps, checkpointing rarely; returns once step 1 is
+    logged."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "train.py",
+            "--job.config",
+            "train_configs/debug_model.toml",
+            *TINY_FLAGS,
+            "--training.steps",
+            "100000",
+            "--job.dump_folder",
+            str(folder),
+            "--checkpoint.enable",
+            "true",
+            "--checkpoint.interval",
+            "100000",
+            "--metrics.log_freq",
+            "1",
+        ],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in proc.stderr:
+        if "step 1 " in line:
+            return proc
+    raise AssertionError(f"train.py ended before step 1: {proc.wait()}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])
+def test_a_stop_signal_saves_the_current_step_and_exits_0(tmp_path, signum):
+    proc = start_long_run(tmp_path)
+    proc.send_signal(signum)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0, rest[-2000:]
+    last = strict_records(tmp_path / "metrics.jsonl")[-1]["step"]
+    assert f"stopped by {signal.Signals(signum).name} after step {last} and saved it" in rest
+    assert (tmp_path / "checkpoint" / f"step-{last}").is_dir()
+
+
+def test_a_second_stop_signal_exits_at_once():
+    script = """
+import os, signal, torch
+from autopar.faults import StopRequest
+with StopRequest() as stop:
+    os.kill(os.getpid(), signal.SIGUSR1)
+    print("requested", stop.requested(torch.device("cpu")), flush=True)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    print("still running", flush=True)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.stdout == "requested True\n"
+    assert result.returncode == -signal.SIGUSR1
+
+
+def train_with_rank_1_signalled_at_step_2(job) -> int:
+    """Train ``job`` on this rank; rank 1 alone receives SIGUSR1 after step 2."""
+    from autopar.distributed import init_world
+
+    world = init_world()
+    run = Trainer(job, validate(job, world.size), world)
+    train_step = run.train_step
+
+    def step_then_signal():
+        result = train_step()
+        if run.step == 2 and world.rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return result
+
+    run.train_step = step_then_signal
+    run.train()
+    return run.step
+
+
+@pytest.mark.slow
+def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    from autopar.spawn import run_on_ranks
+
+    job = tiny_job(
+        tmp_path,
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        "--training.steps",
+        "10",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "100",
+    )
+    assert run_on_ranks(train_with_rank_1_signalled_at_step_2, 2, job, timeout_s=120) == [2, 2]
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2"]
+
+
+def saved_steps(folder: Path) -> list[str]:
+    return sorted(p.name for p in (folder / "checkpoint").iterdir())
+
+
+def shard_of(folder: Path, step: int) -> Path:
+    return next((folder / "checkpoint" / f"step-{step}").glob("*.distcp"))
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [truncate, flip_a_byte])
+def test_resume_skips_a_broken_latest_checkpoint_for_the_newest_intact_one(tmp_path, caplog, damage):
+    trainer(tmp_path, "--training.steps", "3", *CHECKPOINTS).train()
+    damage(shard_of(tmp_path, 3))
+    resumed = trainer(tmp_path, "--training.steps", "3", *CHECKPOINTS)
+    assert resumed.checkpointer.resume_step() == 2
+    assert f"checkpoint step-3 is broken ({shard_of(tmp_path, 3)}" in caplog.text
+
+
+def test_an_explicit_load_step_that_is_broken_is_refused(tmp_path):
+    trainer(tmp_path, "--training.steps", "2", *CHECKPOINTS).train()
+    flip_a_byte(shard_of(tmp_path, 2))
+    resumed = trainer(tmp_path, "--training.steps", "3", *CHECKPOINTS, "--checkpoint.load_step", "2")
+    with pytest.raises(
+        TrainingStopped, match=r"checkpoint\.load_step=2 is broken: .* does not match the checksum"
+    ):
+        resumed.train()
+
+
+def test_resuming_another_model_shape_is_refused_naming_the_difference(tmp_path):
+    trainer(tmp_path, "--training.steps", "2", *CHECKPOINTS, "--checkpoint.interval", "2").train()
+    other = trainer(tmp_path, "--training.steps", "3", *CHECKPOINTS, "--model.num_hidden_layers", "1")
+    with pytest.raises(
+        TrainingStopped, match=r"layers\.1\.input_layernorm\.weight is in the checkpoint but not in"
+    ):
+        other.train()
+    assert saved_steps(tmp_path) == ["step-2"]
+
+
+def test_a_save_removes_what_interrupted_saves_left(tmp_path):
+    leftover = tmp_path / "checkpoint" / ".step-7.partial"
+    leftover.mkdir(parents=True)
+    trainer(tmp_path, "--training.steps", "2", *CHECKPOINTS, "--checkpoint.interval", "2").train()
+    assert saved_steps(tmp_path) == ["step-2"]

@@ -12,6 +12,7 @@ from autopar.checkpoint import complete_steps
 from autopar.config.job import LRScheduler
 from autopar.data.loader import Batch
 from autopar.distributed import single_process
+from autopar.faults import TrainingStopped
 from autopar.metrics import read_metrics
 from autopar.models import Qwen, from_hf, get_flavor
 from autopar.optim import lr_factor
@@ -118,7 +119,7 @@ def test_keep_latest_k_prunes_only_complete_older_checkpoints(tmp_path):
 
 def test_load_step_that_does_not_exist_is_reported(tmp_path):
     job = tiny_job(tmp_path, "--checkpoint.enable", "true", "--checkpoint.load_step", "3")
-    with pytest.raises(FileNotFoundError, match=r"checkpoint\.load_step=3: no complete checkpoint"):
+    with pytest.raises(TrainingStopped, match=r"checkpoint\.load_step=3: no complete checkpoint"):
         train(job)
 
 
