@@ -49,7 +49,7 @@ def skipped_too_often(step: int, bad: list[str], in_a_row: int, limit: int) -> T
 def parameters_finite(parts: list[nn.Module]) -> bool:
     """Whether every rank's parameters are finite (one all-reduce of a flag)."""
     local = [p.to_local() if isinstance(p, DTensor) else p for part in parts for p in part.parameters()]
-    bad = sum(((~torch.isfinite(t)).any().to(torch.float32) for t in local), torch.zeros(()))
+    bad = torch.stack([(~torch.isfinite(t)).any() for t in local]).sum().to(torch.float32)
     if dist.is_initialized():
         dist.all_reduce(bad)
     return not bool(bad.item())

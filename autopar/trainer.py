@@ -116,7 +116,7 @@ class Trainer:
         loss = self.one_step.forward_backward(self.loader.next_step())
         norm = self.one_step.grad_norm()
         self.step += 1
-        self.bad = nonfinite(loss.item(), norm.item())
+        self.bad = nonfinite(*torch.stack([loss, norm]).tolist())
         if not self.bad:
             self.one_step.apply(lr, norm)
             self.skipped_in_a_row = 0
@@ -146,19 +146,8 @@ class Trainer:
                 loss, norm = self.train_step()
                 window_steps += 1
                 if self.step % log_freq == 0 or self.step in (1, steps):
-                    record = StepRecord(self.step, loss.item(), norm.item())
                     elapsed = time.perf_counter() - window_start
-                    lr = self.optimizers[0].param_groups[0]["lr"]
-                    self.metrics.record(
-                        self.step,
-                        record.loss,
-                        record.grad_norm,
-                        lr,
-                        window_steps * tokens_per_step,
-                        elapsed,
-                        skipped=bool(self.bad),
-                    )
-                    records.append(record)
+                    records.append(self._log(loss, norm, window_steps * tokens_per_step, elapsed))
                     window_start, window_steps = time.perf_counter(), 0
                 saved = self.checkpointer.should_save(self.step, steps)
                 if saved:
@@ -170,6 +159,15 @@ class Trainer:
             self._export_hf()
         self.metrics.close()
         return records
+
+    def _log(self, loss: torch.Tensor, norm: torch.Tensor, tokens: int, seconds: float) -> StepRecord:
+        """Log this step's numbers (``tokens`` trained in ``seconds`` since the last log)."""
+        record = StepRecord(self.step, loss.item(), norm.item())
+        lr = self.optimizers[0].param_groups[0]["lr"]
+        self.metrics.record(
+            self.step, record.loss, record.grad_norm, lr, tokens, seconds, skipped=bool(self.bad)
+        )
+        return record
 
     def _stop_early(self, why: str, saved: bool) -> None:
         """Save this step (unless just saved) and say how to go on."""
