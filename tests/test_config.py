@@ -185,6 +185,16 @@ def valid(*argv: str) -> list[str]:
             "initial_load_in_hf=true needs checkpoint.initial_load_path",
         ),
         (valid("--checkpoint.initial_load_path", "/no/ckpt"), "initial_load_path='/no/ckpt': no such folder"),
+        (valid("--model.rope_theta", "-1"), r"model.rope_theta=-1.0 must be a finite number > 0"),
+        (valid("--model.rms_norm_eps", "-1"), r"model.rms_norm_eps=-1.0 must be a finite number > 0"),
+        (valid("--model.rope_theta", "nan"), r"model.rope_theta=nan must be a finite number > 0"),
+        (valid("--model.initializer_range", "-0.02"), "model.initializer_range=-0.02 must be"),
+        (valid("--debug.seed", "-1"), "debug.seed=-1 must be >= 0"),
+        (
+            valid("--compile.enable", "true", "--compile.backend", "inductr"),
+            "compile.backend='inductr' is not a torch.compile backend; did you mean 'inductor'",
+        ),
+        (valid("--training.max_skipped_steps", "-1"), "training.max_skipped_steps=-1 must be >= 0"),
     ],
 )
 def test_validation_rejects_with_field_value_and_fix(argv, message):

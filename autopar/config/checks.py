@@ -61,6 +61,7 @@ def check_numbers(job: JobConfig) -> None:
         f"lr_scheduler.min_lr_factor={scheduler.min_lr_factor} must be in [0, 1]",
     )
     require(job.metrics.log_freq >= 1, f"metrics.log_freq={job.metrics.log_freq} must be >= 1")
+    require(job.debug.seed >= 0, f"debug.seed={job.debug.seed} must be >= 0")
     require(
         not job.metrics.enable_tensorboard or importlib.util.find_spec("tensorboard") is not None,
         "metrics.enable_tensorboard=true needs tensorboard: pip install tensorboard",

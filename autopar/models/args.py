@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -56,5 +57,9 @@ class ModelArgs:
                 f"model.num_key_value_heads={self.num_key_value_heads}; grouped-query attention "
                 "needs whole groups"
             )
+        for name in ("rope_theta", "rms_norm_eps", "initializer_range"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"model.{name}={value} must be a finite number > 0")
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim={self.head_dim} must be even for rotary embeddings")

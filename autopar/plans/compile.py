@@ -8,6 +8,8 @@ a silent slowdown.
 
 from __future__ import annotations
 
+import difflib
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -19,6 +21,13 @@ from autopar.config.job import Compile
 def check_compile(cfg: Compile) -> None:
     if cfg.enable and not cfg.components:
         raise ConfigError("compile.components is empty; list 'model' and/or 'loss'")
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if cfg.enable and cfg.backend not in backends:
+        close = difflib.get_close_matches(cfg.backend, backends, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(
+            f"compile.backend={cfg.backend!r} is not a torch.compile backend; {hint}one of {backends}"
+        )
 
 
 def _fresh_output(_module: nn.Module, _inputs: tuple, output: torch.Tensor) -> torch.Tensor:
