@@ -21,13 +21,18 @@ from autopar.config.job import Compile
 def check_compile(cfg: Compile) -> None:
     if cfg.enable and not cfg.components:
         raise ConfigError("compile.components is empty; list 'model' and/or 'loss'")
+
+
+def check_compile_backend(cfg: Compile) -> None:
+    """A compile backend torch knows (listing them imports every backend: about 2 s, so the
+    planner, which checks many plans of one job, leaves this to ``validate``)."""
+    if not cfg.enable:
+        return
     backends = torch._dynamo.list_backends(exclude_tags=())
-    if cfg.enable and cfg.backend not in backends:
+    if cfg.backend not in backends:
         close = difflib.get_close_matches(cfg.backend, backends, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(
-            f"compile.backend={cfg.backend!r} is not a torch.compile backend; {hint}one of {backends}"
-        )
+        hint = f"did you mean {close[0]!r}?" if close else "see torch._dynamo.list_backends()"
+        raise ConfigError(f"compile.backend={cfg.backend!r} is not a torch.compile backend; {hint}")
 
 
 def _fresh_output(_module: nn.Module, _inputs: tuple, output: torch.Tensor) -> torch.Tensor:
