@@ -191,6 +191,14 @@ def valid(*argv: str) -> list[str]:
         (valid("--model.initializer_range", "-0.02"), "model.initializer_range=-0.02 must be"),
         (valid("--debug.seed", "-1"), "debug.seed=-1 must be >= 0"),
         (
+            valid("--training.dataset_blend", "nan:a.bin"),
+            "item 'nan:a.bin' is not 'weight:path' with a finite",
+        ),
+        (
+            valid("--training.dataset_blend", "inf:a.bin"),
+            "item 'inf:a.bin' is not 'weight:path' with a finite",
+        ),
+        (
             valid("--compile.enable", "true", "--compile.backend", "inductr"),
             "compile.backend='inductr' is not a torch.compile backend; did you mean 'inductor'",
         ),

@@ -8,6 +8,7 @@ data-parallel degree.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,9 +39,9 @@ def parse_blend(items: list[str]) -> list[tuple[float, Path]]:
             w = float(weight)
         except ValueError:
             w = -1.0
-        if not sep or w <= 0 or not path:
+        if not sep or not (math.isfinite(w) and w > 0) or not path:
             raise DataError(
-                f"training.dataset_blend item {item!r} is not 'weight:path' with a positive weight"
+                f"training.dataset_blend item {item!r} is not 'weight:path' with a finite positive weight"
             )
         out.append((w, Path(path)))
     return out
