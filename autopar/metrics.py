@@ -146,10 +146,11 @@ class MetricsLogger:
         metrics = StepMetrics(step, loss, grad_norm, lr, tps, mfu, peak_memory_gib(self.device), skipped)
         if self.is_main:
             logger.info(metrics.line())
+            record = metrics.record()
             with self.path.open("a") as f:
-                f.write(json.dumps(metrics.record()) + "\n")
+                f.write(json.dumps(record) + "\n")
             if self._tb is not None:
-                for key, value in metrics.record().items():
+                for key, value in record.items():
                     if key not in ("step", "skipped") and value is not None:
                         self._tb.add_scalar(key, value, step)
         return metrics
