@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.config import ConfigError, help_text, to_toml
+from autopar.data import DataError
 from autopar.distributed import init_world, world_size_from_env
 from autopar.faults import TrainingStopped
 from autopar.job import parse_job
@@ -73,24 +74,33 @@ def main(argv: list[str]) -> int:
             return 0
         args = validate(job, world_size_from_env())
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
-    world = init_world()
+        return _refuse("config error", err)
+    try:
+        world = init_world(job.comm.init_timeout_seconds)
+    except dist.DistError as err:
+        return _refuse(
+            "comm error",
+            f"not every rank joined within comm.init_timeout_seconds={job.comm.init_timeout_seconds}: {err}",
+            exit_code=1,
+        )
     setup_logging(world.rank)
     dump = Path(job.job.dump_folder)
     metrics_path = dump / "metrics.jsonl"
-    if auto and world.is_main:
-        plan, device = auto
-        logging.getLogger("autopar").info(
-            "auto plan: %s; predicted peak %.1f GiB of %.1f, %.0f tokens/s per device",
-            plan.describe(),
-            plan.peak_gib,
-            device.memory_gib,
-            plan.tokens_per_s,
-        )
-        write_plan(dump / "plan.json", plan, device, world.size)
     try:
-        records = Trainer(job, args, world).train()
+        trainer = Trainer(job, args, world)
+        if auto and world.is_main:
+            plan, device = auto
+            logging.getLogger("autopar").info(
+                "auto plan: %s; predicted peak %.1f GiB of %.1f, %.0f tokens/s per device",
+                plan.describe(),
+                plan.peak_gib,
+                device.memory_gib,
+                plan.tokens_per_s,
+            )
+            write_plan(dump / "plan.json", plan, device, world.size)
+        records = trainer.train()
+    except DataError as err:
+        return _refuse("data error", err)
     except TrainingStopped as err:
         logging.getLogger("autopar").error("training stopped: %s", err)
         return 1
@@ -100,6 +110,13 @@ def main(argv: list[str]) -> int:
     if auto and world.is_main:
         record_measured(dump / "plan.json", metrics_path, len(records))
     return 0
+
+
+def _refuse(kind: str, err: object, exit_code: int = 2) -> int:
+    """Print ``kind: err`` once (from the first rank under torchrun, where every rank finds it)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{kind}: {err}", file=sys.stderr)
+    return exit_code
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -43,7 +44,7 @@ from autopar.config.errors import ConfigError
 from autopar.config.job import Checkpoint
 from autopar.faults import TrainingStopped
 from autopar.models.args import ModelArgs
-from autopar.models.hf import HFCheckpointError, read_hf_config, save_hf_streaming
+from autopar.models.hf import HFCheckpointError, HFTensors, read_hf_config, save_hf_streaming
 from autopar.models.qwen import Qwen
 
 logger = logging.getLogger("autopar")
@@ -222,10 +223,14 @@ class Checkpointer:
             partial.mkdir(parents=True)
         _barrier()
         train = {"step": step, "consumed_samples": consumed_samples}
-        _dcp(dcp.save, self._state(train), partial)
-        torch.save(torch.get_rng_state(), partial / f"rng-rank{self.rank}.pt")
-        _barrier()
-        write_manifest(partial)
+        try:
+            _dcp(dcp.save, self._state(train), partial)
+            torch.save(torch.get_rng_state(), partial / f"rng-rank{self.rank}.pt")
+            _barrier()
+            write_manifest(partial)
+        except (OSError, RuntimeError, CheckpointException) as err:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise TrainingStopped(self._save_failed(step, err)) from None
         _barrier()
         if self.rank == 0:
             if final.exists():  # re-saving a step: keep the old copy until the new one is in place
@@ -240,6 +245,21 @@ class Checkpointer:
             logger.info("saved checkpoint %s", final)
         _barrier()
         return final
+
+    def _save_failed(self, step: int, err: BaseException) -> str:
+        if isinstance(err, CheckpointException):  # DCP gathers every rank's failure
+            rank, (err, _) = next(iter(err.failures.items()))
+        else:
+            rank = self.rank
+        free_gib = shutil.disk_usage(self.folder).free / 2**30
+        # torch.save's own words for a write the OS cut short
+        reason = "a write was cut short" if "unexpected pos" in str(err) else f"{type(err).__name__}: {err}"
+        return (
+            f"rank {rank} could not write checkpoint step-{step} in {self.folder}: {reason} "
+            f"({free_gib:.1f} GiB free there). The checkpoints already "
+            "there are kept; free space or set checkpoint.folder elsewhere, then rerun the same "
+            "command to resume"
+        )
 
     def _remove_leftovers(self) -> None:
         """Partial and stale folders of interrupted saves."""
@@ -355,3 +375,7 @@ def check_initial_load(cfg: Checkpoint, args: ModelArgs, model_label: str) -> No
                 f"model {model_label} has {field}={ours}, but {path / 'config.json'} has "
                 f"{field}={theirs}; pick the matching flavor or set --model.{field} {theirs}"
             )
+    try:
+        HFTensors(path, args)  # every file readable, every tensor there in its shape
+    except HFCheckpointError as err:
+        raise ConfigError(f"checkpoint.initial_load_path: {err}") from None

@@ -40,8 +40,10 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_world(timeout_s: int = 600) -> World:
-    """Join the process group torchrun set up (or none for one process); same code on CPU and GPU."""
+def init_world(timeout_s: int = 300) -> World:
+    """Join the process group torchrun set up (or none for one process); same code on CPU and GPU.
+    Every rank must join within ``timeout_s``, which also bounds each collective until
+    ``set_timeout`` changes it."""
     size = world_size_from_env()
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -56,3 +58,12 @@ def init_world(timeout_s: int = 600) -> World:
 def single_process(device: torch.device | str = "cpu") -> World:
     """A world of one process, for the single-device reference inside a larger job."""
     return World(rank=0, size=1, local_rank=0, device=torch.device(device))
+
+
+def set_timeout(seconds: int) -> None:
+    """Bound every collective of every process group (the mesh's too) to ``seconds``: a rank
+    that died or hangs then fails the others' next collective instead of stalling them."""
+    if not dist.is_initialized():
+        return
+    for group in list(dist.distributed_c10d._world.pg_map):
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)

@@ -4,6 +4,8 @@
   ``training.max_skipped_steps`` times in a row; then training stops with ``TrainingStopped``.
   Both values are global (reduced over every rank before they are read), so every rank takes
   the same decision without another collective.
+- A collective that fails because another rank died or hangs (bounded by
+  ``comm.train_timeout_seconds``) becomes ``TrainingStopped`` naming this rank and the bound.
 - SIGTERM, SIGUSR1 (SLURM's warning before pre-emption) and SIGINT ask training to stop
   after the current step: the ranks agree on it (a signal may reach only some of them), save
   a checkpoint and exit normally. A second signal stops the process at once.
@@ -36,10 +38,36 @@ def nonfinite(loss: float, grad_norm: float) -> list[str]:
     return [name for name, value in (("loss", loss), ("grad_norm", grad_norm)) if not math.isfinite(value)]
 
 
-def skipped_too_often(step: int, bad: list[str], in_a_row: int, limit: int) -> TrainingStopped:
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def ranks_not_finite(local_loss: torch.Tensor, parts: list[nn.Module]) -> str:
+    """Which ranks' share of the loss, and which ranks' gradients, are not finite, in words.
+    One all-gather; called by every rank after a step whose global values were not finite."""
+    grads = [_local(p.grad) for part in parts for p in part.parameters() if p.grad is not None]
+    grads_bad = torch.stack([(~torch.isfinite(g)).any() for g in grads]).any() if grads else False
+    flags = torch.stack(
+        [(~torch.isfinite(local_loss)).float(), torch.as_tensor(grads_bad, device=local_loss.device).float()]
+    )
+    gathered = [flags]
+    if dist.is_initialized():
+        gathered = [torch.empty_like(flags) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, flags)
+    table = torch.stack(gathered).bool().tolist()
+    found = {
+        what: [r for r, flags in enumerate(table) if flags[i]] for i, what in enumerate(("loss", "gradients"))
+    }
+    return (
+        "; ".join(f"{what} on rank(s) {ranks}" for what, ranks in found.items() if ranks)
+        or "on no rank alone"
+    )
+
+
+def skipped_too_often(step: int, bad: list[str], where: str, in_a_row: int, limit: int) -> TrainingStopped:
     first = "the loss" if "loss" in bad else "the gradients (the loss was finite)"
     return TrainingStopped(
-        f"step {step}: {' and '.join(bad)} not finite, {in_a_row} step(s) in a row, more than "
+        f"step {step}: {' and '.join(bad)} not finite ({where}), {in_a_row} step(s) in a row, more than "
         f"training.max_skipped_steps={limit}; {first} went bad first. Weights are those of the last "
         "finite step and no checkpoint was written since; lower optimizer.lr, check the data, or "
         "raise training.max_skipped_steps to ride out rare spikes"
@@ -48,11 +76,28 @@ def skipped_too_often(step: int, bad: list[str], in_a_row: int, limit: int) -> T
 
 def parameters_finite(parts: list[nn.Module]) -> bool:
     """Whether every rank's parameters are finite (one all-reduce of a flag)."""
-    local = [p.to_local() if isinstance(p, DTensor) else p for part in parts for p in part.parameters()]
+    local = [_local(p) for part in parts for p in part.parameters()]
     bad = torch.stack([(~torch.isfinite(t)).any() for t in local]).sum().to(torch.float32)
     if dist.is_initialized():
         dist.all_reduce(bad)
     return not bool(bad.item())
+
+
+_PEER_GONE = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer")
+"""How gloo words a collective whose peer died or hangs (NCCL's watchdog aborts the process
+itself after the same timeout, with its own message)."""
+
+
+def peer_failure(err: RuntimeError, rank: int, timeout_s: int) -> TrainingStopped | None:
+    """``err`` as a stop naming the cause, when it says another rank died or hangs."""
+    if not (isinstance(err, dist.DistError) or any(words in str(err) for words in _PEER_GONE)):
+        return None
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return TrainingStopped(
+        f"rank {rank}: a collective failed ({first_line}): another rank died (its log says why) "
+        f"or hung past comm.train_timeout_seconds={timeout_s}. Rerun the same command to resume "
+        "from the last checkpoint"
+    )
 
 
 class StopRequest:

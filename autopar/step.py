@@ -153,6 +153,8 @@ class TrainStep:
             fp8_autocast=self._te_autocast(world.device),
             context_parallel=self._context_parallel(world.device),
         )
+        self.local_loss = torch.zeros(())
+        """This rank's share of the last step's loss, to find where a non-finite loss came from."""
         self.pipeline: Pipeline | None = None
         pp_mesh = self.meshes.get("pp")
         if pp_mesh is not None:
@@ -193,6 +195,7 @@ class TrainStep:
             local_loss = all_reduce_sum(local_loss, self.meshes.get("pp"))
         else:
             local_loss = forward_backward(self.parts[0], batches, targets, self.context)
+        self.local_loss = local_loss
         return all_reduce_sum(local_loss, self.meshes.get("loss"))
 
     def update(self, lr: float) -> torch.Tensor:

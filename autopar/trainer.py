@@ -11,10 +11,20 @@ import torch
 
 from autopar.checkpoint import Checkpointer, export_hf
 from autopar.config.job import JobConfig
+from autopar.data.dataset import SampleSource
+from autopar.data.errors import DataError
 from autopar.data.loader import StepLoader, build_samples
 from autopar.data.tokenizer import build_tokenizer
-from autopar.distributed import World
-from autopar.faults import StopRequest, TrainingStopped, nonfinite, parameters_finite, skipped_too_often
+from autopar.distributed import World, set_timeout
+from autopar.faults import (
+    StopRequest,
+    TrainingStopped,
+    nonfinite,
+    parameters_finite,
+    peer_failure,
+    ranks_not_finite,
+    skipped_too_often,
+)
 from autopar.metrics import MetricsLogger, flops_per_token
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
@@ -42,6 +52,7 @@ class Trainer:
         self.job = job
         self.args = args
         self.world = world
+        samples = self._samples()  # first: bad data is refused before any real work
         torch.manual_seed(job.debug.seed)
         if job.debug.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -50,7 +61,7 @@ class Trainer:
         built = build_parts(args, job, self.meshes, world.device, self._initial_values())
         self.one_step = TrainStep(job, world, self.meshes, built)
         self.parts, self.optimizers = self.one_step.parts, self.one_step.optimizers
-        self.loader = self._build_loader()
+        self.loader = self._build_loader(samples)
         self.checkpointer = Checkpointer(
             job.checkpoint, job.job.dump_folder, world.rank, args, self.parts, self.optimizers
         )
@@ -73,17 +84,19 @@ class Trainer:
             return tensor_values(HFTensors(checkpoint.initial_load_path, self.args), self.world.device)
         return seeded_values(self.args, self.job.debug.seed, self.world.device)
 
-    def _build_loader(self) -> StepLoader:
+    def _samples(self) -> SampleSource:
         training = self.job.training
-        tokenizer = build_tokenizer(self.job.model.tokenizer_path)
-        samples = build_samples(
+        return build_samples(
             training.dataset,
             training.dataset_path,
             training.dataset_blend,
-            tokenizer,
+            build_tokenizer(self.job.model.tokenizer_path),
             training.seq_len,
             self.job.debug.seed,
         )
+
+    def _build_loader(self, samples: SampleSource) -> StepLoader:
+        training = self.job.training
         dp_mesh = self.meshes.get("dp")
         dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
         global_batch = (
@@ -121,16 +134,32 @@ class Trainer:
             self.one_step.apply(lr, norm)
             self.skipped_in_a_row = 0
             return loss, norm
+        where = ranks_not_finite(self.one_step.local_loss, self.parts)
         self.one_step.discard()
         self.skipped_in_a_row += 1
         limit = self.job.training.max_skipped_steps
         if self.skipped_in_a_row > limit:
-            raise skipped_too_often(self.step, self.bad, self.skipped_in_a_row, limit)
-        logger.warning("step %d: %s not finite; skipped (no update)", self.step, " and ".join(self.bad))
+            raise skipped_too_often(self.step, self.bad, where, self.skipped_in_a_row, limit)
+        logger.warning(
+            "step %d: %s not finite (%s); skipped (no update)", self.step, " and ".join(self.bad), where
+        )
         return loss, norm
 
     def train(self) -> list[StepRecord]:
         """Train to training.steps; returns the logged steps' records."""
+        try:
+            return self._train()
+        except TrainingStopped:
+            raise
+        except DataError as err:  # found in a sample only when it is read
+            raise TrainingStopped(f"step {self.step + 1}: {err}") from err
+        except RuntimeError as err:
+            stop = peer_failure(err, self.world.rank, self.job.comm.train_timeout_seconds)
+            if stop is None:
+                raise
+            raise stop from err
+
+    def _train(self) -> list[StepRecord]:
         self.restore()
         steps, log_freq = self.job.training.steps, self.job.metrics.log_freq
         if self.step >= steps:
@@ -140,10 +169,13 @@ class Trainer:
         tokens_per_step = self.loader.global_batch * self.job.training.seq_len
         records: list[StepRecord] = []
         window_start, window_steps = time.perf_counter(), 0
+        first_step = self.step + 1
         stopped = False
         with StopRequest() as stop:
             while self.step < steps and not stopped:
                 loss, norm = self.train_step()
+                if self.step == first_step:  # compiled and warmed up: from now on steps are quick
+                    set_timeout(self.job.comm.train_timeout_seconds)
                 window_steps += 1
                 if self.step % log_freq == 0 or self.step in (1, steps):
                     elapsed = time.perf_counter() - window_start
@@ -187,7 +219,10 @@ class Trainer:
                 f"step {self.step}: weights are not finite, so no checkpoint was written (the last "
                 "one on disk is kept); lower optimizer.lr or training.max_norm and resume from it"
             )
-        return self.checkpointer.save(self.step, self.loader.consumed_samples)
+        set_timeout(self.job.comm.init_timeout_seconds)  # writing may keep some ranks long
+        path = self.checkpointer.save(self.step, self.loader.consumed_samples)
+        set_timeout(self.job.comm.train_timeout_seconds)
+        return path
 
     def _export_hf(self) -> None:
         checkpoint = self.job.checkpoint

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from autopar.checkpoint import broken_file
 from autopar.distributed import single_process
 from autopar.faults import TrainingStopped
 from autopar.trainer import Trainer
@@ -22,6 +27,20 @@ from jobs import TINY_FLAGS, tiny_job
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINTS = ("--checkpoint.enable", "true", "--checkpoint.interval", "1")
+
+
+def train_py(folder: Path, *flags: str) -> list[str]:
+    """The command line of train.py on the tiny job writing to ``folder``."""
+    return [
+        sys.executable,
+        "train.py",
+        "--job.config",
+        "train_configs/debug_model.toml",
+        *TINY_FLAGS,
+        "--job.dump_folder",
+        str(folder),
+        *flags,
+    ]
 
 
 def trainer(folder, *flags: str) -> Trainer:
@@ -91,7 +110,10 @@ def test_skipped_steps_are_logged_as_json_null_with_a_flag(tmp_path):
 def test_more_nonfinite_steps_in_a_row_than_allowed_stop_training(tmp_path):
     run = trainer(tmp_path, "--training.max_skipped_steps", "1", "--training.steps", "5", *CHECKPOINTS)
     poison_gradients_at(run, {2, 3})
-    with pytest.raises(TrainingStopped, match=r"step 3: grad_norm not finite, 2 step\(s\) in a row"):
+    with pytest.raises(
+        TrainingStopped,
+        match=r"step 3: grad_norm not finite \(gradients on rank\(s\) \[0\]\), 2 step\(s\) in a row",
+    ):
         run.train()
     saved = sorted(p.name for p in (tmp_path / "checkpoint").iterdir())
     assert saved == ["step-1", "step-2"]  # step 2 made no update: its weights are step 1's
@@ -122,20 +144,7 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
 @pytest.mark.slow
 def test_train_py_with_an_exploding_lr_exits_1_with_one_message(tmp_path):
     result = subprocess.run(
-        [
-            sys.executable,
-            "train.py",
-            "--job.config",
-            "train_configs/debug_model.toml",
-            *TINY_FLAGS,
-            "--training.steps",
-            "20",
-            "--optimizer.lr",
-            "1e6",
-            "--job.dump_folder",
-            str(tmp_path),
-            *CHECKPOINTS,
-        ],
+        train_py(tmp_path, "--training.steps", "20", "--optimizer.lr", "1e6", *CHECKPOINTS),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -150,23 +159,17 @@ def start_long_run(folder: Path) -> subprocess.Popen:
     """train.py on the tiny job for many steps, checkpointing rarely; returns once step 1 is
     logged."""
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "train.py",
-            "--job.config",
-            "train_configs/debug_model.toml",
-            *TINY_FLAGS,
+        train_py(
+            folder,
             "--training.steps",
             "100000",
-            "--job.dump_folder",
-            str(folder),
             "--checkpoint.enable",
             "true",
             "--checkpoint.interval",
             "100000",
             "--metrics.log_freq",
             "1",
-        ],
+        ),
         cwd=ROOT,
         stderr=subprocess.PIPE,
         text=True,
@@ -244,6 +247,32 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-2"]
 
 
+def train_with_rank_1_overflowing_at_step_2(job) -> str:
+    """Train ``job`` on this rank; rank 1's logits overflow at step 2. The stop message."""
+    from autopar.distributed import init_world
+
+    world = init_world()
+    run = Trainer(job, validate(job, world.size), world)
+    if world.rank == 1:
+        run.parts[0].register_forward_hook(lambda _m, _i, out: out * float("inf") if run.step == 1 else None)
+    with pytest.raises(TrainingStopped) as stopped:
+        run.train()
+    return str(stopped.value)
+
+
+@pytest.mark.slow
+def test_a_nonfinite_step_names_the_rank_whose_loss_went_bad(tmp_path):
+    from autopar.spawn import run_on_ranks
+
+    job = tiny_job(tmp_path, "--parallelism.data_parallel_shard_degree", "2")
+    messages = run_on_ranks(train_with_rank_1_overflowing_at_step_2, 2, job, timeout_s=120)
+    assert messages[0] == messages[1]
+    assert (
+        "step 2: loss and grad_norm not finite (loss on rank(s) [1]; gradients on rank(s) [0, 1])"
+        in messages[0]
+    )
+
+
 def saved_steps(folder: Path) -> list[str]:
     return sorted(p.name for p in (folder / "checkpoint").iterdir())
 
@@ -296,3 +325,98 @@ def test_a_save_removes_what_interrupted_saves_left(tmp_path):
     leftover.mkdir(parents=True)
     trainer(tmp_path, "--training.steps", "2", *CHECKPOINTS, "--checkpoint.interval", "2").train()
     assert saved_steps(tmp_path) == ["step-2"]
+
+
+def rank_env(rank: int, port: int) -> dict[str, str]:
+    """What torchrun gives rank ``rank`` of two (started by hand, so a test can stop one)."""
+    return {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "2",
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_participating_ends_the_job_within_the_train_timeout(tmp_path):
+    argv = train_py(
+        tmp_path,
+        "--parallelism.data_parallel_shard_degree",
+        "2",
+        "--training.steps",
+        "100000",
+        "--metrics.log_freq",
+        "1",
+        "--comm.train_timeout_seconds",
+        "3",
+    )
+    port = free_port()
+    rank1 = subprocess.Popen(argv, cwd=ROOT, env=rank_env(1, port), stderr=subprocess.DEVNULL)
+    rank0 = subprocess.Popen(argv, cwd=ROOT, env=rank_env(0, port), stderr=subprocess.PIPE, text=True)
+    try:
+        for line in rank0.stderr:
+            if "step 3 " in line:
+                break
+        rank1.send_signal(signal.SIGSTOP)  # alive but silent, as a hung rank is
+        stopped_at = time.monotonic()
+        _, rest = rank0.communicate(timeout=60)
+        assert rank0.returncode == 1
+        assert time.monotonic() - stopped_at < 3 + 20  # the timeout, and a step's slack
+    finally:
+        rank1.kill()
+        rank0.kill()
+    assert "training stopped: rank 0: a collective failed" in rest, rest[-2000:]
+    assert "comm.train_timeout_seconds=3" in rest
+    assert "Traceback" not in rest
+
+
+def test_a_rank_that_never_joins_ends_the_job_within_the_init_timeout(tmp_path):
+    argv = train_py(
+        tmp_path / "out", "--parallelism.data_parallel_shard_degree", "2", "--comm.init_timeout_seconds", "2"
+    )
+    result = subprocess.run(
+        argv, cwd=ROOT, env=rank_env(0, free_port()), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "comm error: not every rank joined within comm.init_timeout_seconds=2:"
+    )
+    assert "1/2 clients joined" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def limit_file_size(max_bytes: int) -> Callable[[], None]:
+    """A ``preexec_fn`` under which the child cannot grow a file past ``max_bytes``: its
+    writes fail as on a full disk (Python ignores the SIGXFSZ that comes with them)."""
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_cannot_be_written_stops_with_a_message_and_keeps_the_last_one(tmp_path):
+    flags = ("--checkpoint.enable", "true", "--checkpoint.interval", "2", "--metrics.log_freq", "1")
+    first = subprocess.run(train_py(tmp_path, "--training.steps", "2", *flags), cwd=ROOT, capture_output=True)
+    assert first.returncode == 0
+    result = subprocess.run(
+        train_py(tmp_path, "--training.steps", "4", *flags),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limit_file_size(100_000),
+    )
+    assert result.returncode == 1
+    assert "training stopped: rank 0 could not write checkpoint step-4" in result.stderr, result.stderr[
+        -2000:
+    ]
+    assert "GiB free there" in result.stderr and "Traceback" not in result.stderr
+    assert [p.name for p in (tmp_path / "checkpoint").iterdir()] == ["step-2"]
+    assert broken_file(tmp_path / "checkpoint" / "step-2") is None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+from pathlib import Path
 
 from autopar.config.errors import ConfigError
 from autopar.config.job import JobConfig
@@ -66,9 +68,36 @@ def check_numbers(job: JobConfig) -> None:
         not job.metrics.enable_tensorboard or importlib.util.find_spec("tensorboard") is not None,
         "metrics.enable_tensorboard=true needs tensorboard: pip install tensorboard",
     )
+    for name in ("init_timeout_seconds", "train_timeout_seconds"):
+        value = getattr(job.comm, name)
+        require(value >= 1, f"comm.{name}={value} must be >= 1")
     checkpoint = job.checkpoint
     require(checkpoint.interval >= 1, f"checkpoint.interval={checkpoint.interval} must be >= 1")
     require(
         checkpoint.keep_latest_k >= 0,
         f"checkpoint.keep_latest_k={checkpoint.keep_latest_k} must be >= 0 (0 keeps all)",
     )
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why ``folder`` could not be created or written to, or None; creates nothing."""
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
+
+
+def check_output_folders(job: JobConfig) -> None:
+    """The folders the job writes (metrics, checkpoints) can be written, so a mistake there is
+    found now rather than at the first save."""
+    dump = Path(job.job.dump_folder)
+    folders = {"job.dump_folder": dump}
+    if job.checkpoint.enable:
+        folders["checkpoint.folder"] = dump / job.checkpoint.folder
+    for name, folder in folders.items():
+        problem = unwritable(folder)
+        require(problem is None, f"{name}: cannot write {folder}: {problem}; pick another folder")

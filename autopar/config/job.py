@@ -194,6 +194,16 @@ class Float8:
 
 
 @dataclass
+class Comm:
+    init_timeout_seconds: int = 300
+    """Seconds for every rank to join and finish the first step (compilation included), and for
+    each checkpoint save or load; a rank missing that long ends the job with an error."""
+    train_timeout_seconds: int = 100
+    """Seconds any collective waits after the first step; a rank that died or hangs ends the job
+    with an error in this time instead of stalling it."""
+
+
+@dataclass
 class Debug:
     seed: int = 0
     """Seed for weights and data order."""
@@ -214,4 +224,5 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
+    comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)

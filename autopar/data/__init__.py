@@ -1,9 +1,9 @@
 """Tokenizers, token streams, samples and per-rank step batches."""
 
 from autopar.data.dataset import Blend, PackedWindows, SampleSource
+from autopar.data.errors import DataError
 from autopar.data.loader import IGNORE_INDEX, Batch, StepLoader, build_samples, check_data
 from autopar.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
-from autopar.data.tokens import DataError
 
 __all__ = [
     "IGNORE_INDEX",

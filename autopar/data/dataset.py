@@ -11,7 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
-from autopar.data.tokens import DataError
+from autopar.data.errors import DataError
 
 _BLEND_CHUNK = 1 << 16
 
@@ -24,12 +24,24 @@ class SampleSource(Protocol):
 
 class PackedWindows:
     """Window k is tokens[k*S : k*S + S + 1] (consecutive windows share one token, so every
-    token is a target exactly once per epoch). Epoch e visits windows in permutation(seed, e)."""
+    token is a target exactly once per epoch). Epoch e visits windows in permutation(seed, e).
+    With ``vocab_size``, a window holding an id outside the vocabulary is refused as it is read
+    (a damaged or foreign file; checking when read costs nothing, scanning a large file at open
+    would)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, name: str = "dataset") -> None:
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        seed: int,
+        name: str = "dataset",
+        vocab_size: int | None = None,
+    ) -> None:
         self.tokens = tokens
         self.seq_len = seq_len
         self.seed = seed
+        self.name = name
+        self.vocab_size = vocab_size
         self.num_windows = (tokens.size - 1) // seq_len
         if self.num_windows < 1:
             raise DataError(
@@ -45,7 +57,15 @@ class PackedWindows:
             self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
             self._epoch = epoch
         start = int(self._order[k]) * self.seq_len
-        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+        window = np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+        if self.vocab_size is not None and window.max() >= self.vocab_size:
+            at = start + int(np.argmax(window >= self.vocab_size))
+            raise DataError(
+                f"{self.name}: token {int(self.tokens[at])} at position {at} is outside the "
+                f"{self.vocab_size}-token vocabulary; the file is damaged or was made with another "
+                "tokenizer: re-run python -m autopar.data.prepare"
+            )
+        return window
 
 
 class Blend:

@@ -18,8 +18,9 @@ import torch
 from autopar.config.errors import ConfigError
 from autopar.config.job import Training
 from autopar.data.dataset import Blend, PackedWindows, SampleSource
+from autopar.data.errors import DataError
 from autopar.data.tokenizer import Tokenizer, build_tokenizer, tokenizer_file
-from autopar.data.tokens import BUILTIN_DATASETS, DataError, load_tokens
+from autopar.data.tokens import BUILTIN_DATASETS, load_tokens
 
 IGNORE_INDEX = -100
 
@@ -65,12 +66,12 @@ def build_samples(
     """The sample source of a job's [training] data fields."""
     if blend:
         parts = [
-            PackedWindows(load_tokens(p, tokenizer), seq_len, seed + i, str(p))
+            PackedWindows(load_tokens(p, tokenizer), seq_len, seed + i, str(p), tokenizer.vocab_size)
             for i, (_, p) in enumerate(parse_blend(blend))
         ]
         return Blend(parts, [w for w, _ in parse_blend(blend)], seed)
     source = dataset_path(dataset, path)
-    return PackedWindows(load_tokens(source, tokenizer), seq_len, seed, str(source))
+    return PackedWindows(load_tokens(source, tokenizer), seq_len, seed, str(source), tokenizer.vocab_size)
 
 
 class StepLoader:
@@ -139,9 +140,12 @@ def check_training_data(
     if tokenizer_path is not None and not tokenizer_file(tokenizer_path).is_file():
         raise ConfigError(f"model.tokenizer_path={tokenizer_path!r}: no tokenizer.json there")
     try:
-        check_data(cfg.dataset, cfg.dataset_path, cfg.dataset_blend)
         tokenizer = build_tokenizer(tokenizer_path)
-    except (DataError, ValueError) as err:
+    except DataError as err:
+        raise ConfigError(f"model.tokenizer_path: {err}") from None
+    try:
+        check_data(cfg.dataset, cfg.dataset_path, cfg.dataset_blend)
+    except DataError as err:
         raise ConfigError(str(err)) from None
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError(

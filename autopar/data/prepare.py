@@ -13,8 +13,9 @@ import argparse
 import logging
 from pathlib import Path
 
+from autopar.data.errors import DataError
 from autopar.data.tokenizer import build_tokenizer
-from autopar.data.tokens import DataError, source_files, tokenize_files, write_prepared
+from autopar.data.tokens import source_files, tokenize_files, write_prepared
 
 logger = logging.getLogger(__name__)
 

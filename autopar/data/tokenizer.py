@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from autopar.data.errors import DataError
+
 
 class Tokenizer(Protocol):
     vocab_size: int
@@ -40,9 +42,11 @@ class HFTokenizer:
     def __init__(self, path: str | Path) -> None:
         from tokenizers import Tokenizer as _Tokenizer
 
-        path = Path(path)
-        file = path / "tokenizer.json" if path.is_dir() else path
-        self._tok = _Tokenizer.from_file(str(file))
+        file = tokenizer_file(path)
+        try:
+            self._tok = _Tokenizer.from_file(str(file))
+        except Exception as err:  # the library raises a bare Exception for unreadable files
+            raise DataError(f"{file}: not a readable HF tokenizer.json ({err})") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         eos = next(
             (
@@ -53,7 +57,7 @@ class HFTokenizer:
             None,
         )
         if eos is None:
-            raise ValueError(f"{file}: no end-of-text token (<|endoftext|>, </s>, <eos>) in vocab")
+            raise DataError(f"{file}: no end-of-text token (<|endoftext|>, </s>, <eos>) in vocab")
         self.eos_id = eos
         self.name = "hf:" + hashlib.sha256(file.read_bytes()).hexdigest()[:16]
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from autopar.data.errors import DataError
 from autopar.data.tokenizer import Tokenizer
 
 TEXT_SUFFIXES = (".txt", ".md")
@@ -20,10 +21,6 @@ JSONL_SUFFIXES = (".jsonl",)
 FORMAT_VERSION = 1
 BUILTIN_DATASETS = {"autopar_corpus": Path(__file__).parent / "corpus"}
 """Datasets shipped with autopar, by the name ``training.dataset`` uses."""
-
-
-class DataError(ValueError):
-    """A dataset that cannot be read; the message names the file."""
 
 
 def source_files(path: Path) -> list[Path]:
@@ -100,22 +97,79 @@ def write_prepared(tokens: np.ndarray, prefix: Path, tokenizer: Tokenizer, sourc
     return bin_path
 
 
-def read_prepared(path: Path, tokenizer: Tokenizer) -> np.ndarray:
-    """Memory-map a prepared dataset, refusing one made with another tokenizer."""
-    meta_path = path.with_suffix(".json")
-    bin_path = path.with_suffix(".bin")
-    if not meta_path.is_file() or not bin_path.is_file():
-        raise DataError(f"{path}: a prepared dataset needs both {bin_path.name} and {meta_path.name}")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("tokenizer") != tokenizer.name:
+_META_KEYS = ("version", "dtype", "num_tokens", "num_documents", "tokenizer", "vocab_size")
+_IDX_CHUNK = 1 << 24
+
+
+def _read_meta(meta_path: Path) -> dict:
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DataError(f"{meta_path}: not readable JSON ({err})") from None
+    missing = [key for key in _META_KEYS if not isinstance(meta, dict) or key not in meta]
+    if missing:
+        raise DataError(f"{meta_path}: lacks {missing}; re-run python -m autopar.data.prepare")
+    if meta["version"] != FORMAT_VERSION:
         raise DataError(
-            f"{meta_path}: prepared with tokenizer {meta.get('tokenizer')!r}, but the job uses "
-            f"{tokenizer.name!r}; re-run python -m autopar.data.prepare with model.tokenizer_path"
+            f"{meta_path}: format version {meta['version']}, this autopar reads {FORMAT_VERSION}; "
+            "re-run python -m autopar.data.prepare"
         )
-    tokens = np.memmap(bin_path, dtype=np.dtype(meta["dtype"]), mode="r")
-    if tokens.size != meta["num_tokens"]:
-        raise DataError(f"{bin_path}: holds {tokens.size} tokens, {meta_path.name} says {meta['num_tokens']}")
-    return tokens
+    return meta
+
+
+def _check_index(idx_path: Path, num_documents: int, num_tokens: int) -> None:
+    """Document ends are strictly increasing, within the stream, and the last one ends it."""
+    ends = np.memmap(idx_path, dtype=np.int64, mode="r") if idx_path.stat().st_size else np.empty(0, np.int64)
+    if ends.size != num_documents or idx_path.stat().st_size != num_documents * 8:
+        raise DataError(
+            f"{idx_path}: {idx_path.stat().st_size} bytes, but {num_documents} documents need "
+            f"{num_documents * 8}; the file is truncated or from another dataset"
+        )
+    previous = 0
+    for start in range(0, ends.size, _IDX_CHUNK):
+        chunk = np.asarray(ends[start : start + _IDX_CHUNK])
+        steps = np.diff(chunk, prepend=previous)
+        if (steps <= 0).any():
+            k = start + int(np.argmax(steps <= 0))
+            raise DataError(f"{idx_path}: document {k} ends at {int(ends[k])}, not after the one before")
+        previous = int(chunk[-1])
+    if previous != num_tokens:
+        raise DataError(
+            f"{idx_path}: the last document ends at {previous}, the stream has {num_tokens} tokens"
+        )
+
+
+def read_prepared(path: Path, tokenizer: Tokenizer) -> np.ndarray:
+    """Memory-map a prepared dataset after checking it against its metadata: sizes, the
+    document index, the dtype for its vocabulary, and the tokenizer that made it."""
+    meta_path, bin_path, idx_path = (path.with_suffix(s) for s in (".json", ".bin", ".idx"))
+    for file in (bin_path, idx_path, meta_path):
+        if not file.is_file():
+            raise DataError(
+                f"{path}: a prepared dataset needs {bin_path.name}, {idx_path.name} and {meta_path.name}"
+            )
+    meta = _read_meta(meta_path)
+    if meta["tokenizer"] != tokenizer.name or meta["vocab_size"] != tokenizer.vocab_size:
+        raise DataError(
+            f"{meta_path}: prepared with tokenizer {meta['tokenizer']!r} ({meta['vocab_size']} tokens), but "
+            f"the job uses {tokenizer.name!r} ({tokenizer.vocab_size}); re-run python -m autopar.data.prepare "
+            "with model.tokenizer_path"
+        )
+    if meta["num_tokens"] < 1:
+        raise DataError(f"{meta_path}: the dataset holds no tokens")
+    dtype = token_dtype(meta["vocab_size"])
+    if meta["dtype"] != dtype.name:
+        raise DataError(
+            f"{meta_path}: dtype {meta['dtype']!r}, but a {meta['vocab_size']}-token vocabulary is stored as {dtype.name}"
+        )
+    expected = meta["num_tokens"] * dtype.itemsize
+    if bin_path.stat().st_size != expected:
+        raise DataError(
+            f"{bin_path}: {bin_path.stat().st_size} bytes, but {meta_path.name} says {meta['num_tokens']} "
+            f"{dtype.name} tokens ({expected} bytes); the file is truncated or from another dataset"
+        )
+    _check_index(idx_path, meta["num_documents"], meta["num_tokens"])
+    return np.memmap(bin_path, dtype=dtype, mode="r")
 
 
 def load_tokens(path: Path, tokenizer: Tokenizer) -> np.ndarray:

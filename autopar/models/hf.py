@@ -8,6 +8,7 @@ embedding, so a silently untied checkpoint cannot load as tied.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from autopar.models.args import ModelArgs
@@ -129,10 +130,26 @@ def read_hf_config(path: str | Path) -> ModelArgs:
     return args_from_hf_config(config, str(config_path))
 
 
+@contextlib.contextmanager
+def _open(file: Path) -> Iterator[Any]:
+    """``safe_open`` whose failure names the file (a truncated download fails here, at its header)."""
+    try:
+        handle = safe_open(file, framework="pt")
+    except SafetensorError as err:
+        raise HFCheckpointError(
+            f"{file}: not a readable safetensors file ({err}); the download is incomplete or damaged"
+        ) from None
+    with handle as f:
+        yield f
+
+
 def _tensor_files(path: Path) -> dict[str, Path]:
     """HF tensor name -> the safetensors file holding it."""
     if (path / INDEX_FILE).is_file():
-        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        try:
+            weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise HFCheckpointError(f"{path / INDEX_FILE}: not an index with a weight_map ({err})") from None
         files = {name: path / file for name, file in weight_map.items()}
         for file in set(files.values()):
             if not file.is_file():
@@ -141,12 +158,12 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     single = path / SINGLE_FILE
     if not single.is_file():
         raise HFCheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
-    with safe_open(single, framework="pt") as f:
+    with _open(single) as f:
         return dict.fromkeys(f.keys(), single)
 
 
 def _read(file: Path, hf_name: str) -> torch.Tensor:
-    with safe_open(file, framework="pt") as f:
+    with _open(file) as f:
         return f.get_tensor(hf_name)
 
 
@@ -171,7 +188,7 @@ class HFTensors(Mapping[str, torch.Tensor]):
                 f"{extra[0]!r}; the config.json does not describe these weights"
             )
         for hf_name, shape in expected.items():
-            with safe_open(files[hf_name], framework="pt") as f:
+            with _open(files[hf_name]) as f:
                 found = tuple(f.get_slice(hf_name).get_shape())
             if found != shape:
                 raise HFCheckpointError(
