@@ -278,12 +278,7 @@ class Checkpointer:
         """The step to resume from: checkpoint.load_step, else the newest intact checkpoint
         (collective: every rank verifies a share of the files)."""
         steps = complete_steps(self.folder)
-        if self.cfg.load_step >= 0:
-            if self.cfg.load_step not in steps:
-                raise TrainingStopped(
-                    f"checkpoint.load_step={self.cfg.load_step}: no complete checkpoint "
-                    f"{self.folder}/step-{self.cfg.load_step}; complete steps: {steps}"
-                )
+        if self.cfg.load_step >= 0:  # present: checked by check_load_step
             problem = broken_file(self.folder / f"step-{self.cfg.load_step}")
             if problem is not None:
                 raise TrainingStopped(
@@ -379,3 +374,19 @@ def check_initial_load(cfg: Checkpoint, args: ModelArgs, model_label: str) -> No
         HFTensors(path, args)  # every file readable, every tensor there in its shape
     except HFCheckpointError as err:
         raise ConfigError(f"checkpoint.initial_load_path: {err}") from None
+
+
+def check_load_step(cfg: Checkpoint, dump_folder: str) -> None:
+    """An explicit ``load_step`` names a complete checkpoint of this job (whether its files
+    are intact is checked when resuming, by every rank)."""
+    if cfg.load_step < 0:
+        return
+    if not cfg.enable:
+        raise ConfigError(f"checkpoint.load_step={cfg.load_step} needs checkpoint.enable=true")
+    folder = Path(dump_folder) / cfg.folder
+    steps = complete_steps(folder)
+    if cfg.load_step not in steps:
+        raise ConfigError(
+            f"checkpoint.load_step={cfg.load_step}: no complete checkpoint {folder}/step-{cfg.load_step}; "
+            f"complete steps there: {steps}"
+        )

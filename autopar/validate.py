@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.checkpoint import check_initial_load
+from autopar.checkpoint import check_initial_load, check_load_step
 from autopar.config.checks import check_numbers, check_output_folders
 from autopar.config.job import JobConfig
 from autopar.data.loader import check_batch, check_training_data
@@ -55,5 +55,6 @@ def validate(job: JobConfig, world_size: int, device_type: str | None = None) ->
     check_compile_backend(job.compile)
     check_training_data(job.training, job.model.tokenizer_path, args.vocab_size, args.max_position_embeddings)
     check_initial_load(job.checkpoint, args, f"{job.model.name}/{job.model.flavor}")
+    check_load_step(job.checkpoint, job.job.dump_folder)
     check_output_folders(job)
     return args

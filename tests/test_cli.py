@@ -106,6 +106,27 @@ def test_torchrun_runs_fsdp_x_tp_on_four_cpu_ranks(tmp_path):
 
 
 @pytest.mark.slow
+def test_torchrun_prints_a_config_error_once_not_once_per_rank(tmp_path):
+    result = run(
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_port=29632",
+        "train.py",
+        "--job.config",
+        "train_configs/debug_model.toml",
+        "--training.seq_len",
+        "1",
+        "--job.dump_folder",
+        str(tmp_path / "out"),
+    )
+    assert result.returncode != 0
+    assert result.stderr.count("config error: training.seq_len=1 must be >= 2") == 1, result.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
 def test_parity_cli_prints_the_table_and_passes(tmp_path):
     result = run(
         sys.executable,

@@ -79,6 +79,73 @@ def test_prepared_data_from_another_tokenizer_is_refused(text_dir, tmp_path):
         read_prepared(path, ByteTokenizer())
 
 
+def edit_meta(path, **changes) -> None:
+    meta_path = path.with_suffix(".json")
+    meta_path.write_text(json.dumps({**json.loads(meta_path.read_text()), **changes}))
+
+
+def cut_last_bytes(file, count: int) -> None:
+    file.write_bytes(file.read_bytes()[:-count])
+
+
+def reorder_two_document_ends(path) -> None:
+    ends = np.fromfile(path.with_suffix(".idx"), dtype=np.int64)
+    ends[[3, 4]] = ends[[4, 3]]
+    ends.tofile(path.with_suffix(".idx"))
+
+
+DAMAGE = {
+    "truncated tokens": (
+        lambda p: cut_last_bytes(p, 2),
+        r"mix\.bin: \d+ bytes, but mix\.json says \d+ uint16 tokens",
+    ),
+    "truncated index": (
+        lambda p: cut_last_bytes(p.with_suffix(".idx"), 8),
+        r"mix\.idx: \d+ bytes, but 21 documents",
+    ),
+    "index out of order": (
+        reorder_two_document_ends,
+        r"mix\.idx: document 4 ends at \d+, not after the one before",
+    ),
+    "index short of the stream": (
+        lambda p: np.arange(1, 22, dtype=np.int64).tofile(p.with_suffix(".idx")),
+        r"the last document ends at 21, the stream has \d+ tokens",
+    ),
+    "dtype wrong for the vocabulary": (
+        lambda p: edit_meta(p, dtype="uint32"),
+        r"dtype 'uint32', but a 257-token",
+    ),
+    "metadata not JSON": (lambda p: p.with_suffix(".json").write_text("{"), r"mix\.json: not readable JSON"),
+    "metadata incomplete": (
+        lambda p: p.with_suffix(".json").write_text("{}"),
+        r"mix\.json: lacks \['version'",
+    ),
+    "index missing": (lambda p: p.with_suffix(".idx").unlink(), r"needs mix\.bin, mix\.idx and mix\.json"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE, ids=list(DAMAGE))
+def test_a_damaged_prepared_dataset_is_refused_at_open_naming_the_file(text_dir, tmp_path, damage):
+    path, _ = prepare([str(text_dir)], str(tmp_path / "mix"), None)
+    harm, message = DAMAGE[damage]
+    harm(path)
+    with pytest.raises(DataError, match=message):
+        read_prepared(path, ByteTokenizer())
+
+
+def test_a_token_outside_the_vocabulary_is_refused_when_read_naming_its_position(text_dir, tmp_path):
+    path, _ = prepare([str(text_dir)], str(tmp_path / "mix"), None)
+    tokens = np.fromfile(path, dtype=np.uint16)
+    tokens[100] = 60000  # a flipped byte
+    tokens.tofile(path)
+    samples = build_samples("unused", str(path), [], ByteTokenizer(), seq_len=16, seed=0)
+    with pytest.raises(
+        DataError, match=r"mix\.bin: token 60000 at position 100 is outside the 257-token vocabulary"
+    ):
+        for index in range(samples.num_windows):
+            samples.sample(index)
+
+
 def test_bad_jsonl_line_is_named(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"txt": "no"}\n')

@@ -1,0 +1,176 @@
+"""Bad input, as users type it: every malformed config, flag, file or folder gets one line
+naming the field and the fix, exit code 2, no traceback, and nothing written to disk.
+
+Each case runs train.py's ``main`` in this process on the tiny job; the flags before the
+case's own make a job that would otherwise train.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from autopar.data.prepare import prepare
+from autopar.job import model_args
+from autopar.models import Qwen, to_hf
+
+from jobs import TINY_FLAGS, tiny_job
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_train_py():
+    spec = importlib.util.spec_from_file_location("train_py", ROOT / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def train_main():
+    return load_train_py().main
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    """Broken files of every kind a user might point a job at."""
+    folder = tmp_path_factory.mktemp("inputs")
+    (folder / "short.txt").write_text("tiny")
+    (folder / "syntax.toml").write_text("[training\nsteps = 3\n")
+    (folder / "section.toml").write_text("[trainig]\nsteps = 3\n")
+    (folder / "type.toml").write_text('[training]\nsteps = "ten"\n')
+    (folder / "a_file").write_text("not a folder")
+    (folder / "tok").mkdir()
+    (folder / "tok" / "tokenizer.json").write_text("{")
+    (folder / "text").mkdir()
+    (folder / "text" / "doc.txt").write_text("a document long enough for a few sequences " * 20)
+    prepared, _ = prepare([str(folder / "text")], str(folder / "cut"), None)
+    prepared.write_bytes(prepared.read_bytes()[:-2])
+    hf = folder / "hf"
+    to_hf(Qwen(model_args(tiny_job(folder / "unused"))), hf)
+    shard = hf / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return folder
+
+
+CASES = {
+    # unknown and misspelt names
+    "section misspelt": ("--trainig.steps 5", "unknown config section 'trainig'; did you mean 'training'?"),
+    "field misspelt": ("--training.stpes 5", "did you mean 'training.steps'?"),
+    "model field misspelt": ("--model.hidden_sizee 64", "did you mean 'model.hidden_size'?"),
+    "degree misspelt": (
+        "--parallelism.tensor_paralel_degree 2",
+        "did you mean 'parallelism.tensor_parallel_degree'",
+    ),
+    # wrong types and choices
+    "int as word": ("--training.steps ten", "training.steps='ten' is not an int"),
+    "float as word": ("--optimizer.lr fast", "optimizer.lr='fast' is not a number"),
+    "bool as word": (
+        "--checkpoint.enable maybe",
+        "checkpoint.enable='maybe' is not a bool; use true or false",
+    ),
+    "int as float": ("--training.seq_len 3.5", "training.seq_len='3.5' is not an int"),
+    "unknown choice": (
+        "--activation_checkpoint.mode sometimes",
+        "is not one of ['none', 'full', 'selective']",
+    ),
+    "unknown model": ("--model.name llama", "model.name='llama' is not one of"),
+    "unknown flavor": ("--model.flavor 9B", "model.flavor='9B' is unknown for qwen3"),
+    "unknown dtype": (
+        "--training.mixed_precision_param float16",
+        "mixed_precision_param='float16' is not one",
+    ),
+    # command-line syntax
+    "flag without value": ("--training.steps", "--training.steps needs a value"),
+    "flag without dashes": ("training.steps=5", "flags look like --training.steps 20"),
+    "dry run without world size": ("--dry-run", "--dry-run needs --world-size N"),
+    # numbers out of range
+    "zero steps": ("--training.steps 0", "training.steps=0 must be >= 1"),
+    "zero batch": ("--training.local_batch_size 0", "training.local_batch_size=0 must be >= 1"),
+    "one-token sequence": ("--training.seq_len 1", "training.seq_len=1 must be >= 2"),
+    "negative lr": ("--optimizer.lr -1", "optimizer.lr=-1.0 must be a finite number >= 0"),
+    "nan lr": ("--optimizer.lr nan", "optimizer.lr=nan must be a finite number"),
+    "huge lr": ("--optimizer.lr 1e400", "optimizer.lr=inf must be a finite number"),
+    "beta of one": ("--optimizer.beta2 1.0", "optimizer.beta2=1.0 must be in [0, 1)"),
+    "warmup past the end": ("--lr_scheduler.warmup_steps 500", "warmup_steps=500 exceeds training.steps"),
+    "negative clip": ("--training.max_norm -1", "training.max_norm=-1.0 must be >= 0"),
+    "negative rope theta": ("--model.rope_theta -1", "model.rope_theta=-1.0 must be a finite number > 0"),
+    "zero norm eps": ("--model.rms_norm_eps 0", "model.rms_norm_eps=0.0 must be a finite number > 0"),
+    "negative init range": ("--model.initializer_range -0.02", "initializer_range=-0.02 must be a finite"),
+    "zero head dim": ("--model.head_dim 0", "model.head_dim=0 must be positive"),
+    "negative seed": ("--debug.seed -1", "debug.seed=-1 must be >= 0"),
+    "zero timeout": ("--comm.train_timeout_seconds 0", "comm.train_timeout_seconds=0 must be >= 1"),
+    "zero checkpoint interval": ("--checkpoint.interval 0", "checkpoint.interval=0 must be >= 1"),
+    "zero log interval": ("--metrics.log_freq 0", "metrics.log_freq=0 must be >= 1"),
+    # plans that cannot run
+    "tp not dividing the world": ("--parallelism.tensor_parallel_degree 3", "world size 1 is not divisible"),
+    "dp past the world": ("--parallelism.data_parallel_shard_degree 2", "but the world size is 1"),
+    "pp past the world": ("--parallelism.pipeline_parallel_degree 2", "world size 1 is not divisible"),
+    "uneven global batch": ("--training.global_batch_size 3", "global_batch_size=3 is not a multiple"),
+    "heads not grouping": (
+        "--model.num_key_value_heads 3",
+        "is not a multiple of model.num_key_value_heads=3",
+    ),
+    "sequence past the model": ("--training.seq_len 100000", "exceeds model.max_position_embeddings"),
+    "vocabulary below the tokenizer": ("--model.vocab_size 100", "model.vocab_size=100 is smaller than"),
+    "te on cpu": ("--float8.enable true --float8.backend te", "float8.backend='te' needs CUDA"),
+    "unknown compile backend": ("--compile.enable true --compile.backend nope", "compile.backend='nope'"),
+    # files and folders
+    "missing toml": ("--job.config {inputs}/none.toml", "none.toml"),
+    "toml syntax": ("--job.config {inputs}/syntax.toml", "syntax.toml"),
+    "toml unknown section": ("--job.config {inputs}/section.toml", "did you mean 'training'?"),
+    "toml wrong type": ("--job.config {inputs}/type.toml", "training.steps='ten' is not an int"),
+    "missing dataset": ("--training.dataset_path {inputs}/none", "training.dataset_path="),
+    "unknown dataset": ("--training.dataset nope", "training.dataset='nope' is not built in"),
+    "dataset too short": ("--training.dataset_path {inputs}/short.txt", "cannot fill one sequence"),
+    "truncated prepared dataset": ("--training.dataset_path {inputs}/cut.bin", "the file is truncated"),
+    "missing tokenizer": ("--model.tokenizer_path {inputs}/none", "no tokenizer.json there"),
+    "corrupt tokenizer": (
+        "--model.tokenizer_path {inputs}/tok",
+        "tok/tokenizer.json: not a readable HF tokenizer",
+    ),
+    "missing initial weights": ("--checkpoint.initial_load_path {inputs}/none", "no such folder"),
+    "hf load without a path": ("--checkpoint.initial_load_in_hf true", "needs checkpoint.initial_load_path"),
+    "truncated safetensors": (
+        "--checkpoint.initial_load_path {inputs}/hf --checkpoint.initial_load_in_hf true",
+        "model.safetensors: not a readable safetensors file",
+    ),
+    "missing load step": ("--checkpoint.enable true --checkpoint.load_step 5", "no complete checkpoint"),
+    "load step without checkpoints": (
+        "--checkpoint.enable false --checkpoint.load_step 5",
+        "needs checkpoint.enable=true",
+    ),
+    # blends
+    "nan blend weight": ("--training.dataset_blend nan:{inputs}/cut", "finite positive weight"),
+    "blend without path": ("--training.dataset_blend 0.5", "is not 'weight:path'"),
+    "blend of text": ("--training.dataset_blend 1:{inputs}/text", "is not a prepared dataset"),
+    # outputs
+    "dump folder is a file": ("--job.dump_folder {inputs}/a_file", "job.dump_folder: cannot write"),
+    "checkpoint folder under a file": (
+        "--checkpoint.enable true --checkpoint.folder {inputs}/a_file/ck",
+        "checkpoint.folder: cannot write",
+    ),
+}
+
+
+def snapshot(*folders: Path) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for f in folders for p in f.rglob("*")}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_bad_input_gets_one_line_exit_2_and_writes_nothing(case, train_main, inputs, tmp_path, capsys):
+    flags, expected = CASES[case]
+    argv = flags.format(inputs=inputs).split()
+    config = [] if "--job.config" in argv else ["--job.config", "train_configs/debug_model.toml"]
+    before = snapshot(inputs, tmp_path)
+    code = train_main(
+        [*config, *TINY_FLAGS, "--training.steps", "3", "--job.dump_folder", str(tmp_path / "out"), *argv]
+    )
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2, err[-2000:]
+    assert len(lines) == 1 and lines[0].split(":")[0] in ("config error", "data error"), err[-2000:]
+    assert expected in lines[0]
+    assert snapshot(inputs, tmp_path) == before
