@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from autopar.config.errors import ConfigError
 from autopar.config.job import Checkpoint
-from autopar.faults import TrainingStopped
+from autopar.faults import TrainingStopped, peer_gone
 from autopar.models.args import ModelArgs
 from autopar.models.hf import HFCheckpointError, HFTensors, read_hf_config, save_hf_streaming
 from autopar.models.qwen import Qwen
@@ -103,6 +103,14 @@ def _dcp(op, state: dict[str, Any], path: Path | str) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         op(state, checkpoint_id=str(path), no_dist=no_dist)
+
+
+def _first_failure(err: BaseException, rank: int) -> tuple[int, BaseException]:
+    """The rank and error behind ``err`` (DCP gathers every rank's failures into one)."""
+    if isinstance(err, CheckpointException):
+        failed_rank, (cause, _) = next(iter(err.failures.items()))
+        return failed_rank, cause
+    return rank, err
 
 
 def _barrier() -> None:
@@ -230,7 +238,10 @@ class Checkpointer:
             write_manifest(partial)
         except (OSError, RuntimeError, CheckpointException) as err:
             shutil.rmtree(partial, ignore_errors=True)
-            raise TrainingStopped(self._save_failed(step, err)) from None
+            rank, cause = _first_failure(err, self.rank)
+            if peer_gone(cause):  # not this save's fault: the trainer reports it
+                raise cause from None
+            raise TrainingStopped(self._save_failed(step, rank, cause)) from None
         _barrier()
         if self.rank == 0:
             if final.exists():  # re-saving a step: keep the old copy until the new one is in place
@@ -246,11 +257,7 @@ class Checkpointer:
         _barrier()
         return final
 
-    def _save_failed(self, step: int, err: BaseException) -> str:
-        if isinstance(err, CheckpointException):  # DCP gathers every rank's failure
-            rank, (err, _) = next(iter(err.failures.items()))
-        else:
-            rank = self.rank
+    def _save_failed(self, step: int, rank: int, err: BaseException) -> str:
         free_gib = shutil.disk_usage(self.folder).free / 2**30
         # torch.save's own words for a write the OS cut short
         reason = "a write was cut short" if "unexpected pos" in str(err) else f"{type(err).__name__}: {err}"

@@ -88,9 +88,14 @@ _PEER_GONE = ("Timed out", "timed out", "Connection closed by peer", "Connection
 itself after the same timeout, with its own message)."""
 
 
+def peer_gone(err: BaseException) -> bool:
+    """Whether ``err`` says another rank died or hangs."""
+    return isinstance(err, dist.DistError) or any(words in str(err) for words in _PEER_GONE)
+
+
 def peer_failure(err: RuntimeError, rank: int, timeout_s: int) -> TrainingStopped | None:
     """``err`` as a stop naming the cause, when it says another rank died or hangs."""
-    if not (isinstance(err, dist.DistError) or any(words in str(err) for words in _PEER_GONE)):
+    if not peer_gone(err):
         return None
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return TrainingStopped(

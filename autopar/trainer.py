@@ -115,11 +115,11 @@ class Trainer:
         if step is not None:
             state = self.checkpointer.load(step)
             self.step = state["step"]
-            self.metrics.forget_after(self.step)  # the steps after it run again
             self.loader.load_state_dict({"consumed_samples": state["consumed_samples"]})
         elif checkpoint.initial_load_path is not None and not checkpoint.initial_load_in_hf:
             logger.info("initial weights from DCP folder %s", checkpoint.initial_load_path)
             self.checkpointer.load_model_only(checkpoint.initial_load_path)
+        self.metrics.forget_after(self.step)  # steps logged after it (by a run that died) run again
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next optimizer step on the loader's next batches; (loss, grad norm) as device

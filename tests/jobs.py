@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import sys
+from pathlib import Path
+
 from autopar.config import JobConfig
 from autopar.job import parse_job
 
@@ -76,3 +81,35 @@ def assert_same_training(run, reference, loss_rtol: float, norm_rtol: float) -> 
         run.grad_norms,
         reference.grad_norms,
     )
+
+
+def train_py(folder: Path, *flags: str) -> list[str]:
+    """The command line of train.py on the tiny job writing to ``folder``."""
+    return [
+        sys.executable,
+        "train.py",
+        "--job.config",
+        "train_configs/debug_model.toml",
+        *TINY_FLAGS,
+        "--job.dump_folder",
+        str(folder),
+        *flags,
+    ]
+
+
+def rank_env(rank: int, port: int) -> dict[str, str]:
+    """What torchrun gives rank ``rank`` of two (started by hand, so a test can stop one)."""
+    return {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": "2",
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

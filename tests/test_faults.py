@@ -7,7 +7,6 @@ import json
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,24 +22,10 @@ from autopar.faults import TrainingStopped
 from autopar.trainer import Trainer
 from autopar.validate import validate
 
-from jobs import TINY_FLAGS, tiny_job
+from jobs import free_port, rank_env, tiny_job, train_py
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINTS = ("--checkpoint.enable", "true", "--checkpoint.interval", "1")
-
-
-def train_py(folder: Path, *flags: str) -> list[str]:
-    """The command line of train.py on the tiny job writing to ``folder``."""
-    return [
-        sys.executable,
-        "train.py",
-        "--job.config",
-        "train_configs/debug_model.toml",
-        *TINY_FLAGS,
-        "--job.dump_folder",
-        str(folder),
-        *flags,
-    ]
 
 
 def trainer(folder, *flags: str) -> Trainer:
@@ -139,6 +124,12 @@ def test_a_resumed_run_logs_each_step_once(tmp_path):
     trainer(tmp_path, "--training.steps", "4", *CHECKPOINTS).train()
     trainer(tmp_path, "--training.steps", "4", *CHECKPOINTS, "--checkpoint.load_step", "2").train()
     assert [r["step"] for r in strict_records(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_a_run_restarted_before_any_checkpoint_logs_each_step_once(tmp_path):
+    trainer(tmp_path, "--training.steps", "3").train()
+    trainer(tmp_path, "--training.steps", "3").train()
+    assert [r["step"] for r in strict_records(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 
 
 @pytest.mark.slow
@@ -325,24 +316,6 @@ def test_a_save_removes_what_interrupted_saves_left(tmp_path):
     leftover.mkdir(parents=True)
     trainer(tmp_path, "--training.steps", "2", *CHECKPOINTS, "--checkpoint.interval", "2").train()
     assert saved_steps(tmp_path) == ["step-2"]
-
-
-def rank_env(rank: int, port: int) -> dict[str, str]:
-    """What torchrun gives rank ``rank`` of two (started by hand, so a test can stop one)."""
-    return {
-        **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "WORLD_SIZE": "2",
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-    }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
