@@ -263,9 +263,8 @@ class Checkpointer:
         reason = "a write was cut short" if "unexpected pos" in str(err) else f"{type(err).__name__}: {err}"
         return (
             f"rank {rank} could not write checkpoint step-{step} in {self.folder}: {reason} "
-            f"({free_gib:.1f} GiB free there). The checkpoints already "
-            "there are kept; free space or set checkpoint.folder elsewhere, then rerun the same "
-            "command to resume"
+            f"({free_gib:.1f} GiB free there). The checkpoints already there are kept; free space "
+            "or set checkpoint.folder elsewhere, then rerun the same command to resume"
         )
 
     def _remove_leftovers(self) -> None:

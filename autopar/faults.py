@@ -60,7 +60,7 @@ def ranks_not_finite(local_loss: torch.Tensor, parts: list[nn.Module]) -> str:
     }
     return (
         "; ".join(f"{what} on rank(s) {ranks}" for what, ranks in found.items() if ranks)
-        or "on no rank alone"
+        or "every rank's own values were finite: their sum overflowed"
     )
 
 

@@ -41,11 +41,13 @@ def build_optimizer(part: nn.Module, cfg: Optimizer, device: torch.device) -> to
 def lr_factor(step: int, cfg: LRScheduler, total_steps: int) -> float:
     """Multiplier of the peak lr at optimizer step ``step`` (1-based): linear warmup, an
     optional stable phase (WSD, when ``decay_ratio`` is set), then linear/sqrt/cosine decay
-    to ``min_lr_factor`` at ``total_steps``."""
-    if step <= cfg.warmup_steps:
-        return step / cfg.warmup_steps
+    to ``min_lr_factor`` at ``total_steps``. A warmup longer than the run is cut to the run
+    (as torchtitan does; the trainer says so)."""
+    warmup = min(cfg.warmup_steps, total_steps)
+    if step <= warmup:
+        return step / warmup
     if cfg.decay_ratio is None:
-        decay_steps = total_steps - cfg.warmup_steps
+        decay_steps = total_steps - warmup
     else:
         decay_steps = max(1, round(total_steps * cfg.decay_ratio))
     decay_start = total_steps - decay_steps

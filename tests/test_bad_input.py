@@ -94,7 +94,7 @@ CASES = {
     "nan lr": ("--optimizer.lr nan", "optimizer.lr=nan must be a finite number"),
     "huge lr": ("--optimizer.lr 1e400", "optimizer.lr=inf must be a finite number"),
     "beta of one": ("--optimizer.beta2 1.0", "optimizer.beta2=1.0 must be in [0, 1)"),
-    "warmup past the end": ("--lr_scheduler.warmup_steps 500", "warmup_steps=500 exceeds training.steps"),
+    "negative warmup": ("--lr_scheduler.warmup_steps -1", "lr_scheduler.warmup_steps=-1 must be >= 0"),
     "negative clip": ("--training.max_norm -1", "training.max_norm=-1.0 must be >= 0"),
     "negative rope theta": ("--model.rope_theta -1", "model.rope_theta=-1.0 must be a finite number > 0"),
     "zero norm eps": ("--model.rms_norm_eps 0", "model.rms_norm_eps=0.0 must be a finite number > 0"),

@@ -146,7 +146,6 @@ def valid(*argv: str) -> list[str]:
         (valid("--optimizer.beta2", "1.0"), r"optimizer.beta2=1.0 must be in \[0, 1\)"),
         (valid("--optimizer.eps", "0"), "optimizer.eps=0.0 must be > 0"),
         (valid("--optimizer.weight_decay", "-1"), "optimizer.weight_decay=-1.0 must be >= 0"),
-        (valid("--lr_scheduler.warmup_steps", "11"), "warmup_steps=11 exceeds training.steps=10"),
         (valid("--lr_scheduler.warmup_steps", "-1"), "warmup_steps=-1 must be >= 0"),
         (valid("--lr_scheduler.decay_ratio", "1.5"), r"decay_ratio=1.5 must be in \(0, 1\]"),
         (valid("--lr_scheduler.min_lr_factor", "2"), r"min_lr_factor=2.0 must be in \[0, 1\]"),

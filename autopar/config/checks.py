@@ -50,11 +50,6 @@ def check_numbers(job: JobConfig) -> None:
     require(optimizer.weight_decay >= 0, f"optimizer.weight_decay={optimizer.weight_decay} must be >= 0")
     require(scheduler.warmup_steps >= 0, f"lr_scheduler.warmup_steps={scheduler.warmup_steps} must be >= 0")
     require(
-        scheduler.warmup_steps <= training.steps,
-        f"lr_scheduler.warmup_steps={scheduler.warmup_steps} exceeds training.steps={training.steps}; "
-        "lower warmup_steps",
-    )
-    require(
         scheduler.decay_ratio is None or 0 < scheduler.decay_ratio <= 1,
         f"lr_scheduler.decay_ratio={scheduler.decay_ratio} must be in (0, 1], or unset",
     )
