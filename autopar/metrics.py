@@ -86,6 +86,9 @@ class StepMetrics:
     tps: float
     mfu: float | None
     memory_gib: float
+    step_time_s: float
+    tokens_seen: int
+    eta_s: float
     skipped: bool = False
 
     def record(self) -> dict[str, Any]:
@@ -99,17 +102,35 @@ class StepMetrics:
         mfu = "n/a" if self.mfu is None else f"{self.mfu:.1f}%"
         return (
             f"step {self.step}  loss {self.loss:.4f}  grad_norm {self.grad_norm:.4f}  "
-            f"lr {self.lr:.3g}  tps {self.tps:,.0f}  mfu {mfu}  mem {self.memory_gib:.2f}GiB"
+            f"lr {self.lr:.3g}  tps {self.tps:,.0f}  mfu {mfu}  mem {self.memory_gib:.2f}GiB  "
+            f"{self.step_time_s:.3g}s/step  tokens {_si(self.tokens_seen)}  eta {_duration(self.eta_s)}"
         )
 
 
+def _si(count: int) -> str:
+    """1234567 -> '1.23M'."""
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if count >= scale:
+            return f"{count / scale:.3g}{suffix}"
+    return str(count)
+
+
+def _duration(seconds: float) -> str:
+    """3725 -> '1h02m05s'."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
 class MetricsLogger:
-    """Turns (tokens, seconds) windows into tps/MFU and writes them on the main rank."""
+    """Turns (steps, seconds) windows into tps/MFU/ETA and writes them on the main rank."""
 
     def __init__(
         self,
         dump_folder: str | Path,
         flops_per_token: float,
+        tokens_per_step: int,
+        total_steps: int,
         device: torch.device,
         world_size: int,
         is_main: bool,
@@ -117,6 +138,8 @@ class MetricsLogger:
     ) -> None:
         self.path = Path(dump_folder) / "metrics.jsonl"
         self.flops_per_token = flops_per_token
+        self.tokens_per_step = tokens_per_step
+        self.total_steps = total_steps
         self.peak = peak_flops(device)
         self.device = device
         self.world_size = world_size
@@ -135,15 +158,28 @@ class MetricsLogger:
         loss: float,
         grad_norm: float,
         lr: float,
-        tokens: int,
+        steps: int,
         seconds: float,
         skipped: bool = False,
     ) -> StepMetrics:
-        """Log one step; ``tokens`` is the global token count over ``seconds``; ``skipped``:
-        the step made no update (its loss or gradient norm was not finite)."""
-        tps = tokens / max(seconds, 1e-9) / self.world_size
+        """Log one step; ``steps`` ran in ``seconds`` since the last log; ``skipped``: the step
+        made no update (its loss or gradient norm was not finite)."""
+        step_time = seconds / max(steps, 1)
+        tps = steps * self.tokens_per_step / max(seconds, 1e-9) / self.world_size
         mfu = mfu_percent(tps, self.flops_per_token, self.peak)
-        metrics = StepMetrics(step, loss, grad_norm, lr, tps, mfu, peak_memory_gib(self.device), skipped)
+        metrics = StepMetrics(
+            step,
+            loss,
+            grad_norm,
+            lr,
+            tps,
+            mfu,
+            peak_memory_gib(self.device),
+            step_time,
+            step * self.tokens_per_step,
+            (self.total_steps - step) * step_time,
+            skipped,
+        )
         if self.is_main:
             logger.info(metrics.line())
             record = metrics.record()

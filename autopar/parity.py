@@ -210,5 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
+def cli() -> None:
+    """The console entry point: ``main`` on this process's arguments."""
+    sys.exit(main(sys.argv[1:]))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

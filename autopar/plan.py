@@ -145,5 +145,10 @@ def own_plan_line(
     )
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The console entry point: ``main`` on this process's arguments."""
     sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    cli()

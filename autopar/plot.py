@@ -8,6 +8,7 @@ Each curve is labelled with its file's folder; any numeric metrics.jsonl key can
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", required=True, help="image file to write (.png, .svg, .pdf)")
     parser.add_argument("--key", default="loss", help="metric to plot (default loss)")
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("matplotlib") is None:
+        parser.exit(2, "error: plotting needs matplotlib: pip install matplotlib (or autopar[plot])\n")
     try:
         plot(args.metrics, args.output, args.key)
     except (OSError, ValueError) as err:
@@ -53,5 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def cli() -> None:
+    """The console entry point: ``main`` on this process's arguments."""
+    sys.exit(main(sys.argv[1:]))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -29,6 +29,7 @@ from autopar.metrics import MetricsLogger, flops_per_token
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
 from autopar.models.hf import HFTensors
+from autopar.models.qwen import Qwen
 from autopar.optim import lr_factor
 from autopar.plans.materialize import FullValue, seeded_values, tensor_values
 from autopar.plans.mesh import ParallelDims, build_meshes
@@ -68,6 +69,8 @@ class Trainer:
         self.metrics = MetricsLogger(
             job.job.dump_folder,
             flops_per_token(args, job.training.seq_len),
+            self.loader.global_batch * job.training.seq_len,
+            job.training.steps,
             world.device,
             world.size,
             world.is_main,
@@ -76,6 +79,41 @@ class Trainer:
         self.step = 0
         self.bad: list[str] = []  # what was not finite at the last step
         self.skipped_in_a_row = 0
+        self._announce(samples)
+
+    def _announce(self, samples: SampleSource) -> None:
+        """The start-up summary: model, plan, data and tokenizer, and what was adjusted."""
+        job, dims = self.job, self.dims
+        with torch.device("meta"):
+            params = sum(p.numel() for p in Qwen(self.args).parameters())
+        tokenizer = job.model.tokenizer_path or "none set: the built-in byte tokenizer"
+        logger.info(
+            "%s/%s: %.3gM parameters, %d layers | dp_replicate=%d dp_shard=%d tp=%d cp=%d pp=%d on %d %s "
+            "rank(s) | data: %s; tokenizer: %s | %d steps of %d x %d tokens",
+            job.model.name,
+            job.model.flavor,
+            params / 1e6,
+            self.args.num_hidden_layers,
+            dims.dp_replicate,
+            dims.dp_shard,
+            dims.tp,
+            dims.cp,
+            dims.pp,
+            self.world.size,
+            self.world.device.type,
+            samples.describe(),
+            tokenizer,
+            job.training.steps,
+            self.loader.global_batch,
+            job.training.seq_len,
+        )
+        if job.lr_scheduler.warmup_steps > job.training.steps:
+            logger.warning(
+                "lr_scheduler.warmup_steps=%d exceeds training.steps=%d: warming up over all %d steps",
+                job.lr_scheduler.warmup_steps,
+                job.training.steps,
+                job.training.steps,
+            )
 
     def _initial_values(self) -> FullValue:
         checkpoint = self.job.checkpoint
@@ -166,7 +204,6 @@ class Trainer:
             logger.info(
                 "already trained to step %d of training.steps=%d; raise it to continue", self.step, steps
             )
-        tokens_per_step = self.loader.global_batch * self.job.training.seq_len
         records: list[StepRecord] = []
         window_start, window_steps = time.perf_counter(), 0
         first_step = self.step + 1
@@ -179,7 +216,7 @@ class Trainer:
                 window_steps += 1
                 if self.step % log_freq == 0 or self.step in (1, steps):
                     elapsed = time.perf_counter() - window_start
-                    records.append(self._log(loss, norm, window_steps * tokens_per_step, elapsed))
+                    records.append(self._log(loss, norm, window_steps, elapsed))
                     window_start, window_steps = time.perf_counter(), 0
                 saved = self.checkpointer.should_save(self.step, steps)
                 if saved:
@@ -192,12 +229,12 @@ class Trainer:
         self.metrics.close()
         return records
 
-    def _log(self, loss: torch.Tensor, norm: torch.Tensor, tokens: int, seconds: float) -> StepRecord:
-        """Log this step's numbers (``tokens`` trained in ``seconds`` since the last log)."""
+    def _log(self, loss: torch.Tensor, norm: torch.Tensor, steps: int, seconds: float) -> StepRecord:
+        """Log this step's numbers (``steps`` trained in ``seconds`` since the last log)."""
         record = StepRecord(self.step, loss.item(), norm.item())
         lr = self.optimizers[0].param_groups[0]["lr"]
         self.metrics.record(
-            self.step, record.loss, record.grad_norm, lr, tokens, seconds, skipped=bool(self.bad)
+            self.step, record.loss, record.grad_norm, lr, steps, seconds, skipped=bool(self.bad)
         )
         return record
 

@@ -1,13 +1,12 @@
 """Bad input, as users type it: every malformed config, flag, file or folder gets one line
 naming the field and the fix, exit code 2, no traceback, and nothing written to disk.
 
-Each case runs train.py's ``main`` in this process on the tiny job; the flags before the
+Each case runs ``autopar.train.main`` (what train.py runs) in this process on the tiny job; the flags before the
 case's own make a job that would otherwise train.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -15,22 +14,9 @@ import pytest
 from autopar.data.prepare import prepare
 from autopar.job import model_args
 from autopar.models import Qwen, to_hf
+from autopar.train import main as train_main
 
 from jobs import TINY_FLAGS, tiny_job
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_train_py():
-    spec = importlib.util.spec_from_file_location("train_py", ROOT / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.fixture(scope="module")
-def train_main():
-    return load_train_py().main
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +146,7 @@ def snapshot(*folders: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
-def test_bad_input_gets_one_line_exit_2_and_writes_nothing(case, train_main, inputs, tmp_path, capsys):
+def test_bad_input_gets_one_line_exit_2_and_writes_nothing(case, inputs, tmp_path, capsys):
     flags, expected = CASES[case]
     argv = flags.format(inputs=inputs).split()
     config = [] if "--job.config" in argv else ["--job.config", "train_configs/debug_model.toml"]

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 
+from autopar.job import parse_job
 from autopar.metrics import read_metrics
 
 from jobs import TINY_FLAGS
@@ -41,6 +44,8 @@ def test_train_py_trains_the_debug_job_and_writes_metrics(tmp_path):
     assert [r["step"] for r in records] == [1, 10, 20, 30, 40]
     assert records[-1]["loss"] < records[0]["loss"] - 2.0
     assert "step 40  loss" in result.stderr
+    saved = parse_job(["--job.config", str(tmp_path / "config.toml")])  # the resolved job, runnable
+    assert (saved.training.steps, saved.checkpoint.enable, saved.job.print_config) == (40, False, False)
 
 
 def test_train_py_reports_a_config_error_and_touches_nothing(tmp_path):
@@ -126,6 +131,35 @@ def test_torchrun_prints_a_config_error_once_not_once_per_rank(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+TWO_STEPS = ("--training.steps", "2", "--checkpoint.enable", "false", "--job.dump_folder", "out")
+
+
+@pytest.mark.slow
+def test_a_wheel_trains_a_preset_by_name_outside_the_repository(tmp_path):
+    built = run(
+        sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-w", str(tmp_path)
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    site = tmp_path / "site"
+    with zipfile.ZipFile(next(tmp_path.glob("autopar-*.whl"))) as wheel:
+        wheel.extractall(site)
+        entry_points = wheel.read(
+            next(n for n in wheel.namelist() if n.endswith("entry_points.txt"))
+        ).decode()
+    assert "autopar-train = autopar.train:cli" in entry_points
+    result = subprocess.run(
+        [sys.executable, "-m", "autopar.train", "--job.config", "debug_model", *TINY_FLAGS, *TWO_STEPS],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"data: {site}" in result.stderr  # the wheel's own corpus, not the repository's
+    assert [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl")] == [1, 2]
+
+
 @pytest.mark.slow
 def test_parity_cli_prints_the_table_and_passes(tmp_path):
     result = run(
@@ -207,3 +241,13 @@ def test_plot_overlays_runs(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypatch, capsys):
+    from autopar.plot import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "metrics.jsonl"), "-o", str(tmp_path / "curves.png")])
+    assert exit_.value.code == 2
+    assert "plotting needs matplotlib: pip install matplotlib" in capsys.readouterr().err

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from autopar.config import ConfigError, JobConfig, to_toml
-from autopar.config.parse import help_text
+from autopar.config.parse import PRESETS, help_text
 from autopar.job import parse_job
 from autopar.validate import validate
 
@@ -65,13 +65,32 @@ def test_model_args_under_model_become_overrides(toml_file):
     assert job.model.overrides == {"num_hidden_layers": 2, "hidden_size": 64}
 
 
-def test_print_config_round_trips(toml_file, tmp_path):
+def test_print_config_round_trips_to_a_job_that_runs(toml_file, tmp_path):
     job = parse_job(["--training.steps", "11", "--model.num_hidden_layers", "3", "--print-config"])
     assert job.job.print_config
     path = toml_file(to_toml(job))
     again = parse_job(["--job.config", path])
+    assert not again.job.print_config  # the dump trains when given back
     again.job.config_file = None
+    again.job.print_config = True
     assert again == job
+
+
+def test_a_preset_is_named_without_its_path():
+    by_name = parse_job(["--job.config", "qwen3_8b"])
+    assert by_name == parse_job(["--job.config", str(PRESETS / "qwen3_8b.toml")])
+    assert by_name.model.flavor == "8B"
+
+
+def test_an_unknown_config_lists_the_presets():
+    with pytest.raises(ConfigError, match=r"'qwen9': no such file, nor a preset \(debug_model, .*qwen3_8b"):
+        parse_job(["--job.config", "qwen9"])
+
+
+def test_a_second_job_config_is_refused(toml_file):
+    path = toml_file("[training]\nsteps = 3\n")
+    with pytest.raises(ConfigError, match=r"--job.config is given 2 times"):
+        parse_job(["--job.config", path, "--job.config", path])
 
 
 def test_help_lists_every_field_with_its_doc():

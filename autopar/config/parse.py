@@ -174,15 +174,36 @@ def _split_cli(argv: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
     return pairs, print_config
 
 
+PRESETS = Path(__file__).resolve().parents[1] / "train_configs"
+"""The TOML jobs shipped in the package, named by file name with or without ``.toml``."""
+
+
+def config_path(name: str) -> Path:
+    """The TOML file ``--job.config name`` means: a path, else a preset's name."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    preset = PRESETS / (path.name if path.suffix == ".toml" else f"{path.name}.toml")
+    if path.parent == Path(".") and preset.is_file():
+        return preset
+    presets = sorted(p.stem for p in PRESETS.glob("*.toml"))
+    raise ConfigError(f"job.config_file={name!r}: no such file, nor a preset ({', '.join(presets)})")
+
+
 def parse_job(argv: list[str], model_fields: ModelFields) -> JobConfig:
     """The resolved JobConfig of a command line (CLI > TOML > defaults), not yet validated."""
     pairs, print_config = _split_cli(argv)
     job = JobConfig()
-    config_file = next((v for k, v in pairs if k in ("job.config", "job.config_file")), None)
+    config_files = [v for k, v in pairs if k in ("job.config", "job.config_file")]
+    if len(config_files) > 1:
+        raise ConfigError(
+            f"--job.config is given {len(config_files)} times ({', '.join(map(str, config_files))}); "
+            "give one file and override its fields with flags"
+        )
+    config_file = config_files[0] if config_files else None
     if config_file is not None:
-        path = Path(config_file)
-        if not path.is_file():
-            raise ConfigError(f"job.config_file={config_file!r}: no such file")
+        path = config_path(config_file)
+        config_file = str(path)
         try:
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as err:
@@ -212,7 +233,7 @@ def explicit_keys(argv: list[str]) -> tuple[set[str], set[str]]:
     config_file = next((v for k, v in pairs if k in ("job.config", "job.config_file")), None)
     if config_file is None:
         return cli, set()
-    data = tomllib.loads(Path(config_file).read_text())
+    data = tomllib.loads(config_path(config_file).read_text())
     toml = {f"{s}.{k}" for s, table in data.items() if isinstance(table, dict) for k in table}
     return cli, toml
 
@@ -256,12 +277,15 @@ def _toml_value(value: Any) -> str:
 
 
 def to_toml(job: JobConfig) -> str:
-    """The resolved job as TOML that parse_job reads back to the same config."""
+    """The resolved job as TOML that parse_job reads back to the same config, ready to run
+    (``print_config`` is written false)."""
     lines = []
     for name in sections():
         section = getattr(job, name)
         lines.append(f"[{name}]")
         for key, value in dataclasses.asdict(section).items():
+            if (name, key) == ("job", "print_config"):
+                value = False
             if key == "overrides":
                 lines.extend(f"{k} = {_toml_value(v)}" for k, v in value.items())
             elif value is None:

@@ -21,6 +21,10 @@ class SampleSource(Protocol):
         """The (seq_len + 1) tokens of global sample ``index``."""
         ...
 
+    def describe(self) -> str:
+        """What the samples come from, for the start-up log."""
+        ...
+
 
 class PackedWindows:
     """Window k is tokens[k*S : k*S + S + 1] (consecutive windows share one token, so every
@@ -51,6 +55,9 @@ class PackedWindows:
         self._epoch = -1
         self._order = np.empty(0, dtype=np.int64)
 
+    def describe(self) -> str:
+        return f"{self.name} ({self.tokens.size:,} tokens)"
+
     def sample(self, index: int) -> np.ndarray:
         epoch, k = divmod(index, self.num_windows)
         if epoch != self._epoch:
@@ -80,6 +87,11 @@ class Blend:
         self._part = np.empty(0, dtype=np.int64)
         self._index = np.empty(0, dtype=np.int64)
         self._counts = np.zeros(len(parts), dtype=np.int64)
+
+    def describe(self) -> str:
+        return "blend of " + ", ".join(
+            f"{p:.0%} {part.describe()}" for p, part in zip(self.probs, self.parts)
+        )
 
     def _extend(self) -> None:
         chunk = len(self._part) // _BLEND_CHUNK

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 
 from autopar.data.errors import DataError
@@ -51,5 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("wrote %s: %d tokens", path, num_tokens)
 
 
+def cli() -> None:
+    """The console entry point: ``main`` on this process's arguments."""
+    sys.exit(main(sys.argv[1:]))
+
+
 if __name__ == "__main__":
-    main()
+    cli()

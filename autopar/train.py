@@ -1,0 +1,132 @@
+"""Train a Qwen model: ``[torchrun --nproc_per_node=N] -m autopar.train --job.config FILE
+[--section.field VALUE ...]`` (also ``autopar-train``, or the repository's ``train.py``). FILE
+is a TOML path or the name of a preset shipped in ``autopar/train_configs`` (``qwen3_8b``).
+
+``--dry-run --world-size N`` builds the job for N GPUs under fake tensors and a fake process
+group on this machine, runs one step per distinct rank role and reports its peak memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from autopar.config import ConfigError, help_text, to_toml
+from autopar.data import DataError
+from autopar.distributed import init_world, world_size_from_env
+from autopar.faults import TrainingStopped
+from autopar.job import parse_job
+from autopar.log import setup_logging
+from autopar.planner.auto import auto_job, record_measured, write_plan
+from autopar.planner.devices import DeviceSpec
+from autopar.planner.dry_run import compare, report, write_dry_run
+from autopar.planner.search import Plan
+from autopar.trainer import Trainer
+from autopar.validate import validate
+
+
+def _dry_run_flags(argv: list[str]) -> tuple[list[str], int | None]:
+    """argv without ``--dry-run --world-size N``, and N (None when not a dry run)."""
+    if "--dry-run" not in argv:
+        return argv, None
+    rest = [a for a in argv if a != "--dry-run"]
+    if "--world-size" not in rest or rest.index("--world-size") + 1 >= len(rest):
+        raise ConfigError("--dry-run needs --world-size N: the number of GPUs to simulate")
+    i = rest.index("--world-size")
+    value = rest[i + 1]
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"--world-size {value!r} must be a positive integer")
+    return rest[:i] + rest[i + 2 :], int(value)
+
+
+def dry_run_main(argv: list[str], world_size: int) -> int:
+    job = parse_job(argv)
+    args = validate(job, world_size, device_type="cuda")
+    setup_logging(0)
+    ranks = compare(job, args, world_size)
+    print(report(ranks))
+    path = Path(job.job.dump_folder) / "dry_run.json"
+    write_dry_run(path, ranks)
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(help_text())
+        return 0
+    try:
+        argv, dry_world = _dry_run_flags(argv)
+        if dry_world is not None:
+            return dry_run_main(argv, dry_world)
+        job = parse_job(argv)
+        auto: tuple[Plan, DeviceSpec] | None = None
+        if job.parallelism.auto:
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+            gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            job, plan, device = auto_job(job, argv, world_size_from_env(), device_type, gpus_per_node)
+            auto = (plan, device)
+        if job.job.print_config:
+            print(to_toml(job))
+            return 0
+        args = validate(job, world_size_from_env())
+    except ConfigError as err:
+        return _refuse("config error", err)
+    try:
+        world = init_world(job.comm.init_timeout_seconds)
+    except dist.DistError as err:
+        return _refuse(
+            "comm error",
+            f"not every rank joined within comm.init_timeout_seconds={job.comm.init_timeout_seconds}: {err}",
+            exit_code=1,
+        )
+    setup_logging(world.rank)
+    dump = Path(job.job.dump_folder)
+    metrics_path = dump / "metrics.jsonl"
+    try:
+        trainer = Trainer(job, args, world)
+        if world.is_main:  # the resolved job, runnable as is: --job.config <dump_folder>/config.toml
+            (dump / "config.toml").write_text(to_toml(job))
+        if auto and world.is_main:
+            plan, device = auto
+            logging.getLogger("autopar").info(
+                "auto plan: %s; predicted peak %.1f GiB of %.1f, %.0f tokens/s per device",
+                plan.describe(),
+                plan.peak_gib,
+                device.memory_gib,
+                plan.tokens_per_s,
+            )
+            write_plan(dump / "plan.json", plan, device, world.size)
+        records = trainer.train()
+    except DataError as err:
+        return _refuse("data error", err)
+    except TrainingStopped as err:
+        logging.getLogger("autopar").error("training stopped: %s", err)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if auto and world.is_main:
+        record_measured(dump / "plan.json", metrics_path, len(records))
+    return 0
+
+
+def _refuse(kind: str, err: object, exit_code: int = 2) -> int:
+    """Print ``kind: err`` once (from the first rank under torchrun, where every rank finds it)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"{kind}: {err}", file=sys.stderr)
+    return exit_code
+
+
+def cli() -> None:
+    """The console entry point: ``main`` on this process's arguments."""
+    sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    cli()
