@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
+from pathlib import Path
 
 from autopar.config import parse
 from autopar.config.errors import ConfigError
 from autopar.config.job import JobConfig
 from autopar.models.args import ModelArgs
-from autopar.models.flavors import get_flavor
+from autopar.models.flavors import get_flavor, with_overrides
+from autopar.models.hf import HFCheckpointError, read_hf_config
 
 MODEL_FIELDS = parse.field_types(ModelArgs)
 """Model argument name -> type: what ``--model.<arg>`` and ``[model]`` keys may set."""
@@ -46,8 +48,36 @@ def short_run(job: JobConfig, steps: int) -> JobConfig:
 
 
 def model_args(job: JobConfig) -> ModelArgs:
-    """The job's model: the flavor with ``[model]`` overrides applied."""
+    """The job's model: the flavor, or the config.json of ``model.hf_assets_path``, with the
+    ``[model]`` overrides applied."""
+    model = job.model
+    if model.hf_assets_path is None:
+        try:
+            return get_flavor(model.name, model.flavor, **model.overrides)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     try:
-        return get_flavor(job.model.name, job.model.flavor, **job.model.overrides)
+        args = read_hf_config(model.hf_assets_path)
+    except HFCheckpointError as err:
+        raise ConfigError(f"model.hf_assets_path: {err}") from None
+    family = "qwen3" if args.qk_norm else "qwen2.5"
+    if model.name != family:
+        raise ConfigError(
+            f"model.name={model.name!r}, but {model.hf_assets_path}/config.json is a {family} "
+            f"model; set model.name={family!r}"
+        )
+    try:
+        return with_overrides(args, model.overrides)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def tokenizer_path(job: JobConfig) -> str | None:
+    """The tokenizer the job uses: ``model.tokenizer_path``, else the tokenizer.json of
+    ``model.hf_assets_path``; None for the built-in byte tokenizer."""
+    if job.model.tokenizer_path is not None:
+        return job.model.tokenizer_path
+    assets = job.model.hf_assets_path
+    if assets is not None and (Path(assets) / "tokenizer.json").is_file():
+        return assets
+    return None

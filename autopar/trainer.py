@@ -25,10 +25,11 @@ from autopar.faults import (
     ranks_not_finite,
     skipped_too_often,
 )
+from autopar.job import tokenizer_path
 from autopar.metrics import MetricsLogger, flops_per_token
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
-from autopar.models.hf import HFTensors
+from autopar.models.hf import HFTensors, copy_assets
 from autopar.models.qwen import Qwen
 from autopar.optim import lr_factor
 from autopar.plans.materialize import FullValue, seeded_values, tensor_values
@@ -86,12 +87,15 @@ class Trainer:
         job, dims = self.job, self.dims
         with torch.device("meta"):
             params = sum(p.numel() for p in Qwen(self.args).parameters())
-        tokenizer = job.model.tokenizer_path or "none set: the built-in byte tokenizer"
+        tokenizer = tokenizer_path(job) or "the built-in byte tokenizer (no tokenizer.json given)"
+        shape = job.model.flavor if job.model.hf_assets_path is None else f"{job.model.hf_assets_path}"
+        if job.model.overrides:
+            shape += f" with {job.model.overrides}"
         logger.info(
-            "%s/%s: %.3gM parameters, %d layers | dp_replicate=%d dp_shard=%d tp=%d cp=%d pp=%d on %d %s "
+            "%s %s: %.3gM parameters, %d layers | dp_replicate=%d dp_shard=%d tp=%d cp=%d pp=%d on %d %s "
             "rank(s) | data: %s; tokenizer: %s | %d steps of %d x %d tokens",
             job.model.name,
-            job.model.flavor,
+            shape,
             params / 1e6,
             self.args.num_hidden_layers,
             dims.dp_replicate,
@@ -128,7 +132,7 @@ class Trainer:
             training.dataset,
             training.dataset_path,
             training.dataset_blend,
-            build_tokenizer(self.job.model.tokenizer_path),
+            build_tokenizer(tokenizer_path(self.job)),
             training.seq_len,
             self.job.debug.seed,
         )
@@ -269,4 +273,6 @@ class Trainer:
         out = Path(self.job.job.dump_folder) / "hf" / f"step-{self.step}"
         if self.world.is_main:
             export_hf(ckpt, self.args, out, DTYPES[checkpoint.export_dtype])
-            logger.info("exported HF checkpoint %s", out)
+            source = self.job.model.hf_assets_path or tokenizer_path(self.job)
+            assets = copy_assets(source, out) if source is not None else []
+            logger.info("exported HF checkpoint %s (with %s)", out, ", ".join(assets) or "no tokenizer files")

@@ -14,7 +14,7 @@ from autopar.checkpoint import check_initial_load, check_load_step
 from autopar.config.checks import check_numbers, check_output_folders
 from autopar.config.job import JobConfig
 from autopar.data.loader import check_batch, check_training_data
-from autopar.job import model_args
+from autopar.job import model_args, tokenizer_path
 from autopar.models.args import ModelArgs
 from autopar.pipelining.schedule import check_pipeline
 from autopar.plans.activation_checkpoint import check_ac
@@ -53,7 +53,7 @@ def validate(job: JobConfig, world_size: int, device_type: str | None = None) ->
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     check_plan(job, args, world_size, device_type)
     check_compile_backend(job.compile)
-    check_training_data(job.training, job.model.tokenizer_path, args.vocab_size, args.max_position_embeddings)
+    check_training_data(job.training, tokenizer_path(job), args.vocab_size, args.max_position_embeddings)
     check_initial_load(job.checkpoint, args, f"{job.model.name}/{job.model.flavor}")
     check_load_step(job.checkpoint, job.job.dump_folder)
     check_output_folders(job)

@@ -28,8 +28,12 @@ class Model:
     """Model family."""
     flavor: str = "debug"
     """Size within the family: qwen3 debug/0.6B/1.7B/4B/8B/14B/32B, qwen2.5 debug/0.5B/1.5B/3B/7B/14B/32B/72B."""
+    hf_assets_path: str | None = None
+    """HF model folder (torchtitan's name): its config.json gives the model's shape instead of
+    the flavor (the [model] overrides still win), its tokenizer.json the tokenizer."""
     tokenizer_path: str | None = None
-    """HF tokenizer.json (file or folder holding one); unset uses the built-in byte tokenizer."""
+    """HF tokenizer.json (file or folder holding one); unset: hf_assets_path's, else the built-in
+    byte tokenizer."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Model args replacing the flavor's (any other key under [model], e.g. --model.num_hidden_layers 6)."""
 

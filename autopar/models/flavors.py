@@ -101,10 +101,15 @@ def get_flavor(name: str, flavor: str, **overrides: Any) -> ModelArgs:
     family = FLAVORS[name]
     if flavor not in family:
         raise ValueError(f"model.flavor={flavor!r} is unknown for {name}; choose one of {list(family)}")
+    return with_overrides(family[flavor], overrides)
+
+
+def with_overrides(args: ModelArgs, overrides: dict[str, Any]) -> ModelArgs:
+    """``args`` with fields replaced by ``overrides``, checked; raises ValueError naming a bad one."""
     fields = {f.name for f in dataclasses.fields(ModelArgs)}
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ValueError(f"model override {unknown[0]!r} is not a model field; fields: {sorted(fields)}")
-    args = dataclasses.replace(family[flavor], **overrides)
+    args = dataclasses.replace(args, **overrides)
     args.check()
     return args

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -288,6 +289,46 @@ def save_hf_streaming(
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     dtype = names["embed_tokens.weight"][1]
     (path / CONFIG_FILE).write_text(json.dumps(hf_config_from_args(args, dtype), indent=2) + "\n")
+
+
+ASSET_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+"""What an HF model folder holds besides its config and weights."""
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def copy_assets(source: str | Path, out: str | Path) -> list[str]:
+    """Make the exported model folder ``out`` complete from ``source`` (the model folder it
+    came from, or a tokenizer.json): tokenizer files, generation config, and the token ids
+    of the source's config.json. Without a generation config there, one is written from
+    those ids. Returns the names of the files written."""
+    source, out = Path(source), Path(out)
+    folder = source if source.is_dir() else source.parent
+    written = []
+    for name in ASSET_FILES:
+        origin = source if (name == "tokenizer.json" and source.is_file()) else folder / name
+        if origin.is_file():
+            shutil.copyfile(origin, out / name)
+            written.append(name)
+    config_path = out / CONFIG_FILE
+    config = json.loads(config_path.read_text())
+    if (folder / CONFIG_FILE).is_file():
+        theirs = json.loads((folder / CONFIG_FILE).read_text())
+        config.update({k: theirs[k] for k in TOKEN_ID_FIELDS if k in theirs})
+        config_path.write_text(json.dumps(config, indent=2) + "\n")
+    if "generation_config.json" not in written:
+        ids = {k: config[k] for k in TOKEN_ID_FIELDS if config.get(k) is not None}
+        (out / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
+        written.append("generation_config.json")
+    return written
 
 
 def save_hf(
