@@ -35,6 +35,7 @@ from autopar.optim import lr_factor
 from autopar.plans.materialize import FullValue, seeded_values, tensor_values
 from autopar.plans.mesh import ParallelDims, build_meshes
 from autopar.plans.parallelize import build_parts
+from autopar.profiling import Profiler
 from autopar.step import TrainStep
 
 logger = logging.getLogger("autopar")
@@ -212,9 +213,11 @@ class Trainer:
         window_start, window_steps = time.perf_counter(), 0
         first_step = self.step + 1
         stopped = False
-        with StopRequest() as stop:
+        profiler = Profiler(self.job.profiling, self.job.job.dump_folder, self.world.rank, first_step)
+        with StopRequest() as stop, profiler:
             while self.step < steps and not stopped:
                 loss, norm = self.train_step()
+                profiler.step(self.step)
                 if self.step == first_step:  # compiled and warmed up: from now on steps are quick
                     set_timeout(self.job.comm.train_timeout_seconds)
                 window_steps += 1

@@ -81,3 +81,24 @@ def test_cuda_ring_attention_machinery_on_one_rank_matches_plain_forward(tmp_pat
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # fp32, same kernels
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_cuda_memory_snapshots_are_dumped_every_profile_freq_steps(tmp_path):
+    import pickle
+
+    flags = (
+        "--training.steps",
+        "4",
+        "--profiling.enable_memory_snapshot",
+        "true",
+        "--profiling.profile_freq",
+        "2",
+    )
+    _train(tiny_job(tmp_path, *flags))
+    folders = sorted(p.name for p in (tmp_path / "memory_snapshot").iterdir())
+    assert folders == ["iteration_2", "iteration_4"]
+    snapshot = pickle.loads(
+        (tmp_path / "memory_snapshot" / "iteration_4" / "rank0_memory_snapshot.pickle").read_bytes()
+    )
+    assert snapshot["segments"]  # the allocator's memory, with its history

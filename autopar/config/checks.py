@@ -63,6 +63,9 @@ def check_numbers(job: JobConfig) -> None:
         not job.metrics.enable_tensorboard or importlib.util.find_spec("tensorboard") is not None,
         "metrics.enable_tensorboard=true needs tensorboard: pip install tensorboard",
     )
+    require(
+        job.profiling.profile_freq >= 1, f"profiling.profile_freq={job.profiling.profile_freq} must be >= 1"
+    )
     for name in ("init_timeout_seconds", "train_timeout_seconds"):
         value = getattr(job.comm, name)
         require(value >= 1, f"comm.{name}={value} must be >= 1")

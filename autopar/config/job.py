@@ -198,6 +198,21 @@ class Float8:
 
 
 @dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Record torch.profiler traces (CPU and CUDA activity), one step in every profile_freq."""
+    save_traces_folder: str = "profile_traces"
+    """Trace folder under job.dump_folder: iteration_N/rankR_trace.json (open in Perfetto)."""
+    profile_freq: int = 10
+    """Trace one step in this many (the steps before it warm the profiler up)."""
+    enable_memory_snapshot: bool = False
+    """CUDA only: record allocator history and dump a snapshot every profile_freq steps and on
+    out-of-memory (view at pytorch.org/memory_viz)."""
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Snapshot folder under job.dump_folder: iteration_N/rankR_memory_snapshot.pickle."""
+
+
+@dataclass
 class Comm:
     init_timeout_seconds: int = 300
     """Seconds for every rank to join and finish the first step (compilation included), and for
@@ -228,5 +243,6 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
+    profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)
