@@ -79,12 +79,12 @@ def main(argv: list[str]) -> int:
         return _refuse("config error", err)
     try:
         world = init_world(job.comm.init_timeout_seconds)
-    except dist.DistError as err:
-        return _refuse(
-            "comm error",
-            f"not every rank joined within comm.init_timeout_seconds={job.comm.init_timeout_seconds}: {err}",
-            exit_code=1,
-        )
+    except dist.DistError as err:  # every rank says so: the one that is missing cannot
+        rank = os.environ.get("RANK", "0")
+        timeout = job.comm.init_timeout_seconds
+        message = f"rank {rank}: not every rank joined within comm.init_timeout_seconds={timeout}: {err}"
+        print(f"comm error: {message}", file=sys.stderr)
+        return 1
     setup_logging(world.rank)
     dump = Path(job.job.dump_folder)
     metrics_path = dump / "metrics.jsonl"
@@ -116,11 +116,12 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _refuse(kind: str, err: object, exit_code: int = 2) -> int:
-    """Print ``kind: err`` once (from the first rank under torchrun, where every rank finds it)."""
+def _refuse(kind: str, err: object) -> int:
+    """Print ``kind: err`` once (from the first rank under torchrun, where every rank finds
+    it); the exit code of bad input."""
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"{kind}: {err}", file=sys.stderr)
-    return exit_code
+    return 2
 
 
 def cli() -> None:

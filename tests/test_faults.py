@@ -361,7 +361,7 @@ def test_a_rank_that_never_joins_ends_the_job_within_the_init_timeout(tmp_path):
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(
-        "comm error: not every rank joined within comm.init_timeout_seconds=2:"
+        "comm error: rank 0: not every rank joined within comm.init_timeout_seconds=2:"
     )
     assert "1/2 clients joined" in result.stderr
     assert not (tmp_path / "out").exists()
