@@ -20,7 +20,7 @@ from autopar.pipelining.schedule import check_pipeline
 from autopar.plans.activation_checkpoint import check_ac
 from autopar.plans.compile import check_compile, check_compile_backend
 from autopar.plans.context_parallel import check_cp
-from autopar.plans.float8 import check_float8
+from autopar.plans.float8 import check_float8, check_float8_filter
 from autopar.plans.mesh import ParallelDims, check_model_split
 from autopar.profiling import check_profiling
 
@@ -53,6 +53,7 @@ def validate(job: JobConfig, world_size: int, device_type: str | None = None) ->
     args = model_args(job)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     check_plan(job, args, world_size, device_type)
+    check_float8_filter(job.float8, args)
     check_profiling(job.profiling, device_type)
     check_compile_backend(job.compile)
     check_training_data(job.training, tokenizer_path(job), args.vocab_size, args.max_position_embeddings)

@@ -101,6 +101,10 @@ CASES = {
     ),
     "sequence past the model": ("--training.seq_len 100000", "exceeds model.max_position_embeddings"),
     "vocabulary below the tokenizer": ("--model.vocab_size 100", "model.vocab_size=100 is smaller than"),
+    "float8 filter matching nothing": (
+        "--float8.enable true --float8.filter_fqns lm_hed",
+        "float8.filter_fqns item 'lm_hed' matches no module",
+    ),
     "te on cpu": ("--float8.enable true --float8.backend te", "float8.backend='te' needs CUDA"),
     "unknown compile backend": ("--compile.enable true --compile.backend nope", "compile.backend='nope'"),
     # files and folders

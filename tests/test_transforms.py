@@ -89,6 +89,20 @@ def test_compiled_matches_eager_single_device(compile_runs, plan):
     assert_same_training(run, reference, loss_rtol=1e-4, norm_rtol=1e-4)
 
 
+def test_torchtitans_output_filter_keeps_our_head_in_high_precision():
+    pytest.importorskip("torchao")
+    from autopar.config.job import Float8
+    from autopar.plans.float8 import apply_float8, check_float8_filter
+
+    args = get_flavor("qwen3", "debug", **TINY_MODEL)
+    cfg = Float8(enable=True, backend="torchao", filter_fqns=["output"])
+    check_float8_filter(cfg, args)  # a name torchtitan uses is not refused
+    with torch.device("meta"):
+        model = Qwen(args)
+    apply_float8(model, cfg, "cpu")
+    assert type(model.lm_head).__name__ == "Linear"
+
+
 def test_fp8_keeps_the_head_and_odd_dims_in_high_precision():
     pytest.importorskip("torchao")
     from autopar.config.job import Float8

@@ -21,10 +21,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from autopar.config.errors import ConfigError
 from autopar.config.job import Float8
+from autopar.models.args import ModelArgs
+from autopar.models.qwen import Qwen
 
 TE_HINT = 'pip install "transformer_engine[pytorch]" (needs CUDA and a matching torch build)'
 TORCHAO_HINT = 'pip install torchao (or: pip install -e ".[float8]")'
@@ -42,16 +45,41 @@ def resolve_recipe(cfg: Float8, backend: str) -> str:
     return cfg.recipe
 
 
+FILTER_ALIASES = {"output": "lm_head"}
+"""torchtitan's module names in ``filter_fqns`` that are ours under another name."""
+
+
+def _filters(filter_fqns: list[str]) -> list[str]:
+    return [FILTER_ALIASES.get(f, f) for f in filter_fqns]
+
+
 def eligible(filter_fqns: list[str]) -> Callable[[nn.Module, str], bool]:
+    filters = _filters(filter_fqns)
+
     def keep_fp8(module: nn.Module, fqn: str) -> bool:
         return (
             isinstance(module, nn.Linear)
-            and not any(f in fqn for f in filter_fqns)
+            and not any(f in fqn for f in filters)
             and module.in_features % 16 == 0
             and module.out_features % 16 == 0
         )
 
     return keep_fp8
+
+
+def check_float8_filter(cfg: Float8, args: ModelArgs) -> None:
+    """Every ``filter_fqns`` item names some module: a misspelt one would silently put the
+    layer it meant to protect into FP8."""
+    if not cfg.enable:
+        return
+    with torch.device("meta"):
+        names = [fqn for fqn, _ in Qwen(args).named_modules()]
+    for item, name in zip(cfg.filter_fqns, _filters(cfg.filter_fqns)):
+        if not any(name in fqn for fqn in names):
+            raise ConfigError(
+                f"float8.filter_fqns item {item!r} matches no module of the model (names look like "
+                "'lm_head', 'layers.0.mlp.down_proj'); fix it, or that layer runs in FP8"
+            )
 
 
 def check_float8(cfg: Float8, device_type: str, tp_degree: int, compiled: bool) -> None:
