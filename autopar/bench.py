@@ -5,7 +5,9 @@
 
 Each variant runs in fresh processes (so peak memory and compile caches are its own), trains
 ``warmup + steps`` optimizer steps, and is timed on the median of the last ``steps``. The
-table gives tokens/s per device, MFU, peak memory and the speed ratio to the first variant.
+table gives tokens/s per device, MFU, peak memory and the speed ratio to the first variant;
+each variant's steps go to ``<job.dump_folder>/bench/<variant>/metrics.jsonl`` so that
+``python -m autopar.plot`` overlays their loss curves.
 A variant is a name below or ``name:key=value,...`` with any job field
 (``fp8_rowwise:float8.enable=true,float8.recipe=rowwise,compile.enable=true``).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
 import statistics
 import subprocess
@@ -57,7 +60,7 @@ class VariantResult:
 
 
 def variant_job(base: JobConfig, spec: str, steps: int) -> tuple[str, str, JobConfig]:
-    """(name, overrides, job) of a variant spec."""
+    """(name, overrides, job) of a variant spec; the job writes under ``bench/<name>``."""
     name, _, overrides = spec.partition(":")
     if not overrides:
         if name not in NAMED_VARIANTS:
@@ -70,6 +73,7 @@ def variant_job(base: JobConfig, spec: str, steps: int) -> tuple[str, str, JobCo
     except ConfigError as err:
         raise ConfigError(f"variant {spec!r}: {err}") from None
     job.metrics.log_freq = steps + 1
+    job.job.dump_folder = str(Path(base.job.dump_folder) / "bench" / name)
     return name, overrides, job
 
 
@@ -79,15 +83,19 @@ def _bench_on_rank(job: JobConfig, warmup: int) -> dict:
     from autopar.trainer import Trainer
 
     world = init_world()
+    logging.getLogger("autopar").setLevel(logging.WARNING)  # the table says it; the steps go to metrics.jsonl
     trainer = Trainer(job, validate(job, world.size), world)
+    trainer.metrics.forget_after(0)  # each bench starts the variant's file afresh
     if world.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(world.device)
     times, losses = [], []
     for _ in range(job.training.steps):
         start = time.perf_counter()
-        loss_t, _ = trainer.train_step()
+        loss_t, norm_t = trainer.train_step()
         losses.append(loss_t.item())  # waits for the step, so the timer sees all of it
         times.append(time.perf_counter() - start)
+        lr = trainer.optimizers[0].param_groups[0]["lr"]
+        trainer.metrics.record(trainer.step, losses[-1], norm_t.item(), lr, 1, times[-1], bool(trainer.bad))
     return {
         "step_seconds": statistics.median(times[warmup:]),
         "peak_memory_gib": peak_memory_gib(world.device),
@@ -168,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         base = parse_job(job_argv)
         jobs = [variant_job(base, spec, known.warmup + known.steps) for spec in known.variants]
+        names = [name for name, _, _ in jobs]
+        if len(set(names)) < len(names):
+            raise ConfigError(f"variants {names} repeat a name; give each its own (name:key=value,...)")
         for name, _, job in jobs:
             try:
                 validate(job, known.nproc)
@@ -187,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         f"seq_len {base.training.seq_len}, timed steps {known.steps} after {known.warmup} warm-up"
     )
     print(text)
+    curves = [str(Path(job.job.dump_folder) / "metrics.jsonl") for _, _, job in jobs]
+    print(f"loss curves: python -m autopar.plot {' '.join(curves)} -o bench_loss.png")
     if known.json:
         payload = {
             "device": device,
@@ -195,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             "commit": source_commit(),
             "command": " ".join(["python -m autopar.bench"] + (argv if argv is not None else sys.argv[1:])),
             "results": [asdict(r) for r in results],
+            "metrics": curves,
         }
         with open(known.json, "w") as f:
             json.dump(payload, f, indent=2)

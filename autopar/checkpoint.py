@@ -23,14 +23,17 @@ import re
 import shutil
 import warnings
 import zlib
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -42,6 +45,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from autopar.config.errors import ConfigError
 from autopar.config.job import Checkpoint
+from autopar.distributed import background_save_group
 from autopar.faults import TrainingStopped, peer_gone
 from autopar.models.args import ModelArgs
 from autopar.models.hf import HFCheckpointError, HFTensors, read_hf_config, save_hf_streaming
@@ -175,6 +179,11 @@ def broken_file(folder: Path) -> str | None:
     return problems[0] if problems else None
 
 
+def saved_keys(folder: Path) -> set[str]:
+    """The dotted names a DCP checkpoint holds (``model.lm_head.weight``, ``train.step``...)."""
+    return set(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+
+
 def model_mismatch(folder: Path, args: ModelArgs) -> str | None:
     """How the parameters saved in ``folder`` differ from ``args``' model, or None."""
     metadata = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
@@ -196,6 +205,15 @@ def model_mismatch(folder: Path, args: ModelArgs) -> str | None:
     return "; ".join(differences[:3]) + more
 
 
+@dataclass
+class _Writing:
+    """A save DCP is still writing in the background (checkpoint.async_mode)."""
+
+    step: int
+    partial: Path
+    future: Future
+
+
 class Checkpointer:
     """Saves and restores one job's training state."""
 
@@ -207,6 +225,7 @@ class Checkpointer:
         args: ModelArgs,
         parts: list[nn.Module],
         optimizers: list[torch.optim.Optimizer],
+        init_timeout_s: int = 300,
     ) -> None:
         self.cfg = cfg
         self.args = args
@@ -214,34 +233,84 @@ class Checkpointer:
         self.rank = rank
         self.parts = parts
         self.optimizers = optimizers
+        self._writing: _Writing | None = None
+        self._stager: DefaultStager | None = None
+        self._group = None
+        if cfg.enable and cfg.async_mode != "disabled":
+            self._group = background_save_group(init_timeout_s)
+            pinned = cfg.async_mode == "async_with_pinned_mem" and torch.cuda.is_available()
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=pinned,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=False,
+                )
+            )
 
-    def _state(self, train: dict[str, int]) -> dict[str, Any]:
-        return {
-            "model": ModelState(self.parts),
-            "optimizer": OptimizerState(self.parts, self.optimizers),
-            "train": train,
-        }
+    def _state(self, train: dict[str, int], model_only: bool = False) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": ModelState(self.parts), "train": train}
+        if not model_only:
+            state["optimizer"] = OptimizerState(self.parts, self.optimizers)
+        return state
 
-    def save(self, step: int, consumed_samples: int) -> Path:
-        """Write the checkpoint of ``step`` atomically; prune old ones past keep_latest_k."""
-        final = self.folder / f"step-{step}"
+    def save(self, train: dict[str, int], model_only: bool = False) -> Path:
+        """Write the checkpoint of step ``train["step"]`` (``train`` is saved beside the
+        weights) atomically; prune old ones past keep_latest_k. ``model_only`` leaves out
+        the optimizer. With checkpoint.async_mode, returns once the state is copied aside and
+        the folder appears when ``wait`` (the next save, or the end) has finished writing."""
+        self.wait()
+        step = train["step"]
         partial = self.folder / f".step-{step}.partial"
         if self.rank == 0:
             self._remove_leftovers()
             partial.mkdir(parents=True)
         _barrier()
-        train = {"step": step, "consumed_samples": consumed_samples}
         try:
-            _dcp(dcp.save, self._state(train), partial)
             torch.save(torch.get_rng_state(), partial / f"rng-rank{self.rank}.pt")
+            if self._stager is not None:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    future = dcp.async_save(
+                        self._state(dict(train), model_only),
+                        checkpoint_id=str(partial),
+                        process_group=self._group,
+                        async_stager=self._stager,
+                        no_dist=self._group is None,
+                    )
+                self._writing = _Writing(step, partial, future)
+                return self.folder / f"step-{step}"
+            _dcp(dcp.save, self._state(dict(train), model_only), partial)
+        except (OSError, RuntimeError, CheckpointException) as err:
+            self._failed(step, partial, err)
+        return self._finish(step, partial)
+
+    def wait(self) -> None:
+        """Finish the save still being written in the background, if any (collective)."""
+        if self._writing is None:
+            return
+        writing, self._writing = self._writing, None
+        try:
+            writing.future.result()
+        except (OSError, RuntimeError, CheckpointException) as err:
+            self._failed(writing.step, writing.partial, err)
+        self._finish(writing.step, writing.partial)
+
+    def close(self) -> None:
+        """Finish any background save and free the staging buffers."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    def _finish(self, step: int, partial: Path) -> Path:
+        """Checksum a written save and move it into place as step-N (collective)."""
+        final = self.folder / f"step-{step}"
+        try:
             _barrier()
             write_manifest(partial)
         except (OSError, RuntimeError, CheckpointException) as err:
-            shutil.rmtree(partial, ignore_errors=True)
-            rank, cause = _first_failure(err, self.rank)
-            if peer_gone(cause):  # not this save's fault: the trainer reports it
-                raise cause from None
-            raise TrainingStopped(self._save_failed(step, rank, cause)) from None
+            self._failed(step, partial, err)
         _barrier()
         if self.rank == 0:
             if final.exists():  # re-saving a step: keep the old copy until the new one is in place
@@ -256,6 +325,13 @@ class Checkpointer:
             logger.info("saved checkpoint %s", final)
         _barrier()
         return final
+
+    def _failed(self, step: int, partial: Path, err: BaseException) -> NoReturn:
+        shutil.rmtree(partial, ignore_errors=True)
+        rank, cause = _first_failure(err, self.rank)
+        if peer_gone(cause):  # not this save's fault: the trainer reports it
+            raise cause from None
+        raise TrainingStopped(self._save_failed(step, rank, cause)) from None
 
     def _save_failed(self, step: int, rank: int, err: BaseException) -> str:
         free_gib = shutil.disk_usage(self.folder).free / 2**30
@@ -305,7 +381,8 @@ class Checkpointer:
         return None
 
     def load(self, step: int) -> dict[str, int]:
-        """Restore everything saved at ``step``; returns {"step", "consumed_samples"}."""
+        """Restore everything saved at ``step``; returns the train state saved with it
+        ({"step", "consumed_samples"}, and the data shape of newer saves)."""
         path = self.folder / f"step-{step}"
         mismatch = model_mismatch(path, self.args)
         if mismatch is not None:
@@ -313,7 +390,14 @@ class Checkpointer:
                 f"checkpoint {path} was saved from another model: {mismatch}; resume with the "
                 "model it was saved with, or train into a new job.dump_folder"
             )
-        train = {"step": 0, "consumed_samples": 0}
+        if self.model_only(step):
+            raise TrainingStopped(
+                f"checkpoint {path} holds the model only (checkpoint.last_save_model_only=true), so "
+                "training cannot resume from it; start a new job from it with "
+                f"--checkpoint.initial_load_path {path}, or resume from an earlier step "
+                f"(--checkpoint.load_step, one of {complete_steps(self.folder)[:-1]})"
+            )
+        train = {k.removeprefix("train."): 0 for k in saved_keys(path) if k.startswith("train.")}
         state = self._state(train)
         _dcp(dcp.load, state, path)
         rng = path / f"rng-rank{self.rank}.pt"
@@ -321,6 +405,10 @@ class Checkpointer:
             torch.set_rng_state(torch.load(rng))
         logger.info("resumed from %s", path)
         return state["train"]
+
+    def model_only(self, step: int) -> bool:
+        """Whether the checkpoint of ``step`` holds the model without its optimizer."""
+        return not any(k.startswith("optimizer.") for k in saved_keys(self.folder / f"step-{step}"))
 
     def load_model_only(self, path: str | Path) -> None:
         """Initial weights from a DCP folder (model entries only)."""

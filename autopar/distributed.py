@@ -66,4 +66,21 @@ def set_timeout(seconds: int) -> None:
     if not dist.is_initialized():
         return
     for group in list(dist.distributed_c10d._world.pg_map):
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+        if group.group_desc != BACKGROUND_SAVE_GROUP:
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+BACKGROUND_SAVE_GROUP = "background_save"
+"""The gloo group of background (async) checkpoint saves: its collectives wait for the
+slowest rank's writes, so it keeps the long timeout it was made with."""
+
+
+def background_save_group(timeout_s: int) -> dist.ProcessGroup | None:
+    """A gloo group of every rank for DCP's background saves (collective), or None in a
+    world of one process. Its own group: the background thread's collectives must not
+    interleave with the training's, and DCP async saves need a CPU backend."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(
+        backend="gloo", timeout=timedelta(seconds=timeout_s), group_desc=BACKGROUND_SAVE_GROUP
+    )

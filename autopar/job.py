@@ -56,6 +56,13 @@ def model_args(job: JobConfig) -> ModelArgs:
             return get_flavor(model.name, model.flavor, **model.overrides)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+    if not Path(model.hf_assets_path).is_dir():
+        name = Path(model.hf_assets_path).name
+        raise ConfigError(
+            f"model.hf_assets_path={model.hf_assets_path!r}: no such folder; download the model there "
+            f"(e.g. huggingface-cli download Qwen/{name} --local-dir {model.hf_assets_path}), "
+            f"or unset it (--model.hf_assets_path none) to build flavor {model.flavor!r}"
+        )
     try:
         args = read_hf_config(model.hf_assets_path)
     except HFCheckpointError as err:

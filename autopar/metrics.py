@@ -134,7 +134,7 @@ class MetricsLogger:
         device: torch.device,
         world_size: int,
         is_main: bool,
-        tensorboard: bool = False,
+        tb_folder: str | None = None,
     ) -> None:
         self.path = Path(dump_folder) / "metrics.jsonl"
         self.flops_per_token = flops_per_token
@@ -147,10 +147,10 @@ class MetricsLogger:
         self._tb = None
         if is_main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if tensorboard:
+            if tb_folder is not None:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(Path(dump_folder) / "tb"))
+                self._tb = SummaryWriter(str(Path(dump_folder) / tb_folder))
 
     def record(
         self,

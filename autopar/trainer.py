@@ -66,7 +66,13 @@ class Trainer:
         self.parts, self.optimizers = self.one_step.parts, self.one_step.optimizers
         self.loader = self._build_loader(samples)
         self.checkpointer = Checkpointer(
-            job.checkpoint, job.job.dump_folder, world.rank, args, self.parts, self.optimizers
+            job.checkpoint,
+            job.job.dump_folder,
+            world.rank,
+            args,
+            self.parts,
+            self.optimizers,
+            job.comm.init_timeout_seconds,
         )
         self.metrics = MetricsLogger(
             job.job.dump_folder,
@@ -76,7 +82,7 @@ class Trainer:
             world.device,
             world.size,
             world.is_main,
-            job.metrics.enable_tensorboard,
+            job.metrics.save_tb_folder if job.metrics.enable_tensorboard else None,
         )
         self.step = 0
         self.bad: list[str] = []  # what was not finite at the last step
@@ -155,14 +161,38 @@ class Trainer:
         """Resume from the latest checkpoint, or load initial weights from a DCP folder."""
         checkpoint = self.job.checkpoint
         step = self.checkpointer.resume_step() if checkpoint.enable else None
-        if step is not None:
+        if step is not None and step >= self.job.training.steps and self.checkpointer.model_only(step):
+            self.step = step  # a finished run whose last save holds the model only: nothing to do
+        elif step is not None:
             state = self.checkpointer.load(step)
             self.step = state["step"]
+            self._warn_changed_data_shape(state)
             self.loader.load_state_dict({"consumed_samples": state["consumed_samples"]})
         elif checkpoint.initial_load_path is not None and not checkpoint.initial_load_in_hf:
             logger.info("initial weights from DCP folder %s", checkpoint.initial_load_path)
             self.checkpointer.load_model_only(checkpoint.initial_load_path)
         self.metrics.forget_after(self.step)  # steps logged after it (by a run that died) run again
+
+    def _data_shape(self) -> dict[str, int]:
+        """What a checkpoint records of how samples were cut and batched."""
+        return {"seq_len": self.job.training.seq_len, "global_batch_size": self.loader.global_batch}
+
+    def _warn_changed_data_shape(self, saved: dict[str, int]) -> None:
+        """Resuming with another seq_len or batch works, but is not the run that was saved."""
+        now = self._data_shape()
+        changed = [f"{k} {saved[k]} -> {v}" for k, v in now.items() if k in saved and saved[k] != v]
+        if not changed:
+            return
+        logger.warning(
+            "resuming step %d with %s since the checkpoint: the data position is kept in samples "
+            "(%d so far), so with another seq_len the next text is not where the saved run stopped "
+            "(some is skipped or seen twice), and with another batch each later step takes another "
+            "number of tokens under the same learning-rate schedule; the losses will not match an "
+            "uninterrupted run",
+            self.step,
+            ", ".join(changed),
+            saved["consumed_samples"],
+        )
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next optimizer step on the loader's next batches; (loss, grad norm) as device
@@ -227,10 +257,11 @@ class Trainer:
                     window_start, window_steps = time.perf_counter(), 0
                 saved = self.checkpointer.should_save(self.step, steps)
                 if saved:
-                    self._save()
+                    self._save(model_only=self.step == steps and self.job.checkpoint.last_save_model_only)
                 stopped = self.step < steps and stop.requested(self.world.device)  # the last step ends anyway
                 if stopped:
                     self._stop_early(stop.signal_name or "a stop signal (on another rank)", saved)
+        self.checkpointer.close()
         if self.job.checkpoint.last_save_in_hf and not stopped:
             self._export_hf()
         self.metrics.close()
@@ -256,7 +287,7 @@ class Trainer:
             "stopped by %s after step %d and saved it; the same command resumes from there", why, self.step
         )
 
-    def _save(self) -> Path:
+    def _save(self, model_only: bool = False) -> Path:
         """A checkpoint of this step, refused when any weight is not finite."""
         if not parameters_finite(self.parts):
             raise TrainingStopped(
@@ -264,7 +295,8 @@ class Trainer:
                 "one on disk is kept); lower optimizer.lr or training.max_norm and resume from it"
             )
         set_timeout(self.job.comm.init_timeout_seconds)  # writing may keep some ranks long
-        path = self.checkpointer.save(self.step, self.loader.consumed_samples)
+        train = {"step": self.step, "consumed_samples": self.loader.consumed_samples, **self._data_shape()}
+        path = self.checkpointer.save(train, model_only)
         set_timeout(self.job.comm.train_timeout_seconds)
         return path
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
 from pathlib import Path
 
 from autopar.config import JobConfig
-from autopar.job import parse_job
+from autopar.data.tokens import BUILTIN_DATASETS
+from autopar.job import model_args, parse_job
+from autopar.models import ModelArgs, Qwen, to_hf
 
 TINY_MODEL = {
     "hidden_size": 64,
@@ -113,3 +116,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def write_tiny_hf_folder(folder: Path, model: dict[str, object]) -> ModelArgs:
+    """A tiny Qwen3 in ``folder`` as HF ships one: config.json, safetensors and a BPE
+    tokenizer.json trained on the shipped corpus; returns its model args."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    args = model_args(parse_job([f"--model.{k}={v}" for k, v in model.items()]))
+    network = Qwen(args)
+    network.init_weights()
+    to_hf(network, folder)
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
+    corpus = [p.read_text() for p in sorted(BUILTIN_DATASETS["autopar_corpus"].glob("*.txt"))]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"])
+    tokenizer.train_from_iterator(corpus, trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"})
+    )
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "bos_token_id": eos, "eos_token_id": eos}))
+    return args

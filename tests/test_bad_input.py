@@ -121,7 +121,7 @@ CASES = {
         "--model.tokenizer_path {inputs}/tok",
         "tok/tokenizer.json: not a readable HF tokenizer",
     ),
-    "missing hf assets": ("--model.hf_assets_path {inputs}/none", "model.hf_assets_path: "),
+    "missing hf assets": ("--model.hf_assets_path {inputs}/none", "/none': no such folder; download"),
     "missing initial weights": ("--checkpoint.initial_load_path {inputs}/none", "no such folder"),
     "hf load without a path": ("--checkpoint.initial_load_in_hf true", "needs checkpoint.initial_load_path"),
     "truncated safetensors": (

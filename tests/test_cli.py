@@ -213,6 +213,8 @@ def test_bench_prints_the_table_and_writes_json(tmp_path):
         "2",
         "--json",
         str(out),
+        "--job.dump_folder",
+        str(tmp_path),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tokens/s/dev" in result.stdout and "vs eager" in result.stdout
@@ -221,6 +223,11 @@ def test_bench_prints_the_table_and_writes_json(tmp_path):
     results = payload["results"]
     assert [r["variant"] for r in results] == ["eager", "compiled"]
     assert results[1]["first_loss"] == pytest.approx(results[0]["first_loss"], rel=1e-4)
+    for variant in results:  # each variant's curve, ready for autopar.plot
+        curve = read_metrics(tmp_path / "bench" / variant["variant"] / "metrics.jsonl")
+        assert [r["step"] for r in curve] == [1, 2, 3]
+        assert curve[-1]["loss"] == pytest.approx(variant["final_loss"])
+    assert f"python -m autopar.plot {tmp_path / 'bench' / 'eager' / 'metrics.jsonl'} " in result.stdout
 
 
 def test_plot_overlays_runs(tmp_path):

@@ -93,6 +93,36 @@ def test_a_second_job_config_is_refused(toml_file):
         parse_job(["--job.config", path, "--job.config", path])
 
 
+def test_torchtitans_float8_section_is_our_float8_section(toml_file):
+    path = toml_file(
+        "[quantize.linear.float8]\nfilter_fqns = ['output']\nrecipe_name = 'rowwise'\n"
+        "enable_fsdp_float8_all_gather = false\nprecompute_float8_dynamic_scale_for_fsdp = false\n"
+    )
+    float8 = parse_job(["--job.config", path]).float8
+    assert (float8.filter_fqns, float8.recipe) == (["output"], "rowwise")
+    assert not float8.precompute_float8_dynamic_scale_for_fsdp
+    assert parse_job(["--quantize.linear.float8.recipe_name", "tensorwise"]).float8.recipe == "tensorwise"
+
+
+def test_torchtitans_float8_converter_turns_float8_on():
+    assert parse_job(["--model.converters", "float8"]).float8.enable
+    assert parse_job(["--model.converters", "quantize.linear.float8"]).float8.enable
+    assert not parse_job(["--model.converters", ""]).float8.enable
+
+
+def test_an_unknown_converter_is_refused_naming_the_known_ones():
+    with pytest.raises(ConfigError, match=r"model.converters\[1\]='mx' is not supported; known: \['float8'"):
+        parse_job(["--model.converters", "float8,mx"])
+
+
+def test_explicit_keys_speak_our_names_for_torchtitans(toml_file):
+    from autopar.config.parse import explicit_keys
+
+    path = toml_file("[quantize.linear.float8]\nfilter_fqns = ['output']\n[model]\nconverters = ['float8']\n")
+    cli, toml = explicit_keys(["--job.config", path, "--quantize.linear.float8.recipe_name", "rowwise"])
+    assert cli == {"float8.recipe"} and toml == {"float8.filter_fqns", "float8.enable"}
+
+
 def test_help_lists_every_field_with_its_doc():
     text = help_text()
     assert "--training.seq_len int (default 2048)" in text

@@ -14,38 +14,18 @@ from autopar.data import ByteTokenizer, build_tokenizer
 from autopar.data.tokens import BUILTIN_DATASETS, load_tokens
 from autopar.distributed import single_process
 from autopar.job import model_args, parse_job, tokenizer_path
-from autopar.models import Qwen, to_hf
 from autopar.trainer import Trainer
 from autopar.validate import validate
 
-from jobs import TINY_MODEL
+from jobs import TINY_MODEL, write_tiny_hf_folder
 
 HF_ARGS = {**TINY_MODEL, "max_position_embeddings": 1234, "rope_theta": 500000.0}
 
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
-    """A tiny Qwen3 as HF ships one: config.json, safetensors and a BPE tokenizer.json."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
     folder = tmp_path_factory.mktemp("hf")
-    args = model_args(parse_job([f"--model.{k}={v}" for k, v in HF_ARGS.items()]))
-    model = Qwen(args)
-    model.init_weights()
-    to_hf(model, folder)
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
-    corpus = [p.read_text() for p in sorted(BUILTIN_DATASETS["autopar_corpus"].glob("*.txt"))]
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"])
-    tokenizer.train_from_iterator(corpus, trainer)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    eos = tokenizer.token_to_id("<|endoftext|>")
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"})
-    )
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "bos_token_id": eos, "eos_token_id": eos}))
-    return folder, args
+    return folder, write_tiny_hf_folder(folder, HF_ARGS)
 
 
 def hf_job(folder, *flags: str):

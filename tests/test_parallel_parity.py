@@ -82,10 +82,11 @@ TP2 = ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_pa
 
 @pytest.fixture(scope="module")
 def resharded(tmp_path_factory):
-    """Save under one plan at step 3, resume under the other: (uninterrupted, resumed) runs."""
+    """Save under one plan at step 3, resume under the other: (uninterrupted, resumed) runs.
+    The FSDP run saves in the background (checkpoint.async_mode), the TP run blocking."""
     tmp = tmp_path_factory.mktemp("reshard")
     jobs = [
-        ("fsdp", _resume_job(tmp / "a", FSDP2)),
+        ("fsdp", _resume_job(tmp / "a", [*FSDP2, "--checkpoint.async_mode", "async"])),
         ("fsdp->tp", _resume_job(tmp / "a", TP2, load_step=3)),
         ("tp", _resume_job(tmp / "b", TP2)),
         ("tp->fsdp", _resume_job(tmp / "b", FSDP2, load_step=3)),

@@ -12,6 +12,7 @@ from autopar.checkpoint import complete_steps
 from autopar.config.job import LRScheduler
 from autopar.data.loader import Batch
 from autopar.distributed import single_process
+from autopar.faults import TrainingStopped
 from autopar.metrics import read_metrics
 from autopar.models import Qwen, from_hf, get_flavor
 from autopar.optim import lr_factor
@@ -71,6 +72,88 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
     assert [r.step for r in resumed] == [4, 5, 6]
     assert [r.loss for r in resumed] == [r.loss for r in uninterrupted[3:]]
     assert [r.grad_norm for r in resumed] == [r.grad_norm for r in uninterrupted[3:]]
+
+
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_a_background_save_resumes_like_a_blocking_one(tmp_path, mode):
+    flags = ("--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "3")
+    blocking = train(tiny_job(tmp_path / "blocking", *flags))
+    background = train(tiny_job(tmp_path / "run", *flags, "--checkpoint.async_mode", mode))
+    assert [r.loss for r in background] == [r.loss for r in blocking]
+    assert complete_steps(tmp_path / "run" / "checkpoint") == [3, 6]
+    shutil.rmtree(tmp_path / "run" / "checkpoint" / "step-6")
+    resumed = train(tiny_job(tmp_path / "run", *flags, "--checkpoint.async_mode", mode))
+    assert [r.loss for r in resumed] == [r.loss for r in blocking[3:]]
+    assert [r.grad_norm for r in resumed] == [r.grad_norm for r in blocking[3:]]
+
+
+def test_last_save_model_only_leaves_the_optimizer_out_of_the_final_checkpoint(tmp_path):
+    flags = ("--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "3")
+    job = tiny_job(tmp_path, *flags, "--checkpoint.last_save_model_only", "true")
+    trainer = Trainer(job, validate(job, 1), single_process())
+    trainer.train()
+    assert trainer.checkpointer.model_only(6) and not trainer.checkpointer.model_only(3)
+    started = tiny_job(
+        tmp_path / "next", "--checkpoint.initial_load_path", str(tmp_path / "checkpoint" / "step-6")
+    )
+    loaded = Trainer(started, validate(started, 1), single_process())
+    loaded.restore()
+    for (name, trained), (_, initial) in zip(
+        trainer.parts[0].named_parameters(), loaded.parts[0].named_parameters()
+    ):
+        assert torch.equal(initial, trained), name
+
+
+def test_a_finished_run_whose_last_save_is_model_only_reruns_as_done(tmp_path):
+    flags = (
+        "--training.steps",
+        "4",
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.last_save_model_only",
+        "true",
+    )
+    train(tiny_job(tmp_path, *flags))
+    assert train(tiny_job(tmp_path, *flags)) == []
+
+
+def test_training_on_from_a_model_only_checkpoint_is_refused_naming_the_ways_on(tmp_path):
+    flags = (
+        "--checkpoint.enable",
+        "true",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.last_save_model_only",
+        "true",
+    )
+    train(tiny_job(tmp_path, *flags, "--training.steps", "4"))
+    with pytest.raises(TrainingStopped, match=r"holds the model only.*initial_load_path.*load_step.*\[2\]"):
+        train(tiny_job(tmp_path, *flags, "--training.steps", "6"))
+
+
+@pytest.mark.parametrize(
+    "changed, named",
+    [
+        (("--training.seq_len", "16"), "seq_len 32 -> 16"),
+        (("--training.local_batch_size", "4"), "global_batch_size 2 -> 4"),
+    ],
+)
+def test_resuming_with_another_seq_len_or_batch_warns(tmp_path, caplog, changed, named):
+    flags = ("--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "3")
+    train(tiny_job(tmp_path, *flags))
+    for again in ((), changed):
+        shutil.rmtree(tmp_path / "checkpoint" / "step-6")
+        caplog.clear()
+        train(tiny_job(tmp_path, *flags, *again))
+    assert f"resuming step 3 with {named} since the checkpoint" in caplog.text
+
+
+def test_resuming_with_the_same_data_shape_says_nothing_about_it(tmp_path, caplog):
+    flags = ("--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "3")
+    train(tiny_job(tmp_path, *flags))
+    shutil.rmtree(tmp_path / "checkpoint" / "step-6")
+    train(tiny_job(tmp_path, *flags))
+    assert "since the checkpoint" not in caplog.text
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint_usable(tmp_path, monkeypatch):

@@ -155,6 +155,13 @@ class Checkpoint:
     """Also export the final model as an HF folder (job.dump_folder/hf)."""
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the HF export."""
+    last_save_model_only: bool = False
+    """The save at training.steps holds the model only (no optimizer): for export or
+    checkpoint.initial_load_path, not for resuming. torchtitan's default is true."""
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """async: training goes on while a save is written (DCP async_save on its own gloo group;
+    the save becomes step-N when written). async_with_pinned_mem also stages through pinned
+    host memory on CUDA (on CPU it is the same as async)."""
 
 
 @dataclass
@@ -162,7 +169,9 @@ class Metrics:
     log_freq: int = 10
     """Log every this many steps (and the first and last)."""
     enable_tensorboard: bool = False
-    """Also write TensorBoard scalars under job.dump_folder/tb."""
+    """Also write TensorBoard scalars under job.dump_folder/save_tb_folder."""
+    save_tb_folder: str = "tb"
+    """TensorBoard's folder, under job.dump_folder."""
 
 
 @dataclass
@@ -189,12 +198,18 @@ class Float8:
     """Run eligible nn.Linear layers in FP8."""
     backend: Literal["auto", "te", "torchao"] = "auto"
     """auto: Transformer Engine on CUDA, torchao elsewhere."""
-    recipe: Literal["default", "tensorwise", "rowwise", "delayed", "current"] = "default"
-    """Scaling recipe: torchao tensorwise/rowwise (default tensorwise); TE delayed/current (default delayed)."""
+    recipe: Literal["default", "tensorwise", "rowwise", "rowwise_with_gw_hp", "delayed", "current"] = (
+        "default"
+    )
+    """Scaling recipe: torchao tensorwise/rowwise/rowwise_with_gw_hp (default tensorwise); TE
+    delayed/current (default delayed). torchtitan's name: recipe_name."""
     filter_fqns: list[str] = field(default_factory=lambda: ["lm_head"])
     """Modules kept in high precision (name substrings); dims not divisible by 16 always are."""
     enable_fsdp_float8_all_gather: bool = False
     """torchao tensorwise: all-gather FSDP weights in FP8 (half the all-gather bytes)."""
+    precompute_float8_dynamic_scale_for_fsdp: bool = True
+    """With FP8 all-gather: compute every weight's scale in one pass after the optimizer step
+    (false: each layer computes its own at its all-gather)."""
 
 
 @dataclass

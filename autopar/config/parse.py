@@ -121,8 +121,40 @@ ModelFields = Mapping[str, Any]
 config floor does not know the model; callers pass its fields (``autopar.job`` does)."""
 
 
+SECTION_ALIASES = {"quantize.linear.float8": "float8"}
+"""torchtitan's sections that are ours under another name (TOML tables and CLI prefixes)."""
+FIELD_ALIASES = {"float8.recipe_name": "float8.recipe"}
+"""torchtitan's fields that are ours under another name."""
+CONVERTERS = {"float8": "float8.enable", "quantize.linear.float8": "float8.enable"}
+"""torchtitan's ``model.converters`` items and the switch each one turns on."""
+
+
+def canonical(dotted: str) -> str:
+    """Our name for a dotted key given under torchtitan's name (unchanged otherwise)."""
+    for alias, ours in SECTION_ALIASES.items():
+        if dotted.startswith(alias + "."):
+            dotted = ours + dotted[len(alias) :]
+    return FIELD_ALIASES.get(dotted, dotted)
+
+
+def _converters(job: JobConfig, value: Any, from_cli: bool, model_fields: ModelFields) -> None:
+    """torchtitan's ``model.converters = ["float8"]``: each item turns its feature on."""
+    for i, item in enumerate(coerce(value, list[str], "model.converters", from_cli)):
+        if item not in CONVERTERS:
+            raise ConfigError(
+                f"model.converters[{i}]={item!r} is not supported; known: {sorted(CONVERTERS)} "
+                "(each the same as float8.enable=true)"
+            )
+        set_field(job, CONVERTERS[item], True, False, model_fields)
+
+
 def set_field(job: JobConfig, dotted: str, value: Any, from_cli: bool, model_fields: ModelFields) -> None:
-    """Assign ``section.field`` (or a model arg under ``model.``), type-checked."""
+    """Assign ``section.field`` (or a model arg under ``model.``), type-checked; torchtitan's
+    names (``SECTION_ALIASES``, ``FIELD_ALIASES``, ``model.converters``) are accepted too."""
+    dotted = canonical(dotted)
+    if dotted == "model.converters":
+        _converters(job, value, from_cli, model_fields)
+        return
     section_name, _, name = dotted.partition(".")
     all_sections = sections()
     if section_name not in all_sections or not name:
@@ -140,15 +172,32 @@ def set_field(job: JobConfig, dotted: str, value: Any, from_cli: bool, model_fie
     setattr(section, name, coerce(value, types_[name], dotted, from_cli))
 
 
-def apply_toml(job: JobConfig, data: dict[str, Any], source: str, model_fields: ModelFields) -> None:
+def toml_keys(data: dict[str, Any], source: str) -> dict[str, Any]:
+    """A parsed TOML file as {dotted key: value}; tables nest only under an alias section
+    (``[quantize.linear.float8]``), elsewhere a table value is an ordinary (dict) value."""
+    flat: dict[str, Any] = {}
+
+    def visit(prefix: str, table: dict[str, Any]) -> None:
+        for name, value in table.items():
+            dotted = f"{prefix}.{name}"
+            if isinstance(value, dict) and any(a.startswith(dotted) for a in SECTION_ALIASES):
+                visit(dotted, value)
+            else:
+                flat[dotted] = value
+
     for section_name, table in data.items():
         if not isinstance(table, dict):
             raise ConfigError(f"{source}: top-level key {section_name!r} must be a [section] table")
-        for name, value in table.items():
-            try:
-                set_field(job, f"{section_name}.{name}", value, False, model_fields)
-            except ConfigError as err:
-                raise ConfigError(f"{source}: {err}") from None
+        visit(section_name, table)
+    return flat
+
+
+def apply_toml(job: JobConfig, data: dict[str, Any], source: str, model_fields: ModelFields) -> None:
+    for dotted, value in toml_keys(data, source).items():
+        try:
+            set_field(job, dotted, value, False, model_fields)
+        except ConfigError as err:
+            raise ConfigError(f"{source}: {err}") from None
 
 
 def _split_cli(argv: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
@@ -229,13 +278,16 @@ def parse_job(argv: list[str], model_fields: ModelFields) -> JobConfig:
 def explicit_keys(argv: list[str]) -> tuple[set[str], set[str]]:
     """Dotted keys (``section.field``) the command line sets, and those its TOML file sets."""
     pairs, _ = _split_cli(argv)
-    cli = {k for k, _ in pairs if k not in ("job.config", "job.config_file")}
+
+    def ours(keys: Iterable[str]) -> set[str]:
+        return {"float8.enable" if k == "model.converters" else canonical(k) for k in keys}
+
+    cli = ours(k for k, _ in pairs if k not in ("job.config", "job.config_file"))
     config_file = next((v for k, v in pairs if k in ("job.config", "job.config_file")), None)
     if config_file is None:
         return cli, set()
-    data = tomllib.loads(config_path(config_file).read_text())
-    toml = {f"{s}.{k}" for s, table in data.items() if isinstance(table, dict) for k in table}
-    return cli, toml
+    path = config_path(config_file)
+    return cli, ours(toml_keys(tomllib.loads(path.read_text()), str(path)))
 
 
 def derive_job(base: JobConfig, overrides: Iterable[str], model_fields: ModelFields) -> JobConfig:

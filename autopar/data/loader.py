@@ -53,8 +53,14 @@ def dataset_path(dataset: str, path: str | None) -> Path:
     if path is not None:
         return Path(path)
     if dataset not in BUILTIN_DATASETS:
+        hub = (
+            " (torchtitan streams it from the Hugging Face Hub; autopar reads local files: "
+            "download it, tokenize it once with autopar-prepare, and point training.dataset_path there)"
+            if dataset.startswith("c4")
+            else ""
+        )
         raise DataError(
-            f"training.dataset={dataset!r} is not built in ({sorted(BUILTIN_DATASETS)}); "
+            f"training.dataset={dataset!r} is not built in ({sorted(BUILTIN_DATASETS)}){hub}; "
             "set training.dataset_path to your files"
         )
     return BUILTIN_DATASETS[dataset]

@@ -10,7 +10,7 @@ What each backend composes with:
 | backend | one device | FSDP2 | TP / SP | compile |
 | --- | --- | --- | --- | --- |
 | torchao (tensorwise) | yes | yes, with optional FP8 all-gather | yes (FP8 TP styles) | yes |
-| torchao (rowwise) | yes | yes | no | yes |
+| torchao (rowwise, rowwise_with_gw_hp) | yes | yes | no | yes |
 | te (delayed / current) | yes | yes | no (TE has its own TP; DTensor TP is refused) | no (refused) |
 
 Transformer Engine and torchao are optional and imported only when asked for.
@@ -88,7 +88,8 @@ def check_float8(cfg: Float8, device_type: str, tp_degree: int, compiled: bool) 
         return
     backend = resolve_backend(cfg, device_type)
     recipe = resolve_recipe(cfg, backend)
-    allowed = {"te": ("delayed", "current"), "torchao": ("tensorwise", "rowwise")}[backend]
+    recipes = {"te": ("delayed", "current"), "torchao": ("tensorwise", "rowwise", "rowwise_with_gw_hp")}
+    allowed = recipes[backend]
     if recipe not in allowed:
         raise ConfigError(f"float8.recipe={recipe!r} is not a {backend} recipe; use one of {list(allowed)}")
     if backend == "te":
@@ -182,7 +183,7 @@ def te_autocast(cfg: Float8):
 def after_optimizer_step(parts: list[nn.Module], cfg: Float8) -> None:
     """torchao FP8 all-gather keeps one weight scale per FSDP parameter; refresh it from
     the new weights in one fused pass instead of per layer at the next forward."""
-    if cfg.enable and cfg.enable_fsdp_float8_all_gather:
+    if cfg.enable and cfg.enable_fsdp_float8_all_gather and cfg.precompute_float8_dynamic_scale_for_fsdp:
         ao = _import_torchao()
         for part in parts:
             ao.precompute_float8_dynamic_scale_for_fsdp(part)
