@@ -191,6 +191,17 @@ class MetricsLogger:
                         self._tb.add_scalar(key, value, step)
         return metrics
 
+    def record_validation(self, step: int, loss: float, tokens: int) -> None:
+        """Log a held-out loss: its own metrics.jsonl record {"step", "val_loss", "val_tokens"}."""
+        if not self.is_main:
+            return
+        logger.info("validation at step %d: val_loss %.4f over %s tokens", step, loss, _si(tokens))
+        record = {"step": step, "val_loss": loss if math.isfinite(loss) else None, "val_tokens": tokens}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None and math.isfinite(loss):
+            self._tb.add_scalar("val_loss", loss, step)
+
     def forget_after(self, step: int) -> None:
         """Drop the records of steps after ``step`` (a resumed run replays them)."""
         if not self.is_main or not self.path.is_file():

@@ -95,8 +95,10 @@ def forward_backward(
     batches: list[Batch],
     global_targets: torch.Tensor,
     context: TrainContext,
+    backward: bool = True,
 ) -> torch.Tensor:
-    """Run every micro-batch; returns this rank's share of the step loss (detached)."""
+    """Run every micro-batch (forward only without ``backward``, e.g. under no_grad for a
+    held-out loss); returns this rank's share of the step loss (detached)."""
     total = torch.zeros((), device=global_targets.device)
     for full_batch in batches:
         with context.sequence(full_batch) as (batch, positions), context.loss_parallel_context():
@@ -105,7 +107,8 @@ def forward_backward(
             loss = context.loss_fn(logits, batch.labels) / global_targets
             if isinstance(loss, DTensor):
                 loss = loss.full_tensor()
-            loss.backward()
+            if backward:
+                loss.backward()
         total += loss.detach()
     return total
 
@@ -196,6 +199,19 @@ class TrainStep:
         else:
             local_loss = forward_backward(self.parts[0], batches, targets, self.context)
         self.local_loss = local_loss
+        return all_reduce_sum(local_loss, self.meshes.get("loss"))
+
+    @torch.no_grad()
+    def forward_loss(self, batches: list[Batch], targets: torch.Tensor) -> torch.Tensor:
+        """The loss of ``batches`` (``targets`` of them over every rank) without gradients:
+        the same forward, plan and loss as a training step (collective)."""
+        if self.pipeline is not None:
+            local_loss = pipeline_forward_backward(
+                self.pipeline, batches, targets, self.context.micro_batch, backward=False
+            )
+            local_loss = all_reduce_sum(local_loss, self.meshes.get("pp"))
+        else:
+            local_loss = forward_backward(self.parts[0], batches, targets, self.context, backward=False)
         return all_reduce_sum(local_loss, self.meshes.get("loss"))
 
     def update(self, lr: float) -> torch.Tensor:

@@ -14,8 +14,9 @@ from autopar.config.job import JobConfig
 from autopar.data.dataset import SampleSource
 from autopar.data.errors import DataError
 from autopar.data.loader import StepLoader, build_samples
-from autopar.data.tokenizer import build_tokenizer
+from autopar.data.tokenizer import Tokenizer, build_tokenizer
 from autopar.distributed import World, set_timeout
+from autopar.evaluate import Validator, validation_samples
 from autopar.faults import (
     StopRequest,
     TrainingStopped,
@@ -55,7 +56,9 @@ class Trainer:
         self.job = job
         self.args = args
         self.world = world
-        samples = self._samples()  # first: bad data is refused before any real work
+        tokenizer = build_tokenizer(tokenizer_path(job))
+        samples = self._samples(tokenizer)  # first: bad data is refused before any real work
+        held_out = validation_samples(job, tokenizer) if job.validation.enable else None
         torch.manual_seed(job.debug.seed)
         if job.debug.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -65,6 +68,11 @@ class Trainer:
         self.one_step = TrainStep(job, world, self.meshes, built)
         self.parts, self.optimizers = self.one_step.parts, self.one_step.optimizers
         self.loader = self._build_loader(samples)
+        self.validator = (
+            Validator(job, held_out, self.one_step, self.loader.dp_rank, world.device)
+            if held_out is not None
+            else None
+        )
         self.checkpointer = Checkpointer(
             job.checkpoint,
             job.job.dump_folder,
@@ -133,13 +141,13 @@ class Trainer:
             return tensor_values(HFTensors(checkpoint.initial_load_path, self.args), self.world.device)
         return seeded_values(self.args, self.job.debug.seed, self.world.device)
 
-    def _samples(self) -> SampleSource:
+    def _samples(self, tokenizer: Tokenizer) -> SampleSource:
         training = self.job.training
         return build_samples(
             training.dataset,
             training.dataset_path,
             training.dataset_blend,
-            build_tokenizer(tokenizer_path(self.job)),
+            tokenizer,
             training.seq_len,
             self.job.debug.seed,
         )
@@ -255,6 +263,11 @@ class Trainer:
                     elapsed = time.perf_counter() - window_start
                     records.append(self._log(loss, norm, window_steps, elapsed))
                     window_start, window_steps = time.perf_counter(), 0
+                if self.validator is not None and (
+                    self.step % self.job.validation.freq == 0 or self.step == steps
+                ):
+                    result = self.validator.run()
+                    self.metrics.record_validation(self.step, result.loss, result.tokens)
                 saved = self.checkpointer.should_save(self.step, steps)
                 if saved:
                     self._save(model_only=self.step == steps and self.job.checkpoint.last_save_model_only)

@@ -14,6 +14,7 @@ from autopar.checkpoint import check_initial_load, check_load_step
 from autopar.config.checks import check_numbers, check_output_folders
 from autopar.config.job import JobConfig
 from autopar.data.loader import check_batch, check_training_data
+from autopar.evaluate import check_validation
 from autopar.job import model_args, tokenizer_path
 from autopar.models.args import ModelArgs
 from autopar.pipelining.schedule import check_pipeline
@@ -52,7 +53,8 @@ def validate(job: JobConfig, world_size: int, device_type: str | None = None) ->
     check_numbers(job)
     args = model_args(job)
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    check_plan(job, args, world_size, device_type)
+    dims = check_plan(job, args, world_size, device_type)
+    check_validation(job, args, dims)
     check_float8_filter(job.float8, args)
     check_profiling(job.profiling, device_type)
     check_compile_backend(job.compile)

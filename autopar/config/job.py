@@ -213,6 +213,24 @@ class Float8:
 
 
 @dataclass
+class Validation:
+    enable: bool = False
+    """Compute a held-out loss (val_loss) under the training plan every freq steps and at the end."""
+    dataset: str | None = None
+    """A built-in dataset to validate on (as training.dataset); or give dataset_path."""
+    dataset_path: str | None = None
+    """Held-out text or prepared tokens, read as training.dataset_path is."""
+    local_batch_size: int = 8
+    """Sequences per data-parallel rank per validation step (under PP: training.local_batch_size)."""
+    seq_len: int = -1
+    """Tokens per sequence; -1: training.seq_len (under PP it must be training.seq_len)."""
+    freq: int = 10
+    """Validate every this many steps (and after the last)."""
+    steps: int = -1
+    """Batches per validation; -1: every whole batch the held-out data holds."""
+
+
+@dataclass
 class Profiling:
     enable_profiling: bool = False
     """Record torch.profiler traces (CPU and CUDA activity), one step in every profile_freq."""
@@ -258,6 +276,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
+    validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)

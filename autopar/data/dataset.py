@@ -40,6 +40,7 @@ class PackedWindows:
         seed: int,
         name: str = "dataset",
         vocab_size: int | None = None,
+        seq_len_field: str = "training.seq_len",
     ) -> None:
         self.tokens = tokens
         self.seq_len = seq_len
@@ -49,8 +50,8 @@ class PackedWindows:
         self.num_windows = (tokens.size - 1) // seq_len
         if self.num_windows < 1:
             raise DataError(
-                f"{name}: {tokens.size} tokens cannot fill one sequence of training.seq_len="
-                f"{seq_len} (+1 target); lower training.seq_len or add data"
+                f"{name}: {tokens.size} tokens cannot fill one sequence of {seq_len_field}="
+                f"{seq_len} (+1 target); lower {seq_len_field} or add data"
             )
         self._epoch = -1
         self._order = np.empty(0, dtype=np.int64)

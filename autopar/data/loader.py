@@ -48,36 +48,43 @@ def parse_blend(items: list[str]) -> list[tuple[float, Path]]:
     return out
 
 
-def dataset_path(dataset: str, path: str | None) -> Path:
-    """The path a job's training.dataset / training.dataset_path name."""
+def dataset_path(dataset: str, path: str | None, section: str = "training") -> Path:
+    """The path a job's ``<section>.dataset`` / ``<section>.dataset_path`` name."""
     if path is not None:
         return Path(path)
     if dataset not in BUILTIN_DATASETS:
         hub = (
             " (torchtitan streams it from the Hugging Face Hub; autopar reads local files: "
-            "download it, tokenize it once with autopar-prepare, and point training.dataset_path there)"
+            f"download it, tokenize it once with autopar-prepare, and point {section}.dataset_path there)"
             if dataset.startswith("c4")
             else ""
         )
         raise DataError(
-            f"training.dataset={dataset!r} is not built in ({sorted(BUILTIN_DATASETS)}){hub}; "
-            "set training.dataset_path to your files"
+            f"{section}.dataset={dataset!r} is not built in ({sorted(BUILTIN_DATASETS)}){hub}; "
+            f"set {section}.dataset_path to your files"
         )
     return BUILTIN_DATASETS[dataset]
 
 
 def build_samples(
-    dataset: str, path: str | None, blend: list[str], tokenizer: Tokenizer, seq_len: int, seed: int
+    dataset: str,
+    path: str | None,
+    blend: list[str],
+    tokenizer: Tokenizer,
+    seq_len: int,
+    seed: int,
+    section: str = "training",
 ) -> SampleSource:
-    """The sample source of a job's [training] data fields."""
+    """The sample source of a job's [training] (or ``section``'s) data fields."""
     if blend:
         parts = [
             PackedWindows(load_tokens(p, tokenizer), seq_len, seed + i, str(p), tokenizer.vocab_size)
             for i, (_, p) in enumerate(parse_blend(blend))
         ]
         return Blend(parts, [w for w, _ in parse_blend(blend)], seed)
-    source = dataset_path(dataset, path)
-    return PackedWindows(load_tokens(source, tokenizer), seq_len, seed, str(source), tokenizer.vocab_size)
+    source = dataset_path(dataset, path, section)
+    tokens = load_tokens(source, tokenizer)
+    return PackedWindows(tokens, seq_len, seed, str(source), tokenizer.vocab_size, f"{section}.seq_len")
 
 
 class StepLoader:
@@ -124,7 +131,7 @@ class StepLoader:
         self.consumed_samples = int(state["consumed_samples"])
 
 
-def check_data(dataset: str, path: str | None, blend: list[str]) -> None:
+def check_data(dataset: str, path: str | None, blend: list[str], section: str = "training") -> None:
     """Raise DataError if the job's data fields name nothing readable (cheap: no tokenizing)."""
     if blend:
         for _, p in parse_blend(blend):
@@ -134,9 +141,9 @@ def check_data(dataset: str, path: str | None, blend: list[str]) -> None:
                     "make one with python -m autopar.data.prepare"
                 )
         return
-    source = dataset_path(dataset, path)
+    source = dataset_path(dataset, path, section)
     if not source.exists():
-        raise DataError(f"training.dataset_path={str(source)!r}: no such file or folder")
+        raise DataError(f"{section}.dataset_path={str(source)!r}: no such file or folder")
 
 
 def check_training_data(

@@ -249,10 +249,12 @@ def pipeline_forward_backward(
     batches: list[Batch],
     global_targets: torch.Tensor,
     micro_batch_context: MicroBatchContext,
+    backward: bool = True,
 ) -> torch.Tensor:
     """Run every micro-step through the schedule, then divide the gradients by
     ``global_targets``; returns this rank's share of the step loss (the last stage's
-    losses over the global targets, zero elsewhere)."""
+    losses over the global targets, zero elsewhere). Without ``backward``, the schedule
+    runs forward only (a held-out loss)."""
     total = torch.zeros((), device=global_targets.device)
     for full_batch in batches:
         losses: list[torch.Tensor] = []
@@ -261,9 +263,12 @@ def pipeline_forward_backward(
             target = batch.labels if pipeline.has_last else None
             kwargs = {} if positions is None else {"positions": positions}
             # return_outputs=False: the last stage keeps no logits of finished micro-batches
-            pipeline.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+            run = pipeline.schedule.step if backward else pipeline.schedule.eval
+            run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         if losses:
             total += torch.stack([loss.detach() for loss in losses]).sum()
+    if not backward:
+        return total / global_targets
     grads = [p.grad for part in pipeline.parts for p in part.parameters() if p.grad is not None]
     torch._foreach_div_(grads, global_targets)  # a device tensor: no host sync
     return total / global_targets

@@ -1,0 +1,141 @@
+"""Held-out loss (``[validation]``, torchtitan's names) under the training plan.
+
+A validation pass runs forward only, on the same model parts, meshes, loss context and
+pipeline as training, so its number is what one device would compute for the same weights:
+the token-sum cross-entropy over every target of the held-out batches divided by their
+number. Every pass reads the same batches (a fresh loader from sample 0), so passes at
+different steps are comparable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from autopar.config.errors import ConfigError
+from autopar.config.job import JobConfig
+from autopar.data.dataset import PackedWindows
+from autopar.data.errors import DataError
+from autopar.data.loader import StepLoader, build_samples, check_data
+from autopar.data.tokenizer import Tokenizer
+from autopar.models.args import ModelArgs
+from autopar.plans.mesh import ParallelDims, check_model_split
+from autopar.step import TrainStep, global_target_count
+
+
+def validation_seq_len(job: JobConfig) -> int:
+    seq_len = job.validation.seq_len
+    return job.training.seq_len if seq_len == -1 else seq_len
+
+
+def check_validation(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
+    """``[validation]`` can run under the job's plan: data named, sizes in range, and what
+    the plan fixes (a pipeline's micro-batches and shapes) equal to training's."""
+    cfg = job.validation
+    if not cfg.enable:
+        return
+    if cfg.dataset is None and cfg.dataset_path is None:
+        raise ConfigError("validation.enable=true needs validation.dataset_path (held-out text or tokens)")
+    for name in ("freq", "local_batch_size"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"validation.{name}={getattr(cfg, name)} must be >= 1")
+    if cfg.steps < 1 and cfg.steps != -1:
+        raise ConfigError(f"validation.steps={cfg.steps} must be >= 1, or -1 for all the held-out data")
+    seq_len = validation_seq_len(job)
+    if seq_len < 2 or seq_len > args.max_position_embeddings:
+        raise ConfigError(
+            f"validation.seq_len={seq_len} must be in [2, model.max_position_embeddings="
+            f"{args.max_position_embeddings}]"
+        )
+    if dims.pp > 1 and (cfg.local_batch_size, seq_len) != (
+        job.training.local_batch_size,
+        job.training.seq_len,
+    ):
+        raise ConfigError(
+            f"validation.local_batch_size={cfg.local_batch_size} and seq_len={seq_len} under "
+            f"pipeline_parallel_degree={dims.pp}: the pipeline's stages and micro-batches are built "
+            f"for training's {job.training.local_batch_size} x {job.training.seq_len}; set both to those"
+        )
+    try:
+        check_model_split(
+            dims,
+            args,
+            seq_len,
+            job.parallelism.enable_sequence_parallel,
+            head_tail=job.parallelism.context_parallel_load_balancer == "headtail",
+        )
+    except ConfigError as err:
+        raise ConfigError(f"validation.seq_len: {err}") from None
+    try:
+        check_data(cfg.dataset or "", cfg.dataset_path, [], "validation")
+    except DataError as err:
+        raise ConfigError(str(err)) from None
+
+
+def validation_samples(job: JobConfig, tokenizer: Tokenizer) -> PackedWindows:
+    """The held-out sequences of ``[validation]``, tokenized by the training tokenizer."""
+    cfg = job.validation
+    samples = build_samples(
+        cfg.dataset or "",
+        cfg.dataset_path,
+        [],
+        tokenizer,
+        validation_seq_len(job),
+        job.debug.seed,
+        "validation",
+    )
+    assert isinstance(samples, PackedWindows), "validation reads one dataset, never a blend"
+    return samples
+
+
+@dataclass(frozen=True)
+class ValidationResult:
+    loss: float
+    """Token-mean cross-entropy over the held-out targets."""
+    tokens: int
+    """How many targets it averages."""
+
+
+class Validator:
+    """The held-out loss of this rank's model parts, computed with every rank of the job."""
+
+    def __init__(
+        self,
+        job: JobConfig,
+        samples: PackedWindows,
+        one_step: TrainStep,
+        dp_rank: int,
+        device: torch.device,
+    ) -> None:
+        cfg = job.validation
+        self.samples = samples
+        self.one_step = one_step
+        self.dp_rank = dp_rank
+        self.dp = one_step.dims.dp
+        self.device = device
+        self.local_batch = cfg.local_batch_size
+        per_step = self.local_batch * self.dp
+        windows = self.samples.num_windows
+        if windows < per_step:
+            raise DataError(
+                f"validation data {self.samples.describe()} holds {windows} sequences of "
+                f"{validation_seq_len(job)} tokens, fewer than one batch of local_batch_size x "
+                f"data-parallel degree = {per_step}; add data or lower validation.local_batch_size"
+            )
+        self.steps = windows // per_step if cfg.steps == -1 else cfg.steps
+
+    def run(self) -> ValidationResult:
+        """One pass over the held-out batches (collective over every rank)."""
+        per_step = self.local_batch * self.dp
+        loader = StepLoader(self.samples, per_step, self.local_batch, self.dp_rank, self.dp, self.device)
+        dp_mesh = self.one_step.meshes.get("dp")
+        loss_sum = torch.zeros((), device=self.device)
+        targets = torch.zeros((), device=self.device)
+        for _ in range(self.steps):
+            batches = loader.next_step()
+            step_targets = global_target_count(batches, dp_mesh)
+            loss_sum += self.one_step.forward_loss(batches, step_targets) * step_targets
+            targets += step_targets
+        loss, tokens = (loss_sum / targets).item(), int(targets.item())
+        return ValidationResult(loss, tokens)
