@@ -266,14 +266,14 @@ class Trainer:
                 if self.validator is not None and (
                     self.step % self.job.validation.freq == 0 or self.step == steps
                 ):
-                    result = self.validator.run()
-                    self.metrics.record_validation(self.step, result.loss, result.tokens)
+                    self._validate()
                 saved = self.checkpointer.should_save(self.step, steps)
                 if saved:
                     self._save(model_only=self.step == steps and self.job.checkpoint.last_save_model_only)
                 stopped = self.step < steps and stop.requested(self.world.device)  # the last step ends anyway
                 if stopped:
                     self._stop_early(stop.signal_name or "a stop signal (on another rank)", saved)
+        set_timeout(self.job.comm.init_timeout_seconds)  # a background save may still be writing
         self.checkpointer.close()
         if self.job.checkpoint.last_save_in_hf and not stopped:
             self._export_hf()
@@ -299,6 +299,14 @@ class Trainer:
         logger.warning(
             "stopped by %s after step %d and saved it; the same command resumes from there", why, self.step
         )
+
+    def _validate(self) -> None:
+        """The held-out loss of this step's weights, logged."""
+        set_timeout(self.job.comm.init_timeout_seconds)  # the first pass compiles its forward
+        assert self.validator is not None
+        result = self.validator.run()
+        set_timeout(self.job.comm.train_timeout_seconds)
+        self.metrics.record_validation(self.step, result.loss, result.tokens)
 
     def _save(self, model_only: bool = False) -> Path:
         """A checkpoint of this step, refused when any weight is not finite."""

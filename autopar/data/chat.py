@@ -1,0 +1,186 @@
+"""Conversations to token ids and a learned-token mask, with the model's own chat template.
+
+The template is the ``chat_template`` of the ``tokenizer_config.json`` beside the tokenizer
+(what transformers' ``apply_chat_template`` uses), a template file given by name, or Qwen2.5's
+official template when neither exists. It is rendered as transformers renders it: jinja2 in a
+sandbox, ``trim_blocks`` and ``lstrip_blocks``, ``tojson`` without ASCII escapes, and
+``raise_exception``. The rendered text is tokenized whole (special tokens are single tokens),
+so the ids equal ``apply_chat_template(messages, tokenize=True)``.
+
+Which tokens are learned is read off the rendered ChatML text: an assistant turn is
+``<|im_start|>assistant\\n`` ... ``<|im_end|>``, and everything after the header up to and
+including ``<|im_end|>`` is learned (the content, Qwen3's ``<think>`` block, tool calls); the
+headers, the system, user and tool turns and the newline after ``<|im_end|>`` are not.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from autopar.data.errors import DataError
+from autopar.data.tokenizer import tokenizer_file
+
+TEMPLATES = Path(__file__).parent / "templates"
+"""Shipped templates: Qwen's official ones (``qwen2.5.jinja``, ``qwen3.jinja``)."""
+DEFAULT_TEMPLATE = TEMPLATES / "qwen2.5.jinja"
+CHATML_TOKENIZER = Path(__file__).parent / "tokenizers" / "chatml"
+"""A small byte-level BPE (518 tokens) with Qwen's ChatML specials, for tests and examples."""
+ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+}
+SHAREGPT_ROLES |= {"tool": "tool", "function": "tool", "observation": "tool"}
+SPECIALS = ("<|im_start|>", "<|im_end|>")
+"""What a ChatML template writes as single tokens; a tokenizer without them is refused."""
+_ASSISTANT = re.compile(re.escape("<|im_start|>assistant\n") + r".*?" + re.escape("<|im_end|>"), re.DOTALL)
+
+LossOn = Literal["assistant", "all", "last_assistant"]
+
+
+def template_text(tokenizer_path: str | Path | None, template: str | Path | None = None) -> str:
+    """The chat template a conversation is rendered with: ``template`` (a file, or a shipped
+    name such as ``qwen3``), else the ``chat_template`` beside the tokenizer, else Qwen2.5's."""
+    if template is not None:
+        path = Path(template)
+        if not path.is_file() and (TEMPLATES / f"{template}.jinja").is_file():
+            path = TEMPLATES / f"{template}.jinja"
+        if not path.is_file():
+            shipped = sorted(p.stem for p in TEMPLATES.glob("*.jinja"))
+            raise DataError(
+                f"chat template {str(template)!r}: no such file, nor a shipped template ({shipped})"
+            )
+        return path.read_text()
+    if tokenizer_path is not None:
+        config = tokenizer_file(str(tokenizer_path)).parent / "tokenizer_config.json"
+        if config.is_file():
+            found = json.loads(config.read_text()).get("chat_template")
+            if isinstance(found, list):  # named templates: the default one
+                found = next((t["template"] for t in found if t.get("name") == "default"), None)
+            if isinstance(found, str):
+                return found
+    return DEFAULT_TEMPLATE.read_text()
+
+
+@lru_cache(maxsize=8)
+def _compiled(text: str) -> Any:
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(text)
+
+
+def render(messages: list[dict[str, Any]], template: str) -> str:
+    """The conversation as the template writes it for training (no generation prompt)."""
+    return _compiled(template).render(messages=messages, add_generation_prompt=False, tools=None)
+
+
+def learned_spans(text: str, loss_on: LossOn = "assistant") -> list[tuple[int, int]]:
+    """Character spans of ``text`` whose tokens are targets."""
+    if loss_on == "all":
+        return [(0, len(text))]
+    header = len("<|im_start|>assistant\n")
+    spans = [(m.start() + header, m.end()) for m in _ASSISTANT.finditer(text)]
+    return spans[-1:] if loss_on == "last_assistant" else spans
+
+
+@lru_cache(maxsize=4)
+def _tokenizer(path: str) -> Any:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_file(path)))
+    missing = [s for s in SPECIALS if tokenizer.token_to_id(s) is None]
+    if missing:
+        raise DataError(
+            f"{tokenizer_file(path)}: the chat template's special tokens {missing} are not single tokens "
+            "of this tokenizer; use the model's own tokenizer (Qwen's has them) or add them as special tokens"
+        )
+    return tokenizer
+
+
+def encode(
+    messages: list[dict[str, Any]],
+    tokenizer_path: str | Path,
+    template: str | Path | None = None,
+    loss_on: LossOn = "assistant",
+) -> tuple[list[int], list[bool]]:
+    """(token ids, learned) of one conversation: ``learned[i]`` says token ``i`` is a target
+    (``loss_on``: every assistant turn, the last one, or all tokens)."""
+    text = render(messages, template_text(tokenizer_path, template))
+    encoding = _tokenizer(str(tokenizer_path)).encode(text, add_special_tokens=False)
+    spans = learned_spans(text, loss_on)
+    starts = np.array([s for s, _ in spans], dtype=np.int64)
+    ends = np.array([e for _, e in spans], dtype=np.int64)
+    learned = []
+    for start, end in encoding.offsets:
+        # a token is learned when it ends inside a span (a token straddling the header's
+        # newline and the content belongs to the content)
+        learned.append(bool(np.any((end > starts) & (end <= ends))) if end > start else False)
+    return list(encoding.ids), learned
+
+
+def _message(raw: Any, where: str, sharegpt: bool) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise DataError(f"{where}: a message must be an object, not {type(raw).__name__}")
+    role_key, content_key = ("from", "value") if sharegpt else ("role", "content")
+    if role_key not in raw:
+        raise DataError(f"{where}: a message has no {role_key!r}")
+    role = raw[role_key]
+    if sharegpt:
+        if role not in SHAREGPT_ROLES:
+            raise DataError(f"{where}: unknown role {role!r}; ShareGPT roles are {sorted(SHAREGPT_ROLES)}")
+        role = SHAREGPT_ROLES[role]
+    elif role not in ROLES:
+        raise DataError(f"{where}: unknown role {role!r}; roles are {list(ROLES)}")
+    content = raw.get(content_key, "")
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise DataError(f"{where}: {content_key!r} of a {role} message must be a string")
+    message = {k: v for k, v in raw.items() if k not in (role_key, content_key)}
+    return {"role": role, "content": content, **message}
+
+
+def read_conversations(path: str | Path) -> Iterator[list[dict[str, Any]]]:
+    """The conversations of a chat JSONL file: one ``{"messages": [{"role", "content"}, ...]}``
+    (or ShareGPT's ``{"conversations": [{"from", "value"}, ...]}``) per line; a bad line is a
+    DataError naming the file and line."""
+    with Path(path).open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{where}: not JSON ({err.msg})") from None
+            if not isinstance(record, dict) or not ({"messages", "conversations"} & record.keys()):
+                raise DataError(
+                    f'{where}: a line must be an object with "messages" (or ShareGPT "conversations")'
+                )
+            sharegpt = "messages" not in record
+            messages = record["conversations" if sharegpt else "messages"]
+            if not isinstance(messages, list) or not messages:
+                raise DataError(f"{where}: messages must be a non-empty list")
+            yield [_message(m, where, sharegpt) for m in messages]
