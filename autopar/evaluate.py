@@ -19,6 +19,7 @@ from autopar.data.dataset import PackedWindows
 from autopar.data.errors import DataError
 from autopar.data.loader import StepLoader, build_samples, check_data
 from autopar.data.tokenizer import Tokenizer
+from autopar.job import chat_format
 from autopar.models.args import ModelArgs
 from autopar.plans.mesh import ParallelDims, check_model_split
 from autopar.step import TrainStep, global_target_count
@@ -84,6 +85,7 @@ def validation_samples(job: JobConfig, tokenizer: Tokenizer) -> PackedWindows:
         validation_seq_len(job),
         job.debug.seed,
         "validation",
+        chat_format(job),
     )
     assert isinstance(samples, PackedWindows), "validation reads one dataset, never a blend"
     return samples

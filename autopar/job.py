@@ -14,6 +14,7 @@ from pathlib import Path
 from autopar.config import parse
 from autopar.config.errors import ConfigError
 from autopar.config.job import JobConfig
+from autopar.data.chat import ChatFormat
 from autopar.models.args import ModelArgs
 from autopar.models.flavors import get_flavor, with_overrides
 from autopar.models.hf import HFCheckpointError, read_hf_config
@@ -88,3 +89,12 @@ def tokenizer_path(job: JobConfig) -> str | None:
     if assets is not None and (Path(assets) / "tokenizer.json").is_file():
         return assets
     return None
+
+
+def chat_format(job: JobConfig) -> ChatFormat | None:
+    """How the job's data files are rendered when they hold conversations (None: plain text)."""
+    training = job.training
+    path = tokenizer_path(job)
+    if training.dataset_format != "chat" or path is None:
+        return None
+    return ChatFormat(path, training.chat_template, training.loss_on)

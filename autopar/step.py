@@ -192,7 +192,8 @@ class TrainStep:
 
     def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
         """Gradients of the step's micro-batches; the step loss summed over all ranks."""
-        targets = global_target_count(batches, self.meshes.get("dp"))
+        # a step without targets (chat rows of prompts only) has loss 0, not 0/0
+        targets = global_target_count(batches, self.meshes.get("dp")).clamp(min=1)
         if self.pipeline is not None:
             local_loss = pipeline_forward_backward(self.pipeline, batches, targets, self.context.micro_batch)
             local_loss = all_reduce_sum(local_loss, self.meshes.get("pp"))

@@ -26,7 +26,7 @@ from autopar.faults import (
     ranks_not_finite,
     skipped_too_often,
 )
-from autopar.job import tokenizer_path
+from autopar.job import chat_format, tokenizer_path
 from autopar.metrics import MetricsLogger, flops_per_token
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
@@ -150,6 +150,7 @@ class Trainer:
             tokenizer,
             training.seq_len,
             self.job.debug.seed,
+            chat=chat_format(self.job),
         )
 
     def _build_loader(self, samples: SampleSource) -> StepLoader:

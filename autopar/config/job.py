@@ -76,6 +76,14 @@ class Training:
     """Text file, .jsonl file, folder of them, or a prepared .bin; overrides training.dataset."""
     dataset_blend: list[str] = field(default_factory=list)
     """Weighted blend of prepared datasets as 'weight:path' items; overrides the two above."""
+    dataset_format: Literal["text", "chat"] = "text"
+    """text: documents (.txt, .jsonl "text", prepared tokens); chat: .jsonl conversations
+    ({"messages": [...]} or ShareGPT's "conversations") rendered with the chat template."""
+    chat_template: str | None = None
+    """A chat template file (or shipped name: qwen2.5, qwen3); default: the chat_template beside
+    the tokenizer, else Qwen2.5's."""
+    loss_on: Literal["assistant", "all", "last_assistant"] = "assistant"
+    """With chat data: which tokens are targets (every assistant turn, the last one, or all)."""
     local_batch_size: int = 8
     """Sequences per data-parallel rank per micro-step."""
     global_batch_size: int = -1

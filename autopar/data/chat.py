@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -31,7 +32,10 @@ TEMPLATES = Path(__file__).parent / "templates"
 """Shipped templates: Qwen's official ones (``qwen2.5.jinja``, ``qwen3.jinja``)."""
 DEFAULT_TEMPLATE = TEMPLATES / "qwen2.5.jinja"
 CHATML_TOKENIZER = Path(__file__).parent / "tokenizers" / "chatml"
-"""A small byte-level BPE (518 tokens) with Qwen's ChatML specials, for tests and examples."""
+"""A small byte-level BPE with Qwen's ChatML specials (512 ids: the debug flavor's
+vocabulary), for tests and examples."""
+CHAT_EXAMPLE = Path(__file__).parent / "chat_example" / "conversations.jsonl"
+"""24 short conversations written for autopar: the SFT walk-through's data."""
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {
     "system": "system",
@@ -138,6 +142,63 @@ def encode(
         # newline and the content belongs to the content)
         learned.append(bool(np.any((end > starts) & (end <= ends))) if end > start else False)
     return list(encoding.ids), learned
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """How a job turns conversations into tokens: its tokenizer, template and loss_on."""
+
+    tokenizer_path: str
+    template: str | None = None
+    loss_on: LossOn = "assistant"
+
+    def check(self) -> None:
+        """Raise DataError when the template or the tokenizer's special tokens are missing."""
+        template_text(self.tokenizer_path, self.template)
+        _tokenizer(self.tokenizer_path)
+
+    def pad_id(self) -> int:
+        """The id that fills the last partial sequence (never learned): the tokenizer's
+        pad_token, else <|endoftext|>."""
+        config = tokenizer_file(self.tokenizer_path).parent / "tokenizer_config.json"
+        name = json.loads(config.read_text()).get("pad_token") if config.is_file() else None
+        if isinstance(name, dict):  # an AddedToken written out
+            name = name.get("content")
+        tokenizer = _tokenizer(self.tokenizer_path)
+        found = tokenizer.token_to_id(name) if isinstance(name, str) else None
+        return found if found is not None else tokenizer.token_to_id("<|endoftext|>") or 0
+
+
+def load_chat(path: Path, chat: ChatFormat) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, learned) of every conversation in a .jsonl file or a folder of them, one
+    after another."""
+    files = [path] if path.is_file() else sorted(path.rglob("*.jsonl"))
+    if not files:
+        raise DataError(f"{path}: holds no .jsonl chat files")
+    ids: list[int] = []
+    learned: list[bool] = []
+    for file in files:
+        for messages in read_conversations(file):
+            conversation, mask = encode(messages, chat.tokenizer_path, chat.template, chat.loss_on)
+            ids += conversation
+            learned += mask
+    if not any(learned):
+        raise DataError(
+            f"{path}: no token to learn (no assistant turn with training.loss_on={chat.loss_on!r})"
+        )
+    return np.asarray(ids, dtype=np.int64), np.asarray(learned, dtype=bool)
+
+
+def pad_to_windows(
+    tokens: np.ndarray, learned: np.ndarray, seq_len: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Pad the stream so the last partial sequence is kept whole; pads are never learned
+    (the mask, not the id, says so: a pad id equal to a real token masks nothing else)."""
+    short = (-(tokens.size - 1)) % seq_len
+    return (
+        np.concatenate([tokens, np.full(short, pad_id, dtype=tokens.dtype)]),
+        np.concatenate([learned, np.zeros(short, dtype=bool)]),
+    )
 
 
 def _message(raw: Any, where: str, sharegpt: bool) -> dict[str, Any]:

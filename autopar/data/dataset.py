@@ -25,6 +25,10 @@ class SampleSource(Protocol):
         """What the samples come from, for the start-up log."""
         ...
 
+    def targets(self, index: int) -> np.ndarray | None:
+        """Which of sample ``index``'s seq_len targets are learned (bool), or None: all are."""
+        ...
+
 
 class PackedWindows:
     """Window k is tokens[k*S : k*S + S + 1] (consecutive windows share one token, so every
@@ -41,12 +45,15 @@ class PackedWindows:
         name: str = "dataset",
         vocab_size: int | None = None,
         seq_len_field: str = "training.seq_len",
+        learned: np.ndarray | None = None,
     ) -> None:
         self.tokens = tokens
         self.seq_len = seq_len
         self.seed = seed
         self.name = name
         self.vocab_size = vocab_size
+        self.learned = learned
+        """Per token: whether it is a target (chat data); None: every token is."""
         self.num_windows = (tokens.size - 1) // seq_len
         if self.num_windows < 1:
             raise DataError(
@@ -57,14 +64,24 @@ class PackedWindows:
         self._order = np.empty(0, dtype=np.int64)
 
     def describe(self) -> str:
-        return f"{self.name} ({self.tokens.size:,} tokens)"
+        learned = "" if self.learned is None else f", {int(self.learned.sum()):,} learned"
+        return f"{self.name} ({self.tokens.size:,} tokens{learned})"
 
-    def sample(self, index: int) -> np.ndarray:
+    def _start(self, index: int) -> int:
         epoch, k = divmod(index, self.num_windows)
         if epoch != self._epoch:
             self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
             self._epoch = epoch
-        start = int(self._order[k]) * self.seq_len
+        return int(self._order[k]) * self.seq_len
+
+    def targets(self, index: int) -> np.ndarray | None:
+        if self.learned is None:
+            return None
+        start = self._start(index)
+        return np.asarray(self.learned[start + 1 : start + self.seq_len + 1], dtype=bool)
+
+    def sample(self, index: int) -> np.ndarray:
+        start = self._start(index)
         window = np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
         if self.vocab_size is not None and window.max() >= self.vocab_size:
             at = start + int(np.argmax(window >= self.vocab_size))
@@ -106,7 +123,15 @@ class Blend:
         self._part = np.concatenate([self._part, part])
         self._index = np.concatenate([self._index, index])
 
-    def sample(self, index: int) -> np.ndarray:
+    def _where(self, index: int) -> tuple[PackedWindows, int]:
         while index >= len(self._part):
             self._extend()
-        return self.parts[int(self._part[index])].sample(int(self._index[index]))
+        return self.parts[int(self._part[index])], int(self._index[index])
+
+    def sample(self, index: int) -> np.ndarray:
+        part, k = self._where(index)
+        return part.sample(k)
+
+    def targets(self, index: int) -> np.ndarray | None:
+        part, k = self._where(index)
+        return part.targets(k)

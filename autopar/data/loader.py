@@ -17,6 +17,7 @@ import torch
 
 from autopar.config.errors import ConfigError
 from autopar.config.job import Training
+from autopar.data.chat import ChatFormat, load_chat, pad_to_windows
 from autopar.data.dataset import Blend, PackedWindows, SampleSource
 from autopar.data.errors import DataError
 from autopar.data.tokenizer import Tokenizer, build_tokenizer, tokenizer_file
@@ -74,8 +75,10 @@ def build_samples(
     seq_len: int,
     seed: int,
     section: str = "training",
+    chat: ChatFormat | None = None,
 ) -> SampleSource:
-    """The sample source of a job's [training] (or ``section``'s) data fields."""
+    """The sample source of a job's [training] (or ``section``'s) data fields; with ``chat``,
+    the files hold conversations."""
     if blend:
         parts = [
             PackedWindows(load_tokens(p, tokenizer), seq_len, seed + i, str(p), tokenizer.vocab_size)
@@ -83,8 +86,14 @@ def build_samples(
         ]
         return Blend(parts, [w for w, _ in parse_blend(blend)], seed)
     source = dataset_path(dataset, path, section)
-    tokens = load_tokens(source, tokenizer)
-    return PackedWindows(tokens, seq_len, seed, str(source), tokenizer.vocab_size, f"{section}.seq_len")
+    if chat is None:
+        tokens, learned = load_tokens(source, tokenizer), None
+    else:
+        tokens, learned = load_chat(source, chat)
+        tokens, learned = pad_to_windows(tokens, learned, seq_len, chat.pad_id())
+    return PackedWindows(
+        tokens, seq_len, seed, str(source), tokenizer.vocab_size, f"{section}.seq_len", learned
+    )
 
 
 class StepLoader:
@@ -117,10 +126,15 @@ class StepLoader:
         for m in range(self.micro_steps):
             first = self.consumed_samples + (m * self.dp_size + self.dp_rank) * self.local_batch
             rows = np.stack([self.samples.sample(first + k) for k in range(self.local_batch)])
-            window = torch.from_numpy(rows)
+            masks = [self.samples.targets(first + k) for k in range(self.local_batch)]
+            labels = rows[:, 1:].copy()
+            if masks[0] is not None:
+                labels[~np.stack(masks)] = IGNORE_INDEX
+            window, targets = torch.from_numpy(rows), torch.from_numpy(labels)
             if self.device.type == "cuda":
                 window = window.pin_memory().to(self.device, non_blocking=True)
-            batches.append(Batch(inputs=window[:, :-1], labels=window[:, 1:]))
+                targets = targets.pin_memory().to(self.device, non_blocking=True)
+            batches.append(Batch(inputs=window[:, :-1], labels=targets))
         self.consumed_samples += self.global_batch
         return batches
 
@@ -160,6 +174,8 @@ def check_training_data(
         check_data(cfg.dataset, cfg.dataset_path, cfg.dataset_blend)
     except DataError as err:
         raise ConfigError(str(err)) from None
+    if cfg.dataset_format == "chat":
+        check_chat(cfg, tokenizer_path)
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError(
             f"model.vocab_size={vocab_size} is smaller than the tokenizer's vocabulary "
@@ -170,6 +186,24 @@ def check_training_data(
             f"training.seq_len={cfg.seq_len} exceeds model.max_position_embeddings="
             f"{max_position_embeddings}; lower seq_len or raise max_position_embeddings"
         )
+
+
+def check_chat(cfg: Training, tokenizer_path: str | None) -> None:
+    """Chat data needs a tokenizer with the template's special tokens, a template that
+    exists, and plain .jsonl files (prepared chat files and blends come later)."""
+    if tokenizer_path is None:
+        raise ConfigError(
+            "training.dataset_format='chat' needs the model's tokenizer (with <|im_start|> and "
+            "<|im_end|>): set model.hf_assets_path or model.tokenizer_path"
+        )
+    if cfg.dataset_blend:
+        raise ConfigError(
+            "training.dataset_blend of chat data is not supported yet; give one training.dataset_path"
+        )
+    try:
+        ChatFormat(tokenizer_path, cfg.chat_template, cfg.loss_on).check()
+    except DataError as err:
+        raise ConfigError(f"training.dataset_format='chat': {err}") from None
 
 
 def check_batch(cfg: Training, dp: int) -> None:
