@@ -106,3 +106,77 @@ def chat_parity(tmp_path_factory):
     plans = ["dp_shard=2", "tp=2", "pp=2", "cp=2"]
     base = chat_job(tmp_path_factory.mktemp("chat"), "--training.local_batch_size", "2")
     return dict(zip(plans, run_cases([Case(base, plan) for plan in plans], steps=4)))
+
+
+def prepare_chat(folder, loss_on: str = "assistant"):
+    from autopar.data.prepare import prepare
+
+    chat = ChatFormat(str(CHATML_TOKENIZER), None, loss_on)
+    path, _ = prepare([str(CHAT_EXAMPLE)], str(folder / f"sft_{loss_on}"), str(CHATML_TOKENIZER), chat)
+    return path
+
+
+def test_prepared_chat_holds_the_tokens_mask_and_conversation_ends(tmp_path):
+    from autopar.data.chat import encode_files
+    from autopar.data.tokens import read_learned, read_prepared
+
+    path = prepare_chat(tmp_path)
+    tokens, learned, ends = encode_files([CHAT_EXAMPLE], ChatFormat(str(CHATML_TOKENIZER)))
+    assert np.array_equal(read_prepared(path, build_tokenizer(str(CHATML_TOKENIZER))), tokens)
+    assert np.array_equal(read_learned(path), learned)
+    assert np.array_equal(np.fromfile(path.with_suffix(".idx"), dtype=np.int64), ends)
+
+
+def test_training_on_prepared_chat_is_the_masked_mean(tmp_path):
+    job = chat_job(tmp_path / "run", "--training.dataset_path", str(prepare_chat(tmp_path)))
+    trainer = Trainer(job, validate(job, 1), single_process())
+    loader = trainer.loader
+    (batch,) = StepLoader(loader.samples, loader.global_batch, 2, 0, 1, torch.device("cpu")).next_step()
+    with torch.no_grad():
+        logits = trainer.parts[0](batch.inputs)
+    expected = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX)
+    assert (batch.labels == IGNORE_INDEX).any()
+    assert trainer.train()[0].loss == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_a_blend_of_prepared_text_and_chat_masks_only_the_chat_rows(tmp_path):
+    from autopar.data.prepare import prepare
+    from autopar.data.tokens import BUILTIN_DATASETS
+
+    chat = prepare_chat(tmp_path)
+    corpus = str(BUILTIN_DATASETS["autopar_corpus"])
+    text, _ = prepare([corpus], str(tmp_path / "text"), str(CHATML_TOKENIZER))
+    tokenizer = build_tokenizer(str(CHATML_TOKENIZER))
+    samples = build_samples("", None, [f"0.5:{chat}", f"0.5:{text}"], tokenizer, 32, 0)
+    (batch,) = StepLoader(samples, 16, 16, 0, 1, torch.device("cpu")).next_step()
+    masks = [samples.targets(i) for i in range(16)]
+    assert any(m is None for m in masks) and any(m is not None for m in masks)
+    for row, mask in zip(batch.labels, masks):
+        expected = np.zeros(32, bool) if mask is None else ~mask
+        assert torch.equal(row == IGNORE_INDEX, torch.from_numpy(expected))
+
+
+def test_prepared_chat_with_another_loss_on_is_refused(tmp_path):
+    from autopar.data.errors import DataError
+
+    job = chat_job(tmp_path / "run", "--training.dataset_path", str(prepare_chat(tmp_path, "all")))
+    with pytest.raises(DataError, match=r"prepared with loss_on='all', but training\.loss_on='assistant'"):
+        Trainer(job, validate(job, 1), single_process())
+
+
+def test_a_bad_chat_line_leaves_nothing_prepared(tmp_path):
+    import json
+
+    from autopar.data.errors import DataError
+    from autopar.data.prepare import prepare
+
+    bad = tmp_path / "in" / "chats.jsonl"
+    bad.parent.mkdir()
+    good = json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    )
+    bad.write_text(f"{good}\n{json.dumps({'messages': [{'role': 'robot', 'content': 'x'}]})}\n")
+    chat = ChatFormat(str(CHATML_TOKENIZER))
+    with pytest.raises(DataError, match=r"chats.jsonl:2: unknown role 'robot'"):
+        prepare([str(bad.parent)], str(tmp_path / "out" / "sft"), str(CHATML_TOKENIZER), chat)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -169,24 +169,34 @@ class ChatFormat:
         return found if found is not None else tokenizer.token_to_id("<|endoftext|>") or 0
 
 
-def load_chat(path: Path, chat: ChatFormat) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, learned) of every conversation in a .jsonl file or a folder of them, one
-    after another."""
-    files = [path] if path.is_file() else sorted(path.rglob("*.jsonl"))
-    if not files:
-        raise DataError(f"{path}: holds no .jsonl chat files")
+def encode_files(files: list[Path], chat: ChatFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, learned, end offset of each conversation) of every conversation in ``files``
+    (.jsonl), one after another."""
     ids: list[int] = []
     learned: list[bool] = []
+    ends: list[int] = []
     for file in files:
+        if file.suffix != ".jsonl":
+            raise DataError(f"{file}: chat data is .jsonl conversations, not {file.suffix or 'this file'}")
         for messages in read_conversations(file):
             conversation, mask = encode(messages, chat.tokenizer_path, chat.template, chat.loss_on)
             ids += conversation
             learned += mask
+            ends.append(len(ids))
     if not any(learned):
         raise DataError(
-            f"{path}: no token to learn (no assistant turn with training.loss_on={chat.loss_on!r})"
+            f"{files[0]}: no token to learn (no assistant turn with training.loss_on={chat.loss_on!r})"
         )
-    return np.asarray(ids, dtype=np.int64), np.asarray(learned, dtype=bool)
+    return np.asarray(ids, dtype=np.int64), np.asarray(learned, dtype=bool), np.asarray(ends, dtype=np.int64)
+
+
+def load_chat(path: Path, chat: ChatFormat) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, learned) of every conversation in a .jsonl file or a folder of them."""
+    files = [path] if path.is_file() else sorted(path.rglob("*.jsonl"))
+    if not files:
+        raise DataError(f"{path}: holds no .jsonl chat files")
+    tokens, learned, _ = encode_files(files, chat)
+    return tokens, learned
 
 
 def pad_to_windows(

@@ -21,7 +21,7 @@ from autopar.data.chat import ChatFormat, load_chat, pad_to_windows
 from autopar.data.dataset import Blend, PackedWindows, SampleSource
 from autopar.data.errors import DataError
 from autopar.data.tokenizer import Tokenizer, build_tokenizer, tokenizer_file
-from autopar.data.tokens import BUILTIN_DATASETS, load_tokens
+from autopar.data.tokens import BUILTIN_DATASETS, is_prepared, load_tokens, prepared_chat, read_learned
 
 IGNORE_INDEX = -100
 
@@ -78,19 +78,32 @@ def build_samples(
     chat: ChatFormat | None = None,
 ) -> SampleSource:
     """The sample source of a job's [training] (or ``section``'s) data fields; with ``chat``,
-    the files hold conversations."""
+    raw .jsonl files hold conversations (prepared files say themselves what they hold)."""
     if blend:
         parts = [
-            PackedWindows(load_tokens(p, tokenizer), seq_len, seed + i, str(p), tokenizer.vocab_size)
+            windows(p, tokenizer, seq_len, seed + i, section, chat)
             for i, (_, p) in enumerate(parse_blend(blend))
         ]
         return Blend(parts, [w for w, _ in parse_blend(blend)], seed)
-    source = dataset_path(dataset, path, section)
-    if chat is None:
-        tokens, learned = load_tokens(source, tokenizer), None
-    else:
+    return windows(dataset_path(dataset, path, section), tokenizer, seq_len, seed, section, chat)
+
+
+def windows(
+    source: Path, tokenizer: Tokenizer, seq_len: int, seed: int, section: str, chat: ChatFormat | None
+) -> PackedWindows:
+    """The sequences of one dataset: text, raw chat (rendered now, last sequence padded) or
+    prepared (tokens, and the learned mask of a prepared chat file)."""
+    if chat is not None and not is_prepared(source):
         tokens, learned = load_chat(source, chat)
         tokens, learned = pad_to_windows(tokens, learned, seq_len, chat.pad_id())
+    else:
+        tokens, learned = load_tokens(source, tokenizer), read_learned(source)
+        rendered = prepared_chat(source)
+        if chat is not None and rendered is not None and rendered["loss_on"] != chat.loss_on:
+            raise DataError(
+                f"{source}: prepared with loss_on={rendered['loss_on']!r}, but training.loss_on="
+                f"{chat.loss_on!r}; set it to {rendered['loss_on']!r} or prepare the data again"
+            )
     return PackedWindows(
         tokens, seq_len, seed, str(source), tokenizer.vocab_size, f"{section}.seq_len", learned
     )
@@ -128,8 +141,9 @@ class StepLoader:
             rows = np.stack([self.samples.sample(first + k) for k in range(self.local_batch)])
             masks = [self.samples.targets(first + k) for k in range(self.local_batch)]
             labels = rows[:, 1:].copy()
-            if masks[0] is not None:
-                labels[~np.stack(masks)] = IGNORE_INDEX
+            if any(m is not None for m in masks):  # chat rows (a blend may mix them with text)
+                learned = np.stack([np.ones(labels.shape[1], bool) if m is None else m for m in masks])
+                labels[~learned] = IGNORE_INDEX
             window, targets = torch.from_numpy(rows), torch.from_numpy(labels)
             if self.device.type == "cuda":
                 window = window.pin_memory().to(self.device, non_blocking=True)
@@ -189,16 +203,12 @@ def check_training_data(
 
 
 def check_chat(cfg: Training, tokenizer_path: str | None) -> None:
-    """Chat data needs a tokenizer with the template's special tokens, a template that
-    exists, and plain .jsonl files (prepared chat files and blends come later)."""
+    """Chat data needs a tokenizer with the template's special tokens and a template that
+    exists."""
     if tokenizer_path is None:
         raise ConfigError(
             "training.dataset_format='chat' needs the model's tokenizer (with <|im_start|> and "
             "<|im_end|>): set model.hf_assets_path or model.tokenizer_path"
-        )
-    if cfg.dataset_blend:
-        raise ConfigError(
-            "training.dataset_blend of chat data is not supported yet; give one training.dataset_path"
         )
     try:
         ChatFormat(tokenizer_path, cfg.chat_template, cfg.loss_on).check()

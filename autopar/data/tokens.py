@@ -1,8 +1,10 @@
 """Token streams: documents from text/jsonl, tokenized and joined with end-of-text tokens.
 
 A prepared dataset is ``NAME.bin`` (the flat token stream, uint16 or uint32), ``NAME.idx``
-(where each document ends) and ``NAME.json`` (dtype, sizes, the tokenizer that made it). It is memory-mapped, so a dataset far
-larger than RAM costs nothing to open; Megatron users know this as an indexed dataset.
+(where each document ends) and ``NAME.json`` (dtype, sizes, the tokenizer that made it); a
+prepared chat dataset adds ``NAME.mask`` (one byte per token: 1 where it is learned). It is
+memory-mapped, so a dataset far larger than RAM costs nothing to open; Megatron users know
+this as an indexed dataset.
 """
 
 from __future__ import annotations
@@ -74,16 +76,28 @@ def is_prepared(path: Path) -> bool:
     return path.with_suffix(".json").is_file() and path.with_suffix(".bin").is_file()
 
 
-def write_prepared(tokens: np.ndarray, prefix: Path, tokenizer: Tokenizer, sources: list[str]) -> Path:
-    """Write ``prefix.bin`` (tokens), ``prefix.idx`` (int64 end offset of every document) and
-    ``prefix.json``; the .bin is renamed into place when complete."""
+def write_prepared(
+    tokens: np.ndarray,
+    prefix: Path,
+    tokenizer: Tokenizer,
+    sources: list[str],
+    document_ends: np.ndarray | None = None,
+    learned: np.ndarray | None = None,
+    chat: dict[str, str] | None = None,
+) -> Path:
+    """Write ``prefix.idx`` (int64 end offset of every document; default: after each
+    end-of-text), ``prefix.mask`` (with ``learned``), ``prefix.json`` (``chat``: how the
+    conversations were rendered) and last ``prefix.bin`` (tokens), renamed into place when
+    complete: a prefix with a .bin is whole, and an interrupted run leaves none."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
     bin_path = prefix.with_suffix(".bin")
     partial = bin_path.with_suffix(".bin.partial")
     tokens.tofile(partial)
-    document_ends = np.flatnonzero(tokens == tokenizer.eos_id).astype(np.int64) + 1
-    document_ends.tofile(prefix.with_suffix(".idx"))
-    partial.rename(bin_path)
+    if document_ends is None:
+        document_ends = np.flatnonzero(tokens == tokenizer.eos_id).astype(np.int64) + 1
+    document_ends.astype(np.int64).tofile(prefix.with_suffix(".idx"))
+    if learned is not None:
+        learned.astype(np.uint8).tofile(prefix.with_suffix(".mask"))
     meta = {
         "version": FORMAT_VERSION,
         "dtype": tokens.dtype.name,
@@ -92,9 +106,32 @@ def write_prepared(tokens: np.ndarray, prefix: Path, tokenizer: Tokenizer, sourc
         "tokenizer": tokenizer.name,
         "vocab_size": tokenizer.vocab_size,
         "sources": sources,
+        **({"chat": chat} if chat is not None else {}),
     }
     prefix.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
+    partial.rename(bin_path)
     return bin_path
+
+
+def read_learned(path: Path) -> np.ndarray | None:
+    """The learned-token mask of a prepared chat dataset (memory-mapped), or None for text."""
+    if not is_prepared(path):
+        return None
+    meta = _read_meta(path.with_suffix(".json"))
+    if "chat" not in meta:
+        return None
+    mask = path.with_suffix(".mask")
+    if not mask.is_file() or mask.stat().st_size != meta["num_tokens"]:
+        raise DataError(
+            f"{mask}: a prepared chat dataset needs one mask byte per token ({meta['num_tokens']}); "
+            "the file is missing or truncated: re-run python -m autopar.data.prepare --format chat"
+        )
+    return np.memmap(mask, dtype=np.uint8, mode="r").view(bool)
+
+
+def prepared_chat(path: Path) -> dict[str, str] | None:
+    """How a prepared chat dataset was rendered ({"loss_on", "template"}), or None."""
+    return _read_meta(path.with_suffix(".json")).get("chat") if is_prepared(path) else None
 
 
 _META_KEYS = ("version", "dtype", "num_tokens", "num_documents", "tokenizer", "vocab_size")
