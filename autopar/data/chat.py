@@ -131,17 +131,26 @@ def encode(
 ) -> tuple[list[int], list[bool]]:
     """(token ids, learned) of one conversation: ``learned[i]`` says token ``i`` is a target
     (``loss_on``: every assistant turn, the last one, or all tokens)."""
-    text = render(messages, template_text(tokenizer_path, template))
-    encoding = _tokenizer(str(tokenizer_path)).encode(text, add_special_tokens=False)
+    ids, learned = _encode(messages, str(tokenizer_path), template_text(tokenizer_path, template), loss_on)
+    return ids, learned.tolist()
+
+
+def _encode(
+    messages: list[dict[str, Any]], tokenizer_path: str, template: str, loss_on: LossOn
+) -> tuple[list[int], np.ndarray]:
+    """``encode`` with the template text already read (once per dataset, not per line)."""
+    text = render(messages, template)
+    encoding = _tokenizer(tokenizer_path).encode(text, add_special_tokens=False)
     spans = learned_spans(text, loss_on)
     starts = np.array([s for s, _ in spans], dtype=np.int64)
     ends = np.array([e for _, e in spans], dtype=np.int64)
-    learned = []
-    for start, end in encoding.offsets:
-        # a token is learned when it ends inside a span (a token straddling the header's
-        # newline and the content belongs to the content)
-        learned.append(bool(np.any((end > starts) & (end <= ends))) if end > start else False)
-    return list(encoding.ids), learned
+    offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+    # a token is learned when it ends inside a span (a token straddling the header's newline
+    # and the content belongs to the content); spans are sorted and disjoint, so the only
+    # candidate is the last span starting before the token's end
+    candidate = np.searchsorted(starts, offsets[:, 1], side="left") - 1
+    inside = (candidate >= 0) & (offsets[:, 1] <= ends[candidate.clip(0)] if ends.size else False)
+    return list(encoding.ids), inside & (offsets[:, 1] > offsets[:, 0])
 
 
 @dataclass(frozen=True)
@@ -172,22 +181,24 @@ class ChatFormat:
 def encode_files(files: list[Path], chat: ChatFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, learned, end offset of each conversation) of every conversation in ``files``
     (.jsonl), one after another."""
+    template = template_text(chat.tokenizer_path, chat.template)
     ids: list[int] = []
-    learned: list[bool] = []
+    learned: list[np.ndarray] = []
     ends: list[int] = []
     for file in files:
         if file.suffix != ".jsonl":
             raise DataError(f"{file}: chat data is .jsonl conversations, not {file.suffix or 'this file'}")
         for messages in read_conversations(file):
-            conversation, mask = encode(messages, chat.tokenizer_path, chat.template, chat.loss_on)
+            conversation, mask = _encode(messages, chat.tokenizer_path, template, chat.loss_on)
             ids += conversation
-            learned += mask
+            learned.append(mask)
             ends.append(len(ids))
-    if not any(learned):
+    mask = np.concatenate(learned) if learned else np.zeros(0, dtype=bool)
+    if not mask.any():
         raise DataError(
             f"{files[0]}: no token to learn (no assistant turn with training.loss_on={chat.loss_on!r})"
         )
-    return np.asarray(ids, dtype=np.int64), np.asarray(learned, dtype=bool), np.asarray(ends, dtype=np.int64)
+    return np.asarray(ids, dtype=np.int64), mask, np.asarray(ends, dtype=np.int64)
 
 
 def load_chat(path: Path, chat: ChatFormat) -> tuple[np.ndarray, np.ndarray]:
