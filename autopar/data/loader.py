@@ -140,15 +140,17 @@ class StepLoader:
             first = self.consumed_samples + (m * self.dp_size + self.dp_rank) * self.local_batch
             rows = np.stack([self.samples.sample(first + k) for k in range(self.local_batch)])
             masks = [self.samples.targets(first + k) for k in range(self.local_batch)]
-            labels = rows[:, 1:].copy()
-            if any(m is not None for m in masks):  # chat rows (a blend may mix them with text)
-                learned = np.stack([np.ones(labels.shape[1], bool) if m is None else m for m in masks])
-                labels[~learned] = IGNORE_INDEX
-            window, targets = torch.from_numpy(rows), torch.from_numpy(labels)
+            masked = any(mask is not None for mask in masks)  # chat rows (a blend may mix them with text)
+            if masked:  # inputs and masked labels side by side: still one copy to the device
+                learned = np.stack(
+                    [np.ones(rows.shape[1] - 1, bool) if mask is None else mask for mask in masks]
+                )
+                rows = np.concatenate([rows[:, :-1], np.where(learned, rows[:, 1:], IGNORE_INDEX)], axis=1)
+            window = torch.from_numpy(rows)
             if self.device.type == "cuda":
                 window = window.pin_memory().to(self.device, non_blocking=True)
-                targets = targets.pin_memory().to(self.device, non_blocking=True)
-            batches.append(Batch(inputs=window[:, :-1], labels=targets))
+            inputs, labels = window.chunk(2, dim=1) if masked else (window[:, :-1], window[:, 1:])
+            batches.append(Batch(inputs=inputs, labels=labels))
         self.consumed_samples += self.global_batch
         return batches
 
