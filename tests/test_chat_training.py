@@ -61,17 +61,20 @@ def test_labels_are_ignored_exactly_where_a_token_is_not_learned():
     assert torch.equal(batch.labels[torch.from_numpy(masks)], torch.from_numpy(rows[:, 1:][masks]))
 
 
-def test_the_first_step_loss_is_the_mean_over_the_learned_tokens(tmp_path):
-    job = chat_job(tmp_path)
+def assert_first_step_is_the_masked_mean(job) -> None:
+    """Step 1's logged loss equals cross-entropy over the learned tokens of its batch, by hand."""
     trainer = Trainer(job, validate(job, 1), single_process())
     loader = trainer.loader
     (batch,) = StepLoader(loader.samples, loader.global_batch, 2, 0, 1, torch.device("cpu")).next_step()
     with torch.no_grad():
         logits = trainer.parts[0](batch.inputs)
     expected = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX)
-    records = trainer.train()
-    assert records[0].loss == pytest.approx(expected.item(), rel=1e-5)
     assert (batch.labels == IGNORE_INDEX).any() and (batch.labels != IGNORE_INDEX).any()
+    assert trainer.train()[0].loss == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_the_first_step_loss_is_the_mean_over_the_learned_tokens(tmp_path):
+    assert_first_step_is_the_masked_mean(chat_job(tmp_path))
 
 
 def test_what_is_learned_follows_loss_on(tmp_path):
@@ -128,15 +131,9 @@ def test_prepared_chat_holds_the_tokens_mask_and_conversation_ends(tmp_path):
 
 
 def test_training_on_prepared_chat_is_the_masked_mean(tmp_path):
-    job = chat_job(tmp_path / "run", "--training.dataset_path", str(prepare_chat(tmp_path)))
-    trainer = Trainer(job, validate(job, 1), single_process())
-    loader = trainer.loader
-    (batch,) = StepLoader(loader.samples, loader.global_batch, 2, 0, 1, torch.device("cpu")).next_step()
-    with torch.no_grad():
-        logits = trainer.parts[0](batch.inputs)
-    expected = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX)
-    assert (batch.labels == IGNORE_INDEX).any()
-    assert trainer.train()[0].loss == pytest.approx(expected.item(), rel=1e-5)
+    assert_first_step_is_the_masked_mean(
+        chat_job(tmp_path / "run", "--training.dataset_path", str(prepare_chat(tmp_path)))
+    )
 
 
 def test_a_blend_of_prepared_text_and_chat_masks_only_the_chat_rows(tmp_path):

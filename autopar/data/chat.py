@@ -43,11 +43,14 @@ SHAREGPT_ROLES = {
     "user": "user",
     "gpt": "assistant",
     "assistant": "assistant",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
 }
-SHAREGPT_ROLES |= {"tool": "tool", "function": "tool", "observation": "tool"}
 SPECIALS = ("<|im_start|>", "<|im_end|>")
 """What a ChatML template writes as single tokens; a tokenizer without them is refused."""
-_ASSISTANT = re.compile(re.escape("<|im_start|>assistant\n") + r".*?" + re.escape("<|im_end|>"), re.DOTALL)
+_HEADER = "<|im_start|>assistant\n"
+_ASSISTANT = re.compile(re.escape(_HEADER) + r".*?" + re.escape("<|im_end|>"), re.DOTALL)
 
 LossOn = Literal["assistant", "all", "last_assistant"]
 
@@ -104,8 +107,7 @@ def learned_spans(text: str, loss_on: LossOn = "assistant") -> list[tuple[int, i
     """Character spans of ``text`` whose tokens are targets."""
     if loss_on == "all":
         return [(0, len(text))]
-    header = len("<|im_start|>assistant\n")
-    spans = [(m.start() + header, m.end()) for m in _ASSISTANT.finditer(text)]
+    spans = [(m.start() + len(_HEADER), m.end()) for m in _ASSISTANT.finditer(text)]
     return spans[-1:] if loss_on == "last_assistant" else spans
 
 
