@@ -86,6 +86,7 @@ def validation_samples(job: JobConfig, tokenizer: Tokenizer) -> PackedWindows:
         job.debug.seed,
         "validation",
         chat_format(job),
+        job.training.document_masking,
     )
     assert isinstance(samples, PackedWindows), "validation reads one dataset, never a blend"
     return samples

@@ -151,6 +151,7 @@ class Trainer:
             training.seq_len,
             self.job.debug.seed,
             chat=chat_format(self.job),
+            document_masking=training.document_masking,
         )
 
     def _build_loader(self, samples: SampleSource) -> StepLoader:

@@ -42,7 +42,13 @@ def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: st
     check_ac(job.activation_checkpoint)
     check_compile(job.compile)
     check_float8(job.float8, device_type, dims.tp, job.compile.enable)
-    check_cp(parallelism, device_type, job.compile.enable, job.activation_checkpoint.mode)
+    check_cp(
+        parallelism,
+        device_type,
+        job.compile.enable,
+        job.activation_checkpoint.mode,
+        job.training.document_masking,
+    )
     check_pipeline(parallelism, args, job.training.local_batch_size)
     return dims
 

@@ -67,6 +67,27 @@ def tiny_job(dump_folder, *argv: str, name: str = "qwen3", **model: object) -> J
     return parse_job(flags + list(argv))
 
 
+CHAT_VOCAB = 576
+"""The tiny model's vocabulary, room for the shipped ChatML tokenizer's 512 ids."""
+
+
+def chat_job(folder, *flags: str) -> JobConfig:
+    """``tiny_job`` fine-tuning on the shipped conversations with the shipped ChatML tokenizer."""
+    from autopar.data.chat import CHAT_EXAMPLE, CHATML_TOKENIZER
+
+    return tiny_job(
+        folder,
+        "--training.dataset_format",
+        "chat",
+        "--training.dataset_path",
+        str(CHAT_EXAMPLE),
+        "--model.tokenizer_path",
+        str(CHATML_TOKENIZER),
+        *flags,
+        vocab_size=CHAT_VOCAB,
+    )
+
+
 def parity_runs(base: JobConfig, plans: list[str], steps: int = 5) -> dict:
     """plan -> (single-device reference, plan run), all plans of one world size in one group."""
     from autopar.parity import Case, run_cases

@@ -17,24 +17,7 @@ from autopar.parity import Case, run_cases
 from autopar.trainer import Trainer
 from autopar.validate import validate
 
-from jobs import assert_same_training, tiny_job
-
-CHAT_VOCAB = 576
-"""The tiny model's vocabulary, room for the shipped ChatML tokenizer's 512 ids."""
-
-
-def chat_job(folder, *flags: str):
-    return tiny_job(
-        folder,
-        "--training.dataset_format",
-        "chat",
-        "--training.dataset_path",
-        str(CHAT_EXAMPLE),
-        "--model.tokenizer_path",
-        str(CHATML_TOKENIZER),
-        *flags,
-        vocab_size=CHAT_VOCAB,
-    )
+from jobs import assert_same_training, chat_job
 
 
 def chat_samples(seq_len: int, loss_on: str = "assistant"):
@@ -45,7 +28,7 @@ def chat_samples(seq_len: int, loss_on: str = "assistant"):
 
 
 def test_an_epoch_learns_every_assistant_token_once_and_never_a_pad():
-    tokens, learned = load_chat(CHAT_EXAMPLE, ChatFormat(str(CHATML_TOKENIZER)))
+    tokens, learned, _ = load_chat(CHAT_EXAMPLE, ChatFormat(str(CHATML_TOKENIZER)))
     samples = chat_samples(seq_len=32)
     assert 0 <= samples.tokens.size - tokens.size < 32 and not samples.learned[tokens.size :].any()
     seen = sum(int(samples.targets(i).sum()) for i in range(samples.num_windows))

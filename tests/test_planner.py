@@ -176,3 +176,18 @@ def test_dry_run_without_a_world_size_is_one_line_and_exit_2():
     assert out.stderr.strip().splitlines() == [
         "config error: --dry-run needs --world-size N: the number of GPUs to simulate"
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [[], ["--activation_checkpoint.mode=full"]], ids=["no-ac", "full-ac"])
+def test_document_masking_costs_what_the_dry_run_measures(flags):
+    """SDPA's additive mask per block (or, checkpointed, the boolean one kept and one block's
+    rebuilt in backward): the predicted extra bytes are the measured ones."""
+    peaks = {}
+    for masking in ("false", "true"):
+        job = real_scale_job("qwen3", "0.6B", SMALL_VOCAB, *flags, f"--training.document_masking={masking}")
+        (rank,) = compare(job, model_args(job), 8)
+        peaks[masking] = rank
+    predicted = peaks["true"].predicted_peak_gib - peaks["false"].predicted_peak_gib
+    measured = peaks["true"].measured_peak_gib - peaks["false"].measured_peak_gib
+    assert measured > 0.04 and predicted == pytest.approx(measured, rel=0.05)

@@ -84,6 +84,10 @@ class Training:
     the tokenizer, else Qwen2.5's."""
     loss_on: Literal["assistant", "all", "last_assistant"] = "assistant"
     """With chat data: which tokens are targets (every assistant turn, the last one, or all)."""
+    document_masking: bool = False
+    """Packed documents (conversations, or text up to each end-of-text) do not see each other:
+    attention stays within a document, RoPE positions restart at each, and no target is
+    predicted across a boundary (Megatron's reset_attention_mask and reset_position_ids)."""
     local_batch_size: int = 8
     """Sequences per data-parallel rank per micro-step."""
     global_batch_size: int = -1

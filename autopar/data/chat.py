@@ -203,13 +203,13 @@ def encode_files(files: list[Path], chat: ChatFormat) -> tuple[np.ndarray, np.nd
     return np.asarray(ids, dtype=np.int64), mask, np.asarray(ends, dtype=np.int64)
 
 
-def load_chat(path: Path, chat: ChatFormat) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, learned) of every conversation in a .jsonl file or a folder of them."""
+def load_chat(path: Path, chat: ChatFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, learned, conversation ends) of every conversation in a .jsonl file or a
+    folder of them."""
     files = [path] if path.is_file() else sorted(path.rglob("*.jsonl"))
     if not files:
         raise DataError(f"{path}: holds no .jsonl chat files")
-    tokens, learned, _ = encode_files(files, chat)
-    return tokens, learned
+    return encode_files(files, chat)
 
 
 def pad_to_windows(

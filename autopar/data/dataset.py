@@ -29,6 +29,11 @@ class SampleSource(Protocol):
         """Which of sample ``index``'s seq_len targets are learned (bool), or None: all are."""
         ...
 
+    def documents(self, index: int) -> np.ndarray | None:
+        """The document id of each of sample ``index``'s seq_len + 1 tokens (0 for the
+        first), or None without document boundaries."""
+        ...
+
 
 class PackedWindows:
     """Window k is tokens[k*S : k*S + S + 1] (consecutive windows share one token, so every
@@ -46,6 +51,7 @@ class PackedWindows:
         vocab_size: int | None = None,
         seq_len_field: str = "training.seq_len",
         learned: np.ndarray | None = None,
+        document_ends: np.ndarray | None = None,
     ) -> None:
         self.tokens = tokens
         self.seq_len = seq_len
@@ -54,6 +60,8 @@ class PackedWindows:
         self.vocab_size = vocab_size
         self.learned = learned
         """Per token: whether it is a target (chat data); None: every token is."""
+        self.document_ends = document_ends
+        """Sorted end offset of every document (for document masking); None: not used."""
         self.num_windows = (tokens.size - 1) // seq_len
         if self.num_windows < 1:
             raise DataError(
@@ -79,6 +87,13 @@ class PackedWindows:
             return None
         start = self._start(index)
         return np.asarray(self.learned[start + 1 : start + self.seq_len + 1], dtype=bool)
+
+    def documents(self, index: int) -> np.ndarray | None:
+        if self.document_ends is None:
+            return None
+        start = self._start(index)
+        ids = np.searchsorted(self.document_ends, np.arange(start, start + self.seq_len + 1), side="right")
+        return ids - ids[0]
 
     def sample(self, index: int) -> np.ndarray:
         start = self._start(index)
@@ -135,3 +150,7 @@ class Blend:
     def targets(self, index: int) -> np.ndarray | None:
         part, k = self._where(index)
         return part.targets(k)
+
+    def documents(self, index: int) -> np.ndarray | None:
+        part, k = self._where(index)
+        return part.documents(k)

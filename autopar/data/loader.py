@@ -21,7 +21,14 @@ from autopar.data.chat import ChatFormat, load_chat, pad_to_windows
 from autopar.data.dataset import Blend, PackedWindows, SampleSource
 from autopar.data.errors import DataError
 from autopar.data.tokenizer import Tokenizer, build_tokenizer, tokenizer_file
-from autopar.data.tokens import BUILTIN_DATASETS, is_prepared, load_tokens, prepared_chat, read_learned
+from autopar.data.tokens import (
+    BUILTIN_DATASETS,
+    document_ends,
+    is_prepared,
+    load_tokens,
+    prepared_chat,
+    read_learned,
+)
 
 IGNORE_INDEX = -100
 
@@ -30,6 +37,7 @@ IGNORE_INDEX = -100
 class Batch:
     inputs: torch.Tensor  # (L, S) int64
     labels: torch.Tensor  # (L, S) int64, IGNORE_INDEX where no target
+    documents: torch.Tensor | None = None  # (L, S) int64 document ids with document masking
 
 
 def parse_blend(items: list[str]) -> list[tuple[float, Path]]:
@@ -76,28 +84,39 @@ def build_samples(
     seed: int,
     section: str = "training",
     chat: ChatFormat | None = None,
+    document_masking: bool = False,
 ) -> SampleSource:
     """The sample source of a job's [training] (or ``section``'s) data fields; with ``chat``,
-    raw .jsonl files hold conversations (prepared files say themselves what they hold)."""
+    raw .jsonl files hold conversations (prepared files say themselves what they hold); with
+    ``document_masking``, samples carry their document boundaries."""
     if blend:
         parts = [
-            windows(p, tokenizer, seq_len, seed + i, section, chat)
+            windows(p, tokenizer, seq_len, seed + i, section, chat, document_masking)
             for i, (_, p) in enumerate(parse_blend(blend))
         ]
         return Blend(parts, [w for w, _ in parse_blend(blend)], seed)
-    return windows(dataset_path(dataset, path, section), tokenizer, seq_len, seed, section, chat)
+    source = dataset_path(dataset, path, section)
+    return windows(source, tokenizer, seq_len, seed, section, chat, document_masking)
 
 
 def windows(
-    source: Path, tokenizer: Tokenizer, seq_len: int, seed: int, section: str, chat: ChatFormat | None
+    source: Path,
+    tokenizer: Tokenizer,
+    seq_len: int,
+    seed: int,
+    section: str,
+    chat: ChatFormat | None,
+    document_masking: bool = False,
 ) -> PackedWindows:
     """The sequences of one dataset: text, raw chat (rendered now, last sequence padded) or
-    prepared (tokens, and the learned mask of a prepared chat file)."""
+    prepared (tokens, and the learned mask of a prepared chat file). Documents are
+    conversations, or the text between end-of-text tokens (a prepared file's index)."""
     if chat is not None and not is_prepared(source):
-        tokens, learned = load_chat(source, chat)
+        tokens, learned, ends = load_chat(source, chat)
         tokens, learned = pad_to_windows(tokens, learned, seq_len, chat.pad_id())
     else:
         tokens, learned = load_tokens(source, tokenizer), read_learned(source)
+        ends = document_ends(source, tokens, tokenizer.eos_id) if document_masking else None
         rendered = prepared_chat(source)
         if chat is not None and rendered is not None and rendered["loss_on"] != chat.loss_on:
             raise DataError(
@@ -105,7 +124,14 @@ def windows(
                 f"{chat.loss_on!r}; set it to {rendered['loss_on']!r} or prepare the data again"
             )
     return PackedWindows(
-        tokens, seq_len, seed, str(source), tokenizer.vocab_size, f"{section}.seq_len", learned
+        tokens,
+        seq_len,
+        seed,
+        str(source),
+        tokenizer.vocab_size,
+        f"{section}.seq_len",
+        learned,
+        ends if document_masking else None,
     )
 
 
@@ -138,21 +164,32 @@ class StepLoader:
         batches = []
         for m in range(self.micro_steps):
             first = self.consumed_samples + (m * self.dp_size + self.dp_rank) * self.local_batch
-            rows = np.stack([self.samples.sample(first + k) for k in range(self.local_batch)])
-            masks = [self.samples.targets(first + k) for k in range(self.local_batch)]
-            masked = any(mask is not None for mask in masks)  # chat rows (a blend may mix them with text)
-            if masked:  # inputs and masked labels side by side: still one copy to the device
-                learned = np.stack(
-                    [np.ones(rows.shape[1] - 1, bool) if mask is None else mask for mask in masks]
-                )
-                rows = np.concatenate([rows[:, :-1], np.where(learned, rows[:, 1:], IGNORE_INDEX)], axis=1)
-            window = torch.from_numpy(rows)
-            if self.device.type == "cuda":
-                window = window.pin_memory().to(self.device, non_blocking=True)
-            inputs, labels = window.chunk(2, dim=1) if masked else (window[:, :-1], window[:, 1:])
-            batches.append(Batch(inputs=inputs, labels=labels))
+            batches.append(self._batch(range(first, first + self.local_batch)))
         self.consumed_samples += self.global_batch
         return batches
+
+    def _batch(self, indices: range) -> Batch:
+        """Samples ``indices`` as one array on the device (one copy): the token windows, or
+        inputs, masked labels and document ids side by side."""
+        rows = np.stack([self.samples.sample(k) for k in indices])  # (L, S + 1)
+        masks = [self.samples.targets(k) for k in indices]
+        docs = [self.samples.documents(k) for k in indices]
+        masked = any(mask is not None for mask in masks)  # chat rows (a blend may mix them with text)
+        documents = docs[0] is not None  # every part of a blend has boundaries, or none has
+        if masked or documents:
+            learned = np.stack([np.ones(rows.shape[1] - 1, bool) if mask is None else mask for mask in masks])
+            ids = np.stack(docs) if documents else None  # (L, S + 1)
+            if ids is not None:
+                learned &= ids[:, 1:] == ids[:, :-1]  # no target is predicted across a boundary
+            columns = [rows[:, :-1], np.where(learned, rows[:, 1:], IGNORE_INDEX)]
+            rows = np.concatenate(columns if ids is None else [*columns, ids[:, :-1]], axis=1)
+        window = torch.from_numpy(rows)
+        if self.device.type == "cuda":
+            window = window.pin_memory().to(self.device, non_blocking=True)
+        if not (masked or documents):
+            return Batch(inputs=window[:, :-1], labels=window[:, 1:])
+        parts = window.chunk(3 if documents else 2, dim=1)
+        return Batch(inputs=parts[0], labels=parts[1], documents=parts[2] if documents else None)
 
     def state_dict(self) -> dict[str, int]:
         return {"consumed_samples": self.consumed_samples}

@@ -129,6 +129,15 @@ def read_learned(path: Path) -> np.ndarray | None:
     return np.memmap(mask, dtype=np.uint8, mode="r").view(bool)
 
 
+def document_ends(path: Path, tokens: np.ndarray, eos_id: int) -> np.ndarray:
+    """Where each document of ``tokens`` ends: a prepared dataset's index (memory-mapped),
+    else after every end-of-text token of a stream tokenized now."""
+    if is_prepared(path):
+        idx = path.with_suffix(".idx")
+        return np.memmap(idx, dtype=np.int64, mode="r") if idx.stat().st_size else np.empty(0, np.int64)
+    return np.flatnonzero(np.asarray(tokens) == eos_id) + 1
+
+
 def prepared_chat(path: Path) -> dict[str, str] | None:
     """How a prepared chat dataset was rendered ({"loss_on", "template"}), or None."""
     return _read_meta(path.with_suffix(".json")).get("chat") if is_prepared(path) else None

@@ -52,6 +52,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """RoPE positions that restart at 0 where each packed document starts (Megatron's
+    reset_position_ids); ``documents`` (B, S) holds each token's document id, equal ids
+    contiguous."""
+    index = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    first = torch.where(starts, index, 0).cummax(dim=1).values  # (B, S) start of each token's document
+    return index - first
+
+
+def document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """(B, 1, S, S) boolean SDPA mask: a token sees the earlier tokens of its own document
+    (Megatron's reset_attention_mask)."""
+    seqlen = documents.shape[1]
+    causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=documents.device).tril()
+    same = documents[:, :, None] == documents[:, None, :]  # (B, S, S)
+    return (same & causal)[:, None]
+
+
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     """Expand (B, Hkv, S, D) to (B, Hkv * n_rep, S, D) so every query head has its k/v."""
     if n_rep == 1:
@@ -77,7 +97,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``mask``: a boolean (B, 1, S, S) attention mask replacing the causal one."""
         bsz, seqlen, _ = x.shape
         q = self.q_proj(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, Hq, D)
         k = self.k_proj(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, Hkv, D)
@@ -92,9 +115,11 @@ class Attention(nn.Module):
         k = apply_rotary(k, cos, sin).transpose(1, 2)  # (B, Hkv, S, D)
         v = v.transpose(1, 2)  # (B, Hkv, S, D)
         n_rep = q.shape[1] // k.shape[1]
-        out = F.scaled_dot_product_attention(
-            q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), is_causal=True
-        )  # (B, Hq, S, D)
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, Hq, S, D)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)  # (B, S, Hq * D)
         return self.o_proj(out)
 
@@ -122,8 +147,10 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), positions)
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), positions, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -150,11 +177,25 @@ class Qwen(nn.Module):
         if self.args.tie_word_embeddings and self.embed_tokens is not None and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens (B, S) int64, or hidden (B, S, H) for a stage without embeddings."""
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens (B, S) int64, or hidden (B, S, H) for a stage without embeddings.
+
+        ``documents`` (B, S): the id of the packed document each token belongs to; attention
+        then stays within a document and RoPE positions restart at each (unless ``positions``
+        are given)."""
         h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens  # (B, S, H)
+        mask = None
+        if documents is not None:
+            mask = document_mask(documents)
+            if positions is None:
+                positions = document_positions(documents)
         for layer in self.layers.values():
-            h = layer(h, positions)
+            h = layer(h, positions, mask)
         if self.norm is not None:
             h = self.norm(h)
         return self.lm_head(h) if self.lm_head is not None else h  # (B, S, V)

@@ -261,7 +261,8 @@ def pipeline_forward_backward(
         with micro_batch_context(full_batch) as (batch, positions):
             args = (batch.inputs,) if pipeline.has_first else ()
             target = batch.labels if pipeline.has_last else None
-            kwargs = {} if positions is None else {"positions": positions}
+            extra = {"positions": positions, "documents": batch.documents}
+            kwargs = {name: value for name, value in extra.items() if value is not None}
             # return_outputs=False: the last stage keeps no logits of finished micro-batches
             run = pipeline.schedule.step if backward else pipeline.schedule.eval
             run(*args, target=target, losses=losses, return_outputs=False, **kwargs)

@@ -121,7 +121,9 @@ def _batches(job: JobConfig, dims: ParallelDims) -> list[Batch]:
     )
     micro_steps = min(2, global_batch // (training.local_batch_size * dims.dp))
     shape = (training.local_batch_size, training.seq_len)
-    return [Batch(torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long))] * micro_steps
+    tokens = torch.zeros(shape, dtype=torch.long)
+    documents = tokens if training.document_masking else None  # the masked attention path
+    return [Batch(tokens, tokens, documents)] * micro_steps
 
 
 def _fake_values(name: str, shape: torch.Size) -> torch.Tensor:

@@ -11,7 +11,10 @@ per token of a block, with ``c`` the compute dtype's bytes and heads/intermediat
   (gathered over the sequence under SP);
 - Qwen3's q/k norms the same per head; attention saves q, k and v expanded to all query
   heads (GQA is repeated before SDPA), its output and a float32 logsumexp;
-- SwiGLU saves gate, silu(gate), up and their product, ``4*c*I``.
+- SwiGLU saves gate, silu(gate), up and their product, ``4*c*I``;
+- an explicit attention mask (document masking: one per sequence; all-gather CP: one
+  causal mask by global position) is saved by SDPA as an additive ``c`` copy per block;
+  checkpointed blocks keep the boolean one as an input instead and rebuild the copy.
 
 Selective per-op checkpointing keeps the outputs of matmuls, attention and collectives
 (``plans.activation_checkpoint.SAVED_OPS``); full checkpointing keeps each block's input and
@@ -139,6 +142,7 @@ class _Sizes:
     inter: int  # intermediate size per TP rank
     sp: int  # sequence-parallel shard factor of norms and residuals
     kv_seq_factor: int  # how many times the local sequence k/v span (all-gather CP)
+    mask: int  # elements of the explicit attention mask (0: SDPA's built-in causal one)
 
 
 def block_bytes_no_ac(z: _Sizes, qk_norm: bool) -> float:
@@ -151,7 +155,8 @@ def block_bytes_no_ac(z: _Sizes, qk_norm: bool) -> float:
     rope = 4 * z.c * z.seq * z.d
     attention = 2 * z.c * heads + 2 * z.c * heads * z.kv_seq_factor + FP32 * z.nq * t
     mlp = 4 * z.c * z.inter * t
-    return 2 * norm + linear_inputs + qk + rope + attention + mlp
+    mask = z.c * z.mask  # SDPA turns a boolean mask into an additive one and saves it
+    return 2 * norm + linear_inputs + qk + rope + attention + mlp + mask
 
 
 def block_bytes_op_ac(z: _Sizes, tp: int) -> float:
@@ -203,6 +208,10 @@ def sizes(
 ) -> _Sizes:
     seq = job.training.seq_len // dims.cp
     sequence_parallel = dims.tp > 1 and job.parallelism.enable_sequence_parallel
+    kv_seq_factor = dims.cp if (dims.cp > 1 and cp_impl == "allgather") else 1
+    # a query row per local token over every key: per sequence under document masking, one
+    # shared causal one under all-gather CP
+    mask = seq * seq * kv_seq_factor * (micro_batch if job.training.document_masking else kv_seq_factor > 1)
     return _Sizes(
         tokens=micro_batch * seq,
         seq=seq,
@@ -213,7 +222,8 @@ def sizes(
         d=args.head_dim,
         inter=args.intermediate_size // dims.tp,
         sp=dims.tp if sequence_parallel else 1,
-        kv_seq_factor=dims.cp if (dims.cp > 1 and cp_impl == "allgather") else 1,
+        kv_seq_factor=kv_seq_factor,
+        mask=mask,
     )
 
 
@@ -282,7 +292,9 @@ def _predict_stage_rank(
     full = set() if op else set(checkpointed_layers(ac, layers))
     no_ac = block_bytes_no_ac(z, args.qk_norm)
     per_block = block_bytes_op_ac(z, dims.tp) if op else no_ac
+    # a checkpointed block's inputs stay alive: the hidden states, and the boolean mask
     block_input = z.c * z.h * z.tokens / z.sp
+    held_mask = z.mask if (op or full) else 0.0
     # what one micro-batch leaves saved in each of this rank's stages: its blocks' saves, and
     # under pipelining the activation a stage received and the one it sent (kept for backward)
     saved = {
@@ -292,6 +304,7 @@ def _predict_stage_rank(
             if m.startswith("layers.")
         )
         + block_input * ((i > 0) + (i < len(stages) - 1))
+        + held_mask
         for i in ids
     }
     # what a block's backward rebuilds: all of it (full/every-k) or what per-op AC dropped

@@ -25,6 +25,7 @@ from autopar.models.args import ModelArgs
 from autopar.planner.devices import DeviceSpec
 from autopar.planner.memory import GIB, Memory, predict_dims
 from autopar.planner.time import StepTime, predict_time, tokens_per_step
+from autopar.plans.context_parallel import resolve_impl
 from autopar.plans.mesh import ParallelDims
 from autopar.validate import check_plan
 
@@ -175,7 +176,8 @@ def evaluate(
     device_type: str = "cuda",
 ) -> Plan:
     """Memory of the most loaded rank and, when it fits, the step time of ``job``."""
-    worst = max(predict_dims(args, job, dims, device_type=device_type), key=lambda m: m.peak)
+    cp_impl = resolve_impl(job.parallelism, device_type)
+    worst = max(predict_dims(args, job, dims, cp_impl, device_type), key=lambda m: m.peak)
     parts = dict(worst.parts, runtime=runtime_reserve(worst.peak, dims))
     memory = Memory(worst.role, parts)
     fits = memory.peak <= device.memory_gib * GIB

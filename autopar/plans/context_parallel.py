@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from autopar.config.errors import ConfigError
 from autopar.config.job import Parallelism
 from autopar.data.loader import Batch
+from autopar.models.qwen import document_positions
 
 # torch 2.13 renamed the autograd-aware all-gather; 2.11 has only the old name
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor_autograd
@@ -41,10 +42,18 @@ def resolve_impl(cfg: Parallelism, device_type: str) -> str:
     return "ring" if device_type == "cuda" else "allgather"
 
 
-def check_cp(cfg: Parallelism, device_type: str, compiled: bool, ac_mode: str) -> None:
+def check_cp(
+    cfg: Parallelism, device_type: str, compiled: bool, ac_mode: str, document_masking: bool = False
+) -> None:
     if cfg.context_parallel_degree == 1:
         return
     impl = resolve_impl(cfg, device_type)
+    if impl == "ring" and document_masking:
+        raise ConfigError(
+            "training.document_masking=true with context_parallel_impl='ring': torch's ring "
+            "attention runs causal attention only; use --parallelism.context_parallel_impl allgather "
+            "(it masks by document id and global position)"
+        )
     if impl == "ring" and device_type != "cuda":
         raise ConfigError(
             "parallelism.context_parallel_impl='ring' needs CUDA: torch's ring attention has no "
@@ -69,13 +78,25 @@ def shard_sequence(x: torch.Tensor, rank: int, size: int, head_tail: bool, dim: 
 
 class AllGatherKVAttention(TorchFunctionMode):
     """Causal SDPA over the whole sequence for this rank's queries: k/v gathered from all CP
-    ranks, the mask from global positions (so any sharding layout is handled)."""
+    ranks, the mask from global positions (so any sharding layout is handled) and, with
+    packed documents, from their ids: a query sees only keys of its own document."""
 
-    def __init__(self, mesh: DeviceMesh, q_positions: torch.Tensor) -> None:
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        q_positions: torch.Tensor,
+        documents: torch.Tensor | None = None,
+        q_documents: torch.Tensor | None = None,
+    ) -> None:
+        """``q_positions`` (S_local,): where this rank's tokens sit; ``documents`` (B, S): the
+        whole rows' document ids, ``q_documents`` (B, S_local) this rank's."""
         super().__init__()
         self.mesh = mesh
-        kv_positions = _all_gather(q_positions, gather_dim=0, group=mesh)
+        kv_positions = _all_gather(q_positions, gather_dim=0, group=mesh)  # (S,) in k/v order
         self.mask = kv_positions[None, :] <= q_positions[:, None]  # (S_local, S)
+        if documents is not None:
+            same = q_documents[:, :, None] == documents[:, None, kv_positions]  # (B, S_local, S)
+            self.mask = (self.mask & same)[:, None]  # (B, 1, S_local, S)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -101,19 +122,26 @@ class ContextParallel:
 
     @contextlib.contextmanager
     def __call__(self, batch: Batch) -> Iterator[tuple[Batch, torch.Tensor]]:
-        """Yields (this rank's batch slice, its global positions (B, S_local))."""
+        """Yields (this rank's batch slice, its RoPE positions (B, S_local)). With packed
+        documents the slice has no document ids: the model runs plain causal attention,
+        which this context masks by document, and the positions restart per document."""
         bsz, seqlen = batch.inputs.shape
         positions = torch.arange(seqlen, device=batch.inputs.device).expand(bsz, seqlen).contiguous()
         if self.impl == "ring":
+            assert batch.documents is None, "check_cp refuses document masking with ring attention"
             with self._ring(batch, positions) as sharded:
                 yield sharded
             return
         rank, size = self.mesh.get_local_rank(), self.mesh.size()
-        inputs, labels, pos = (
-            shard_sequence(t, rank, size, self.head_tail) for t in (batch.inputs, batch.labels, positions)
+        rope = positions if batch.documents is None else document_positions(batch.documents)
+        inputs, labels, pos, rope = (
+            shard_sequence(t, rank, size, self.head_tail)
+            for t in (batch.inputs, batch.labels, positions, rope)
         )
-        with AllGatherKVAttention(self.mesh, pos[0]):
-            yield Batch(inputs, labels), pos
+        documents = batch.documents
+        q_documents = None if documents is None else shard_sequence(documents, rank, size, self.head_tail)
+        with AllGatherKVAttention(self.mesh, pos[0], documents, q_documents):
+            yield Batch(inputs, labels), rope
 
     @contextlib.contextmanager
     def _ring(self, batch: Batch, positions: torch.Tensor) -> Iterator[tuple[Batch, torch.Tensor]]:

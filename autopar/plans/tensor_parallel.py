@@ -83,7 +83,7 @@ def block_plan(
 
     plan: dict[str, ParallelStyle] = {
         "input_layernorm": SequenceParallel() if sequence_parallel else ReplicateParams(),
-        "self_attn": prepare_input((residual, None), "q_proj"),
+        "self_attn": prepare_input((residual, None, None), "q_proj"),  # x, positions, mask
         "self_attn.q_proj": colwise(),
         "self_attn.k_proj": colwise(),
         "self_attn.v_proj": colwise(),
