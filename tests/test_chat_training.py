@@ -3,16 +3,19 @@ the global batch, on one device and under every plan."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from autopar.config import ConfigError
-from autopar.data.chat import CHAT_EXAMPLE, CHATML_TOKENIZER, ChatFormat, load_chat
+from autopar.data.chat import CHAT_EXAMPLE, CHATML_TOKENIZER, ChatFormat, encode, load_chat
 from autopar.data.loader import IGNORE_INDEX, StepLoader, build_samples
 from autopar.data.tokenizer import build_tokenizer
 from autopar.distributed import single_process
+from autopar.job import model_args
 from autopar.parity import Case, run_cases
 from autopar.trainer import Trainer
 from autopar.validate import validate
@@ -160,3 +163,56 @@ def test_a_bad_chat_line_leaves_nothing_prepared(tmp_path):
     with pytest.raises(DataError, match=r"chats.jsonl:2: unknown role 'robot'"):
         prepare([str(bad.parent)], str(tmp_path / "out" / "sft"), str(CHATML_TOKENIZER), chat)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_the_sft_walk_through_takes_an_hf_folder_and_gives_one_transformers_chats_with(tmp_path):
+    """The README's path: HF folder in (weights, ChatML tokenizer, template), chat JSONL,
+    assistant-only loss with packed conversations masked, HF folder out that transformers
+    loads, tokenizes conversations with and computes our logits with."""
+    import json
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    from autopar.models import Qwen, to_hf
+
+    from jobs import CHAT_VOCAB, TINY_MODEL
+
+    source = tmp_path / "Qwen3-tiny"
+    job = chat_job(tmp_path)
+    base = Qwen(dataclasses.replace(model_args(job), vocab_size=CHAT_VOCAB))
+    base.init_weights(seed=3)
+    to_hf(base, source)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(CHATML_TOKENIZER / name, source / name)
+    job = chat_job(
+        tmp_path / "run",
+        "--model.hf_assets_path",
+        str(source),
+        "--model.tokenizer_path",
+        str(source),
+        "--checkpoint.initial_load_path",
+        str(source),
+        "--checkpoint.initial_load_in_hf",
+        "true",
+        "--checkpoint.last_save_in_hf",
+        "true",
+        "--training.document_masking",
+        "true",
+        "--training.steps",
+        "2",
+    )
+    assert model_args(job).hidden_size == TINY_MODEL["hidden_size"]
+    trainer = Trainer(job, validate(job, 1), single_process())
+    trainer.train()
+    out = tmp_path / "run" / "hf" / "step-2"
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    messages = json.loads(CHAT_EXAMPLE.read_text().splitlines()[0])["messages"]
+    ids, _ = encode(messages, str(source))
+    assert tokenizer.apply_chat_template(messages, tokenize=False) == tokenizer.decode(ids)
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        theirs = model(tokens).logits
+        ours = trainer.parts[0](tokens)
+    assert not torch.allclose(ours, base(tokens), atol=1e-3)  # it trained
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
