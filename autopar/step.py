@@ -103,7 +103,7 @@ def forward_backward(
     for full_batch in batches:
         with context.sequence(full_batch) as (batch, positions), context.loss_parallel_context():
             with context.forward_precision():
-                logits = model(batch.inputs, positions, batch.documents)
+                logits = model(batch.inputs, positions=positions, documents=batch.documents)
             loss = context.loss_fn(logits, batch.labels) / global_targets
             if isinstance(loss, DTensor):
                 loss = loss.full_tensor()

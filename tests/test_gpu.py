@@ -77,7 +77,7 @@ def test_cuda_ring_attention_machinery_on_one_rank_matches_plain_forward(tmp_pat
         expected = model(tokens)
         cfg = Parallelism(context_parallel_impl="ring", context_parallel_rotate_method=rotate)
         with ContextParallel(cfg, mesh, "cuda")(Batch(tokens, tokens)) as (batch, positions):
-            got = model(batch.inputs, positions)
+            got = model(batch.inputs, positions=positions)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # fp32, same kernels
     finally:
         dist.destroy_process_group()

@@ -22,6 +22,8 @@ PUBLISHED_BILLIONS = {
     ("qwen3", "8B"): 8.2,
     ("qwen3", "14B"): 14.8,
     ("qwen3", "32B"): 32.8,
+    ("qwen3", "30B-A3B"): 30.5,
+    ("qwen3", "235B-A22B"): 235.0,
     ("qwen2.5", "0.5B"): 0.49,
     ("qwen2.5", "1.5B"): 1.54,
     ("qwen2.5", "3B"): 3.09,
@@ -188,7 +190,7 @@ def test_flavor_parameter_count_matches_published_size(key):
 
 
 def test_every_flavor_is_listed_with_its_published_size():
-    named = {(family, f) for family, flavors in FLAVORS.items() for f in flavors if f != "debug"}
+    named = {(family, f) for family, flavors in FLAVORS.items() for f in flavors if not f.startswith("debug")}
     assert named == set(PUBLISHED_BILLIONS)
 
 
@@ -210,7 +212,7 @@ def test_explicit_positions_equal_default_positions():
     model = Qwen(get_flavor("qwen3", "debug"))
     model.init_weights()
     tokens = torch.randint(0, 512, (2, 12))
-    torch.testing.assert_close(model(tokens, torch.arange(12)), model(tokens), rtol=0, atol=0)
+    torch.testing.assert_close(model(tokens, positions=torch.arange(12)), model(tokens), rtol=0, atol=0)
 
 
 def test_unknown_flavor_names_the_choices():

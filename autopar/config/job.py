@@ -27,7 +27,7 @@ class Model:
     name: Literal["qwen3", "qwen2.5"] = "qwen3"
     """Model family."""
     flavor: str = "debug"
-    """Size within the family: qwen3 debug/0.6B/1.7B/4B/8B/14B/32B, qwen2.5 debug/0.5B/1.5B/3B/7B/14B/32B/72B."""
+    """Size within the family: qwen3 debug/0.6B/1.7B/4B/8B/14B/32B (MoE: debug-moe/30B-A3B/235B-A22B), qwen2.5 debug/0.5B/1.5B/3B/7B/14B/32B/72B."""
     hf_assets_path: str | None = None
     """HF model folder (torchtitan's name): its config.json gives the model's shape instead of
     the flavor (the [model] overrides still win), its tokenizer.json the tokenizer."""

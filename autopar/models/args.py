@@ -8,10 +8,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ModelArgs:
-    """Shape and numerics of one Qwen2.5 / Qwen3 dense model.
+    """Shape and numerics of one Qwen2.5 / Qwen3 model, dense or mixture of experts.
 
     Field names match HF ``config.json`` so a config maps 1:1; ``qk_norm`` is the one
     addition (it is what distinguishes the ``qwen3`` architecture from ``qwen2``).
+    ``num_experts > 0`` makes it Qwen3-MoE: layer ``i`` has a routed mixture of experts
+    unless ``i`` is in ``mlp_only_layers`` or ``i + 1`` is not a multiple of
+    ``decoder_sparse_step`` (then a dense SwiGLU of ``intermediate_size``).
     """
 
     vocab_size: int
@@ -31,10 +34,34 @@ class ModelArgs:
     """Per-head RMSNorm of q and k before RoPE (Qwen3)."""
     max_position_embeddings: int = 32768
     initializer_range: float = 0.02
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0: a dense model."""
+    num_experts_per_tok: int = 8
+    """Experts each token is sent to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Each expert's SwiGLU width."""
+    norm_topk_prob: bool = False
+    """Renormalize the top-k routing probabilities to sum to 1."""
+    decoder_sparse_step: int = 1
+    """Every this-many-th layer is MoE."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layers kept dense."""
+    router_aux_loss_coef: float = 0.001
+    """Weight of the load-balancing loss in the training loss."""
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` routes to experts (HF's rule)."""
+        return self.moe and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
     @property
     def model_type(self) -> str:
         """The HF ``model_type`` this architecture is saved as."""
+        if self.moe:
+            return "qwen3_moe"
         return "qwen3" if self.qk_norm else "qwen2"
 
     def check(self) -> None:
@@ -63,3 +90,22 @@ class ModelArgs:
                 raise ValueError(f"model.{name}={value} must be a finite number > 0")
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim={self.head_dim} must be even for rotary embeddings")
+        if self.moe:
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        if not self.qk_norm:
+            raise ValueError("model.num_experts > 0 is Qwen3-MoE, which has qk_norm; use model.name qwen3")
+        if not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"model.num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
+                f"model.num_experts={self.num_experts}"
+            )
+        if self.moe_intermediate_size <= 0:
+            raise ValueError(f"model.moe_intermediate_size={self.moe_intermediate_size} must be positive")
+        if self.decoder_sparse_step <= 0:
+            raise ValueError(f"model.decoder_sparse_step={self.decoder_sparse_step} must be positive")
+        if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
+            raise ValueError(
+                f"model.router_aux_loss_coef={self.router_aux_loss_coef} must be finite and >= 0"
+            )

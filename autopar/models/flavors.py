@@ -2,7 +2,8 @@
 
 Numbers are those of the public HF ``config.json`` files. ``debug`` flavors are tiny models
 for CPU runs and tests; they keep each family's quirks (GQA, head_dim != hidden/heads for
-Qwen3, q/k/v bias for Qwen2.5) so the tiny model exercises the same code paths.
+Qwen3, q/k/v bias for Qwen2.5, routed experts for ``debug-moe``) so the tiny model
+exercises the same code paths.
 """
 
 from __future__ import annotations
@@ -28,6 +29,17 @@ def _qwen3(hidden: int, layers: int, heads: int, inter: int, tied: bool) -> Mode
         attention_bias=False,
         qk_norm=True,
         max_position_embeddings=40960,
+    )
+
+
+def _qwen3_moe(hidden: int, layers: int, heads: int, inter: int, moe_inter: int) -> ModelArgs:
+    return dataclasses.replace(
+        _qwen3(hidden, layers, heads, inter, tied=False),
+        num_key_value_heads=4,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=moe_inter,
+        norm_topk_prob=True,
     )
 
 
@@ -69,6 +81,24 @@ FLAVORS: dict[str, dict[str, ModelArgs]] = {
         "8B": _qwen3(4096, 36, 32, 12288, tied=False),
         "14B": _qwen3(5120, 40, 40, 17408, tied=False),
         "32B": _qwen3(5120, 64, 64, 25600, tied=False),
+        "debug-moe": ModelArgs(
+            vocab_size=512,
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=32,
+            tie_word_embeddings=False,
+            qk_norm=True,
+            max_position_embeddings=4096,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            norm_topk_prob=True,
+        ),
+        "30B-A3B": _qwen3_moe(2048, 48, 32, 6144, 768),
+        "235B-A22B": _qwen3_moe(4096, 94, 64, 12288, 1536),
     },
     "qwen2.5": {
         "debug": ModelArgs(
@@ -110,6 +140,8 @@ def with_overrides(args: ModelArgs, overrides: dict[str, Any]) -> ModelArgs:
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ValueError(f"model override {unknown[0]!r} is not a model field; fields: {sorted(fields)}")
+    # a list from TOML or the command line; the frozen args hold a tuple
+    overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in overrides.items()}
     args = dataclasses.replace(args, **overrides)
     args.check()
     return args

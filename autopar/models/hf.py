@@ -1,6 +1,9 @@
 """HF safetensors in and out: a name-mapping adapter between HF Qwen checkpoints and ``Qwen``.
 
-Our parameter names are HF's without the ``model.`` prefix, so the mapping is a prefix.
+Our parameter names are HF's without the ``model.`` prefix, so the mapping is a prefix, except
+for Qwen3-MoE's experts: our stacked ``layers.N.mlp.experts.gate_proj`` (E, I, H) is HF's
+``model.layers.N.mlp.experts.{e}.gate_proj.weight`` for every expert e (what transformers
+writes, v4 and v5 alike; v5 stacks them only in memory).
 Tied embeddings: HF writes no ``lm_head.weight`` when ``tie_word_embeddings`` is true, and we
 do the same; on load a tied checkpoint that does carry one is accepted only if it equals the
 embedding, so a silently untied checkpoint cannot load as tied.
@@ -27,7 +30,12 @@ from autopar.models.qwen import Qwen, canonical_name
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+_EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
 
 class HFCheckpointError(ValueError):
@@ -39,8 +47,22 @@ def to_hf_name(name: str) -> str:
     return name if name == "lm_head.weight" else f"model.{name}"
 
 
-def from_hf_name(hf_name: str) -> str:
-    return hf_name.removeprefix("model.")
+def hf_pieces(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """(HF name, shape) of the tensors that hold our parameter ``name``: itself, or one per
+    expert of a stacked expert weight."""
+    name = canonical_name(name)
+    module, _, leaf = name.rpartition(".")
+    if module.endswith("mlp.experts") and leaf in _EXPERT_WEIGHTS:
+        return [(f"model.{module}.{e}.{leaf}.weight", tuple(shape[1:])) for e in range(shape[0])]
+    return [(to_hf_name(name), tuple(shape))]
+
+
+def hf_tensors(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Our parameter ``name`` as the HF tensors that hold it."""
+    pieces = hf_pieces(name, tuple(tensor.shape))
+    if len(pieces) == 1:
+        return {pieces[0][0]: tensor}
+    return {hf_name: part for (hf_name, _), part in zip(pieces, tensor.unbind(0), strict=True)}
 
 
 def args_from_hf_config(config: Mapping[str, Any], source: str = CONFIG_FILE) -> ModelArgs:
@@ -49,7 +71,7 @@ def args_from_hf_config(config: Mapping[str, Any], source: str = CONFIG_FILE) ->
     if model_type not in _ARCHITECTURES:
         raise HFCheckpointError(
             f"{source}: model_type={model_type!r} is not supported; autopar loads "
-            f"{sorted(_ARCHITECTURES)} (Qwen2.5 and Qwen3 dense)"
+            f"{sorted(_ARCHITECTURES)} (Qwen2.5, Qwen3 and Qwen3-MoE)"
         )
     rope = config.get("rope_parameters") or {}
     scaling = config.get("rope_scaling") or {}
@@ -60,7 +82,7 @@ def args_from_hf_config(config: Mapping[str, Any], source: str = CONFIG_FILE) ->
         raise HFCheckpointError(f"{source}: use_sliding_window=true is not supported")
     if config.get("hidden_act", "silu") != "silu":
         raise HFCheckpointError(f"{source}: hidden_act={config['hidden_act']!r}; Qwen uses 'silu'")
-    is_qwen3 = model_type == "qwen3"
+    is_qwen3 = model_type in ("qwen3", "qwen3_moe")
     if is_qwen3 and config.get("attention_bias"):
         raise HFCheckpointError(
             f"{source}: attention_bias=true for qwen3 would put a bias on o_proj, "
@@ -83,14 +105,40 @@ def args_from_hf_config(config: Mapping[str, Any], source: str = CONFIG_FILE) ->
             qk_norm=is_qwen3,
             max_position_embeddings=config.get("max_position_embeddings", 32768),
             initializer_range=config.get("initializer_range", 0.02),
+            **(_moe_args(config) if model_type == "qwen3_moe" else {}),
         )
     except KeyError as missing:
         raise HFCheckpointError(f"{source}: required field {missing} is missing") from None
 
 
+def _moe_args(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The Qwen3-MoE fields of an HF config (v5 spells num_experts num_local_experts)."""
+    return {
+        "num_experts": config.get("num_experts", config.get("num_local_experts")),
+        "num_experts_per_tok": config["num_experts_per_tok"],
+        "moe_intermediate_size": config["moe_intermediate_size"],
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "decoder_sparse_step": config.get("decoder_sparse_step", 1),
+        "mlp_only_layers": tuple(config.get("mlp_only_layers") or ()),
+        "router_aux_loss_coef": float(config.get("router_aux_loss_coef", 0.001)),
+    }
+
+
 def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
     """The config.json transformers needs to rebuild ``args`` (v4 and v5 field spellings)."""
+    moe = {
+        "num_experts": args.num_experts,
+        "num_local_experts": args.num_experts,
+        "num_experts_per_tok": args.num_experts_per_tok,
+        "moe_intermediate_size": args.moe_intermediate_size,
+        "norm_topk_prob": args.norm_topk_prob,
+        "decoder_sparse_step": args.decoder_sparse_step,
+        "mlp_only_layers": list(args.mlp_only_layers),
+        "router_aux_loss_coef": args.router_aux_loss_coef,
+        "output_router_logits": False,
+    }
     return {
+        **(moe if args.moe else {}),
         "architectures": [_ARCHITECTURES[args.model_type]],
         "model_type": args.model_type,
         "vocab_size": args.vocab_size,
@@ -176,7 +224,9 @@ class HFTensors(Mapping[str, torch.Tensor]):
     def __init__(self, path: str | Path, args: ModelArgs) -> None:
         path = Path(path)
         files = _tensor_files(path)
-        expected = {to_hf_name(n): tuple(p.shape) for n, p in _meta_params(args).items()}
+        params = _meta_params(args)
+        ours = {n: hf_pieces(n, tuple(p.shape)) for n, p in params.items()}
+        expected = {hf_name: shape for pieces in ours.values() for hf_name, shape in pieces}
         missing = sorted(set(expected) - set(files))
         extra = sorted(set(files) - set(expected) - {"lm_head.weight"})
         if missing:
@@ -203,11 +253,13 @@ class HFTensors(Mapping[str, torch.Tensor]):
                     f"{files['lm_head.weight']}: tie_word_embeddings=true but lm_head.weight "
                     "differs from model.embed_tokens.weight; set tie_word_embeddings=false"
                 )
-        self._files = {from_hf_name(n): (files[n], n) for n in expected}
+        self._files = {n: [(files[hf_name], hf_name) for hf_name, _ in pieces] for n, pieces in ours.items()}
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        file, hf_name = self._files[name]
-        return _read(file, hf_name)
+        pieces = self._files[name]
+        if len(pieces) == 1:
+            return _read(*pieces[0])
+        return torch.stack([_read(file, hf_name) for file, hf_name in pieces])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)
@@ -281,7 +333,11 @@ def save_hf_streaming(
     for i, group in enumerate(groups, start=1):
         file = SINGLE_FILE if len(groups) == 1 else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
         tensors = load(group)
-        shard = {to_hf_name(n): tensors[n].detach().contiguous().cpu() for n in group}
+        shard = {
+            hf_name: t.detach().contiguous().cpu()
+            for n in group
+            for hf_name, t in hf_tensors(n, tensors[n]).items()
+        }
         save_file(shard, str(path / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file))
     if len(groups) > 1:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.models.args import ModelArgs
+from autopar.models.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -138,20 +139,24 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.)). With a mixture of
+    experts as its mlp it also returns the routing statistics (see ``moe.MoE``)."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.mlp: MLP | MoE = MoE(args) if args.is_moe_layer(layer) else MLP(args)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor | None = None, mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         h = x + self.self_attn(self.input_layernorm(x), positions, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        out = self.mlp(self.post_attention_layernorm(h))
+        if isinstance(out, tuple):
+            return h + out[0], out[1]
+        return h + out
 
 
 class Qwen(nn.Module):
@@ -167,7 +172,7 @@ class Qwen(nn.Module):
         args.check()
         self.args = args
         self.embed_tokens: nn.Embedding | None = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.num_hidden_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head: nn.Linear | None = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.tie_weights()
@@ -180,14 +185,21 @@ class Qwen(nn.Module):
     def forward(
         self,
         tokens: torch.Tensor,
+        routing: torch.Tensor | None = None,
+        *,
         positions: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens (B, S) int64, or hidden (B, S, H) for a stage without embeddings.
 
         ``documents`` (B, S): the id of the packed document each token belongs to; attention
         then stays within a document and RoPE positions restart at each (unless ``positions``
-        are given)."""
+        are given).
+
+        A mixture-of-experts model returns ``(output, routing)``: the routing statistics of
+        its MoE layers summed (B, 2, E), added to those of earlier pipeline stages
+        (``routing``), so the last stage holds the whole model's (``moe.load_balancing_loss``).
+        """
         h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens  # (B, S, H)
         mask = None
         if documents is not None:
@@ -196,9 +208,17 @@ class Qwen(nn.Module):
                 positions = document_positions(documents)
         for layer in self.layers.values():
             h = layer(h, positions, mask)
+            if isinstance(h, tuple):
+                h, stats = h
+                routing = stats if routing is None else routing + stats
         if self.norm is not None:
             h = self.norm(h)
-        return self.lm_head(h) if self.lm_head is not None else h  # (B, S, V)
+        out = self.lm_head(h) if self.lm_head is not None else h  # (B, S, V)
+        if not self.args.moe:
+            return out
+        if routing is None:  # a stage of dense layers only
+            routing = h.new_zeros(h.shape[0], 2, self.args.num_experts, dtype=torch.float32)
+        return out, routing
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
@@ -235,7 +255,7 @@ def initial_value(
     if name.endswith(".bias"):
         return torch.zeros(shape, device=device, dtype=dtype)
     std = args.initializer_range
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
+    if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
         std /= math.sqrt(2 * args.num_hidden_layers)
     generator = torch.Generator(device=device)
     generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
