@@ -1,7 +1,8 @@
 """Throughput, MFU, memory: one console line per log step, the same numbers in metrics.jsonl.
 
 ``metrics.jsonl`` keys ``step, loss, grad_norm, lr, tps, mfu, memory_gib`` are a contract that
-other tools read; ``tps`` is tokens per second per device, ``mfu`` a percentage (null where no
+other tools read (a mixture-of-experts run adds ``aux_loss``, its load-balancing loss; ``loss``
+stays the language-model cross-entropy); ``tps`` is tokens per second per device, ``mfu`` a percentage (null where no
 peak is known, e.g. on CPU), ``memory_gib`` the peak so far (CUDA allocator, or process RSS on CPU).
 """
 
@@ -37,17 +38,24 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
 )
 
 
-def block_matmul_params(args: ModelArgs) -> int:
-    """Parameters of one block's projections (attention q/k/v/o and the SwiGLU MLP)."""
+def block_matmul_params(args: ModelArgs, layer: int = 0) -> int:
+    """Parameters one token meets in block ``layer``'s projections: attention q/k/v/o and
+    the SwiGLU MLP, or in a mixture-of-experts layer the router and its top-k experts (the
+    active parameters)."""
     q = args.num_attention_heads * args.head_dim
     kv = args.num_key_value_heads * args.head_dim
     attention = args.hidden_size * (q + 2 * kv) + q * args.hidden_size
+    if args.is_moe_layer(layer):
+        experts = args.num_experts_per_tok * 3 * args.hidden_size * args.moe_intermediate_size
+        return attention + args.hidden_size * args.num_experts + experts
     return attention + 3 * args.hidden_size * args.intermediate_size
 
 
 def matmul_params(args: ModelArgs) -> int:
-    """Parameters used in matmuls: every block projection and the output head (not the lookup)."""
-    return args.num_hidden_layers * block_matmul_params(args) + args.hidden_size * args.vocab_size
+    """Active parameters used in matmuls: every block projection (a token's experts only)
+    and the output head (not the lookup)."""
+    blocks = sum(block_matmul_params(args, i) for i in range(args.num_hidden_layers))
+    return blocks + args.hidden_size * args.vocab_size
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
@@ -90,18 +98,23 @@ class StepMetrics:
     tokens_seen: int
     eta_s: float
     skipped: bool = False
+    aux_loss: float | None = None
+    """A mixture-of-experts model's load-balancing loss (absent for dense models)."""
 
     def record(self) -> dict[str, Any]:
         """The JSON record: non-finite numbers become null (JSON has no NaN), ``skipped`` says
         the step made no update."""
         return {
-            k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in self.__dict__.items()
+            k: None if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in self.__dict__.items()
+            if not (k == "aux_loss" and v is None)
         }
 
     def line(self) -> str:
         mfu = "n/a" if self.mfu is None else f"{self.mfu:.1f}%"
+        aux = "" if self.aux_loss is None else f"  aux_loss {self.aux_loss:.4f}"
         return (
-            f"step {self.step}  loss {self.loss:.4f}  grad_norm {self.grad_norm:.4f}  "
+            f"step {self.step}  loss {self.loss:.4f}{aux}  grad_norm {self.grad_norm:.4f}  "
             f"lr {self.lr:.3g}  tps {self.tps:,.0f}  mfu {mfu}  mem {self.memory_gib:.2f}GiB  "
             f"{self.step_time_s:.3g}s/step  tokens {_si(self.tokens_seen)}  eta {_duration(self.eta_s)}"
         )
@@ -161,9 +174,11 @@ class MetricsLogger:
         steps: int,
         seconds: float,
         skipped: bool = False,
+        aux_loss: float | None = None,
     ) -> StepMetrics:
         """Log one step; ``steps`` ran in ``seconds`` since the last log; ``skipped``: the step
-        made no update (its loss or gradient norm was not finite)."""
+        made no update (its loss or gradient norm was not finite); ``aux_loss``: a mixture of
+        experts' load-balancing loss."""
         step_time = seconds / max(steps, 1)
         tps = steps * self.tokens_per_step / max(seconds, 1e-9) / self.world_size
         mfu = mfu_percent(tps, self.flops_per_token, self.peak)
@@ -179,6 +194,7 @@ class MetricsLogger:
             step * self.tokens_per_step,
             (self.total_steps - step) * step_time,
             skipped,
+            aux_loss,
         )
         if self.is_main:
             logger.info(metrics.line())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,8 @@ from autopar.config.job import JobConfig
 from autopar.data.loader import Batch
 from autopar.distributed import World
 from autopar.loss import count_targets, token_loss_sum
+from autopar.models.args import ModelArgs
+from autopar.models.moe import load_balancing_loss
 from autopar.optim import build_optimizers, set_lr
 from autopar.pipelining.schedule import Pipeline, StageIO, build_pipeline, pipeline_forward_backward
 from autopar.plans.context_parallel import ContextParallel
@@ -37,6 +40,25 @@ def all_reduce_sum(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor
     value = value.clone()
     dist.all_reduce(value, group=mesh.get_group())
     return value
+
+
+@dataclass(frozen=True)
+class LoadBalancing:
+    """A mixture-of-experts model's load-balancing loss (HF's, per sequence; see
+    ``models.moe``) and its weight in the training loss."""
+
+    top_k: int
+    coef: float
+    cp_mesh: DeviceMesh | None = None
+    """The ranks sharing each sequence: their expert counts are summed before the loss."""
+
+    def sequence_sum(self, routing: torch.Tensor) -> torch.Tensor:
+        """The loss summed over this rank's sequences; under context parallel this rank's
+        share (the expert counts are the whole sequence's, the probabilities its own
+        tokens'), so the shares add up to the sequence's loss."""
+        counts, probs = routing.unbind(dim=1)  # (B, E) each
+        counts = all_reduce_sum(counts.detach(), self.cp_mesh)
+        return load_balancing_loss(torch.stack((counts, probs), dim=1), self.top_k).sum()
 
 
 class TrainContext:
@@ -56,8 +78,10 @@ class TrainContext:
         compile_loss: bool = False,
         fp8_autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
         context_parallel: Callable[[Batch], contextlib.AbstractContextManager] | None = None,
+        load_balancing: LoadBalancing | None = None,
     ):
         self.loss_parallel = loss_parallel
+        self.load_balancing = load_balancing
         self.fp8_autocast = fp8_autocast
         self.context_parallel = context_parallel
         # vocab-parallel cross-entropy is a DTensor op dispatch that does not trace; it is
@@ -96,21 +120,31 @@ def forward_backward(
     global_targets: torch.Tensor,
     context: TrainContext,
     backward: bool = True,
-) -> torch.Tensor:
+    global_sequences: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run every micro-batch (forward only without ``backward``, e.g. under no_grad for a
-    held-out loss); returns this rank's share of the step loss (detached)."""
+    held-out loss); returns this rank's share of the step's language-model loss and of its
+    load-balancing loss (zero for a dense model), detached. The trained loss is the first
+    plus ``coef`` times the second, a mean over the ``global_sequences`` of the step."""
     total = torch.zeros((), device=global_targets.device)
+    balance = torch.zeros((), device=global_targets.device)
     for full_batch in batches:
         with context.sequence(full_batch) as (batch, positions), context.loss_parallel_context():
             with context.forward_precision():
-                logits = model(batch.inputs, positions=positions, documents=batch.documents)
+                out = model(batch.inputs, positions=positions, documents=batch.documents)
+            logits, routing = out if isinstance(out, tuple) else (out, None)
             loss = context.loss_fn(logits, batch.labels) / global_targets
             if isinstance(loss, DTensor):
                 loss = loss.full_tensor()
+            trained = loss
+            if routing is not None and context.load_balancing is not None:
+                aux = context.load_balancing.sequence_sum(routing) / global_sequences
+                trained = loss + context.load_balancing.coef * aux
+                balance += aux.detach()
             if backward:
-                loss.backward()
+                trained.backward()
         total += loss.detach()
-    return total
+    return total, balance
 
 
 def grad_norm(parts: list[nn.Module], pp_mesh: DeviceMesh | None) -> torch.Tensor:
@@ -155,9 +189,12 @@ class TrainStep:
             compile_loss=job.compile.enable and "loss" in job.compile.components,
             fp8_autocast=self._te_autocast(world.device),
             context_parallel=self._context_parallel(world.device),
+            load_balancing=self._load_balancing(built.args),
         )
         self.local_loss = torch.zeros(())
         """This rank's share of the last step's loss, to find where a non-finite loss came from."""
+        self.aux_loss = torch.zeros(())
+        """The last step's load-balancing loss (mean per sequence, before its coefficient)."""
         self.pipeline: Pipeline | None = None
         pp_mesh = self.meshes.get("pp")
         if pp_mesh is not None:
@@ -179,6 +216,11 @@ class TrainStep:
             return None
         return ContextParallel(self.job.parallelism, cp_mesh, device.type)
 
+    def _load_balancing(self, args: ModelArgs) -> LoadBalancing | None:
+        if not args.moe:
+            return None
+        return LoadBalancing(args.num_experts_per_tok, args.router_aux_loss_coef, self.meshes.get("cp"))
+
     def _te_autocast(self, device: torch.device) -> Callable[[], contextlib.AbstractContextManager] | None:
         float8 = self.job.float8
         if float8.enable and resolve_backend(float8, device.type) == "te":
@@ -198,7 +240,11 @@ class TrainStep:
             local_loss = pipeline_forward_backward(self.pipeline, batches, targets, self.context.micro_batch)
             local_loss = all_reduce_sum(local_loss, self.meshes.get("pp"))
         else:
-            local_loss = forward_backward(self.parts[0], batches, targets, self.context)
+            sequences = sum(b.inputs.shape[0] for b in batches) * self.dims.dp
+            local_loss, aux = forward_backward(
+                self.parts[0], batches, targets, self.context, global_sequences=sequences
+            )
+            self.aux_loss = all_reduce_sum(aux, self.meshes.get("loss"))
         self.local_loss = local_loss
         return all_reduce_sum(local_loss, self.meshes.get("loss"))
 
@@ -212,7 +258,7 @@ class TrainStep:
             )
             local_loss = all_reduce_sum(local_loss, self.meshes.get("pp"))
         else:
-            local_loss = forward_backward(self.parts[0], batches, targets, self.context, backward=False)
+            local_loss, _ = forward_backward(self.parts[0], batches, targets, self.context, backward=False)
         return all_reduce_sum(local_loss, self.meshes.get("loss"))
 
     def update(self, lr: float) -> torch.Tensor:

@@ -27,7 +27,7 @@ from autopar.faults import (
     skipped_too_often,
 )
 from autopar.job import chat_format, tokenizer_path
-from autopar.metrics import MetricsLogger, flops_per_token
+from autopar.metrics import MetricsLogger, flops_per_token, matmul_params
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
 from autopar.models.hf import HFTensors, copy_assets
@@ -47,6 +47,8 @@ class StepRecord:
     step: int
     loss: float
     grad_norm: float
+    aux_loss: float | None = None
+    """A mixture-of-experts model's load-balancing loss."""
 
 
 class Trainer:
@@ -102,16 +104,18 @@ class Trainer:
         job, dims = self.job, self.dims
         with torch.device("meta"):
             params = sum(p.numel() for p in Qwen(self.args).parameters())
+        active = f" ({matmul_params(self.args) / 1e6:.3g}M active in matmuls)" if self.args.moe else ""
         tokenizer = tokenizer_path(job) or "the built-in byte tokenizer (no tokenizer.json given)"
         shape = job.model.flavor if job.model.hf_assets_path is None else f"{job.model.hf_assets_path}"
         if job.model.overrides:
             shape += f" with {job.model.overrides}"
         logger.info(
-            "%s %s: %.3gM parameters, %d layers | dp_replicate=%d dp_shard=%d tp=%d cp=%d pp=%d on %d %s "
+            "%s %s: %.3gM parameters%s, %d layers | dp_replicate=%d dp_shard=%d tp=%d cp=%d pp=%d on %d %s "
             "rank(s) | data: %s; tokenizer: %s | %d steps of %d x %d tokens",
             job.model.name,
             shape,
             params / 1e6,
+            active,
             self.args.num_hidden_layers,
             dims.dp_replicate,
             dims.dp_shard,
@@ -284,10 +288,11 @@ class Trainer:
 
     def _log(self, loss: torch.Tensor, norm: torch.Tensor, steps: int, seconds: float) -> StepRecord:
         """Log this step's numbers (``steps`` trained in ``seconds`` since the last log)."""
-        record = StepRecord(self.step, loss.item(), norm.item())
+        aux = self.one_step.aux_loss.item() if self.args.moe else None
+        record = StepRecord(self.step, loss.item(), norm.item(), aux)
         lr = self.optimizers[0].param_groups[0]["lr"]
         self.metrics.record(
-            self.step, record.loss, record.grad_norm, lr, steps, seconds, skipped=bool(self.bad)
+            self.step, record.loss, record.grad_norm, lr, steps, seconds, skipped=bool(self.bad), aux_loss=aux
         )
         return record
 

@@ -88,6 +88,21 @@ def chat_job(folder, *flags: str) -> JobConfig:
     )
 
 
+def moe_job(folder, *flags: str) -> JobConfig:
+    """``tiny_job`` of a Qwen3-MoE: 4 experts of width 32, top-2, a dense layer between."""
+    return tiny_job(
+        folder,
+        "--model.num_experts=4",
+        "--model.num_experts_per_tok=2",
+        "--model.moe_intermediate_size=32",
+        "--model.norm_topk_prob=true",
+        "--model.router_aux_loss_coef=0.01",
+        "--model.num_hidden_layers=3",
+        "--model.mlp_only_layers=1",
+        *flags,
+    )
+
+
 def parity_runs(base: JobConfig, plans: list[str], steps: int = 5) -> dict:
     """plan -> (single-device reference, plan run), all plans of one world size in one group."""
     from autopar.parity import Case, run_cases

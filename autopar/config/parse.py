@@ -82,6 +82,10 @@ def coerce(value: Any, annotation: Any, key: str, from_cli: bool) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{key}={value!r} is not a list of {_type_name(args[0])}")
         return [coerce(v, args[0], f"{key}[{i}]", from_cli) for i, v in enumerate(value)]
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # an immutable list (model args)
+        if from_cli and isinstance(value, str):
+            value = value.strip("[]")
+        return tuple(coerce(value, list[args[0]], key, from_cli))
     if annotation is bool:
         if isinstance(value, bool):
             return value

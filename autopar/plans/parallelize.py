@@ -99,6 +99,7 @@ class ModelParts:
     parts: list[nn.Module]
     stage_ids: list[int]
     num_stages: int
+    args: ModelArgs
 
 
 def parallelized_parts(args: ModelArgs, job: JobConfig, meshes: Meshes, device: torch.device) -> ModelParts:
@@ -119,7 +120,7 @@ def parallelized_parts(args: ModelArgs, job: JobConfig, meshes: Meshes, device: 
         ids, stages, parts = [0], [[]], [model]
     for part in parts:
         parallelize(part, args, job, meshes, device, pipelined=pp_mesh is not None)
-    return ModelParts(parts, ids, len(stages))
+    return ModelParts(parts, ids, len(stages), args)
 
 
 def materialize_parts(built: ModelParts, device: torch.device, values: FullValue) -> ModelParts:

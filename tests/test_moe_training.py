@@ -1,0 +1,64 @@
+"""Training a Qwen3-MoE: the step's loss is the language-model loss plus the coefficient times
+the mean per-sequence load-balancing loss, the same however the batch is split."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autopar.data.loader import IGNORE_INDEX, StepLoader
+from autopar.distributed import single_process
+from autopar.metrics import flops_per_token, matmul_params
+from autopar.models import get_flavor
+from autopar.models.moe import load_balancing_loss
+from autopar.trainer import Trainer
+from autopar.validate import validate
+
+from jobs import moe_job
+
+
+def test_the_step_trains_the_lm_loss_plus_the_weighted_mean_sequence_balance_loss(tmp_path):
+    job = moe_job(tmp_path, "--training.steps", "1", "--training.max_norm", "0")
+    trainer = Trainer(job, validate(job, 1), single_process())
+    model = trainer.parts[0]
+    loader = trainer.loader
+    (batch,) = StepLoader(loader.samples, loader.global_batch, 2, 0, 1, torch.device("cpu")).next_step()
+    logits, routing = model(batch.inputs)
+    lm = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX)
+    aux = torch.stack([load_balancing_loss(r, 2) for r in routing]).mean()
+    (lm + 0.01 * aux).backward()
+    expected_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    model.zero_grad()
+    (record,) = trainer.train()
+    assert record.loss == pytest.approx(lm.item(), rel=1e-5)
+    assert record.aux_loss == pytest.approx(aux.item(), rel=1e-5)
+    assert record.grad_norm == pytest.approx(expected_norm.item(), rel=1e-5)
+
+
+def test_accumulating_micro_batches_trains_like_one_big_batch(tmp_path):
+    runs = {}
+    for name, flags in (
+        ("accumulated", ("--training.global_batch_size", "8")),
+        ("direct", ("--training.local_batch_size", "8")),
+    ):
+        job = moe_job(tmp_path / name, *flags)
+        runs[name] = Trainer(job, validate(job, 1), single_process()).train()
+    for a, b in zip(runs["accumulated"], runs["direct"], strict=True):
+        assert (a.loss, a.aux_loss, a.grad_norm) == pytest.approx((b.loss, b.aux_loss, b.grad_norm), rel=1e-5)
+
+
+def test_the_balance_loss_is_logged_beside_the_loss(tmp_path):
+    import json
+
+    job = moe_job(tmp_path, "--training.steps", "2")
+    Trainer(job, validate(job, 1), single_process()).train()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["aux_loss"] > 0 and r["loss"] > 0 for r in records)
+
+
+def test_mfu_counts_the_active_parameters():
+    args = get_flavor("qwen3", "30B-A3B")
+    embedding = args.vocab_size * args.hidden_size  # counted by the model card, not a matmul
+    assert (matmul_params(args) + embedding) / 1e9 == pytest.approx(3.3, rel=0.03)  # "A3B": 3.3B active
+    assert flops_per_token(args, 4096) < flops_per_token(get_flavor("qwen3", "4B"), 4096)
