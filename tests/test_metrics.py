@@ -8,14 +8,18 @@ from torch import nn
 
 from autopar.metrics import flops_per_token, matmul_params
 from autopar.models import FLAVORS, Qwen, get_flavor
+from autopar.models.moe import Experts, Router
 
 
 @pytest.mark.parametrize("family, flavor", [(f, v) for f, vs in FLAVORS.items() for v in vs])
-def test_matmul_params_count_every_linear_weight_once(family, flavor):
+def test_matmul_params_count_every_linear_weight_once_and_a_tokens_experts(family, flavor):
     with torch.device("meta"):
         model = Qwen(get_flavor(family, flavor))
-    weights = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)}
-    assert matmul_params(model.args) == sum(weights.values())
+    args = model.args
+    weights = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, (nn.Linear, Router))}
+    experts = sum(p.numel() for m in model.modules() if isinstance(m, Experts) for p in m.parameters())
+    active = experts * args.num_experts_per_tok // max(args.num_experts, 1)
+    assert matmul_params(args) == sum(weights.values()) + active
 
 
 def test_flops_per_token_follow_the_palm_formula():
