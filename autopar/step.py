@@ -208,6 +208,8 @@ class TrainStep:
                 world.device,
                 self.context.loss_fn,
                 stage_io,
+                self.context.load_balancing.sequence_sum if self.context.load_balancing else None,
+                built.args.router_aux_loss_coef,
             )
 
     def _context_parallel(self, device: torch.device) -> ContextParallel | None:
@@ -236,15 +238,17 @@ class TrainStep:
         """Gradients of the step's micro-batches; the step loss summed over all ranks."""
         # a step without targets (chat rows of prompts only) has loss 0, not 0/0
         targets = global_target_count(batches, self.meshes.get("dp")).clamp(min=1)
+        sequences = sum(b.inputs.shape[0] for b in batches) * self.dims.dp
         if self.pipeline is not None:
-            local_loss = pipeline_forward_backward(self.pipeline, batches, targets, self.context.micro_batch)
-            local_loss = all_reduce_sum(local_loss, self.meshes.get("pp"))
+            local_loss, aux = pipeline_forward_backward(
+                self.pipeline, batches, targets, self.context.micro_batch, global_sequences=sequences
+            )
+            local_loss, aux = (all_reduce_sum(value, self.meshes.get("pp")) for value in (local_loss, aux))
         else:
-            sequences = sum(b.inputs.shape[0] for b in batches) * self.dims.dp
             local_loss, aux = forward_backward(
                 self.parts[0], batches, targets, self.context, global_sequences=sequences
             )
-            self.aux_loss = all_reduce_sum(aux, self.meshes.get("loss"))
+        self.aux_loss = all_reduce_sum(aux, self.meshes.get("loss"))
         self.local_loss = local_loss
         return all_reduce_sum(local_loss, self.meshes.get("loss"))
 
@@ -253,7 +257,7 @@ class TrainStep:
         """The loss of ``batches`` (``targets`` of them over every rank) without gradients:
         the same forward, plan and loss as a training step (collective)."""
         if self.pipeline is not None:
-            local_loss = pipeline_forward_backward(
+            local_loss, _ = pipeline_forward_backward(
                 self.pipeline, batches, targets, self.context.micro_batch, backward=False
             )
             local_loss = all_reduce_sum(local_loss, self.meshes.get("pp"))

@@ -12,10 +12,11 @@ from autopar.distributed import single_process
 from autopar.metrics import flops_per_token, matmul_params
 from autopar.models import get_flavor
 from autopar.models.moe import load_balancing_loss
+from autopar.parity import Case, run_cases
 from autopar.trainer import Trainer
 from autopar.validate import validate
 
-from jobs import moe_job
+from jobs import assert_same_training, moe_job
 
 
 def test_the_step_trains_the_lm_loss_plus_the_weighted_mean_sequence_balance_loss(tmp_path):
@@ -62,3 +63,29 @@ def test_mfu_counts_the_active_parameters():
     embedding = args.vocab_size * args.hidden_size  # counted by the model card, not a matmul
     assert (matmul_params(args) + embedding) / 1e9 == pytest.approx(3.3, rel=0.03)  # "A3B": 3.3B active
     assert flops_per_token(args, 4096) < flops_per_token(get_flavor("qwen3", "4B"), 4096)
+
+
+PLANS = ["dp_shard=2", "cp=2", "pp=2"]
+
+
+@pytest.fixture(scope="module")
+def moe_parity(tmp_path_factory):
+    base = moe_job(tmp_path_factory.mktemp("moe"), "--training.local_batch_size", "2")
+    return dict(zip(PLANS, run_cases([Case(base, plan) for plan in PLANS], steps=4)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", PLANS)
+def test_moe_training_under_a_plan_matches_one_device(moe_parity, plan):
+    reference, run = moe_parity[plan]
+    assert_same_training(run, reference, loss_rtol=1e-5, norm_rtol=1e-5)
+
+
+def test_tensor_parallel_experts_are_refused_with_what_to_use(tmp_path):
+    from autopar.config import ConfigError
+
+    job = moe_job(
+        tmp_path, "--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"
+    )
+    with pytest.raises(ConfigError, match="tensor_parallel_degree=2 with a mixture-of-experts model"):
+        validate(job, 2)

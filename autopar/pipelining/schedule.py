@@ -33,6 +33,9 @@ from autopar.pipelining.split import StageStyle, check_split, even_split, stage_
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(logits, labels) -> summed token loss."""
+BalanceFn = Callable[[torch.Tensor], torch.Tensor]
+"""A mixture of experts' routing statistics (B, 2, E) -> its load-balancing loss summed over
+the sequences."""
 MicroBatchContext = Callable[[Batch], contextlib.AbstractContextManager[tuple[Batch, "torch.Tensor | None"]]]
 """Full micro-batch -> context giving (this rank's part of it, its RoPE positions or None)."""
 
@@ -189,15 +192,31 @@ def check_pipeline(cfg: Parallelism, args: ModelArgs, local_batch_size: int) -> 
     check_schedule(cfg, len(stage_modules(cfg, args)), local_batch_size // mbs)
 
 
-def _plain(loss_fn: LossFn) -> LossFn:
-    """``loss_fn`` with a DTensor result (vocab-parallel loss) made a plain tensor, which the
-    schedule's backward expects."""
+class StageLoss:
+    """What the last stage's schedule backpropagates per micro-batch: the token loss sum
+    (a DTensor from vocab-parallel loss made plain, as the schedule's backward expects) and,
+    for a mixture of experts, ``coef`` x its load-balancing loss x ``balance_weight`` (the
+    step's targets over its sequences, since gradients are divided by the targets later).
+    ``parts`` keeps each call's (token loss, balance loss) for the step's log."""
 
-    def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        value = loss_fn(logits, labels)
-        return value.full_tensor() if isinstance(value, DTensor) else value
+    def __init__(self, loss_fn: LossFn, balance_fn: BalanceFn | None = None, coef: float = 0.0) -> None:
+        self.loss_fn = loss_fn
+        self.balance_fn = balance_fn
+        self.coef = coef
+        self.balance_weight = torch.ones(())
+        self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    return loss
+    def __call__(
+        self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor
+    ) -> torch.Tensor:
+        logits, routing = output if isinstance(output, tuple) else (output, None)
+        value = self.loss_fn(logits, labels)
+        value = value.full_tensor() if isinstance(value, DTensor) else value
+        balance = torch.zeros((), device=value.device)
+        if routing is not None and self.balance_fn is not None:
+            balance = self.balance_fn(routing)
+        self.parts.append((value.detach(), balance.detach()))
+        return value + self.coef * balance * self.balance_weight
 
 
 @dataclass
@@ -206,6 +225,8 @@ class Pipeline:
     parts: list[nn.Module]
     stage_ids: list[int]
     num_stages: int
+    loss: StageLoss
+    n_micro: int
 
     @property
     def has_first(self) -> bool:
@@ -226,8 +247,11 @@ def build_pipeline(
     device: torch.device,
     loss_fn: LossFn,
     stage_io: list[StageIO] | None = None,
+    balance_fn: BalanceFn | None = None,
+    balance_coef: float = 0.0,
 ) -> Pipeline:
-    """The schedule that runs this rank's ``parts`` (stages ``stage_ids``) with ``loss_fn``.
+    """The schedule that runs this rank's ``parts`` (stages ``stage_ids``) with ``loss_fn``
+    (and a mixture of experts' ``balance_fn`` weighted by ``balance_coef``).
     ``stage_io``: example tensors per part, for process groups that cannot exchange shapes at
     the first step (the dry run's fake group); by default torch infers them."""
     examples = stage_io or [{}] * len(parts)
@@ -237,11 +261,12 @@ def build_pipeline(
     ]
     cls = get_schedule_class(schedule_name(cfg))
     n_micro = local_batch_size // cfg.pipeline_parallel_microbatch_size
+    loss = StageLoss(loss_fn, balance_fn, balance_coef)
     if issubclass(cls, PipelineScheduleSingle):
-        schedule = cls(stages[0], n_microbatches=n_micro, loss_fn=_plain(loss_fn), scale_grads=False)
+        schedule = cls(stages[0], n_microbatches=n_micro, loss_fn=loss, scale_grads=False)
     else:
-        schedule = cls(stages, n_microbatches=n_micro, loss_fn=_plain(loss_fn), scale_grads=False)
-    return Pipeline(schedule, parts, stage_ids, total_stages)
+        schedule = cls(stages, n_microbatches=n_micro, loss_fn=loss, scale_grads=False)
+    return Pipeline(schedule, parts, stage_ids, total_stages, loss, n_micro)
 
 
 def pipeline_forward_backward(
@@ -250,14 +275,19 @@ def pipeline_forward_backward(
     global_targets: torch.Tensor,
     micro_batch_context: MicroBatchContext,
     backward: bool = True,
-) -> torch.Tensor:
+    global_sequences: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Run every micro-step through the schedule, then divide the gradients by
-    ``global_targets``; returns this rank's share of the step loss (the last stage's
-    losses over the global targets, zero elsewhere). Without ``backward``, the schedule
-    runs forward only (a held-out loss)."""
+    ``global_targets``; returns this rank's share of the step's token loss (the last stage's
+    losses over the global targets, zero elsewhere) and of its load-balancing loss (over the
+    ``global_sequences``). Without ``backward``, the schedule runs forward only (a held-out
+    loss)."""
     total = torch.zeros((), device=global_targets.device)
+    balance = torch.zeros((), device=global_targets.device)
+    pipeline.loss.balance_weight = global_targets / global_sequences
     for full_batch in batches:
         losses: list[torch.Tensor] = []
+        pipeline.loss.parts.clear()
         with micro_batch_context(full_batch) as (batch, positions):
             args = (batch.inputs,) if pipeline.has_first else ()
             target = batch.labels if pipeline.has_last else None
@@ -266,10 +296,14 @@ def pipeline_forward_backward(
             # return_outputs=False: the last stage keeps no logits of finished micro-batches
             run = pipeline.schedule.step if backward else pipeline.schedule.eval
             run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-        if losses:
-            total += torch.stack([loss.detach() for loss in losses]).sum()
+        # the micro-batches' own calls are the last ones (torch may first call the loss to
+        # infer gradient shapes)
+        for value, aux in pipeline.loss.parts[-pipeline.n_micro :] if pipeline.has_last else []:
+            total += value
+            balance += aux
+    balance = balance / global_sequences
     if not backward:
-        return total / global_targets
+        return total / global_targets, balance
     grads = [p.grad for part in pipeline.parts for p in part.parameters() if p.grad is not None]
     torch._foreach_div_(grads, global_targets)  # a device tensor: no host sync
-    return total / global_targets
+    return total / global_targets, balance

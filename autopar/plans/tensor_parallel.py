@@ -70,9 +70,15 @@ def _linear_styles(float8: bool, fp8_all_gather: bool) -> tuple[type, type, type
 
 
 def block_plan(
-    args: ModelArgs, sequence_parallel: bool, float8: bool = False, fp8_all_gather: bool = False
+    args: ModelArgs,
+    sequence_parallel: bool,
+    float8: bool = False,
+    fp8_all_gather: bool = False,
+    moe: bool = False,
 ) -> dict[str, ParallelStyle]:
-    """Styles for the modules of one block, keyed by path within the block."""
+    """Styles for the modules of one block, keyed by path within the block; a block whose
+    mlp is a mixture of experts gets attention's only (tensor parallelism does not split
+    experts; ``validate`` refuses it for MoE models)."""
     colwise, rowwise, prepare = _linear_styles(float8, fp8_all_gather)
     residual = Shard(1) if sequence_parallel else Replicate()
 
@@ -97,6 +103,8 @@ def block_plan(
     if args.qk_norm:
         plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    if moe:
+        plan = {path: style for path, style in plan.items() if not path.startswith("mlp")}
     return plan
 
 
@@ -125,8 +133,8 @@ def tp_plan(
 ) -> dict[str, ParallelStyle]:
     """The whole model's plan, for the given layers (a pipeline stage holds a subset)."""
     plan = top_plan(sequence_parallel, loss_parallel)
-    block = block_plan(args, sequence_parallel, float8, fp8_all_gather)
     for i in layer_ids:
+        block = block_plan(args, sequence_parallel, float8, fp8_all_gather, args.is_moe_layer(int(i)))
         plan.update({f"layers.{i}.{path}": style for path, style in block.items()})
     return plan
 
