@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -84,3 +86,13 @@ def background_save_group(timeout_s: int) -> dist.ProcessGroup | None:
     return dist.new_group(
         backend="gloo", timeout=timedelta(seconds=timeout_s), group_desc=BACKGROUND_SAVE_GROUP
     )
+
+
+def by_mesh(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by device mesh, in first-seen order (plain tensors together):
+    DTensor ops, foreach ones included, cannot mix meshes, and expert weights live on
+    another mesh than the rest."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device_mesh if isinstance(t, DTensor) else None, []).append(t)
+    return list(groups.values())

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from autopar.config.job import LRScheduler, Optimizer
+from autopar.distributed import by_mesh
 
 
 def build_optimizers(
@@ -21,15 +22,19 @@ def build_optimizers(
 
 def build_optimizer(part: nn.Module, cfg: Optimizer, device: torch.device) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (norm scales and biases are not decayed,
-    as in Megatron-LM), so decay never pulls a norm scale toward zero."""
+    as in Megatron-LM), so decay never pulls a norm scale toward zero. Parameters on another
+    device mesh (expert weights) get groups of their own: one group's foreach update runs on
+    one mesh."""
     params = [p for p in part.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     impl = cfg.implementation
     if impl == "auto":
         impl = "fused" if device.type == "cuda" else "foreach"
+    groups = [{"params": group, "weight_decay": cfg.weight_decay} for group in by_mesh(decay)]
+    groups += [{"params": group, "weight_decay": 0.0} for group in by_mesh(no_decay)]
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        groups,
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,

@@ -4,8 +4,8 @@ gradient norm with single-device eager, from the same weights on the same data.
     python -m autopar.parity --job.config train_configs/debug_model.toml \\
         --plans "dp_shard=2" "tp=2" "dp_shard=2,tp=2" --steps 5 [--rtol 1e-5]
 
-A plan is comma-separated ``key=value``: the degrees ``dp_replicate, dp_shard, tp, cp, pp``
-(unset ones are 1), ``sp`` and ``loss_parallel`` (true/false), or any job field
+A plan is comma-separated ``key=value``: the degrees ``dp_replicate, dp_shard, tp, cp, pp,
+ep`` (unset ones are 1; ``ep`` borrows from dp_shard x cp), ``sp`` and ``loss_parallel`` (true/false), or any job field
 (``compile.enable=true``). Plans of the same world size share one process group. Exits 1
 if any step of any plan differs by more than the tolerance.
 """
@@ -33,11 +33,12 @@ SHORT_KEYS = {
     "tp": "parallelism.tensor_parallel_degree",
     "cp": "parallelism.context_parallel_degree",
     "pp": "parallelism.pipeline_parallel_degree",
+    "ep": "parallelism.expert_parallel_degree",
     "sp": "parallelism.enable_sequence_parallel",
     "schedule": "parallelism.pipeline_parallel_schedule",
     "lb": "parallelism.context_parallel_load_balancer",
 }
-_DEGREES = ("dp_replicate", "dp_shard", "tp", "cp", "pp")
+_DEGREES = ("dp_replicate", "dp_shard", "tp", "cp", "pp", "ep")
 
 
 @dataclass(frozen=True)

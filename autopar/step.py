@@ -21,7 +21,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.config.job import JobConfig
 from autopar.data.loader import Batch
-from autopar.distributed import World
+from autopar.distributed import World, by_mesh
 from autopar.loss import count_targets, token_loss_sum
 from autopar.models.args import ModelArgs
 from autopar.models.moe import load_balancing_loss
@@ -147,21 +147,26 @@ def forward_backward(
     return total, balance
 
 
+def _grads_by_mesh(parts: list[nn.Module]) -> list[list[torch.Tensor]]:
+    return by_mesh(p.grad for part in parts for p in part.parameters() if p.grad is not None)
+
+
 def grad_norm(parts: list[nn.Module], pp_mesh: DeviceMesh | None) -> torch.Tensor:
     """Global L2 norm of all gradients, counting each parameter element once (pipeline
     stages hold disjoint parameters, so their squared norms add)."""
-    grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    squares = []
+    for grads in _grads_by_mesh(parts):
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).pow(2))
+    norm = torch.stack(squares).sum() if squares else torch.zeros(())
     if pp_mesh is not None and pp_mesh.size() > 1:
-        norm = all_reduce_sum(norm.pow(2), pp_mesh).sqrt()
-    return norm
+        norm = all_reduce_sum(norm, pp_mesh)
+    return norm.sqrt()
 
 
 def clip_grads(parts: list[nn.Module], max_norm: float, norm: torch.Tensor) -> None:
-    grads = [p.grad for part in parts for p in part.parameters() if p.grad is not None]
-    torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+    for grads in _grads_by_mesh(parts):
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
 
 
 class TrainStep:

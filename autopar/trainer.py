@@ -110,7 +110,7 @@ class Trainer:
         if job.model.overrides:
             shape += f" with {job.model.overrides}"
         logger.info(
-            "%s %s: %.3gM parameters%s, %d layers | dp_replicate=%d dp_shard=%d tp=%d cp=%d pp=%d on %d %s "
+            "%s %s: %.3gM parameters%s, %d layers | dp_replicate=%d dp_shard=%d tp=%d cp=%d pp=%d%s on %d %s "
             "rank(s) | data: %s; tokenizer: %s | %d steps of %d x %d tokens",
             job.model.name,
             shape,
@@ -122,6 +122,7 @@ class Trainer:
             dims.tp,
             dims.cp,
             dims.pp,
+            f" ep={dims.ep}" if dims.ep > 1 else "",
             self.world.size,
             self.world.device.type,
             samples.describe(),

@@ -12,7 +12,8 @@ from autopar.distributed import single_process
 from autopar.metrics import flops_per_token, matmul_params
 from autopar.models import get_flavor
 from autopar.models.moe import load_balancing_loss
-from autopar.parity import Case, run_cases
+from autopar.parity import Case, run_cases, run_plans
+from autopar.spawn import run_on_ranks
 from autopar.trainer import Trainer
 from autopar.validate import validate
 
@@ -65,7 +66,16 @@ def test_mfu_counts_the_active_parameters():
     assert flops_per_token(args, 4096) < flops_per_token(get_flavor("qwen3", "4B"), 4096)
 
 
-PLANS = ["dp_shard=2", "cp=2", "pp=2"]
+PLANS = [
+    "dp_shard=2",
+    "cp=2",
+    "pp=2",
+    "dp_shard=2,ep=2",
+    "dp_shard=4,ep=2",
+    "cp=2,ep=2",
+    "dp_shard=2,pp=2,ep=2",
+    "dp_replicate=2,dp_shard=2,ep=2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +99,69 @@ def test_tensor_parallel_experts_are_refused_with_what_to_use(tmp_path):
     )
     with pytest.raises(ConfigError, match="tensor_parallel_degree=2 with a mixture-of-experts model"):
         validate(job, 2)
+
+
+@pytest.mark.parametrize(
+    "flags, world, message",
+    [
+        (
+            ("--parallelism.expert_parallel_degree", "3"),
+            3,
+            r"expert_parallel_degree=3 does not divide model.num_experts=4",
+        ),
+        (
+            (
+                "--parallelism.expert_parallel_degree",
+                "2",
+                "--parallelism.data_parallel_replicate_degree",
+                "2",
+            ),
+            2,
+            r"expert_parallel_degree=2 does not divide data_parallel_shard_degree x context_parallel_degree = 1 x 1",
+        ),
+    ],
+)
+def test_expert_degrees_that_cannot_split_are_config_errors_with_the_numbers(tmp_path, flags, world, message):
+    from autopar.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        validate(moe_job(tmp_path, *flags), world)
+
+
+def test_expert_parallel_needs_experts(tmp_path):
+    from autopar.config import ConfigError
+
+    from jobs import tiny_job
+
+    with pytest.raises(ConfigError, match="expert_parallel_degree=2 needs a mixture-of-experts model"):
+        validate(tiny_job(tmp_path, "--parallelism.expert_parallel_degree", "2"), 2)
+
+
+def _resume_job(folder, plan_flags, load_step=None):
+    flags = ["--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "3"]
+    if load_step is not None:
+        flags += ["--checkpoint.load_step", str(load_step)]
+    return moe_job(folder, "--parallelism.data_parallel_shard_degree", "2", *flags, *plan_flags)
+
+
+@pytest.fixture(scope="module")
+def expert_resharded(tmp_path_factory):
+    """Save at step 3 under one expert degree, resume at the other: (uninterrupted, resumed)."""
+    tmp = tmp_path_factory.mktemp("ep_reshard")
+    ep2, ep1 = ["--parallelism.expert_parallel_degree", "2"], []
+    jobs = [
+        ("ep2", _resume_job(tmp / "a", ep2)),
+        ("ep2->ep1", _resume_job(tmp / "a", ep1, load_step=3)),
+        ("ep1", _resume_job(tmp / "b", ep1)),
+        ("ep1->ep2", _resume_job(tmp / "b", ep2, load_step=3)),
+    ]
+    return {r.plan: r for r in run_on_ranks(run_plans, 2, jobs)[0]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved, resumed", [("ep2", "ep2->ep1"), ("ep1", "ep1->ep2")])
+def test_a_checkpoint_saved_at_one_expert_degree_resumes_at_another(expert_resharded, saved, resumed):
+    uninterrupted, after = expert_resharded[saved], expert_resharded[resumed]
+    assert len(after.losses) == 3  # steps 4, 5, 6
+    assert after.losses == pytest.approx(uninterrupted.losses[3:], rel=1e-5)
+    assert after.grad_norms == pytest.approx(uninterrupted.grad_norms[3:], rel=1e-5)

@@ -123,6 +123,10 @@ class Parallelism:
     """Context-parallel ranks (the sequence split across ranks)."""
     pipeline_parallel_degree: int = 1
     """Pipeline-parallel ranks."""
+    expert_parallel_degree: int = 1
+    """Ranks the experts of a mixture-of-experts model are split over (tokens reach their
+    experts by all-to-all); borrowed from data_parallel_shard_degree x context_parallel_degree,
+    so it does not add to the world size."""
     pipeline_parallel_schedule: str = "1F1B"
     """torch schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV."""
     pipeline_parallel_microbatch_size: int = 1

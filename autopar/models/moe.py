@@ -68,17 +68,30 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` (N, H): rows grouped by expert, ``counts[e]`` of them for expert e."""
-        grouped = self.kernel == "grouped" or (self.kernel == "auto" and grouped_mm_usable(x, self.gate_proj))
-        if grouped:
-            offsets = counts.cumsum(0).to(torch.int32)
-            gate = torch._grouped_mm(x, self.gate_proj.transpose(-2, -1), offs=offsets)
-            up = torch._grouped_mm(x, self.up_proj.transpose(-2, -1), offs=offsets)
-            return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
-        outputs = []
-        for e, rows in enumerate(x.split(counts.tolist())):  # one host sync per layer
-            hidden = F.silu(rows @ self.gate_proj[e].T) * (rows @ self.up_proj[e].T)
-            outputs.append(hidden @ self.down_proj[e].T)
-        return torch.cat(outputs)
+        return run_experts(x, counts, self.gate_proj, self.up_proj, self.down_proj, self.kernel)
+
+
+def run_experts(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    gate_proj: torch.Tensor,
+    up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    kernel: ExpertKernel = "auto",
+) -> torch.Tensor:
+    """SwiGLU expert e on its ``counts[e]`` rows of ``x`` (rows grouped by expert), for the
+    (E, out, in) weights given: a plan running a slice of the experts passes its slice."""
+    grouped = kernel == "grouped" or (kernel == "auto" and grouped_mm_usable(x, gate_proj))
+    if grouped:
+        offsets = counts.cumsum(0).to(torch.int32)
+        gate = torch._grouped_mm(x, gate_proj.transpose(-2, -1), offs=offsets)
+        up = torch._grouped_mm(x, up_proj.transpose(-2, -1), offs=offsets)
+        return torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)
+    outputs = []
+    for e, rows in enumerate(x.split(counts.tolist())):  # one host sync per layer
+        hidden = F.silu(rows @ gate_proj[e].T) * (rows @ up_proj[e].T)
+        outputs.append(hidden @ down_proj[e].T)
+    return torch.cat(outputs)
 
 
 class MoE(nn.Module):

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from autopar.config.errors import ConfigError
 from autopar.config.job import Parallelism
 from autopar.data.loader import Batch
+from autopar.distributed import by_mesh
 from autopar.models.args import ModelArgs
 from autopar.pipelining.split import StageStyle, check_split, even_split, stage_ids
 
@@ -304,6 +305,7 @@ def pipeline_forward_backward(
     balance = balance / global_sequences
     if not backward:
         return total / global_targets, balance
-    grads = [p.grad for part in pipeline.parts for p in part.parameters() if p.grad is not None]
-    torch._foreach_div_(grads, global_targets)  # a device tensor: no host sync
+    grads = (p.grad for part in pipeline.parts for p in part.parameters() if p.grad is not None)
+    for group in by_mesh(grads):
+        torch._foreach_div_(group, global_targets)  # a device tensor: no host sync
     return total / global_targets, balance

@@ -46,9 +46,12 @@ def apply_fsdp(
     mp: MixedPrecisionPolicy,
     policy: ReshardPolicy = "default",
     pipelined: bool = False,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """Shard ``model`` over ``mesh`` (1-D: FSDP; 2-D replicate x shard: HSDP), casting
     gathered weights and reducing gradients as ``mp`` says (``plans/mixed_precision.py``).
+    Under expert parallelism each MoE layer's experts are a group of their own, sharded over
+    ``expert_mesh`` (the data ranks expert parallelism did not take).
 
     Gradients are summed, not averaged: the loss is already divided by the global token
     count, so averaging would divide twice.
@@ -57,7 +60,14 @@ def apply_fsdp(
     # the pre-backward hook). Embedding outputs are always views; the model never writes
     # into them in place, so the warning says nothing about this model.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
-    for paths, reshard in fsdp_groups(model, policy, pipelined):
+    groups = fsdp_groups(model, policy, pipelined)
+    if expert_mesh is not None:
+        blocks = {paths[0]: reshard for paths, reshard in groups if paths[0].startswith("layers.")}
+        for path, reshard in blocks.items():
+            experts = getattr(model.get_submodule(path).mlp, "experts", None)
+            if experts is not None:
+                fully_shard(experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    for paths, reshard in groups:
         modules = [model.get_submodule(p) for p in paths]
         fully_shard(
             modules if len(modules) > 1 else modules[0],

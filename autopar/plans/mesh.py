@@ -7,6 +7,9 @@ pp, dp_replicate, dp_shard, cp, tp, tp fastest):
   ``fsdp`` = dp_shard x cp, since context-parallel ranks hold the same weights.
 - ``batch`` = (pp, dp, cp, tp) for the data: ``dp`` ranks read different samples, ``cp``
   ranks different parts of one sequence; ``loss`` = dp x cp sums losses and token counts.
+- ``experts`` = (pp, dp_replicate, efsdp, ep, tp) for a mixture of experts' expert weights:
+  expert parallelism borrows its ``ep`` ranks from the fastest of the dp_shard x cp ranks,
+  and FSDP shards each expert group over the ``efsdp`` ranks left (torchtitan's layout).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class ParallelDims:
     cp: int
     tp: int
     pp: int
+    ep: int = 1
 
     @classmethod
     def resolve(cls, cfg: Parallelism, world_size: int) -> ParallelDims:
@@ -70,6 +74,7 @@ class ParallelDims:
             cp=cfg.context_parallel_degree,
             tp=cfg.tensor_parallel_degree,
             pp=cfg.pipeline_parallel_degree,
+            ep=_expert_degree(cfg, shard),
         )
 
     @property
@@ -87,6 +92,20 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard * self.cp > 1
 
 
+def _expert_degree(cfg: Parallelism, dp_shard: int) -> int:
+    """``expert_parallel_degree``, which must divide the dp_shard x cp ranks it borrows."""
+    ep, borrowed = cfg.expert_parallel_degree, dp_shard * cfg.context_parallel_degree
+    if ep < 1:
+        raise ConfigError(f"parallelism.expert_parallel_degree={ep} must be >= 1")
+    if borrowed % ep:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree={ep} does not divide data_parallel_shard_degree x "
+            f"context_parallel_degree = {dp_shard} x {cfg.context_parallel_degree} = {borrowed}, the "
+            f"ranks it borrows; use one of {_divisors(borrowed)}"
+        )
+    return ep
+
+
 def _product_text(degrees: dict[str, int]) -> str:
     return ", ".join(f"{k}={v}" for k, v in degrees.items() if v != 1) or "all others 1"
 
@@ -100,6 +119,16 @@ def check_model_split(
 ) -> None:
     """Raise ConfigError when the model or sequence cannot be split by these degrees."""
     tp = dims.tp
+    if dims.ep > 1 and not args.moe:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree={dims.ep} needs a mixture-of-experts model "
+            "(model.num_experts > 0, e.g. --model.flavor debug-moe); set it to 1"
+        )
+    if dims.ep > 1 and args.num_experts % dims.ep:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree={dims.ep} does not divide model.num_experts="
+            f"{args.num_experts}; use one of {_divisors(args.num_experts)}"
+        )
     if args.moe and tp > 1:
         raise ConfigError(
             f"parallelism.tensor_parallel_degree={tp} with a mixture-of-experts model: tensor "
@@ -141,7 +170,7 @@ def check_model_split(
         )
 
 
-MESH_NAMES = ("pp", "tp", "dp", "cp", "loss", "fsdp")
+MESH_NAMES = ("pp", "tp", "dp", "cp", "loss", "fsdp", "ep", "efsdp")
 """The mesh views a job asks for by name (see the module docstring)."""
 
 
@@ -173,6 +202,11 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
         ("pp", "dp_replicate", "fsdp", "tp"),
     )
     batch = world._unflatten(0, (dims.pp, dims.dp, dims.cp, dims.tp), ("pp", "dp", "cp", "tp"))
+    experts = world._unflatten(
+        0,
+        (dims.pp, dims.dp_replicate, dims.dp_shard * dims.cp // dims.ep, dims.ep, dims.tp),
+        ("pp", "dp_replicate", "efsdp", "ep", "tp"),
+    )
     views = {
         "pp": dense["pp"],
         "tp": dense["tp"],
@@ -181,6 +215,9 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
         "loss": batch["dp", "cp"]._flatten("loss"),
         # HSDP: (replicate, shard) 2-D; FSDP: the shard dimension alone
         "fsdp": dense["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else dense["fsdp"],
+        "ep": experts["ep"],
+        "efsdp": experts["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else experts["efsdp"],
     }
-    enabled = {"fsdp": dims.fsdp_enabled}
+    # expert weights are FSDP-sharded over efsdp whenever the others are over fsdp
+    enabled = {"fsdp": dims.fsdp_enabled, "efsdp": dims.fsdp_enabled and dims.ep > 1}
     return Meshes(dims, {k: v for k, v in views.items() if enabled.get(k, v.size() > 1)})

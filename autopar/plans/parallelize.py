@@ -1,6 +1,6 @@
 """The one place that turns a job into model parts: build on meta, transform, materialize.
 
-Transformations run in a fixed order, one log line each: TP -> CP -> compute dtype
+Transformations run in a fixed order, one log line each: TP -> CP -> EP -> compute dtype
 (without FSDP) -> activation checkpointing -> compile -> FSDP. (CP changes no module: it
 acts on the inputs and the attention call at run time, see ``plans/context_parallel.py``.)
 """
@@ -20,6 +20,7 @@ from autopar.pipelining.schedule import SCHEDULE_STYLES, schedule_name, stage_mo
 from autopar.pipelining.split import prune, stage_ids
 from autopar.plans.activation_checkpoint import apply_ac
 from autopar.plans.compile import apply_compile
+from autopar.plans.expert_parallel import apply_ep
 from autopar.plans.float8 import apply_float8, resolve_backend
 from autopar.plans.fsdp import apply_fsdp
 from autopar.plans.materialize import FullValue, materialize
@@ -60,6 +61,12 @@ def parallelize(
             parallelism.enable_sequence_parallel,
             loss_parallel_enabled(job, dims),
         )
+    ep_mesh = meshes.get("ep")
+    if ep_mesh is not None:
+        apply_ep(model, ep_mesh, args)
+        logger.info(
+            "applied expert parallel: degree %d (%d experts per rank)", dims.ep, args.num_experts // dims.ep
+        )
     dtype = compute_dtype(job, device)
     fsdp_mesh = meshes.get("fsdp")
     if fsdp_mesh is None and dtype != torch.float32:
@@ -83,6 +90,7 @@ def parallelize(
             fsdp_policy(job, device),
             policy=parallelism.fsdp_reshard_after_forward,
             pipelined=pipelined,
+            expert_mesh=meshes.get("efsdp"),
         )
         kind = "HSDP" if dims.dp_replicate > 1 and dims.dp_shard * dims.cp > 1 else "FSDP2"
         logger.info(

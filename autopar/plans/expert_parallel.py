@@ -1,0 +1,80 @@
+"""Expert parallelism as data: ``{"layers.N.mlp.experts": ExpertParallel()}`` per MoE layer.
+
+Each of the ``ep`` ranks holds ``num_experts / ep`` experts of every MoE layer. The style
+shards the stacked expert weights along the expert dim (``Shard(0)`` DTensors on the ep mesh,
+so a checkpoint holds the global tensors and loads under any EP degree) and wraps the
+experts' call, which receives this rank's token copies grouped by global expert:
+
+1. dispatch: the per-expert counts are exchanged (all-to-all), so each rank learns how many
+   rows every peer sends to each of its experts; the rows follow (autograd-aware all-to-all
+   with those split sizes) and are regrouped from (source rank, expert) order to (expert,
+   source rank) order;
+2. compute: ``models.moe.run_experts`` on this rank's weight shards;
+3. combine: the inverse regrouping and the reverse all-to-all bring every row home, in the
+   order it left, so the router's weighting and the sum over top-k run as on one device.
+
+FSDP then shards each rank's expert weights over the data ranks EP did not take
+(``efsdp``, see ``plans/mesh.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+from autopar.models.args import ModelArgs
+from autopar.models.moe import Experts, run_experts
+
+
+class ExpertParallel(ParallelStyle):
+    """Shard an ``Experts`` module's weights over the mesh and route its rows by all-to-all."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        assert isinstance(module, Experts), f"ExpertParallel applies to Experts, not {type(module).__name__}"
+        for name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.forward = functools.partial(_routed_forward, module, device_mesh)
+        return module
+
+
+def expert_plan(args: ModelArgs, layer_ids: list[str]) -> dict[str, ParallelStyle]:
+    """The plan for the given layers (a pipeline stage holds a subset)."""
+    return {f"layers.{i}.mlp.experts": ExpertParallel() for i in layer_ids if args.is_moe_layer(int(i))}
+
+
+def apply_ep(model: nn.Module, mesh: DeviceMesh, args: ModelArgs) -> None:
+    parallelize_module(model, mesh, expert_plan(args, list(model.layers.keys())))
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def _routed_forward(module: Experts, mesh: DeviceMesh, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows ``x`` grouped by global expert (``counts[e]`` for expert e) through their experts,
+    wherever those live; the result in the rows' order."""
+    group, ranks = mesh.get_group(), mesh.size()
+    send_counts = counts.view(ranks, -1)  # (destination rank, its local expert)
+    recv_counts = torch.empty_like(send_counts)  # (source rank, this rank's local expert)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send_sizes, recv_sizes = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()  # one host sync
+    rows = funcol.all_to_all_single_autograd(x, recv_sizes, send_sizes, group)
+    rows = funcol.wait_tensor(rows) if isinstance(rows, funcol.AsyncCollectiveTensor) else rows
+    # received in (source, expert) blocks; the experts want (expert, source)
+    local_experts = recv_counts.shape[1]
+    block = torch.arange(recv_counts.numel(), device=x.device).repeat_interleave(recv_counts.flatten())
+    source, expert = block // local_experts, block % local_experts
+    order = (expert * ranks + source).argsort(stable=True)
+    weights = (_local(module.gate_proj), _local(module.up_proj), _local(module.down_proj))
+    out = run_experts(rows[order], recv_counts.sum(0), *weights, module.kernel)
+    home = torch.empty_like(out).index_copy_(0, order, out)  # back to (source, expert) order
+    back = funcol.all_to_all_single_autograd(home, send_sizes, recv_sizes, group)
+    return funcol.wait_tensor(back) if isinstance(back, funcol.AsyncCollectiveTensor) else back
