@@ -84,6 +84,10 @@ class Training:
     the tokenizer, else Qwen2.5's."""
     loss_on: Literal["assistant", "all", "last_assistant"] = "assistant"
     """With chat data: which tokens are targets (every assistant turn, the last one, or all)."""
+    expert_kernel: Literal["auto", "grouped", "loop"] = "auto"
+    """How a mixture of experts runs its experts: one grouped GEMM per projection
+    (torch._grouped_mm), a matmul per expert (any device), or auto: grouped where the device
+    and shapes allow it (bf16 on Hopper or newer; on CPU, rows of whole 16-byte multiples)."""
     document_masking: bool = False
     """Packed documents (conversations, or text up to each end-of-text) do not see each other:
     attention stays within a document, RoPE positions restart at each, and no target is

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from autopar.config.errors import ConfigError
 from autopar.config.job import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.models.qwen import Qwen
@@ -244,6 +245,13 @@ def predict_dims(
     args: ModelArgs, job: JobConfig, dims: ParallelDims, cp_impl: str = "ring", device_type: str = "cuda"
 ) -> list[Memory]:
     """``predict`` for resolved degrees (the planner's inner loop)."""
+    if args.moe:
+        raise ConfigError(
+            "the planner and dry run do not model mixture-of-experts layers yet (routed "
+            "activations, expert parallelism; the dry run's fake tensors cannot route); choose the "
+            "plan by hand: parallelism.expert_parallel_degree up to data_parallel_shard_degree x "
+            "context_parallel_degree, and prove it with python -m autopar.parity"
+        )
     compute_bytes = compute_dtype(job, torch.device(device_type)).itemsize
     if dims.pp == 1:
         stages = [

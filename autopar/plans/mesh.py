@@ -129,12 +129,6 @@ def check_model_split(
             f"parallelism.expert_parallel_degree={dims.ep} does not divide model.num_experts="
             f"{args.num_experts}; use one of {_divisors(args.num_experts)}"
         )
-    if args.moe and tp > 1:
-        raise ConfigError(
-            f"parallelism.tensor_parallel_degree={tp} with a mixture-of-experts model: tensor "
-            "parallelism does not split experts yet; use data_parallel_shard_degree, "
-            "context_parallel_degree or pipeline_parallel_degree instead"
-        )
     for field in ("num_attention_heads", "num_key_value_heads"):
         value = getattr(args, field)
         if value % tp:

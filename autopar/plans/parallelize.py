@@ -15,6 +15,7 @@ from torch import nn
 
 from autopar.config.job import JobConfig
 from autopar.models.args import ModelArgs
+from autopar.models.moe import Experts
 from autopar.models.qwen import Qwen
 from autopar.pipelining.schedule import SCHEDULE_STYLES, schedule_name, stage_modules
 from autopar.pipelining.split import prune, stage_ids
@@ -61,6 +62,9 @@ def parallelize(
             parallelism.enable_sequence_parallel,
             loss_parallel_enabled(job, dims),
         )
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.kernel = job.training.expert_kernel
     ep_mesh = meshes.get("ep")
     if ep_mesh is not None:
         apply_ep(model, ep_mesh, args)

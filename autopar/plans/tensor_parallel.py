@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -76,9 +77,11 @@ def block_plan(
     fp8_all_gather: bool = False,
     moe: bool = False,
 ) -> dict[str, ParallelStyle]:
-    """Styles for the modules of one block, keyed by path within the block; a block whose
-    mlp is a mixture of experts gets attention's only (tensor parallelism does not split
-    experts; ``validate`` refuses it for MoE models)."""
+    """Styles for the modules of one block, keyed by path within the block. A mixture of
+    experts is not split by tensor parallelism: every TP rank runs it on the whole
+    (gathered) sequence with the same weights (split over ranks by expert parallelism, if
+    any), so its outputs and gradients agree across the TP group; its output then takes the
+    residual's layout again."""
     colwise, rowwise, prepare = _linear_styles(float8, fp8_all_gather)
     residual = Shard(1) if sequence_parallel else Replicate()
 
@@ -105,6 +108,14 @@ def block_plan(
         plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if moe:
         plan = {path: style for path, style in plan.items() if not path.startswith("mlp")}
+        plan["mlp"] = PrepareModuleInputOutput(
+            input_layouts=(residual,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(), None),  # (output, routing statistics)
+            desired_output_layouts=(residual, None),
+            use_local_output=True,
+        )
     return plan
 
 
