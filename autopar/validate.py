@@ -21,6 +21,7 @@ from autopar.pipelining.schedule import check_pipeline
 from autopar.plans.activation_checkpoint import check_ac
 from autopar.plans.compile import check_compile, check_compile_backend
 from autopar.plans.context_parallel import check_cp
+from autopar.plans.expert_parallel import check_ep
 from autopar.plans.float8 import check_float8, check_float8_filter
 from autopar.plans.mesh import ParallelDims, check_model_split
 from autopar.profiling import check_profiling
@@ -40,6 +41,7 @@ def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: st
     )
     check_batch(job.training, dims.dp)
     check_ac(job.activation_checkpoint)
+    check_ep(dims.ep, job.activation_checkpoint)
     check_compile(job.compile)
     check_float8(job.float8, device_type, dims.tp, job.compile.enable)
     check_cp(

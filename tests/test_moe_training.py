@@ -78,6 +78,8 @@ PLANS = [
     "tp=2",
     "tp=2,sp=false",
     "dp_shard=2,tp=2,ep=2",
+    "dp_shard=2,ep=2,activation_checkpoint.mode=full",
+    "dp_shard=2,ep=2,compile.enable=true",
 ]
 
 
@@ -91,7 +93,8 @@ def moe_parity(tmp_path_factory):
 @pytest.mark.parametrize("plan", PLANS)
 def test_moe_training_under_a_plan_matches_one_device(moe_parity, plan):
     reference, run = moe_parity[plan]
-    assert_same_training(run, reference, loss_rtol=1e-5, norm_rtol=1e-5)
+    rtol = 1e-4 if "compile" in plan else 1e-5  # inductor fuses and reorders fp32 reductions
+    assert_same_training(run, reference, loss_rtol=rtol, norm_rtol=rtol)
 
 
 @pytest.mark.parametrize(
@@ -119,6 +122,16 @@ def test_expert_degrees_that_cannot_split_are_config_errors_with_the_numbers(tmp
 
     with pytest.raises(ConfigError, match=message):
         validate(moe_job(tmp_path, *flags), world)
+
+
+def test_per_op_checkpointing_with_expert_parallel_is_refused_naming_what_works(tmp_path):
+    from autopar.config import ConfigError
+
+    job = moe_job(
+        tmp_path, "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "selective"
+    )
+    with pytest.raises(ConfigError, match=r"use --activation_checkpoint\.mode full"):
+        validate(job, 2)
 
 
 def test_expert_parallel_needs_experts(tmp_path):

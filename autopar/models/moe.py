@@ -45,9 +45,12 @@ class Router(nn.Module):
 
 def grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` runs these operands here: on CUDA in bf16 on Hopper or
-    newer; on CPU when every row is a multiple of 16 bytes (its backward's requirement)."""
+    newer; on CPU when every row is a multiple of 16 bytes (its backward's requirement), and
+    in bf16 when compiled."""
     if not hasattr(torch, "_grouped_mm"):
         return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
+        return False  # the kernel's shape function (what compile traces) takes bf16 only
     if x.is_cuda:
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
     return all(n * x.element_size() % 16 == 0 for n in (*weight.shape[1:], x.shape[-1]))
@@ -87,6 +90,17 @@ def run_experts(
         gate = torch._grouped_mm(x, gate_proj.transpose(-2, -1), offs=offsets)
         up = torch._grouped_mm(x, up_proj.transpose(-2, -1), offs=offsets)
         return torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)
+    return _per_expert(x, counts, gate_proj, up_proj, down_proj)
+
+
+@torch.compiler.disable  # row counts known only at run time: compile traces around it
+def _per_expert(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    gate_proj: torch.Tensor,
+    up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
     outputs = []
     for e, rows in enumerate(x.split(counts.tolist())):  # one host sync per layer
         hidden = F.silu(rows @ gate_proj[e].T) * (rows @ up_proj[e].T)

@@ -3,7 +3,7 @@
 - ``full``: every block keeps only its input and recomputes the rest in backward.
 - ``selective`` with an integer option k: every k-th block is fully checkpointed.
 - ``selective`` with option ``op``: every block saves the outputs of its expensive ops
-  (matmuls, attention, collectives) and recomputes only the cheap ones (norms, RoPE,
+  (matmuls and grouped GEMMs, attention, collectives) and recomputes only the cheap ones (norms, RoPE,
   activations, casts), which costs a few percent of speed for most of the memory saving.
 """
 
@@ -28,6 +28,7 @@ SAVED_OPS = frozenset(
         _aten.mm.default,
         _aten.addmm.default,
         _aten.bmm.default,
+        getattr(_aten, "_grouped_mm", None) and _aten._grouped_mm.default,
         getattr(_aten, "_scaled_mm", None) and _aten._scaled_mm.default,
         _aten._scaled_dot_product_flash_attention.default,
         _aten._scaled_dot_product_efficient_attention.default,
@@ -36,6 +37,8 @@ SAVED_OPS = frozenset(
         torch.ops._c10d_functional.reduce_scatter_tensor.default,
         torch.ops._c10d_functional.all_gather_into_tensor.default,
         torch.ops._c10d_functional.all_reduce.default,
+        torch.ops._c10d_functional.all_to_all_single.default,
+        torch.ops._c10d_functional_autograd.all_to_all_single.default,
     )
     if op
 )

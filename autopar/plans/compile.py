@@ -3,7 +3,7 @@
 Blocks are compiled one by one rather than the whole model so that FSDP can gather each
 block's parameters around its own graph, and so one compiled graph serves every block
 (they share code and shapes). ``fullgraph=True``: a graph break in a block is an error, not
-a silent slowdown.
+a silent slowdown (except around a mixture of experts' data-dependent routing).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.config.errors import ConfigError
 from autopar.config.job import Compile
+from autopar.models.moe import MoE
 
 
 def check_compile(cfg: Compile) -> None:
@@ -41,7 +42,10 @@ def _fresh_output(_module: nn.Module, _inputs: tuple, output: torch.Tensor) -> t
 
 def apply_compile(model: nn.Module, cfg: Compile) -> None:
     for block in model.layers.values():
-        block.compile(fullgraph=True, backend=cfg.backend)
+        # a mixture of experts learns its row counts per expert at run time: its per-expert
+        # loop and expert-parallel all-to-all run between graphs (the only breaks allowed)
+        routed = any(isinstance(m, MoE) for m in block.modules())
+        block.compile(fullgraph=not routed, backend=cfg.backend)
     embedding = model.embed_tokens
     if embedding is not None and isinstance(embedding.weight, DTensor):
         # A tensor-parallel embedding hands the first block ``DTensor.to_local()``, a view

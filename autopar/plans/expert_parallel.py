@@ -22,15 +22,28 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from autopar.config.errors import ConfigError
+from autopar.config.job import ActivationCheckpoint
 from autopar.models.args import ModelArgs
 from autopar.models.moe import Experts, run_experts
+
+
+def check_ep(ep: int, ac: ActivationCheckpoint) -> None:
+    """Expert parallelism's limits with the other transformations."""
+    if ep > 1 and ac.mode == "selective" and ac.selective_ac_option == "op":
+        # measured (torch 2.13): the experts' own FSDP group runs its hooks differently when
+        # the block is recomputed, which per-op checkpointing refuses
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree={ep} with activation_checkpoint.mode='selective' "
+            "and selective_ac_option='op' fails in backward; use --activation_checkpoint.mode full, "
+            "or a layer interval (--activation_checkpoint.selective_ac_option 2)"
+        )
 
 
 class ExpertParallel(ParallelStyle):
@@ -58,16 +71,17 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
+@torch.compiler.disable  # split sizes known only at run time: compile traces around it
 def _routed_forward(module: Experts, mesh: DeviceMesh, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows ``x`` grouped by global expert (``counts[e]`` for expert e) through their experts,
     wherever those live; the result in the rows' order."""
     group, ranks = mesh.get_group(), mesh.size()
     send_counts = counts.view(ranks, -1)  # (destination rank, its local expert)
-    recv_counts = torch.empty_like(send_counts)  # (source rank, this rank's local expert)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    # (source rank, this rank's local expert); a functional collective, so that per-op
+    # activation checkpointing keeps its result instead of exchanging again in backward
+    recv_counts = funcol.all_to_all_single(send_counts.flatten(), None, None, group).view(ranks, -1)
     send_sizes, recv_sizes = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()  # one host sync
     rows = funcol.all_to_all_single_autograd(x, recv_sizes, send_sizes, group)
-    rows = funcol.wait_tensor(rows) if isinstance(rows, funcol.AsyncCollectiveTensor) else rows
     # received in (source, expert) blocks; the experts want (expert, source)
     local_experts = recv_counts.shape[1]
     block = torch.arange(recv_counts.numel(), device=x.device).repeat_interleave(recv_counts.flatten())
@@ -76,5 +90,4 @@ def _routed_forward(module: Experts, mesh: DeviceMesh, x: torch.Tensor, counts: 
     weights = (_local(module.gate_proj), _local(module.up_proj), _local(module.down_proj))
     out = run_experts(rows[order], recv_counts.sum(0), *weights, module.kernel)
     home = torch.empty_like(out).index_copy_(0, order, out)  # back to (source, expert) order
-    back = funcol.all_to_all_single_autograd(home, send_sizes, recv_sizes, group)
-    return funcol.wait_tensor(back) if isinstance(back, funcol.AsyncCollectiveTensor) else back
+    return funcol.all_to_all_single_autograd(home, send_sizes, recv_sizes, group)
