@@ -42,6 +42,9 @@ NAMED_VARIANTS = {
     "ac_none": "compile.enable=true,activation_checkpoint.mode=none",
     "ac_full": "compile.enable=true,activation_checkpoint.mode=full",
     "ac_op": "compile.enable=true,activation_checkpoint.mode=selective,activation_checkpoint.selective_ac_option=op",
+    "chunked_loss": "compile.enable=true,float8.enable=false,training.loss_chunk_tokens=4096",
+    "experts_grouped": "compile.enable=true,training.expert_kernel=grouped",
+    "experts_loop": "compile.enable=true,training.expert_kernel=loop",
 }
 """Each name is shorthand for its overrides; everything else comes from the job."""
 

@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from autopar.config.job import JobConfig
 from autopar.data.loader import Batch
 from autopar.distributed import World, by_mesh
-from autopar.loss import count_targets, token_loss_sum
+from autopar.loss import chunk_loss_and_grad, chunked_token_loss_sum, count_targets, token_loss_sum
 from autopar.models.args import ModelArgs
 from autopar.models.moe import load_balancing_loss
 from autopar.optim import build_optimizers, set_lr
@@ -76,6 +76,7 @@ class TrainContext:
         self,
         loss_parallel: bool,
         compile_loss: bool = False,
+        loss_chunk_tokens: int = 0,
         fp8_autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
         context_parallel: Callable[[Batch], contextlib.AbstractContextManager] | None = None,
         load_balancing: LoadBalancing | None = None,
@@ -86,7 +87,15 @@ class TrainContext:
         self.context_parallel = context_parallel
         # vocab-parallel cross-entropy is a DTensor op dispatch that does not trace; it is
         # already a fused collective-aware kernel, so it stays eager
-        self.loss_fn = torch.compile(token_loss_sum) if compile_loss and not loss_parallel else token_loss_sum
+        if loss_chunk_tokens > 0:
+            kernel = torch.compile(chunk_loss_and_grad) if compile_loss else chunk_loss_and_grad
+            self.loss_fn = functools.partial(
+                chunked_token_loss_sum, chunk_tokens=loss_chunk_tokens, kernel=kernel
+            )
+        elif compile_loss and not loss_parallel:
+            self.loss_fn = torch.compile(token_loss_sum)
+        else:
+            self.loss_fn = token_loss_sum
 
     def forward_precision(self) -> contextlib.AbstractContextManager:
         return self.fp8_autocast() if self.fp8_autocast is not None else contextlib.nullcontext()
@@ -192,6 +201,7 @@ class TrainStep:
         self.context = TrainContext(
             loss_parallel=loss_parallel_enabled(job, self.dims),
             compile_loss=job.compile.enable and "loss" in job.compile.components,
+            loss_chunk_tokens=job.training.loss_chunk_tokens,
             fp8_autocast=self._te_autocast(world.device),
             context_parallel=self._context_parallel(world.device),
             load_balancing=self._load_balancing(built.args),

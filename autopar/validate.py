@@ -12,6 +12,7 @@ import torch
 
 from autopar.checkpoint import check_initial_load, check_load_step
 from autopar.config.checks import check_numbers, check_output_folders
+from autopar.config.errors import ConfigError
 from autopar.config.job import JobConfig
 from autopar.data.loader import check_batch, check_training_data
 from autopar.evaluate import check_validation
@@ -24,7 +25,20 @@ from autopar.plans.context_parallel import check_cp
 from autopar.plans.expert_parallel import check_ep
 from autopar.plans.float8 import check_float8, check_float8_filter
 from autopar.plans.mesh import ParallelDims, check_model_split
+from autopar.plans.parallelize import loss_parallel_enabled
 from autopar.profiling import check_profiling
+
+
+def check_loss_chunks(job: JobConfig, dims: ParallelDims) -> None:
+    """The chunked cross-entropy replaces the plain one; it cannot replace the others."""
+    chunk = job.training.loss_chunk_tokens
+    if chunk < 0:
+        raise ConfigError(f"training.loss_chunk_tokens={chunk} must be >= 0 (0: no chunking)")
+    if chunk and loss_parallel_enabled(job, dims):
+        raise ConfigError(
+            f"training.loss_chunk_tokens={chunk} with tensor_parallel_degree={dims.tp} and vocab-parallel "
+            "loss (which already splits the vocabulary): set it to 0, or --parallelism.disable_loss_parallel true"
+        )
 
 
 def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: str) -> ParallelDims:
@@ -40,6 +54,7 @@ def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: st
         head_tail=parallelism.context_parallel_load_balancer == "headtail",
     )
     check_batch(job.training, dims.dp)
+    check_loss_chunks(job, dims)
     check_ac(job.activation_checkpoint)
     check_ep(dims.ep, job.activation_checkpoint)
     check_compile(job.compile)

@@ -95,6 +95,10 @@ GRID = [
     (64, ("qwen2.5", "14B"), ["--parallelism.context_parallel_degree=2"]),
     (64, ("qwen2.5", "14B"), ["--activation_checkpoint.mode=full"]),
     (64, ("qwen2.5", "32B"), ["--parallelism.tensor_parallel_degree=8"]),
+    # the chunked loss: logits and their gradient, one chunk's fp32 at a time
+    (8, ("qwen3", "0.6B"), ["--training.loss_chunk_tokens=1024"]),
+    (8, ("qwen3", "0.6B"), ["--training.loss_chunk_tokens=512", "--activation_checkpoint.mode=full"]),
+    (16, ("qwen3", "0.6B"), ["--training.loss_chunk_tokens=1024", *PIPELINE]),
 ]
 
 

@@ -98,6 +98,11 @@ class Training:
     """Sequences per optimizer step over all ranks; -1 is local_batch_size x data-parallel degree."""
     seq_len: int = 2048
     """Tokens per sequence."""
+    loss_chunk_tokens: int = 0
+    """Compute the cross-entropy this many tokens at a time, its gradient in the same pass:
+    fp32 logits and log-probabilities then exist for one chunk, not the whole micro-batch
+    (0: the whole micro-batch at once). Not with vocab-parallel loss (TP already splits the
+    vocabulary); with 'loss' in compile.components each chunk's kernel is compiled."""
     max_norm: float = 1.0
     """Gradient clipping norm; 0 disables clipping (the norm is still logged)."""
     max_skipped_steps: int = 0

@@ -22,7 +22,9 @@ recomputes one block at a time in backward. The peak is the largest of the momen
 walking this rank's step in the schedule's own order (``pipelining.schedule.rank_actions``,
 read off torch's schedule; without pipelining one forward then one backward): each forward
 adds a micro-batch's saves; each loss backward adds the logits, the float32 softmax and its
-gradients over the vocabulary (vocab-sharded under loss parallel); each block backward adds one recomputed block, the
+gradients over the vocabulary (vocab-sharded under loss parallel; with the chunked loss, the
+logits' gradient in the compute dtype and one chunk's float32; a pipeline's last stage holds
+one more copy of the logits); each block backward adds one recomputed block, the
 gradients inside it and FSDP's gradient buffers; the embedding's backward, which ends a
 stage's, adds every fresh gradient and, under TP or FSDP, one over the whole vocabulary;
 zero-bubble input steps keep the gradients at every weight's output until
@@ -191,15 +193,22 @@ def block_backward_transient_bytes(z: _Sizes) -> float:
     return 3 * z.c * z.inter * z.tokens
 
 
-def head_peak_bytes(z: _Sizes, vocab: int, tp_loss_parallel: int) -> float:
+def head_peak_bytes(z: _Sizes, vocab: int, tp_loss_parallel: int, chunk_tokens: int = 0) -> float:
     """The loss's backward: logits (c), float32 log-softmax output, and the float32 gradients
     of nll and log-softmax (under loss parallel, vocab-sharded, and three: torch's fused
     backward keeps its one-hot target, the sum with softmax and the product alive at once);
-    plus the final norm's saves and the head's gathered input."""
+    plus the final norm's saves and the head's gathered input. The chunked loss
+    (``chunk_tokens``) keeps the logits and their gradient (c each) and, while it runs, one
+    chunk's float32 log-probabilities, their exponent and the masked gradient; its backward
+    scales the gradient into a third c copy."""
     t = z.tokens
     local = vocab // tp_loss_parallel
-    gradients = 3 if tp_loss_parallel > 1 else 2
-    vocab_bytes = (z.c + FP32) * local * t + gradients * FP32 * local * t
+    if chunk_tokens:
+        forward = 2 * z.c * local * t + (3 * FP32 + z.c) * local * min(chunk_tokens, t)
+        vocab_bytes = max(forward, 3 * z.c * local * t)
+    else:
+        gradients = 3 if tp_loss_parallel > 1 else 2
+        vocab_bytes = (z.c + FP32) * local * t + gradients * FP32 * local * t
     norm = (FP32 + z.c) * z.h * t / z.sp + FP32 * t / z.sp
     return vocab_bytes + norm + z.c * z.h * t
 
@@ -320,7 +329,9 @@ def _predict_stage_rank(
     weight_output_grads = block_weight_output_grad_bytes(z, args.qk_norm)
     transient = block_backward_transient_bytes(z)
     shards = dims.tp if loss_parallel_enabled(job, dims) else 1
-    head = head_peak_bytes(z, args.vocab_size, shards)
+    head = head_peak_bytes(z, args.vocab_size, shards, job.training.loss_chunk_tokens)
+    if dims.pp > 1:  # measured: the last stage's schedule holds a second copy of the logits
+        head += z.c * (args.vocab_size // shards) * z.tokens
 
     gathered = _gathered_bytes(args, job, dims, modules, c)
     # sharded gradients outlive a backward only when micro-steps accumulate into them, or
