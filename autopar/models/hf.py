@@ -259,7 +259,11 @@ class HFTensors(Mapping[str, torch.Tensor]):
         pieces = self._files[name]
         if len(pieces) == 1:
             return _read(*pieces[0])
-        return torch.stack([_read(file, hf_name) for file, hf_name in pieces])
+        parts: dict[str, torch.Tensor] = {}
+        for file in dict.fromkeys(file for file, _ in pieces):  # each file opened once
+            with _open(file) as f:
+                parts.update({hf_name: f.get_tensor(hf_name) for where, hf_name in pieces if where == file})
+        return torch.stack([parts[hf_name] for _, hf_name in pieces])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)

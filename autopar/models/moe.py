@@ -125,10 +125,11 @@ class MoE(nn.Module):
         top_k = experts.shape[-1]
         choice = experts.flatten()  # (T*k,) token t's j-th expert at t*k + j
         order = choice.argsort(stable=True)  # choices grouped by expert
+        source = order // top_k  # the token of each grouped choice
         counts = torch.bincount(choice, minlength=self.num_experts)  # (E,)
-        out = self.experts(tokens[order // top_k], counts)  # (T*k, H)
+        out = self.experts(tokens[source], counts)  # (T*k, H)
         out = out * weights.flatten()[order, None]
-        combined = torch.zeros_like(tokens).index_add_(0, order // top_k, out)  # (T, H)
+        combined = torch.zeros_like(tokens).index_add_(0, source, out)  # (T, H)
         return combined.view(bsz, seqlen, hidden), routing_statistics(probs, experts, bsz)
 
 
@@ -136,7 +137,7 @@ def routing_statistics(probs: torch.Tensor, experts: torch.Tensor, bsz: int) -> 
     """(B, 2, E): per sequence, top-k choices per expert (no gradient) and summed routing
     probabilities per expert."""
     num_experts = probs.shape[-1]
-    chosen = F.one_hot(experts, num_experts).sum(dim=1).to(torch.float32)  # (T, E)
+    chosen = torch.zeros_like(probs).scatter_add_(1, experts, torch.ones_like(experts, dtype=probs.dtype))
     return torch.stack((chosen, probs), dim=1).view(bsz, -1, 2, num_experts).sum(dim=1)
 
 
