@@ -16,11 +16,10 @@ from autopar.data.loader import IGNORE_INDEX, StepLoader, build_samples
 from autopar.data.tokenizer import build_tokenizer
 from autopar.distributed import single_process
 from autopar.job import model_args
-from autopar.parity import Case, run_cases
 from autopar.trainer import Trainer
 from autopar.validate import validate
 
-from jobs import assert_same_training, chat_job
+from jobs import assert_same_training, chat_job, parity_runs
 
 
 def chat_samples(seq_len: int, loss_on: str = "assistant"):
@@ -94,7 +93,7 @@ def test_chat_fine_tuning_under_a_plan_matches_one_device(chat_parity, plan):
 def chat_parity(tmp_path_factory):
     plans = ["dp_shard=2", "tp=2", "pp=2", "cp=2"]
     base = chat_job(tmp_path_factory.mktemp("chat"), "--training.local_batch_size", "2")
-    return dict(zip(plans, run_cases([Case(base, plan) for plan in plans], steps=4)))
+    return parity_runs(base, plans, steps=4)
 
 
 def prepare_chat(folder, loss_on: str = "assistant"):

@@ -10,11 +10,10 @@ from autopar.config import ConfigError
 from autopar.data.loader import IGNORE_INDEX
 from autopar.distributed import single_process
 from autopar.loss import chunk_loss_and_grad, chunked_token_loss_sum, token_loss_sum
-from autopar.parity import Case, run_cases
 from autopar.trainer import Trainer
 from autopar.validate import validate
 
-from jobs import assert_same_training, tiny_job
+from jobs import assert_same_training, parity_runs, tiny_job
 
 
 def logits_and_labels(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +81,7 @@ PLANS = ["dp_shard=2", "pp=2", "cp=2", "tp=2,loss_parallel=false"]
 @pytest.fixture(scope="module")
 def chunked_parity(tmp_path_factory):
     base = tiny_job(tmp_path_factory.mktemp("chunked"), "--training.loss_chunk_tokens", "24")
-    return dict(zip(PLANS, run_cases([Case(base, plan) for plan in PLANS], steps=4)))
+    return parity_runs(base, PLANS, steps=4)
 
 
 @pytest.mark.slow

@@ -16,11 +16,10 @@ from autopar.data.tokenizer import ByteTokenizer, build_tokenizer
 from autopar.distributed import single_process
 from autopar.models import ModelArgs, Qwen
 from autopar.models.qwen import document_positions
-from autopar.parity import Case, run_cases
 from autopar.trainer import Trainer
 from autopar.validate import validate
 
-from jobs import assert_same_training, chat_job, tiny_job
+from jobs import assert_same_training, chat_job, parity_runs, tiny_job
 
 LENGTHS = (5, 11, 1, 7)
 """A packed row's documents: one of a single token, and the row ends mid-document."""
@@ -185,7 +184,7 @@ def masked_parity(tmp_path_factory):
         "--training.document_masking",
         "true",
     )
-    return dict(zip(PLANS, run_cases([Case(base, plan) for plan in PLANS], steps=4)))
+    return parity_runs(base, PLANS, steps=4)
 
 
 @pytest.mark.slow

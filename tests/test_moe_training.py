@@ -12,12 +12,12 @@ from autopar.distributed import single_process
 from autopar.metrics import flops_per_token, matmul_params
 from autopar.models import get_flavor
 from autopar.models.moe import Experts, load_balancing_loss
-from autopar.parity import Case, PlanRun, plan_job, relative_deltas, run_cases, run_job, run_plans
+from autopar.parity import PlanRun, plan_job, relative_deltas, run_job, run_plans
 from autopar.spawn import run_on_ranks
 from autopar.trainer import Trainer
 from autopar.validate import validate
 
-from jobs import assert_same_training, moe_job
+from jobs import assert_same_training, moe_job, parity_runs
 
 
 def test_the_step_trains_the_lm_loss_plus_the_weighted_mean_sequence_balance_loss(tmp_path):
@@ -86,7 +86,7 @@ PLANS = [
 @pytest.fixture(scope="module")
 def moe_parity(tmp_path_factory):
     base = moe_job(tmp_path_factory.mktemp("moe"), "--training.local_batch_size", "2")
-    return dict(zip(PLANS, run_cases([Case(base, plan) for plan in PLANS], steps=4)))
+    return parity_runs(base, PLANS, steps=4)
 
 
 @pytest.mark.slow
@@ -221,7 +221,7 @@ def moe_bf16(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe_bf16")
     base = moe_job(tmp / "bf16", *BF16_BATCH, "--training.mixed_precision_param", "bfloat16")
     plans = ["dp_shard=2", *BF16_SPLIT]
-    pairs = dict(zip(plans, run_cases([Case(base, plan) for plan in plans], BF16_STEPS)))
+    pairs = parity_runs(base, plans, steps=BF16_STEPS)
     fp32 = PlanRun(
         "fp32", 1, *run_job(plan_job(moe_job(tmp / "fp32", *BF16_BATCH), "", BF16_STEPS, str(tmp / "fp32r")))
     )

@@ -61,41 +61,30 @@ def _qwen25(hidden: int, layers: int, heads: int, kv: int, inter: int, vocab: in
     )
 
 
+_QWEN3_DEBUG = ModelArgs(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    tie_word_embeddings=False,
+    qk_norm=True,
+    max_position_embeddings=4096,
+)
+
 FLAVORS: dict[str, dict[str, ModelArgs]] = {
     "qwen3": {
-        "debug": ModelArgs(
-            vocab_size=512,
-            hidden_size=128,
-            intermediate_size=384,
-            num_hidden_layers=4,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=32,
-            tie_word_embeddings=False,
-            qk_norm=True,
-            max_position_embeddings=4096,
-        ),
+        "debug": _QWEN3_DEBUG,
         "0.6B": _qwen3(1024, 28, 16, 3072, tied=True),
         "1.7B": _qwen3(2048, 28, 16, 6144, tied=True),
         "4B": _qwen3(2560, 36, 32, 9728, tied=True),
         "8B": _qwen3(4096, 36, 32, 12288, tied=False),
         "14B": _qwen3(5120, 40, 40, 17408, tied=False),
         "32B": _qwen3(5120, 64, 64, 25600, tied=False),
-        "debug-moe": ModelArgs(
-            vocab_size=512,
-            hidden_size=128,
-            intermediate_size=384,
-            num_hidden_layers=4,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=32,
-            tie_word_embeddings=False,
-            qk_norm=True,
-            max_position_embeddings=4096,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            norm_topk_prob=True,
+        "debug-moe": dataclasses.replace(
+            _QWEN3_DEBUG, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True
         ),
         "30B-A3B": _qwen3_moe(2048, 48, 32, 6144, 768),
         "235B-A22B": _qwen3_moe(4096, 94, 64, 12288, 1536),
