@@ -63,8 +63,13 @@ def split_options(argv: list[str]) -> tuple[dict[str, object], list[str]]:
 
 
 def table(plans: list[Plan]) -> str:
-    head = "| # | dp_rep | dp_shard | tp | cp | pp | schedule/mbs | AC | reshard | local batch | peak GiB (largest parts) | tokens/s/GPU | MFU | compute/comm/bubble/recompute |"
-    rows = [head, "|" + "---|" * 14]
+    experts = any(p.dims.ep > 1 for p in plans)  # a column for expert parallelism when it is used
+    head = (
+        "| # | dp_rep | dp_shard | tp | cp | pp |"
+        + (" ep |" if experts else "")
+        + " schedule/mbs | AC | reshard | local batch | peak GiB (largest parts) | tokens/s/GPU | MFU | compute/comm/bubble/recompute |"
+    )
+    rows = [head, "|" + "---|" * (14 + experts)]
     for i, p in enumerate(plans, 1):
         d, s = p.dims, p.settings
         pipe = (
@@ -79,7 +84,9 @@ def table(plans: list[Plan]) -> str:
             f"{100 * split.get(k, 0):.0f}" for k in ("compute", "exposed_comm", "bubble", "recompute")
         )
         rows.append(
-            f"| {i} | {d.dp_replicate} | {d.dp_shard} | {d.tp} | {d.cp} | {d.pp} | {pipe} | {ac_text(s)} | "
+            f"| {i} | {d.dp_replicate} | {d.dp_shard} | {d.tp} | {d.cp} | {d.pp} | "
+            + (f"{d.ep} | " if experts else "")
+            + f"{pipe} | {ac_text(s)} | "
             f"{s['parallelism.fsdp_reshard_after_forward']} | {s['training.local_batch_size']} | {p.peak_gib:.1f} ({parts}) | {p.tokens_per_s:,.0f} | "
             f"{100 * p.mfu:.1f}% | {shares} |"
         )

@@ -184,16 +184,6 @@ def test_the_expert_kernel_setting_trains_alike_on_both_kernels(tmp_path):
         assert grouped == pytest.approx(loop, rel=1e-5)
 
 
-def test_the_planner_says_it_does_not_model_experts_yet(tmp_path):
-    from autopar.config import ConfigError
-    from autopar.job import model_args
-    from autopar.planner.memory import predict
-
-    job = moe_job(tmp_path)
-    with pytest.raises(ConfigError, match="do not model mixture-of-experts layers yet"):
-        predict(model_args(job), job, 8)
-
-
 BF16_STEPS = 10
 BF16_BATCH = (
     "--training.steps",

@@ -38,6 +38,21 @@ def test_every_plan_in_the_top_ten_passes_the_trainers_own_checks():
         assert check_plan(chosen, model_args(chosen), 64, "cuda") == plan.dims
 
 
+def test_a_mixture_of_experts_is_planned_with_expert_parallelism_where_it_is_faster():
+    job = parse_job(["--model.flavor=30B-A3B", "--training.seq_len=4096"])
+    plans = search(job, model_args(job), 8, 8, H100)
+    best, best_without = plans[0], next(p for p in plans if p.fits and p.dims.ep == 1)
+    assert best.fits and best.dims.ep > 1 and best.tokens_per_s > best_without.tokens_per_s
+    assert "ep" in best.time.comm_by_dim
+    chosen = derive_job(job, [o.removeprefix("--") for o in best.overrides])
+    assert check_plan(chosen, model_args(chosen), 8, "cuda") == best.dims
+
+
+def test_a_dense_model_is_never_planned_with_expert_parallelism():
+    job = preset("qwen3_8b")
+    assert {p.dims.ep for p in search(job, model_args(job), 16, 8, H100)} == {1}
+
+
 def test_pinned_settings_hold_in_every_plan():
     job = preset("qwen3_8b", "--parallelism.tensor_parallel_degree=2", "--activation_checkpoint.mode=full")
     pinned = {"parallelism.tensor_parallel_degree", "activation_checkpoint.mode"}

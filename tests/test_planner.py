@@ -99,6 +99,47 @@ GRID = [
     (8, ("qwen3", "0.6B"), ["--training.loss_chunk_tokens=1024"]),
     (8, ("qwen3", "0.6B"), ["--training.loss_chunk_tokens=512", "--activation_checkpoint.mode=full"]),
     (16, ("qwen3", "0.6B"), ["--training.loss_chunk_tokens=1024", *PIPELINE]),
+    # mixtures of experts (routing taken as balanced by both): expert shards over EP x FSDP,
+    # routed rows, EP's regrouping indices; beside TP (experts whole on each TP rank), CP, PP
+    (8, ("qwen3", "30B-A3B"), [SMALL_VOCAB, "--training.local_batch_size=2"]),
+    (8, ("qwen3", "30B-A3B"), [SMALL_VOCAB, "--parallelism.expert_parallel_degree=8"]),
+    (
+        8,
+        ("qwen3", "30B-A3B"),
+        ["--parallelism.expert_parallel_degree=4", "--parallelism.tensor_parallel_degree=2"],
+    ),
+    (
+        8,
+        ("qwen3", "30B-A3B"),
+        [
+            "--parallelism.expert_parallel_degree=2",
+            "--parallelism.context_parallel_degree=2",
+            "--activation_checkpoint.mode=full",
+        ],
+    ),
+    (
+        8,
+        ("qwen3", "30B-A3B"),
+        [
+            SMALL_VOCAB,
+            "--activation_checkpoint.mode=selective",
+            "--activation_checkpoint.selective_ac_option=op",
+        ],
+    ),
+    (
+        8,
+        ("qwen3", "30B-A3B"),
+        [SMALL_VOCAB, "--model.mlp_only_layers=[0]", "--parallelism.expert_parallel_degree=4"],
+    ),
+    (
+        16,
+        ("qwen3", "30B-A3B"),
+        [
+            *PIPELINE,
+            "--parallelism.expert_parallel_degree=2",
+            "--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
+        ],
+    ),
 ]
 
 

@@ -126,10 +126,15 @@ class MoE(nn.Module):
         choice = experts.flatten()  # (T*k,) token t's j-th expert at t*k + j
         order = choice.argsort(stable=True)  # choices grouped by expert
         source = order // top_k  # the token of each grouped choice
-        counts = torch.bincount(choice, minlength=self.num_experts)  # (E,)
-        out = self.experts(tokens[source], counts)  # (T*k, H)
-        out = out * weights.flatten()[order, None]
-        combined = torch.zeros_like(tokens).index_add_(0, source, out)  # (T, H)
+        # a scatter-add, not bincount: its (E,) shape does not depend on the data
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).index_add_(
+            0, choice, torch.ones_like(choice)
+        )
+        out = self.experts(tokens[source], counts)  # (T*k, H) grouped by expert
+        # back in choice order, then each token's k outputs weighted and summed in one bmm:
+        # autograd keeps one (T*k, H) copy (a scatter-add would keep two)
+        out = out[order.argsort()].view(-1, top_k, hidden)  # (T, k, H)
+        combined = torch.bmm(weights.unsqueeze(1), out)  # (T, 1, H)
         return combined.view(bsz, seqlen, hidden), routing_statistics(probs, experts, bsz)
 
 

@@ -20,6 +20,9 @@ Differences from the GPU run, stated rather than hidden:
   all-gather implementation; ``memory.predict`` is told so (``cp_impl``).
 - The allocator's rounding, the CUDA context and NCCL buffers are not simulated; the planner
   names them as a separate allowance.
+- A mixture of experts runs its grouped-GEMM kernel, and under expert parallelism routing is
+  taken as balanced (fake tensors carry no routing counts): each rank sends every peer the
+  same number of rows, as the planner assumes.
 - DTensor's shape propagation, which reruns ops on whole (unsharded) fakes in the active fake
   mode, is hidden from the trackers: a real run never allocates those.
 
@@ -111,6 +114,7 @@ def dry_run_job(job: JobConfig) -> JobConfig:
     job.optimizer.implementation = "for-loop"
     job.compile.enable = False
     job.float8.enable = False
+    job.training.expert_kernel = "grouped"  # the per-expert loop needs real routing counts
     return job
 
 
@@ -148,16 +152,20 @@ def _stage_io(job: JobConfig, meshes: Meshes, built: ModelParts) -> list[StageIO
             local = torch.empty((micro, seq, part.args.vocab_size // dims.tp), dtype=compute)
             logits = DTensor.from_local(local, meshes.get("tp"), [Shard(2)], run_check=False)
         first, last = sid == 0, sid == built.num_stages - 1
+        # a received activation requires grad, or zero-bubble schedules find no path
+        # from it to the weights and skip their gradients
+        received = hidden.detach().requires_grad_()
+        sent = logits if last else hidden
+        if part.args.moe:  # every stage also passes on the routing statistics so far
+            routing = torch.empty((micro, 2, part.args.num_experts))
+            received, sent = (received, routing.requires_grad_()), (sent, routing)
+        grads = (lambda t: tuple(map(torch.empty_like, t))) if part.args.moe else torch.empty_like
         io.append(
             {
-                # a received activation requires grad, or zero-bubble schedules find no path
-                # from it to the weights and skip their gradients
-                "input_args": torch.zeros((micro, seq), dtype=torch.long)
-                if first
-                else hidden.detach().requires_grad_(),
-                "output_args": logits if last else hidden,
-                "input_grads": None if first else torch.empty_like(hidden),
-                "output_grads": None if last else torch.empty_like(hidden),
+                "input_args": torch.zeros((micro, seq), dtype=torch.long) if first else received,
+                "output_args": sent,
+                "input_grads": None if first else grads(received),
+                "output_grads": None if last else grads(sent),
             }
         )
     return io

@@ -14,7 +14,12 @@ per token of a block, with ``c`` the compute dtype's bytes and heads/intermediat
 - SwiGLU saves gate, silu(gate), up and their product, ``4*c*I``;
 - an explicit attention mask (document masking: one per sequence; all-gather CP: one
   causal mask by global position) is saved by SDPA as an additive ``c`` copy per block;
-  checkpointed blocks keep the boolean one as an input instead and rebuild the copy.
+  checkpointed blocks keep the boolean one as an input instead and rebuild the copy;
+- a mixture of experts (``moe_bytes_no_ac``) saves, per routed row, its token's copy, the
+  experts' SwiGLU saves and output, and a few indices, with routing taken as balanced (the
+  load-balancing loss's aim; real routing on CPU ranks stays within the same 10%). Blocks of
+  the two kinds are sized separately, and experts are split over ``ep`` ranks before FSDP
+  shards them over the data ranks left.
 
 Selective per-op checkpointing keeps the outputs of matmuls, attention and collectives
 (``plans.activation_checkpoint.SAVED_OPS``); full checkpointing keeps each block's input and
@@ -35,13 +40,13 @@ a stage's first backward to its last micro-batch (torch turns gradient sync off 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from autopar.config.errors import ConfigError
 from autopar.config.job import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.models.qwen import Qwen
@@ -102,21 +107,39 @@ def local_numel(shape: tuple[int, ...], tp_dim: int | None, tp: int, fsdp: int) 
     return math.prod(dims)
 
 
+def module_key(args: ModelArgs, module: str) -> str:
+    """A top-level module's kind: ``layer`` (dense block), ``moe_layer`` or its own path."""
+    if not module.startswith("layers."):
+        return module
+    return "moe_layer" if args.is_moe_layer(int(module.split(".")[1])) else "layer"
+
+
 @functools.lru_cache(maxsize=1024)
 def module_numel(
-    args: ModelArgs, tp: int, fsdp: int, sequence_parallel: bool, loss_parallel: bool
+    args: ModelArgs, tp: int, fsdp: int, sequence_parallel: bool, loss_parallel: bool, ep: int = 1
 ) -> dict[str, int]:
-    """Elements one rank keeps of each top-level module (``layer`` for any one block, all
-    blocks being alike) under the TP plan's styles and FSDP2's dim-0 sharding over ``fsdp``."""
-    plan = tp_plan(args, ["0"], sequence_parallel, loss_parallel)
+    """Elements one rank keeps of each top-level module (``layer`` and ``moe_layer`` for any
+    one block of each kind) under the TP plan's styles and FSDP2's dim-0 sharding over
+    ``fsdp``. Experts are split over ``ep`` ranks first (``plans.expert_parallel``), and FSDP
+    shards them over the ``fsdp / ep`` data ranks left."""
+    first = {}
+    for i in range(args.num_hidden_layers):
+        first.setdefault(module_key(args, f"layers.{i}"), str(i))
+    plan = tp_plan(args, list(first.values()), sequence_parallel, loss_parallel)
     numel: dict[str, int] = {}
     for name, shape in param_shapes(args).items():
-        if name.startswith("layers.") and not name.startswith("layers.0."):
+        key = module_key(
+            args, ".".join(name.split(".")[:2]) if name.startswith("layers.") else name.split(".")[0]
+        )
+        if name.startswith("layers.") and name.split(".")[1] != first[key]:
             continue
         module_path, _, param = name.rpartition(".")
-        key = "layer" if name.startswith("layers.") else name.split(".")[0]
-        tp_dim = _tp_dim(plan.get(module_path), module_path, param)
-        numel[key] = numel.get(key, 0) + local_numel(shape, tp_dim, tp, fsdp)
+        if module_path.endswith(".mlp.experts"):  # not split by TP; stacked along dim 0
+            count = local_numel((-(-shape[0] // ep), *shape[1:]), None, 1, max(1, fsdp // ep))
+        else:
+            tp_dim = _tp_dim(plan.get(module_path), module_path, param)
+            count = local_numel(shape, tp_dim, tp, fsdp)
+        numel[key] = numel.get(key, 0) + count
     return numel
 
 
@@ -127,8 +150,8 @@ def modules_numel(
     shards included when ``sharded``."""
     fsdp = dims.dp_shard * dims.cp if (sharded and dims.fsdp_enabled) else 1
     sequence_parallel = job.parallelism.enable_sequence_parallel
-    numel = module_numel(args, dims.tp, fsdp, sequence_parallel, loss_parallel_enabled(job, dims))
-    return sum(numel.get("layer" if m.startswith("layers.") else m, 0) for m in modules)
+    numel = module_numel(args, dims.tp, fsdp, sequence_parallel, loss_parallel_enabled(job, dims), dims.ep)
+    return sum(numel.get(module_key(args, m), 0) for m in modules)
 
 
 @dataclass(frozen=True)
@@ -146,10 +169,31 @@ class _Sizes:
     sp: int  # sequence-parallel shard factor of norms and residuals
     kv_seq_factor: int  # how many times the local sequence k/v span (all-gather CP)
     mask: int  # elements of the explicit attention mask (0: SDPA's built-in causal one)
+    experts: int = 0  # a mixture of experts': experts, top-k, intermediate size per expert
+    top_k: int = 0
+    moe_inter: int = 0
+    norm_topk: bool = False
+    ep: int = 1
 
 
-def block_bytes_no_ac(z: _Sizes, qk_norm: bool) -> float:
-    """Bytes one block saves for backward per micro-batch, without checkpointing."""
+def moe_bytes_no_ac(z: _Sizes) -> float:
+    """What a mixture of experts saves beyond its input (``moe.MoE``; every TP rank routes the
+    whole sequence): the router's float32 probabilities and top-k indices (and the top-k
+    weights and their sum when renormalized), each routed row's token index, copy of its
+    token, SwiGLU saves and output, the weights, and the index that restores choice order;
+    under EP, the index that regroups the rows received. Routing is taken as balanced: each
+    rank's experts receive ``top_k`` rows per token (the load-balancing loss's aim)."""
+    t = z.tokens
+    rows = z.top_k * t
+    router = FP32 * z.experts * t + 8 * rows + ((FP32 * (rows + t)) if z.norm_topk else 0)
+    indices = 16 * rows + (16 * rows if z.ep > 1 else 0)
+    experts = 2 * z.c * rows * z.h + 4 * z.c * rows * z.moe_inter + z.c * rows
+    return router + indices + experts
+
+
+def block_bytes_no_ac(z: _Sizes, qk_norm: bool, moe: bool = False) -> float:
+    """Bytes one block (``moe``: a mixture-of-experts one) saves for backward per micro-batch,
+    without checkpointing."""
     t = z.tokens
     norm = (FP32 + z.c) * z.h * t / z.sp + FP32 * t / z.sp
     linear_inputs = 2 * z.c * z.h * t
@@ -157,40 +201,56 @@ def block_bytes_no_ac(z: _Sizes, qk_norm: bool) -> float:
     qk = (FP32 + z.c) * (z.nq + z.nkv) * z.d * t + FP32 * (z.nq + z.nkv) * t if qk_norm else 0
     rope = 4 * z.c * z.seq * z.d
     attention = 2 * z.c * heads + 2 * z.c * heads * z.kv_seq_factor + FP32 * z.nq * t
-    mlp = 4 * z.c * z.inter * t
+    mlp = moe_bytes_no_ac(z) if moe else 4 * z.c * z.inter * t
     mask = z.c * z.mask  # SDPA turns a boolean mask into an additive one and saves it
     return 2 * norm + linear_inputs + qk + rope + attention + mlp + mask
 
 
-def block_bytes_op_ac(z: _Sizes, tp: int) -> float:
+def block_bytes_op_ac(z: _Sizes, tp: int, moe: bool = False) -> float:
     """Bytes one block keeps under per-op selective checkpointing (matmul, attention and
     collective outputs, and the block input)."""
     t = z.tokens
     qkv = z.c * (z.nq + 2 * z.nkv) * z.d * t
     attention = z.c * z.nq * z.d * t + FP32 * z.nq * t
-    out_proj = 2 * z.c * z.h * t  # o_proj and down_proj outputs (partial sums under TP)
-    mlp = 2 * z.c * z.inter * t
+    out_proj = 2 * z.c * z.h * t  # o_proj and down_proj (or the experts' weighted sum) outputs
+    if moe:  # router logits, the experts' three grouped GEMMs
+        rows = z.top_k * t
+        mlp = z.c * z.experts * t + 2 * z.c * rows * z.moe_inter + z.c * rows * z.h
+    else:
+        mlp = 2 * z.c * z.inter * t
     block_input = z.c * z.h * t / z.sp
     collectives = 0.0
     if tp > 1:
-        # two all-gathers (c*h) and two reduce-scatters (c*h/tp) under SP; two all-reduces otherwise
-        collectives = 2 * z.c * z.h * t * (1 + 1 / tp) if z.sp > 1 else 2 * z.c * z.h * t
+        # under SP, an all-gather (c*h) before each sublayer and a reduce-scatter (c*h/tp) after
+        # attention and a dense MLP (a mixture of experts' output is split without one);
+        # otherwise an all-reduce after each (only attention's before a mixture of experts)
+        reduce_scatters = 1 if moe else 2
+        if z.sp > 1:
+            collectives = z.c * z.h * t * (2 + reduce_scatters / tp)
+        else:
+            collectives = z.c * z.h * t * reduce_scatters
     return qkv + attention + out_proj + mlp + block_input + collectives
 
 
-def block_weight_output_grad_bytes(z: _Sizes, qk_norm: bool) -> float:
+def block_weight_output_grad_bytes(z: _Sizes, qk_norm: bool, moe: bool = False) -> float:
     """The gradients at the outputs of one block's weighted ops (projections and norms), which
     a zero-bubble schedule keeps from a micro-batch's input step to its weight step."""
     t = z.tokens
-    projections = (z.nq + 2 * z.nkv) * z.d + 2 * z.h + 2 * z.inter  # qkv, o, gate/up, down
+    # qkv, o, and gate/up, down (a mixture of experts: router, and per routed row)
+    mlp = z.experts + z.top_k * (2 * z.moe_inter + z.h) if moe else 2 * z.inter + z.h
+    projections = (z.nq + 2 * z.nkv) * z.d + z.h + mlp
     norms = 2 * z.h / z.sp + ((z.nq + z.nkv) * z.d if qk_norm else 0)
     return z.c * t * (projections + norms)
 
 
-def block_backward_transient_bytes(z: _Sizes) -> float:
+def block_backward_transient_bytes(z: _Sizes, moe: bool = False) -> float:
     """The gradients alive inside one block's backward beside its saves: at SwiGLU's product,
-    the gradient arriving at it and the two it sends to silu(gate) and up."""
-    return 3 * z.c * z.inter * z.tokens
+    the gradient arriving at it and the two it sends to silu(gate) and up (per routed row in
+    a mixture of experts)."""
+    if not moe:
+        return 3 * z.c * z.inter * z.tokens
+    rows = z.top_k * z.tokens
+    return 3 * z.c * rows * z.moe_inter + 2 * z.c * rows * z.h
 
 
 def head_peak_bytes(z: _Sizes, vocab: int, tp_loss_parallel: int, chunk_tokens: int = 0) -> float:
@@ -234,6 +294,11 @@ def sizes(
         sp=dims.tp if sequence_parallel else 1,
         kv_seq_factor=kv_seq_factor,
         mask=mask,
+        experts=args.num_experts,
+        top_k=args.num_experts_per_tok if args.moe else 0,
+        moe_inter=args.moe_intermediate_size,
+        norm_topk=args.norm_topk_prob,
+        ep=dims.ep,
     )
 
 
@@ -254,13 +319,6 @@ def predict_dims(
     args: ModelArgs, job: JobConfig, dims: ParallelDims, cp_impl: str = "ring", device_type: str = "cuda"
 ) -> list[Memory]:
     """``predict`` for resolved degrees (the planner's inner loop)."""
-    if args.moe:
-        raise ConfigError(
-            "the planner and dry run do not model mixture-of-experts layers yet (routed "
-            "activations, expert parallelism; the dry run's fake tensors cannot route); choose the "
-            "plan by hand: parallelism.expert_parallel_degree up to data_parallel_shard_degree x "
-            "context_parallel_degree, and prove it with python -m autopar.parity"
-        )
     compute_bytes = compute_dtype(job, torch.device(device_type)).itemsize
     if dims.pp == 1:
         stages = [
@@ -274,10 +332,6 @@ def predict_dims(
         _predict_stage_rank(args, job, dims, stages, rank_stage, role, cp_impl, compute_bytes)
         for rank_stage, role in sorted(roles.items())
     ]
-
-
-def _num_layers(modules: list[str]) -> int:
-    return sum(m.startswith("layers.") for m in modules)
 
 
 def _rank_stage_ids(job: JobConfig, dims: ParallelDims, num_stages: int, pp_rank: int) -> list[int]:
@@ -307,8 +361,11 @@ def _predict_stage_rank(
     op = ac.mode == "selective" and ac.selective_ac_option == "op"
     layers = [m.split(".")[1] for m in modules if m.startswith("layers.")]
     full = set() if op else set(checkpointed_layers(ac, layers))
-    no_ac = block_bytes_no_ac(z, args.qk_norm)
-    per_block = block_bytes_op_ac(z, dims.tp) if op else no_ac
+    # per kind of block (dense False, mixture of experts True)
+    is_moe = {m: args.is_moe_layer(int(m.split(".")[1])) for m in modules if m.startswith("layers.")}
+    kinds = set(is_moe.values())
+    no_ac = {k: block_bytes_no_ac(z, args.qk_norm, k) for k in kinds}
+    per_block = {k: block_bytes_op_ac(z, dims.tp, k) if op else no_ac[k] for k in kinds}
     # a checkpointed block's inputs stay alive: the hidden states, and the boolean mask
     block_input = z.c * z.h * z.tokens / z.sp
     held_mask = z.mask if (op or full) else 0.0
@@ -316,7 +373,7 @@ def _predict_stage_rank(
     # under pipelining the activation a stage received and the one it sent (kept for backward)
     saved = {
         i: sum(
-            block_input if m.split(".")[1] in full else per_block
+            block_input if m.split(".")[1] in full else per_block[is_moe[m]]
             for m in stages[i]
             if m.startswith("layers.")
         )
@@ -325,9 +382,8 @@ def _predict_stage_rank(
         for i in ids
     }
     # what a block's backward rebuilds: all of it (full/every-k) or what per-op AC dropped
-    recompute = no_ac - per_block if op else (no_ac if full else 0.0)
-    weight_output_grads = block_weight_output_grad_bytes(z, args.qk_norm)
-    transient = block_backward_transient_bytes(z)
+    recompute = {k: no_ac[k] - per_block[k] if op else (no_ac[k] if full else 0.0) for k in kinds}
+    transient = {k: block_backward_transient_bytes(z, k) for k in kinds}
     shards = dims.tp if loss_parallel_enabled(job, dims) else 1
     head = head_peak_bytes(z, args.vocab_size, shards, job.training.loss_chunk_tokens)
     if dims.pp > 1:  # measured: the last stage's schedule holds a second copy of the logits
@@ -343,19 +399,32 @@ def _predict_stage_rank(
         "grads": FP32 * numel if accumulating else 0.0,
     }
     if dims.fsdp_enabled and layers:
-        block = modules_numel(args, job, dims, ["layers.0"], sharded=False)
+        block = {is_moe[m]: _gathered_numel(args, job, dims, [m], c) for m in is_moe}
+        # backward prefetches the block before: the largest that precedes each kind (its own
+        # size where the kind comes only first)
+        order = list(is_moe)
+        prefetched = {
+            k: max(
+                (block[is_moe[a]] for a, b in itertools.pairwise(order) if is_moe[b] == k), default=block[k]
+            )
+            for k in kinds
+        }
         kept = _keeps_blocks(job, dims)
         # the end of a block's backward: its gradient cast to float32 for FSDP's
         # reduce-scatter, its gathered weights and the next block's prefetched ones, and
         # its activations freed (no AC), the rebuilt ones still alive (full AC), or those
         # per-op AC rebuilt alive and those it kept used up
-        block_gathered = (
-            gathered if kept else gathered - _head_group_bytes(args, job, dims, modules, c) + 2 * c * block
-        )
-        block_activations = recompute if full else (recompute - per_block if op else -per_block)
-        block_buffers = FP32 * block
+        head_group = _head_group_bytes(args, job, dims, modules, c)
+        block_gathered = {
+            k: gathered if kept else gathered - head_group + c * (block[k] + prefetched[k]) for k in kinds
+        }
+        block_activations = {
+            k: recompute[k] if full else (recompute[k] - per_block[k] if op else -per_block[k]) for k in kinds
+        }
+        block_buffers = {k: FP32 * block[k] for k in kinds}
     else:
-        block_gathered, block_activations, block_buffers = gathered, recompute, 0.0
+        block_gathered = dict.fromkeys(kinds, gathered)
+        block_activations, block_buffers = recompute, dict.fromkeys(kinds, 0.0)
     # torch's pipeline stage turns FSDP's gradient sync off for every micro-batch but the
     # last: from a stage's first backward on, its gradients stay unsharded in float32
     n_micro = job.training.local_batch_size // micro
@@ -367,13 +436,16 @@ def _predict_stage_rank(
         if dims.pp > 1
         else (("F", 0, 0), ("B", 0, 0))
     )
-    blocks = {i: _num_layers(stages[i]) for i in ids}
-    pending = {i: weight_output_grads * blocks[i] for i in ids}
+    stage_kinds = {i: {is_moe[m] for m in stages[i] if m in is_moe} for i in ids}
+    pending = {
+        i: sum(block_weight_output_grad_bytes(z, args.qk_norm, is_moe[m]) for m in stages[i] if m in is_moe)
+        for i in ids
+    }
     unsynced_grads = {}
     if unsynced:
-        whole = module_numel(args, dims.tp, 1, job.parallelism.enable_sequence_parallel, shards > 1)
+        whole = module_numel(args, dims.tp, 1, job.parallelism.enable_sequence_parallel, shards > 1, dims.ep)
         for i in ids:
-            sizes_ = [whole.get("layer" if m.startswith("layers.") else m, 0) for m in stages[i]]
+            sizes_ = [whole.get(module_key(args, m), 0) for m in stages[i]]
             # the stage's largest gradient, in the compute dtype, beside its float32 copy
             unsynced_grads[i] = (FP32 * sum(sizes_), c * max(sizes_))
     heads = {i for i in ids if "lm_head" in stages[i]}
@@ -401,15 +473,15 @@ def _predict_stage_rank(
         if kind in ("B", "I"):  # the loss's backward, then each block's
             if stage in heads:
                 consider((gathered, alive + head, accumulated))
-            if blocks[stage]:
-                consider((block_gathered, alive + recompute + transient, accumulated))
-                consider((block_gathered, alive + block_activations, accumulated + block_buffers))
+            for k in stage_kinds[stage]:
+                consider((block_gathered[k], alive + recompute[k] + transient[k], accumulated))
+                consider((block_gathered[k], alive + block_activations[k], accumulated + block_buffers[k]))
         if kind in ("B", "W"):
             alive -= saved[stage] + (pending[stage] if kind == "W" else 0.0)
             if stage in unsynced_grads:
-                grads, transient = unsynced_grads.pop(stage)
+                grads, largest_grad = unsynced_grads.pop(stage)
                 accumulated += grads
-                consider((gathered, alive, accumulated + transient))
+                consider((gathered, alive, accumulated + largest_grad))
             if stage in embeds:  # the embedding's backward ends the stage's
                 consider((gathered + embedding_gathered, alive, accumulated + fresh_grads + embedding_grads))
         consider((gathered, alive, accumulated))
@@ -432,8 +504,20 @@ def _gathered_bytes(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules
     if not dims.fsdp_enabled:
         return modules_numel(args, job, dims, modules, sharded=False) * c if c < FP32 else 0.0
     if _keeps_blocks(job, dims):
-        return modules_numel(args, job, dims, modules, sharded=False) * c
+        return _gathered_numel(args, job, dims, modules, c) * c
     return _head_group_bytes(args, job, dims, modules, c)
+
+
+def _gathered_numel(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str], c: int) -> int:
+    """Elements of the unsharded copies FSDP makes of ``modules``. Experts whose FSDP group
+    is a single rank (expert parallelism took every data rank) and compute in their own
+    float32 have none: FSDP uses the sharded weights in place (measured)."""
+    numel = modules_numel(args, job, dims, modules, sharded=False)
+    if c == FP32 and dims.ep > 1 and dims.ep == dims.dp_shard * dims.cp:
+        moe_layers = sum(1 for m in modules if m.startswith("layers.") and module_key(args, m) == "moe_layer")
+        per_layer = 3 * args.num_experts // dims.ep * args.moe_intermediate_size * args.hidden_size
+        numel -= moe_layers * per_layer
+    return numel
 
 
 def _embedding_backward_bytes(

@@ -1,6 +1,7 @@
 """Every valid plan of a job on a cluster, ranked by predicted throughput among those that fit.
 
-A plan is the settings in ``PLAN_FIELDS``: the five parallel degrees, the pipeline schedule and
+A plan is the settings in ``PLAN_FIELDS``: the five parallel degrees (and the expert-parallel
+one of a mixture of experts), the pipeline schedule and
 micro-batch size, the activation checkpointing mode, the local batch and FSDP's reshard policy.
 Settings the job pins are held; the rest are enumerated. Whether a plan can run at all is
 decided by ``validate.check_plan``, the rules the trainer itself enforces; its memory by
@@ -35,6 +36,7 @@ PLAN_FIELDS = (
     "parallelism.context_parallel_degree",
     "parallelism.tensor_parallel_degree",
     "parallelism.pipeline_parallel_degree",
+    "parallelism.expert_parallel_degree",
     "parallelism.pipeline_parallel_schedule",
     "parallelism.pipeline_parallel_microbatch_size",
     "parallelism.fsdp_reshard_after_forward",
@@ -96,6 +98,7 @@ class Plan:
             + (d.cp > 1)
             + (d.pp > 1)
             + (d.dp_replicate > 1)
+            + (d.ep > 1)
             + (s["activation_checkpoint.mode"] != "none")
             + (s["parallelism.fsdp_reshard_after_forward"] != "default")
         )
@@ -103,6 +106,8 @@ class Plan:
     def describe(self) -> str:
         d, s = self.dims, self.settings
         text = f"dp_rep={d.dp_replicate} dp_shard={d.dp_shard} tp={d.tp} cp={d.cp} pp={d.pp}"
+        if d.ep > 1:
+            text += f" ep={d.ep}"
         if d.pp > 1:
             text += f" {s['parallelism.pipeline_parallel_schedule']} mbs={s['parallelism.pipeline_parallel_microbatch_size']}"
         text += f" ac={ac_text(s)} local_batch={s['training.local_batch_size']}"
@@ -118,6 +123,7 @@ class Plan:
                 "tp": d.tp,
                 "cp": d.cp,
                 "pp": d.pp,
+                "ep": d.ep,
             },
             "settings": self.settings,
             "overrides": self.overrides,
@@ -162,7 +168,8 @@ def with_settings(job: JobConfig, settings: dict[str, str]) -> JobConfig:
 
 def runtime_reserve(allocated: float, dims: ParallelDims) -> float:
     """Bytes a rank needs beyond what torch allocates for tensors."""
-    groups = sum(n > 1 for n in (dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp, dims.cp, dims.pp))
+    degrees = (dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp, dims.cp, dims.pp, dims.ep)
+    groups = sum(n > 1 for n in degrees)
     return (RUNTIME_GIB + NCCL_GIB_PER_GROUP * groups) * GIB + ALLOCATOR_SLACK * allocated
 
 
@@ -290,19 +297,32 @@ def _data_parallel(
     ):
         if pp > 1 and local % micro:
             continue
-        yield {
-            replicate_key: str(replicate),
-            shard_key: str(dp // replicate),
-            "parallelism.context_parallel_degree": str(cp),
-            "parallelism.tensor_parallel_degree": str(tp),
-            "parallelism.pipeline_parallel_degree": str(pp),
-            "parallelism.pipeline_parallel_schedule": schedule,
-            "parallelism.pipeline_parallel_microbatch_size": str(micro),
-            "parallelism.fsdp_reshard_after_forward": reshard,
-            "activation_checkpoint.mode": mode,
-            "activation_checkpoint.selective_ac_option": option,
-            "training.local_batch_size": str(local),
-        }
+        for ep in _expert_degrees(own, pinned, args, dp // replicate * cp):
+            yield {
+                "parallelism.expert_parallel_degree": ep,
+                replicate_key: str(replicate),
+                shard_key: str(dp // replicate),
+                "parallelism.context_parallel_degree": str(cp),
+                "parallelism.tensor_parallel_degree": str(tp),
+                "parallelism.pipeline_parallel_degree": str(pp),
+                "parallelism.pipeline_parallel_schedule": schedule,
+                "parallelism.pipeline_parallel_microbatch_size": str(micro),
+                "parallelism.fsdp_reshard_after_forward": reshard,
+                "activation_checkpoint.mode": mode,
+                "activation_checkpoint.selective_ac_option": option,
+                "training.local_batch_size": str(local),
+            }
+
+
+def _expert_degrees(own: dict[str, str], pinned: set[str], args: ModelArgs, borrowable: int) -> list[str]:
+    """Expert-parallel degrees to try: those dividing both the experts and the data x context
+    ranks EP borrows from; 1 for a dense model."""
+    key = "parallelism.expert_parallel_degree"
+    if key in pinned:
+        return [own[key]]
+    if not args.moe:
+        return ["1"]
+    return [str(d) for d in _divisors(borrowable) if args.num_experts % d == 0]
 
 
 def search(

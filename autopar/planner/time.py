@@ -12,8 +12,10 @@ link. That figure is an assumption until a multi-GPU run calibrates it; every re
 
 What overlaps: FSDP's all-gathers and reduce-scatters (and HSDP's all-reduce) run on their own
 stream behind compute, so only what exceeds compute plus the first all-gather is exposed;
-context-parallel k/v exchange hides behind attention; TP collectives and pipeline sends sit on
-the critical path. The bubble is the schedule's idle fraction of the compute.
+context-parallel k/v exchange hides behind attention; TP collectives, expert parallelism's
+all-to-alls (every routed row out and back, forward and backward) and pipeline sends sit on
+the critical path. A mixture of experts under TP runs whole on every TP rank, so its FLOPs
+count tp times. The bubble is the schedule's idle fraction of the compute.
 """
 
 from __future__ import annotations
@@ -106,15 +108,26 @@ def predict_time(
     # recompute: full blocks rerun their forward; per-op AC rereads and rewrites what it dropped
     ac = job.activation_checkpoint
     op = ac.mode == "selective" and ac.selective_ac_option == "op"
+    moe_layers = sum(args.is_moe_layer(i) for i in range(args.num_hidden_layers)) / dims.pp
     recompute = 0.0
+    ids = [str(i) for i in range(args.num_hidden_layers)]
+    share = len(checkpointed_layers(ac, ids)) / len(ids) if ac.mode != "none" and not op else 0.0
     if op:
-        dropped = block_bytes_no_ac(z, args.qk_norm) - block_bytes_op_ac(z, dims.tp)
-        recompute = 2 * dropped * layers * micro_batches / device.hbm_bytes_per_s
-    elif ac.mode != "none":
-        ids = [str(i) for i in range(args.num_hidden_layers)]
-        share = len(checkpointed_layers(ac, ids)) / len(ids)
-        block_fwd = 2 * block_matmul_params(args) + 4 * args.num_attention_heads * args.head_dim * seq
-        recompute = share * block_fwd * args.num_hidden_layers * tokens / world / rate
+        dropped = sum(
+            block_bytes_no_ac(z, args.qk_norm, args.is_moe_layer(i))
+            - block_bytes_op_ac(z, dims.tp, args.is_moe_layer(i))
+            for i in range(args.num_hidden_layers)
+        )
+        recompute = 2 * dropped / dims.pp * micro_batches / device.hbm_bytes_per_s
+    elif share:
+        attention = 4 * args.num_attention_heads * args.head_dim * seq * args.num_hidden_layers
+        block_fwd = 2 * sum(block_matmul_params(args, i) for i in range(args.num_hidden_layers)) + attention
+        recompute = share * block_fwd * tokens / world / rate
+    if dims.tp > 1 and moe_layers:
+        # every TP rank runs a mixture of experts on the whole sequence: tp times its FLOPs
+        moe_fwd = 2 * (args.hidden_size * args.num_experts + 3 * z.top_k * args.hidden_size * z.moe_inter)
+        compute += (dims.tp - 1) * 3 * moe_fwd * moe_layers * dims.pp * tokens / world / rate
+        recompute += (dims.tp - 1) * share * moe_fwd * moe_layers * dims.pp * tokens / world / rate
 
     spans = _spans(dims)
     comm: dict[str, float] = {}
@@ -136,13 +149,23 @@ def predict_time(
         comm["cp"] = cp_bytes / link_bytes_per_s(spans["cp"], gpus_per_node, device)
         attention = 12 * z.nq * z.d * seq * z.tokens * layers * micro_batches / rate
         cp_exposed = max(0.0, comm["cp"] - attention)
+    if dims.ep > 1 and moe_layers:
+        # all-to-all of every routed row out and back, in forward, backward and recompute
+        rows = z.top_k * z.tokens
+        transfers = (4 + 2 * share) * moe_layers * micro_batches
+        moved = transfers * (dims.ep - 1) / dims.ep * c * rows * z.h
+        comm["ep"] = moved / link_bytes_per_s(spans["ep"], gpus_per_node, device)
     fsdp = dims.dp_shard * dims.cp
     unsharded = _rank_params(args, job, dims)
     if fsdp > 1:
         policy = job.parallelism.fsdp_reshard_after_forward
         reshard = policy == "always" or (policy == "default" and not pipelined)
         gathers = micro_batches * (2 if reshard else 1)
-        moved = (fsdp - 1) / fsdp * (c * unsharded * gathers + 4 * unsharded * micro_batches)
+        # each weight moves over its own FSDP group: experts' over the data ranks EP left
+        experts = _rank_expert_params(args, dims)
+        efsdp = fsdp // dims.ep
+        moved = (fsdp - 1) / fsdp * (unsharded - experts) + (efsdp - 1) / efsdp * experts
+        moved *= c * gathers + 4 * micro_batches
         comm["fsdp"] = moved / link_bytes_per_s(spans["fsdp"], gpus_per_node, device)
     if dims.dp_replicate > 1:
         r = dims.dp_replicate
@@ -156,6 +179,7 @@ def predict_time(
         comm["pp"] = p2p / link_bytes_per_s(spans["pp"], gpus_per_node, device)
     exposed = (
         comm.get("tp", 0.0)
+        + comm.get("ep", 0.0)
         + comm.get("pp", 0.0)
         + cp_exposed
         + max(0.0, background - compute - recompute)
@@ -184,10 +208,24 @@ def _rank_params(args: ModelArgs, job: JobConfig, dims: ParallelDims) -> int:
     return modules_numel(args, job, dims, modules, sharded=False)
 
 
+def _rank_expert_params(args: ModelArgs, dims: ParallelDims) -> int:
+    """Expert weights of the busiest stage on one rank (split over EP, not FSDP-sharded)."""
+    layers = [i for i in range(-(-args.num_hidden_layers // dims.pp)) if args.is_moe_layer(i)]
+    return len(layers) * 3 * args.num_experts // dims.ep * args.moe_intermediate_size * args.hidden_size
+
+
 def _spans(dims: ParallelDims) -> dict[str, int]:
     """Consecutive ranks each mesh dimension's group spans (rank order pp, dp_replicate,
-    dp_shard, cp, tp, tp fastest): a group is inside a node when its span fits in one."""
+    dp_shard, cp, tp, tp fastest; expert parallelism takes the fastest data ranks, just
+    outside tp): a group is inside a node when its span fits in one."""
     tp = dims.tp
     cp = dims.cp * tp
     fsdp = dims.dp_shard * cp
-    return {"tp": tp, "cp": cp, "fsdp": fsdp, "dp_replicate": dims.dp_replicate * fsdp, "pp": dims.world_size}
+    spans = {
+        "tp": tp,
+        "cp": cp,
+        "fsdp": fsdp,
+        "dp_replicate": dims.dp_replicate * fsdp,
+        "pp": dims.world_size,
+    }
+    return {**spans, "ep": dims.ep * tp}

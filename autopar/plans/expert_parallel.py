@@ -24,6 +24,7 @@ import functools
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
@@ -80,14 +81,29 @@ def _routed_forward(module: Experts, mesh: DeviceMesh, x: torch.Tensor, counts: 
     # (source rank, this rank's local expert); a functional collective, so that per-op
     # activation checkpointing keeps its result instead of exchanging again in backward
     recv_counts = funcol.all_to_all_single(send_counts.flatten(), None, None, group).view(ranks, -1)
-    send_sizes, recv_sizes = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()  # one host sync
+    send_sizes, recv_sizes = _split_sizes(send_counts, recv_counts, x.shape[0])
     rows = funcol.all_to_all_single_autograd(x, recv_sizes, send_sizes, group)
     # received in (source, expert) blocks; the experts want (expert, source)
     local_experts = recv_counts.shape[1]
-    block = torch.arange(recv_counts.numel(), device=x.device).repeat_interleave(recv_counts.flatten())
+    block = torch.arange(recv_counts.numel(), device=x.device).repeat_interleave(
+        recv_counts.flatten(), output_size=sum(recv_sizes)
+    )
     source, expert = block // local_experts, block % local_experts
     order = (expert * ranks + source).argsort(stable=True)
     weights = (_local(module.gate_proj), _local(module.up_proj), _local(module.down_proj))
     out = run_experts(rows[order], recv_counts.sum(0), *weights, module.kernel)
-    home = torch.empty_like(out).index_copy_(0, order, out)  # back to (source, expert) order
+    home = out[order.argsort()]  # back to (source, expert) order; a gather saves no rows
     return funcol.all_to_all_single_autograd(home, send_sizes, recv_sizes, group)
+
+
+def _split_sizes(
+    send_counts: torch.Tensor, recv_counts: torch.Tensor, rows: int
+) -> tuple[list[int], list[int]]:
+    """Rows this rank sends to each peer and receives from each (one host sync). Fake tensors
+    (the dry run) carry no counts: there routing is taken as balanced, ``rows / ep`` each way,
+    which is what the planner assumes too."""
+    if is_fake(send_counts):
+        ranks = send_counts.shape[0]
+        balanced = [rows // ranks + (r < rows % ranks) for r in range(ranks)]
+        return balanced, balanced
+    return send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
