@@ -45,6 +45,7 @@ NAMED_VARIANTS = {
     "chunked_loss": "compile.enable=true,float8.enable=false,training.loss_chunk_tokens=4096",
     "experts_grouped": "compile.enable=true,training.expert_kernel=grouped",
     "experts_loop": "compile.enable=true,training.expert_kernel=loop",
+    "cpu_offload": "compile.enable=true,float8.enable=false,training.enable_cpu_offload=true",
 }
 """Each name is shorthand for its overrides; everything else comes from the job."""
 

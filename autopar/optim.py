@@ -12,15 +12,13 @@ from autopar.config.job import LRScheduler, Optimizer
 from autopar.distributed import by_mesh
 
 
-def build_optimizers(
-    parts: Iterable[nn.Module], cfg: Optimizer, device: torch.device
-) -> list[torch.optim.AdamW]:
+def build_optimizers(parts: Iterable[nn.Module], cfg: Optimizer) -> list[torch.optim.AdamW]:
     """One AdamW per model part (pipeline stages keep their own, so their state dicts are
     keyed by the part's parameter names)."""
-    return [build_optimizer(part, cfg, device) for part in parts]
+    return [build_optimizer(part, cfg) for part in parts]
 
 
-def build_optimizer(part: nn.Module, cfg: Optimizer, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(part: nn.Module, cfg: Optimizer) -> torch.optim.AdamW:
     """AdamW with weight decay on matrices only (norm scales and biases are not decayed,
     as in Megatron-LM), so decay never pulls a norm scale toward zero. Parameters on another
     device mesh (expert weights) get groups of their own: one group's foreach update runs on
@@ -28,9 +26,7 @@ def build_optimizer(part: nn.Module, cfg: Optimizer, device: torch.device) -> to
     params = [p for p in part.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    impl = cfg.implementation
-    if impl == "auto":
-        impl = "fused" if device.type == "cuda" else "foreach"
+    impl = "fused" if cfg.implementation == "auto" else cfg.implementation
     groups = [{"params": group, "weight_decay": cfg.weight_decay} for group in by_mesh(decay)]
     groups += [{"params": group, "weight_decay": 0.0} for group in by_mesh(no_decay)]
     return torch.optim.AdamW(

@@ -67,7 +67,7 @@ def table(plans: list[Plan]) -> str:
     head = (
         "| # | dp_rep | dp_shard | tp | cp | pp |"
         + (" ep |" if experts else "")
-        + " schedule/mbs | AC | reshard | local batch | peak GiB (largest parts) | tokens/s/GPU | MFU | compute/comm/bubble/recompute |"
+        + " schedule/mbs | AC | reshard | local batch | peak GiB (largest parts) | tokens/s/GPU | MFU | compute/comm/bubble/recompute/host optimizer |"
     )
     rows = [head, "|" + "---|" * (14 + experts)]
     for i, p in enumerate(plans, 1):
@@ -81,7 +81,8 @@ def table(plans: list[Plan]) -> str:
         parts = ", ".join(f"{k} {v:.1f}" for k, v in largest)
         split = p.time.split() if p.time else {}
         shares = "/".join(
-            f"{100 * split.get(k, 0):.0f}" for k in ("compute", "exposed_comm", "bubble", "recompute")
+            f"{100 * split.get(k, 0):.0f}"
+            for k in ("compute", "exposed_comm", "bubble", "recompute", "host_optimizer")
         )
         rows.append(
             f"| {i} | {d.dp_replicate} | {d.dp_shard} | {d.tp} | {d.cp} | {d.pp} | "

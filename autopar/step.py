@@ -197,7 +197,7 @@ class TrainStep:
         self.dims = meshes.dims
         self.meshes = meshes
         self.parts = built.parts
-        self.optimizers = build_optimizers(self.parts, job.optimizer, world.device)
+        self.optimizers = build_optimizers(self.parts, job.optimizer)
         self.context = TrainContext(
             loss_parallel=loss_parallel_enabled(job, self.dims),
             compile_loss=job.compile.enable and "loss" in job.compile.components,

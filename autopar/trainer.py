@@ -65,7 +65,7 @@ class Trainer:
         if job.debug.deterministic:
             torch.use_deterministic_algorithms(True)
         self.dims = ParallelDims.resolve(job.parallelism, world.size)
-        self.meshes = build_meshes(self.dims, world.device.type)
+        self.meshes = build_meshes(self.dims, world.device.type, always_fsdp=job.training.enable_cpu_offload)
         built = build_parts(args, job, self.meshes, world.device, self._initial_values())
         self.one_step = TrainStep(job, world, self.meshes, built)
         self.parts, self.optimizers = self.one_step.parts, self.one_step.optimizers

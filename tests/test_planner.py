@@ -99,6 +99,10 @@ GRID = [
     (8, ("qwen3", "0.6B"), ["--training.loss_chunk_tokens=1024"]),
     (8, ("qwen3", "0.6B"), ["--training.loss_chunk_tokens=512", "--activation_checkpoint.mode=full"]),
     (16, ("qwen3", "0.6B"), ["--training.loss_chunk_tokens=1024", *PIPELINE]),
+    # CPU offload: weights, gradients and optimizer state in host memory (on one rank too)
+    (1, ("qwen3", "8B"), ["--training.enable_cpu_offload=true"]),
+    (2, ("qwen3", "8B"), ["--training.enable_cpu_offload=true", "--parallelism.tensor_parallel_degree=2"]),
+    (8, ("qwen3", "8B"), ["--training.enable_cpu_offload=true", "--activation_checkpoint.mode=full"]),
     # mixtures of experts (routing taken as balanced by both): expert shards over EP x FSDP,
     # routed rows, EP's regrouping indices; beside TP (experts whole on each TP rank), CP, PP
     (8, ("qwen3", "30B-A3B"), [SMALL_VOCAB, "--training.local_batch_size=2"]),

@@ -2,7 +2,8 @@
 
 Presets are the vendors' datasheet figures for the SXM parts (dense, no sparsity); bandwidths
 are per GPU and per direction: NVLink within a node, the GPU's share of the network (one
-400 Gb/s NIC per H100/H200, 200 Gb/s per A100) between nodes. ``memory_gib`` is what
+400 Gb/s NIC per H100/H200, 200 Gb/s per A100) between nodes, PCIe to the host (Gen5 x16,
+Gen4 x16 on A100). ``memory_gib`` is what
 ``torch.cuda.get_device_properties().total_memory`` reports, not the marketing figure.
 """
 
@@ -26,12 +27,13 @@ class DeviceSpec:
     hbm_bytes_per_s: float
     intra_node_bytes_per_s: float
     inter_node_bytes_per_s: float
+    host_bytes_per_s: float
 
 
 PRESETS: dict[str, DeviceSpec] = {
-    "h100": DeviceSpec("h100", 79.1, 989e12, 1979e12, 3350 * GB, 450 * GB, 50 * GB),
-    "h200": DeviceSpec("h200", 139.8, 989e12, 1979e12, 4800 * GB, 450 * GB, 50 * GB),
-    "a100": DeviceSpec("a100", 79.2, 312e12, None, 2039 * GB, 300 * GB, 25 * GB),
+    "h100": DeviceSpec("h100", 79.1, 989e12, 1979e12, 3350 * GB, 450 * GB, 50 * GB, 64 * GB),
+    "h200": DeviceSpec("h200", 139.8, 989e12, 1979e12, 4800 * GB, 450 * GB, 50 * GB, 64 * GB),
+    "a100": DeviceSpec("a100", 79.2, 312e12, None, 2039 * GB, 300 * GB, 25 * GB, 32 * GB),
 }
 
 
@@ -59,4 +61,6 @@ def this_machine(device_type: str, local_ranks: int) -> DeviceSpec:
         preset = next((p for key, p in PRESETS.items() if key in name), PRESETS["h100"])
         return dataclasses.replace(preset, name=props.name, memory_gib=props.total_memory / 2**30)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return DeviceSpec("cpu", ram / 2**30 / max(1, local_ranks), 1e12, None, 50 * GB, 10 * GB, 10 * GB)
+    return DeviceSpec(
+        "cpu", ram / 2**30 / max(1, local_ranks), 1e12, None, 50 * GB, 10 * GB, 10 * GB, 50 * GB
+    )

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import weakref
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
@@ -45,6 +46,7 @@ import torch.distributed as dist
 from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._utils import InferenceMode
 from torch.distributed.tensor import DTensor, Shard
@@ -66,6 +68,7 @@ from autopar.trainer import Trainer
 from autopar.validate import validate
 
 GIB = 2**30
+logger = logging.getLogger("autopar")
 
 # tracker category -> our breakdown name
 _CATEGORIES = {
@@ -85,6 +88,10 @@ _CATEGORIES = {
     "Inputs": "activations",
     "Other": "backward_temps",
 }
+
+
+HOST_CATEGORIES = ("params", "optimizer", "grads")
+"""What CPU offload keeps in host memory: sharded weights, their gradients, optimizer state."""
 
 
 @dataclass(frozen=True)
@@ -250,7 +257,7 @@ def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) ->
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         world = World(rank=rank, size=world_size, local_rank=rank, device=torch.device("cpu"))
-        meshes = build_meshes(dims, "cpu")
+        meshes = build_meshes(dims, "cpu", always_fsdp=job.training.enable_cpu_offload)
         # parallelizing on meta allocates nothing; FSDP builds meshes of its own from real
         # rank lists, so only materializing and the step run under fake tensors
         built = parallelized_parts(args, job, meshes, world.device)
@@ -270,7 +277,7 @@ def measure_step(step: TrainStep, batches: list[Batch], lr: float) -> dict[str, 
     """Peak bytes by category of this rank over the forward and backward of a second training
     step on ``batches`` (the first creates the optimizer state), fake or real alike."""
     step(batches, lr)
-    if step.dims.fsdp_enabled and len(step.parts) == 1:
+    if isinstance(step.parts[0], FSDPModule) and len(step.parts) == 1:
         tracker: FSDPMemTracker | PeakTracker = FSDPMemTracker(step.parts[0], step.optimizers[0])
     else:
         tracker = PeakTracker(step.parts, step.optimizers)
@@ -330,12 +337,33 @@ def _fsdp_peak(tracker: FSDPMemTracker) -> dict[str, int]:
 def dry_run(job: JobConfig, args: ModelArgs, world_size: int) -> list[RankMemory]:
     """Measured peak memory of one rank per role."""
     dims = ParallelDims.resolve(job.parallelism, world_size)
+    measured_job, measured_world = _tracked_world(job, dims)
+    measured_ranks = role_ranks(ParallelDims.resolve(measured_job.parallelism, measured_world))
     out = []
-    for rank, role in role_ranks(dims).items():
-        by_category = measure_rank(job, args, world_size, rank)
+    for (rank, role), measured_rank in zip(role_ranks(dims).items(), measured_ranks, strict=True):
+        by_category = measure_rank(measured_job, args, measured_world, measured_rank)
+        if job.training.enable_cpu_offload:  # these live in host memory, not on the device
+            by_category = {k: v for k, v in by_category.items() if k not in HOST_CATEGORIES}
         breakdown = {k: v / GIB for k, v in sorted(by_category.items())}
         out.append(RankMemory(rank, role, sum(by_category.values()) / GIB, breakdown))
     return out
+
+
+def _tracked_world(job: JobConfig, dims: ParallelDims) -> tuple[JobConfig, int]:
+    """The job and world to measure. FSDP's tracker misses activations when the FSDP group is
+    one rank (measured: 8B layers, CPU offload on one rank 9.3 GiB, the same rank of eight
+    12.9 GiB); that happens only under CPU offload, which then is measured as one rank of a
+    two-way shard instead: every tensor on the device keeps its size (the sharded ones that
+    halve live in host memory)."""
+    if not (job.training.enable_cpu_offload and dims.dp_shard * dims.cp == 1):
+        return job, dims.world_size
+    logger.info(
+        "CPU offload on a one-rank FSDP group: measured as one rank of a two-way shard (same device tensors)"
+    )
+    doubled = copy.deepcopy(job)
+    doubled.parallelism.data_parallel_shard_degree = 2
+    doubled.training.global_batch_size *= 2 if doubled.training.global_batch_size > 0 else 1
+    return doubled, dims.world_size * 2
 
 
 def write_dry_run(path: Path, ranks: list[RankMemory]) -> None:

@@ -68,6 +68,7 @@ class Memory:
 
     role: str
     parts: dict[str, float] = field(default_factory=dict)
+    host: dict[str, float] = field(default_factory=dict)  # CPU offload: bytes in host memory
 
     @property
     def peak(self) -> float:
@@ -389,16 +390,19 @@ def _predict_stage_rank(
     if dims.pp > 1:  # measured: the last stage's schedule holds a second copy of the logits
         head += z.c * (args.vocab_size // shards) * z.tokens
 
+    fsdp = uses_fsdp(job, dims)
     gathered = _gathered_bytes(args, job, dims, modules, c)
     # sharded gradients outlive a backward only when micro-steps accumulate into them, or
     # when a pipeline without FSDP keeps them whole across micro-batches
-    accumulating = micro_steps(job, dims) > 1 or (dims.pp > 1 and not dims.fsdp_enabled)
+    accumulating = micro_steps(job, dims) > 1 or (dims.pp > 1 and not fsdp)
     static = {
         "params": FP32 * numel,
         "optimizer": 2 * FP32 * numel,
         "grads": FP32 * numel if accumulating else 0.0,
     }
-    if dims.fsdp_enabled and layers:
+    # CPU offload: master weights, their gradients and the optimizer state live in host memory
+    host, static = (static, {}) if job.training.enable_cpu_offload else ({}, static)
+    if fsdp and layers:
         block = {is_moe[m]: _gathered_numel(args, job, dims, [m], c) for m in is_moe}
         # backward prefetches the block before: the largest that precedes each kind (its own
         # size where the kind comes only first)
@@ -428,7 +432,7 @@ def _predict_stage_rank(
     # torch's pipeline stage turns FSDP's gradient sync off for every micro-batch but the
     # last: from a stage's first backward on, its gradients stay unsharded in float32
     n_micro = job.training.local_batch_size // micro
-    unsynced = dims.pp > 1 and dims.fsdp_enabled and n_micro > 1
+    unsynced = dims.pp > 1 and fsdp and n_micro > 1
 
     # walk this rank's step in the schedule's own order; the peak is the largest moment
     actions = (
@@ -452,7 +456,7 @@ def _predict_stage_rank(
     embeds = {i for i in ids if "embed_tokens" in stages[i]}
     embedding_gathered, embedding_grads = _embedding_backward_bytes(args, job, dims, c, not unsynced)
     # without accumulation, the step's gradients all exist by its last backward
-    fresh_grads = 0.0 if accumulating or unsynced else FP32 * numel
+    fresh_grads = 0.0 if accumulating or unsynced or host else FP32 * numel
     alive, accumulated = 0.0, 0.0
     # (gathered_params, activations, gradient_buffers) of the largest moment so far
     peak, peak_total = (0.0, 0.0, 0.0), 0.0
@@ -486,7 +490,12 @@ def _predict_stage_rank(
                 consider((gathered + embedding_gathered, alive, accumulated + fresh_grads + embedding_grads))
         consider((gathered, alive, accumulated))
     moment = dict(zip(("gathered_params", "activations", "gradient_buffers"), peak, strict=True))
-    return Memory(role, {**static, **{k: v for k, v in moment.items() if v}})
+    return Memory(role, {**static, **{k: v for k, v in moment.items() if v}}, host)
+
+
+def uses_fsdp(job: JobConfig, dims: ParallelDims) -> bool:
+    """Whether FSDP wraps the model: over data ranks, or over one for CPU offload."""
+    return dims.fsdp_enabled or job.training.enable_cpu_offload
 
 
 def micro_steps(job: JobConfig, dims: ParallelDims) -> int:
@@ -501,7 +510,7 @@ def _gathered_bytes(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules
     is not resharded after forward), or every block when nothing reshards (pipelining);
     without FSDP, the compute-dtype casts of the weights, which
     autograd keeps for backward."""
-    if not dims.fsdp_enabled:
+    if not uses_fsdp(job, dims):
         return modules_numel(args, job, dims, modules, sharded=False) * c if c < FP32 else 0.0
     if _keeps_blocks(job, dims):
         return _gathered_numel(args, job, dims, modules, c) * c
@@ -511,9 +520,11 @@ def _gathered_bytes(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules
 def _gathered_numel(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str], c: int) -> int:
     """Elements of the unsharded copies FSDP makes of ``modules``. Experts whose FSDP group
     is a single rank (expert parallelism took every data rank) and compute in their own
-    float32 have none: FSDP uses the sharded weights in place (measured)."""
+    float32 have none: FSDP uses the sharded weights in place (measured), unless they are in
+    host memory."""
     numel = modules_numel(args, job, dims, modules, sharded=False)
-    if c == FP32 and dims.ep > 1 and dims.ep == dims.dp_shard * dims.cp:
+    in_place = c == FP32 and not job.training.enable_cpu_offload
+    if in_place and dims.ep > 1 and dims.ep == dims.dp_shard * dims.cp:
         moe_layers = sum(1 for m in modules if m.startswith("layers.") and module_key(args, m) == "moe_layer")
         per_layer = 3 * args.num_experts // dims.ep * args.moe_intermediate_size * args.hidden_size
         numel -= moe_layers * per_layer
@@ -528,10 +539,10 @@ def _embedding_backward_bytes(
     sum reduce-scattered afterwards, and under FSDP it is the unsharded weight's; when FSDP
     syncs, it copies its TP shard into a float32 reduce-scatter buffer (and gathers the
     embedding again, unless it is tied to the head, whose group stays gathered)."""
-    if dims.tp == 1 and not dims.fsdp_enabled:
+    if dims.tp == 1 and not uses_fsdp(job, dims):
         return 0.0, 0.0  # the gradient is the parameter's own .grad
     whole = args.vocab_size * args.hidden_size
-    if not dims.fsdp_enabled:
+    if not uses_fsdp(job, dims):
         return 0.0, FP32 * whole
     shard = modules_numel(args, job, dims, ["embed_tokens"], sharded=False)
     regathered = 0.0 if (args.tie_word_embeddings or _keeps_blocks(job, dims)) else c * shard

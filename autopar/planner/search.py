@@ -299,7 +299,7 @@ def _data_parallel(
             continue
         for ep in _expert_degrees(own, pinned, args, dp // replicate * cp):
             yield {
-                "parallelism.expert_parallel_degree": ep,
+                **({"parallelism.expert_parallel_degree": ep} if ep else {}),
                 replicate_key: str(replicate),
                 shard_key: str(dp // replicate),
                 "parallelism.context_parallel_degree": str(cp),
@@ -314,14 +314,16 @@ def _data_parallel(
             }
 
 
-def _expert_degrees(own: dict[str, str], pinned: set[str], args: ModelArgs, borrowable: int) -> list[str]:
+def _expert_degrees(
+    own: dict[str, str], pinned: set[str], args: ModelArgs, borrowable: int
+) -> list[str | None]:
     """Expert-parallel degrees to try: those dividing both the experts and the data x context
-    ranks EP borrows from; 1 for a dense model."""
+    ranks EP borrows from; for a dense model none (the setting stays out of its plans)."""
     key = "parallelism.expert_parallel_degree"
+    if not args.moe:
+        return [None]
     if key in pinned:
         return [own[key]]
-    if not args.moe:
-        return ["1"]
     return [str(d) for d in _divisors(borrowable) if args.num_experts % d == 0]
 
 

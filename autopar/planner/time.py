@@ -28,6 +28,7 @@ from autopar.models.args import ModelArgs
 from autopar.pipelining.schedule import SCHEDULE_STYLES, schedule_name
 from autopar.planner.devices import DeviceSpec
 from autopar.planner.memory import (
+    FP32,
     block_bytes_no_ac,
     block_bytes_op_ac,
     micro_steps,
@@ -40,6 +41,10 @@ from autopar.plans.mesh import ParallelDims
 COMPUTE_EFFICIENCY = {"compiled": 0.479, "eager": 0.294}
 FP8_SPEEDUP = 39_492 / 36_037
 COMM_EFFICIENCY = 0.7
+HOST_ADAM_PARAMS_PER_S = 1.8e9
+"""CPU offload's optimizer step: torch 2.13's fused AdamW on this project's two-core CI
+machine (float32). A GPU host's CPU has more cores and memory bandwidth, so the prediction
+errs slow until a GPU host measures it."""
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
@@ -52,10 +57,11 @@ class StepTime:
     exposed_comm: float
     bubble: float
     comm_by_dim: dict[str, float] = field(default_factory=dict)  # total (not only exposed) seconds
+    host_optimizer: float = 0.0  # CPU offload: AdamW on the host, after backward
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.exposed_comm + self.bubble
+        return self.compute + self.recompute + self.exposed_comm + self.bubble + self.host_optimizer
 
     def split(self) -> dict[str, float]:
         """Each part's share of the step."""
@@ -64,6 +70,7 @@ class StepTime:
             "recompute": self.recompute,
             "exposed_comm": self.exposed_comm,
             "bubble": self.bubble,
+            "host_optimizer": self.host_optimizer,
         }
         return {k: v / self.total for k, v in parts.items()}
 
@@ -171,7 +178,16 @@ def predict_time(
         r = dims.dp_replicate
         moved = 2 * (r - 1) / r * 4 * unsharded / fsdp * micro_batches
         comm["dp_replicate"] = moved / link_bytes_per_s(spans["dp_replicate"], gpus_per_node, device)
-    background = comm.get("fsdp", 0.0) + comm.get("dp_replicate", 0.0)
+    host_optimizer = 0.0
+    if job.training.enable_cpu_offload:
+        # each gather first copies the float32 shard to the GPU, each gradient shard comes
+        # back (on FSDP's streams, beside compute); AdamW then steps on the host
+        shard = unsharded / fsdp
+        policy = job.parallelism.fsdp_reshard_after_forward
+        gathers = micro_batches * (2 if policy == "always" or (policy == "default" and not pipelined) else 1)
+        comm["host"] = FP32 * shard * (gathers + micro_batches) / (device.host_bytes_per_s * COMM_EFFICIENCY)
+        host_optimizer = shard / HOST_ADAM_PARAMS_PER_S
+    background = comm.get("fsdp", 0.0) + comm.get("dp_replicate", 0.0) + comm.get("host", 0.0)
     first_gather = comm.get("fsdp", 0.0) / max(1.0, layers * micro_batches * 3)
     if pipelined:
         stages_per_rank = SCHEDULE_STYLES[schedule_name(job.parallelism)].stages_per_rank or 2
@@ -189,7 +205,7 @@ def predict_time(
     if pipelined:
         bubble = bubble_fraction(schedule_name(job.parallelism), dims.pp, n_micro, stages_per_rank)
         bubble *= compute + recompute
-    return StepTime(compute, recompute, exposed, bubble, comm)
+    return StepTime(compute, recompute, exposed, bubble, comm, host_optimizer)
 
 
 def bubble_fraction(schedule: str, pp: int, n_micro: int, stages_per_rank: int) -> float:

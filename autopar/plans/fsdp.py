@@ -12,7 +12,13 @@ from typing import Literal
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 ReshardPolicy = Literal["default", "always", "never"]
 
@@ -47,11 +53,15 @@ def apply_fsdp(
     policy: ReshardPolicy = "default",
     pipelined: bool = False,
     expert_mesh: DeviceMesh | None = None,
+    offload: bool = False,
+    pin_memory: bool = False,
 ) -> None:
     """Shard ``model`` over ``mesh`` (1-D: FSDP; 2-D replicate x shard: HSDP), casting
     gathered weights and reducing gradients as ``mp`` says (``plans/mixed_precision.py``).
     Under expert parallelism each MoE layer's experts are a group of their own, sharded over
-    ``expert_mesh`` (the data ranks expert parallelism did not take).
+    ``expert_mesh`` (the data ranks expert parallelism did not take). ``offload`` keeps the
+    sharded weights, their gradients (and so the optimizer) in host memory, pinned when
+    ``pin_memory`` (for asynchronous copies to and from a GPU).
 
     Gradients are summed, not averaged: the loss is already divided by the global token
     count, so averaging would divide twice.
@@ -61,12 +71,19 @@ def apply_fsdp(
     # into them in place, so the warning says nothing about this model.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
     groups = fsdp_groups(model, policy, pipelined)
+    where = CPUOffloadPolicy(pin_memory=pin_memory) if offload else OffloadPolicy()
     if expert_mesh is not None:
         blocks = {paths[0]: reshard for paths, reshard in groups if paths[0].startswith("layers.")}
         for path, reshard in blocks.items():
             experts = getattr(model.get_submodule(path).mlp, "experts", None)
             if experts is not None:
-                fully_shard(experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard)
+                fully_shard(
+                    experts,
+                    mesh=expert_mesh,
+                    mp_policy=mp,
+                    reshard_after_forward=reshard,
+                    offload_policy=where,
+                )
     for paths, reshard in groups:
         modules = [model.get_submodule(p) for p in paths]
         fully_shard(
@@ -74,8 +91,9 @@ def apply_fsdp(
             mesh=mesh,
             mp_policy=mp,
             reshard_after_forward=reshard,
+            offload_policy=where,
         )
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=not pipelined)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=not pipelined, offload_policy=where)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

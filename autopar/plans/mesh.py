@@ -17,10 +17,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.config.errors import ConfigError
 from autopar.config.job import Parallelism
+from autopar.distributed import backend_for
 from autopar.models.args import ModelArgs
 
 
@@ -185,10 +188,16 @@ class Meshes:
         return self.views.get(name)
 
 
-def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
-    """Every mesh view of a job; called once, on every rank (no process group for one rank)."""
-    if dims.world_size == 1:
+def build_meshes(dims: ParallelDims, device_type: str, always_fsdp: bool = False) -> Meshes:
+    """Every mesh view of a job; called once, on every rank. ``always_fsdp`` (CPU offload,
+    which FSDP implements) gives an ``fsdp`` view even where it spans one rank, and one
+    process then a process group of its own; otherwise one process has no mesh at all."""
+    if dims.world_size == 1 and not always_fsdp:
         return Meshes(dims, {})
+    if not dist.is_initialized():  # one process: a group of one, in memory
+        dist.init_process_group(
+            backend_for(torch.device(device_type)), store=dist.HashStore(), rank=0, world_size=1
+        )
     world = init_device_mesh(device_type, (dims.world_size,), mesh_dim_names=("world",))
     dense = world._unflatten(
         0,
@@ -213,5 +222,5 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
         "efsdp": experts["dp_replicate", "efsdp"] if dims.dp_replicate > 1 else experts["efsdp"],
     }
     # expert weights are FSDP-sharded over efsdp whenever the others are over fsdp
-    enabled = {"fsdp": dims.fsdp_enabled, "efsdp": dims.fsdp_enabled and dims.ep > 1}
+    enabled = {"fsdp": dims.fsdp_enabled or always_fsdp, "efsdp": dims.fsdp_enabled and dims.ep > 1}
     return Meshes(dims, {k: v for k, v in views.items() if enabled.get(k, v.size() > 1)})

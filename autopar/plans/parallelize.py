@@ -95,10 +95,19 @@ def parallelize(
             policy=parallelism.fsdp_reshard_after_forward,
             pipelined=pipelined,
             expert_mesh=meshes.get("efsdp"),
+            offload=job.training.enable_cpu_offload,
+            pin_memory=device.type == "cuda",
         )
         kind = "HSDP" if dims.dp_replicate > 1 and dims.dp_shard * dims.cp > 1 else "FSDP2"
         logger.info(
-            "applied %s: replicate %d x shard %d (cp %d)", kind, dims.dp_replicate, dims.dp_shard, dims.cp
+            "applied %s: replicate %d x shard %d (cp %d)%s",
+            kind,
+            dims.dp_replicate,
+            dims.dp_shard,
+            dims.cp,
+            ", weights, gradients and optimizer state in host memory"
+            if job.training.enable_cpu_offload
+            else "",
         )
     return model
 
@@ -150,5 +159,7 @@ def build_parts(
     device: torch.device,
     values: FullValue,
 ) -> ModelParts:
-    """The model parts this rank runs, parallelized and filled with ``values``."""
-    return materialize_parts(parallelized_parts(args, job, meshes, device), device, values)
+    """The model parts this rank runs, parallelized and filled with ``values`` (in host
+    memory under CPU offload, where FSDP keeps the sharded weights)."""
+    storage = torch.device("cpu") if job.training.enable_cpu_offload else device
+    return materialize_parts(parallelized_parts(args, job, meshes, device), storage, values)

@@ -1,0 +1,115 @@
+"""``training.enable_cpu_offload``: FSDP2 keeps the master weights, their gradients and AdamW's
+state in host memory, on one rank too, and training is unchanged by it. (On a CPU machine the
+host is the device, so what these tests can see is the mechanism and the numbers; the GPU
+memory it saves is the planner's and the dry run's to show.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+from autopar.job import model_args, parse_job
+from autopar.planner.devices import PRESETS
+from autopar.planner.memory import predict
+from autopar.planner.search import evaluate
+from autopar.plans.materialize import seeded_values
+from autopar.plans.mesh import ParallelDims, build_meshes
+from autopar.plans.parallelize import build_parts
+from autopar.validate import check_plan
+
+from jobs import assert_same_training, parity_runs, tiny_job, train_py
+
+ROOT = Path(__file__).resolve().parents[1]
+OFFLOAD = "training.enable_cpu_offload=true"
+PLANS = [f"dp_shard=2,{OFFLOAD}", f"tp=2,{OFFLOAD}", f"pp=2,{OFFLOAD}"]
+
+
+def test_offload_hands_every_weight_to_fsdp_in_host_memory_on_one_rank(tmp_path):
+    job = tiny_job(tmp_path, "--training.enable_cpu_offload", "true")
+    args = model_args(job)
+    try:
+        meshes = build_meshes(ParallelDims.resolve(job.parallelism, 1), "cpu", always_fsdp=True)
+        built = build_parts(
+            args, job, meshes, torch.device("cpu"), seeded_values(args, 0, torch.device("cpu"))
+        )
+        groups = [
+            m._get_fsdp_state()._fsdp_param_group
+            for m in built.parts[0].modules()
+            if isinstance(m, FSDPModule)
+        ]
+        groups = [g for g in groups if g is not None]
+        managed = {id(p.sharded_param) for g in groups for p in g.fsdp_params}
+        assert managed >= {id(p) for p in built.parts[0].parameters()}
+        assert all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups)
+    finally:
+        dist.destroy_process_group()
+
+
+def _losses(folder) -> list[float]:
+    return [json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train(folder, *flags: str) -> str:
+    """train.py's log of the tiny job in ``folder``."""
+    out = subprocess.run(train_py(folder, *flags), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout + out.stderr
+
+
+@pytest.mark.slow
+def test_one_process_with_offload_trains_like_one_device_and_resumes_without_it(tmp_path):
+    flags = ["--training.steps", "4", "--checkpoint.enable", "true", "--checkpoint.interval", "2"]
+    flags += ["--metrics.log_freq", "1", "--training.mixed_precision_param", "float32"]
+    _train(tmp_path / "plain", *flags)
+    _train(tmp_path / "offload", *flags, "--training.enable_cpu_offload", "true")
+    assert _losses(tmp_path / "offload") == pytest.approx(_losses(tmp_path / "plain"), rel=1e-6)
+    shutil.rmtree(tmp_path / "offload" / "checkpoint" / "step-4")  # as if it died after step 2
+    resumed = _train(tmp_path / "offload", *flags)  # without offload
+    assert "resumed from" in resumed and "step-2" in resumed
+    assert _losses(tmp_path / "offload") == pytest.approx(_losses(tmp_path / "plain"), rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def offload_parity(tmp_path_factory):
+    return parity_runs(tiny_job(tmp_path_factory.mktemp("offload")), PLANS, steps=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", PLANS)
+def test_offload_under_a_plan_matches_one_device(offload_parity, plan):
+    reference, run = offload_parity[plan]
+    assert_same_training(run, reference, loss_rtol=1e-5, norm_rtol=1e-5)
+
+
+def test_the_planner_moves_weights_gradients_and_optimizer_state_to_the_host():
+    flags = ["--model.flavor=8B", "--training.seq_len=4096", "--training.local_batch_size=1"]
+    plain = predict(model_args(parse_job(flags)), parse_job(flags), 8)[0]
+    offload = predict(
+        model_args(parse_job(flags)), parse_job([*flags, "--training.enable_cpu_offload=true"]), 8
+    )[0]
+    assert set(offload.host) == {"params", "optimizer", "grads"} and not set(offload.host) & set(
+        offload.parts
+    )
+    assert offload.parts == {k: v for k, v in plain.parts.items() if k not in offload.host}
+
+
+def test_qwen3_8b_fits_one_h100_only_with_offload_and_pays_for_it_in_time():
+    preset = [
+        "--job.config",
+        str(ROOT / "train_configs" / "qwen3_8b.toml"),
+        "--activation_checkpoint.mode=full",
+    ]
+    plans = {}
+    for offload in ("false", "true"):
+        job = parse_job([*preset, f"--training.enable_cpu_offload={offload}"])
+        args = model_args(job)
+        plans[offload] = evaluate(args, job, check_plan(job, args, 1, "cuda"), PRESETS["h100"], 8)
+    assert not plans["false"].fits and plans["true"].fits
+    assert plans["true"].time.host_optimizer > 0 and "host" in plans["true"].time.comm_by_dim
