@@ -88,6 +88,8 @@ GRID = [
     (16, ("qwen3", "8B"), PIPELINE),
     (16, ("qwen3", "8B"), [*PIPELINE, "--parallelism.pipeline_parallel_schedule=Interleaved1F1B"]),
     (16, ("qwen3", "8B"), [*PIPELINE, "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble"]),
+    # GPipe: the last stage holds every micro-batch's loss saves and output logits at once
+    (16, ("qwen3", "8B"), [*PIPELINE, "--parallelism.pipeline_parallel_schedule=GPipe"]),
     # the other sizes
     (8, ("qwen3", "1.7B"), ["--activation_checkpoint.mode=full"]),
     (32, ("qwen3", "4B"), ["--parallelism.tensor_parallel_degree=2"]),

@@ -26,10 +26,11 @@ Selective per-op checkpointing keeps the outputs of matmuls, attention and colle
 recomputes one block at a time in backward. The peak is the largest of the moments met while
 walking this rank's step in the schedule's own order (``pipelining.schedule.rank_actions``,
 read off torch's schedule; without pipelining one forward then one backward): each forward
-adds a micro-batch's saves; each loss backward adds the logits, the float32 softmax and its
-gradients over the vocabulary (vocab-sharded under loss parallel; with the chunked loss, the
-logits' gradient in the compute dtype and one chunk's float32; a pipeline's last stage holds
-one more copy of the logits); each block backward adds one recomputed block, the
+adds a micro-batch's saves, through the loss the logits and the float32 log-softmax (a
+pipeline's last stage also its output logits) until that micro-batch's backward, which adds
+their gradients over the vocabulary (vocab-sharded under loss parallel; the chunked loss
+keeps the logits' gradient in the compute dtype instead, one chunk's float32 at a time);
+each block backward adds one recomputed block, the
 gradients inside it and FSDP's gradient buffers; the embedding's backward, which ends a
 stage's, adds every fresh gradient and, under TP or FSDP, one over the whole vocabulary;
 zero-bubble input steps keep the gradients at every weight's output until
@@ -254,24 +255,37 @@ def block_backward_transient_bytes(z: _Sizes, moe: bool = False) -> float:
     return 3 * z.c * rows * z.moe_inter + 2 * z.c * rows * z.h
 
 
-def head_peak_bytes(z: _Sizes, vocab: int, tp_loss_parallel: int, chunk_tokens: int = 0) -> float:
-    """The loss's backward: logits (c), float32 log-softmax output, and the float32 gradients
-    of nll and log-softmax (under loss parallel, vocab-sharded, and three: torch's fused
-    backward keeps its one-hot target, the sum with softmax and the product alive at once);
-    plus the final norm's saves and the head's gathered input. The chunked loss
-    (``chunk_tokens``) keeps the logits and their gradient (c each) and, while it runs, one
-    chunk's float32 log-probabilities, their exponent and the masked gradient; its backward
-    scales the gradient into a third c copy."""
+@dataclass(frozen=True)
+class HeadBytes:
+    """The final norm, head and loss of one micro-batch: what stays saved from its forward to
+    its backward, and what exists beside that only while the loss runs forward and backward."""
+
+    saved: float
+    forward: float
+    backward: float
+
+
+def head_bytes(
+    z: _Sizes, vocab: int, tp_loss_parallel: int, chunk_tokens: int = 0, pipelined: bool = False
+) -> HeadBytes:
+    """Saved: the final norm's saves, the head's gathered input and the loss's float32
+    log-softmax output (a pipeline's last stage also keeps its output, the logits, until the
+    micro-batch's backward: measured). Backward: the float32 gradients of nll and log-softmax
+    (under loss parallel, vocab-sharded, and three: torch's fused backward keeps its one-hot
+    target, the sum with softmax and the product alive at once) and the logits' gradient (c).
+    The chunked loss saves the logits' gradient (c), computed in forward while the logits
+    are alive beside one chunk's float32 log-probabilities, their exponent and the masked
+    gradient; its backward scales the gradient into two more c copies."""
     t = z.tokens
-    local = vocab // tp_loss_parallel
-    if chunk_tokens:
-        forward = 2 * z.c * local * t + (3 * FP32 + z.c) * local * min(chunk_tokens, t)
-        vocab_bytes = max(forward, 3 * z.c * local * t)
-    else:
-        gradients = 3 if tp_loss_parallel > 1 else 2
-        vocab_bytes = (z.c + FP32) * local * t + gradients * FP32 * local * t
+    logits = z.c * (vocab // tp_loss_parallel) * t
+    fp32_logits = logits * FP32 // z.c
     norm = (FP32 + z.c) * z.h * t / z.sp + FP32 * t / z.sp
-    return vocab_bytes + norm + z.c * z.h * t
+    kept = norm + z.c * z.h * t + (logits if pipelined else 0.0)
+    if chunk_tokens:
+        chunk = (3 * FP32 + z.c) * (vocab // tp_loss_parallel) * min(chunk_tokens, t)
+        return HeadBytes(kept + logits, logits + chunk, 2 * logits)
+    gradients = 3 if tp_loss_parallel > 1 else 2
+    return HeadBytes(kept + fp32_logits, 0.0, gradients * fp32_logits + logits)
 
 
 def sizes(
@@ -386,9 +400,7 @@ def _predict_stage_rank(
     recompute = {k: no_ac[k] - per_block[k] if op else (no_ac[k] if full else 0.0) for k in kinds}
     transient = {k: block_backward_transient_bytes(z, k) for k in kinds}
     shards = dims.tp if loss_parallel_enabled(job, dims) else 1
-    head = head_peak_bytes(z, args.vocab_size, shards, job.training.loss_chunk_tokens)
-    if dims.pp > 1:  # measured: the last stage's schedule holds a second copy of the logits
-        head += z.c * (args.vocab_size // shards) * z.tokens
+    head = head_bytes(z, args.vocab_size, shards, job.training.loss_chunk_tokens, dims.pp > 1)
 
     fsdp = uses_fsdp(job, dims)
     gathered = _gathered_bytes(args, job, dims, modules, c)
@@ -470,13 +482,17 @@ def _predict_stage_rank(
     for kind, stage, _ in actions:
         if kind == "F":
             alive += saved[stage]
+            if stage in heads:  # the loss runs at the end of the forward, its saves kept
+                alive += head.saved
+                consider((gathered, alive + head.forward, accumulated))
         elif kind == "I":
             # a zero-bubble input step keeps the gradient at every weight's output until
             # the stage's weight step uses it
             alive += pending[stage]
         if kind in ("B", "I"):  # the loss's backward, then each block's
             if stage in heads:
-                consider((gathered, alive + head, accumulated))
+                consider((gathered, alive + head.backward, accumulated))
+                alive -= head.saved
             for k in stage_kinds[stage]:
                 consider((block_gathered[k], alive + recompute[k] + transient[k], accumulated))
                 consider((block_gathered[k], alive + block_activations[k], accumulated + block_buffers[k]))
