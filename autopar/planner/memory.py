@@ -26,8 +26,8 @@ Selective per-op checkpointing keeps the outputs of matmuls, attention and colle
 recomputes one block at a time in backward. The peak is the largest of the moments met while
 walking this rank's step in the schedule's own order (``pipelining.schedule.rank_actions``,
 read off torch's schedule; without pipelining one forward then one backward): each forward
-adds a micro-batch's saves, through the loss the logits and the float32 log-softmax (a
-pipeline's last stage also its output logits) until that micro-batch's backward, which adds
+adds a micro-batch's saves, through the loss the logits and the float32 log-softmax
+until that micro-batch's backward, which adds
 their gradients over the vocabulary (vocab-sharded under loss parallel; the chunked loss
 keeps the logits' gradient in the compute dtype instead, one chunk's float32 at a time);
 each block backward adds one recomputed block, the
@@ -265,27 +265,24 @@ class HeadBytes:
     backward: float
 
 
-def head_bytes(
-    z: _Sizes, vocab: int, tp_loss_parallel: int, chunk_tokens: int = 0, pipelined: bool = False
-) -> HeadBytes:
-    """Saved: the final norm's saves, the head's gathered input and the loss's float32
-    log-softmax output (a pipeline's last stage also keeps its output, the logits, until the
-    micro-batch's backward: measured). Backward: the float32 gradients of nll and log-softmax
-    (under loss parallel, vocab-sharded, and three: torch's fused backward keeps its one-hot
-    target, the sum with softmax and the product alive at once) and the logits' gradient (c).
-    The chunked loss saves the logits' gradient (c), computed in forward while the logits
-    are alive beside one chunk's float32 log-probabilities, their exponent and the masked
-    gradient; its backward scales the gradient into two more c copies."""
+def head_bytes(z: _Sizes, vocab: int, tp_loss_parallel: int, chunk_tokens: int = 0) -> HeadBytes:
+    """Saved: the final norm's saves, the head's gathered input, the logits (c, alive until
+    the loss's backward) and the loss's float32 log-softmax output. Backward: the float32
+    gradients of nll and log-softmax (under loss parallel, vocab-sharded, and three: torch's
+    fused backward keeps its one-hot target, the sum with softmax and the product alive at
+    once). The chunked loss saves the logits and their gradient (c), computed in forward
+    beside one chunk's float32 log-probabilities, their exponent and the masked gradient;
+    its backward scales the gradient into a third c copy."""
     t = z.tokens
     logits = z.c * (vocab // tp_loss_parallel) * t
     fp32_logits = logits * FP32 // z.c
     norm = (FP32 + z.c) * z.h * t / z.sp + FP32 * t / z.sp
-    kept = norm + z.c * z.h * t + (logits if pipelined else 0.0)
+    kept = norm + z.c * z.h * t + logits
     if chunk_tokens:
         chunk = (3 * FP32 + z.c) * (vocab // tp_loss_parallel) * min(chunk_tokens, t)
-        return HeadBytes(kept + logits, logits + chunk, 2 * logits)
+        return HeadBytes(kept + logits, chunk, logits)
     gradients = 3 if tp_loss_parallel > 1 else 2
-    return HeadBytes(kept + fp32_logits, 0.0, gradients * fp32_logits + logits)
+    return HeadBytes(kept + fp32_logits, 0.0, gradients * fp32_logits)
 
 
 def sizes(
@@ -400,7 +397,7 @@ def _predict_stage_rank(
     recompute = {k: no_ac[k] - per_block[k] if op else (no_ac[k] if full else 0.0) for k in kinds}
     transient = {k: block_backward_transient_bytes(z, k) for k in kinds}
     shards = dims.tp if loss_parallel_enabled(job, dims) else 1
-    head = head_bytes(z, args.vocab_size, shards, job.training.loss_chunk_tokens, dims.pp > 1)
+    head = head_bytes(z, args.vocab_size, shards, job.training.loss_chunk_tokens)
 
     fsdp = uses_fsdp(job, dims)
     gathered = _gathered_bytes(args, job, dims, modules, c)
