@@ -26,16 +26,16 @@ Selective per-op checkpointing keeps the outputs of matmuls, attention and colle
 recomputes one block at a time in backward. The peak is the largest of the moments met while
 walking this rank's step in the schedule's own order (``pipelining.schedule.rank_actions``,
 read off torch's schedule; without pipelining one forward then one backward): each forward
-adds a micro-batch's saves, through the loss the logits and the float32 log-softmax
-until that micro-batch's backward, which adds
-their gradients over the vocabulary (vocab-sharded under loss parallel; the chunked loss
-keeps the logits' gradient in the compute dtype instead, one chunk's float32 at a time);
-each block backward adds one recomputed block, the
+adds a micro-batch's saves, through the loss the logits and the float32 log-softmax until
+that micro-batch's backward, which adds their gradients over the vocabulary (vocab-sharded
+under loss parallel; the chunked loss keeps the logits' gradient in the compute dtype
+instead, one chunk's float32 at a time); each block backward adds one recomputed block, the
 gradients inside it and FSDP's gradient buffers; the embedding's backward, which ends a
 stage's, adds every fresh gradient and, under TP or FSDP, one over the whole vocabulary;
-zero-bubble input steps keep the gradients at every weight's output until
-their weight step; and under pipelining with FSDP, gradients stay unsharded in float32 from
-a stage's first backward to its last micro-batch (torch turns gradient sync off in between).
+zero-bubble input steps keep the gradients at every weight's output until their weight
+step; and under pipelining with FSDP, gradients stay unsharded in float32 from a stage's
+first backward to its last micro-batch (torch turns gradient sync off in between). CPU
+offload moves the weights, their gradients and the optimizer state to ``Memory.host``.
 """
 
 from __future__ import annotations
