@@ -46,6 +46,10 @@ NAMED_VARIANTS = {
     "experts_grouped": "compile.enable=true,training.expert_kernel=grouped",
     "experts_loop": "compile.enable=true,training.expert_kernel=loop",
     "cpu_offload": "compile.enable=true,float8.enable=false,training.enable_cpu_offload=true",
+    "attn_flash": "compile.enable=true,float8.enable=false,training.sdpa_backend=flash",
+    "attn_efficient": "compile.enable=true,float8.enable=false,training.sdpa_backend=efficient",
+    "attn_cudnn": "compile.enable=true,float8.enable=false,training.sdpa_backend=cudnn",
+    "attn_math": "compile.enable=true,float8.enable=false,training.sdpa_backend=math",
 }
 """Each name is shorthand for its overrides; everything else comes from the job."""
 

@@ -26,6 +26,7 @@ from autopar.plans.expert_parallel import check_ep
 from autopar.plans.float8 import check_float8, check_float8_filter
 from autopar.plans.mesh import ParallelDims, check_model_split
 from autopar.plans.parallelize import loss_parallel_enabled
+from autopar.plans.sdpa_backend import check_sdpa_backend
 from autopar.profiling import check_profiling
 
 
@@ -67,6 +68,7 @@ def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: st
         job.training.document_masking,
     )
     check_pipeline(parallelism, args, job.training.local_batch_size)
+    check_sdpa_backend(job.training, device_type)
     return dims
 
 

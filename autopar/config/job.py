@@ -115,6 +115,10 @@ class Training:
     """Compute dtype; auto is bfloat16 on CUDA and float32 on CPU. Master weights stay fp32."""
     mixed_precision_reduce: Literal["float32"] = "float32"
     """Gradient reduction dtype."""
+    sdpa_backend: Literal["auto", "flash", "efficient", "cudnn", "math"] = "auto"
+    """Attention kernel: auto lets torch choose; the others pin one SDPA backend (flash,
+    efficient and cudnn are CUDA kernels; CPU has flash and math). Compare them on one job
+    with python -m autopar.bench --variants attn_flash attn_cudnn."""
     enable_cpu_offload: bool = False
     """Keep fp32 master weights, gradients and AdamW state in host memory (FSDP2's CPU offload
     policy; AdamW steps on the CPU): the device holds only the gathered compute-dtype weights

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from autopar.config.errors import ConfigError
 from autopar.config.job import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.models.qwen import Qwen
@@ -331,6 +332,12 @@ def predict_dims(
     args: ModelArgs, job: JobConfig, dims: ParallelDims, cp_impl: str = "ring", device_type: str = "cuda"
 ) -> list[Memory]:
     """``predict`` for resolved degrees (the planner's inner loop)."""
+    if job.training.sdpa_backend == "math":
+        raise ConfigError(
+            "training.sdpa_backend='math' saves a seq_len x seq_len attention matrix per head, which "
+            "the planner does not model (it models flash, efficient and cudnn, which save none); "
+            "plan with sdpa_backend auto, then pin math"
+        )
     compute_bytes = compute_dtype(job, torch.device(device_type)).itemsize
     if dims.pp == 1:
         stages = [

@@ -1,8 +1,9 @@
 """The one place that turns a job into model parts: build on meta, transform, materialize.
 
-Transformations run in a fixed order, one log line each: TP -> CP -> EP -> compute dtype
-(without FSDP) -> activation checkpointing -> compile -> FSDP. (CP changes no module: it
-acts on the inputs and the attention call at run time, see ``plans/context_parallel.py``.)
+Transformations run in a fixed order, one log line each: TP -> CP -> SDPA backend -> EP ->
+compute dtype (without FSDP) -> activation checkpointing -> compile -> FSDP. (CP changes no
+module: it acts on the inputs and the attention call at run time, see
+``plans/context_parallel.py``.)
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from autopar.plans.fsdp import apply_fsdp
 from autopar.plans.materialize import FullValue, materialize
 from autopar.plans.mesh import Meshes, ParallelDims
 from autopar.plans.mixed_precision import apply_compute_dtype, compute_dtype, fsdp_policy
+from autopar.plans.sdpa_backend import apply_sdpa_backend
 from autopar.plans.tensor_parallel import apply_tp
 
 logger = logging.getLogger("autopar")
@@ -62,6 +64,9 @@ def parallelize(
             parallelism.enable_sequence_parallel,
             loss_parallel_enabled(job, dims),
         )
+    if job.training.sdpa_backend != "auto":
+        apply_sdpa_backend(model, job.training.sdpa_backend)
+        logger.info("attention pinned to the %s SDPA backend", job.training.sdpa_backend)
     for module in model.modules():
         if isinstance(module, Experts):
             module.kernel = job.training.expert_kernel
