@@ -68,7 +68,7 @@ def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: st
         job.training.document_masking,
     )
     check_pipeline(parallelism, args, job.training.local_batch_size)
-    check_sdpa_backend(job.training, device_type)
+    check_sdpa_backend(job, device_type)
     return dims
 
 

@@ -71,10 +71,11 @@ def test_a_cuda_kernel_on_cpu_is_a_config_error_naming_what_cpu_has(tmp_path, ba
         validate(tiny_job(tmp_path, "--training.sdpa_backend", backend), 1, "cpu")
 
 
-def test_flash_with_document_masking_is_a_config_error(tmp_path):
+def test_flash_on_cuda_with_document_masking_is_a_config_error(tmp_path):
     job = tiny_job(tmp_path, "--training.sdpa_backend", "flash", "--training.document_masking", "true")
-    with pytest.raises(ConfigError, match="cannot take document masking's attention mask"):
+    with pytest.raises(ConfigError, match="takes no attention mask on CUDA, and document masking needs one"):
         validate(job, 1, "cuda")
+    validate(job, 1, "cpu")  # CPU's flash kernel takes masks
 
 
 def test_the_planner_refuses_the_math_kernel_it_does_not_model(tmp_path):

@@ -13,7 +13,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from autopar.config.errors import ConfigError
-from autopar.config.job import Training
+from autopar.config.job import JobConfig
+from autopar.plans.context_parallel import resolve_impl
 
 BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -25,26 +26,30 @@ CPU_BACKENDS = ("flash", "math")
 """The SDPA kernels torch has on CPU; the others are CUDA kernels."""
 
 
-def check_sdpa_backend(training: Training, device_type: str) -> None:
-    backend = training.sdpa_backend
-    if backend == "auto":
-        return
-    if device_type != "cuda" and backend not in CPU_BACKENDS:
+def check_sdpa_backend(job: JobConfig, device_type: str) -> None:
+    """The pinned kernel exists on the device and takes the attention this job computes."""
+    backend = job.training.sdpa_backend
+    if device_type != "cuda" and backend not in ("auto", *CPU_BACKENDS):
         raise ConfigError(
             f"training.sdpa_backend={backend!r} is a CUDA kernel; on {device_type} use one of "
             f"{['auto', *CPU_BACKENDS]}"
         )
-    if backend == "flash" and training.document_masking:
+    if device_type != "cuda" or backend != "flash":
+        return
+    allgather = (
+        job.parallelism.context_parallel_degree > 1 and resolve_impl(job.parallelism, "cuda") == "allgather"
+    )
+    if job.training.document_masking or allgather:
+        # CUDA's flash kernel takes no explicit mask (CPU's does)
         raise ConfigError(
-            "training.sdpa_backend='flash' cannot take document masking's attention mask; use "
-            "auto, efficient, cudnn or math"
+            "training.sdpa_backend='flash' takes no attention mask on CUDA, and "
+            + ("document masking" if job.training.document_masking else "all-gather context parallel")
+            + " needs one; use auto, efficient, cudnn or math"
         )
 
 
 def apply_sdpa_backend(model: nn.Module, backend: str) -> None:
-    """Run every block's attention under the named SDPA backend (``auto``: no change)."""
-    if backend == "auto":
-        return
+    """Run every block's attention under the named SDPA backend."""
     for block in model.layers.values():
         attention = block.self_attn
         attention.forward = functools.partial(_under_backend, attention.forward, BACKENDS[backend])
