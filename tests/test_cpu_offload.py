@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 from autopar.job import model_args, parse_job
+from autopar.parity import Case, run_cases
 from autopar.planner.devices import PRESETS
 from autopar.planner.memory import predict
 from autopar.planner.search import evaluate
@@ -24,7 +25,7 @@ from autopar.plans.mesh import ParallelDims, build_meshes
 from autopar.plans.parallelize import build_parts
 from autopar.validate import check_plan
 
-from jobs import assert_same_training, parity_runs, tiny_job, train_py
+from jobs import assert_same_training, moe_job, tiny_job, train_py
 
 ROOT = Path(__file__).resolve().parents[1]
 OFFLOAD = "training.enable_cpu_offload=true"
@@ -76,13 +77,20 @@ def test_one_process_with_offload_trains_like_one_device_and_resumes_without_it(
     assert _losses(tmp_path / "offload") == pytest.approx(_losses(tmp_path / "plain"), rel=1e-6)
 
 
+MOE_PLAN = f"dp_shard=2,ep=2,{OFFLOAD}"  # the experts' own FSDP group offloads too
+
+
 @pytest.fixture(scope="module")
 def offload_parity(tmp_path_factory):
-    return parity_runs(tiny_job(tmp_path_factory.mktemp("offload")), PLANS, steps=4)
+    """plan -> (one device, plan run): the dense plans and a mixture of experts under EP, in
+    one process group."""
+    dense, moe = tiny_job(tmp_path_factory.mktemp("dense")), moe_job(tmp_path_factory.mktemp("moe"))
+    cases = [Case(dense, plan) for plan in PLANS] + [Case(moe, MOE_PLAN)]
+    return dict(zip([*PLANS, MOE_PLAN], run_cases(cases, steps=4), strict=True))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("plan", [*PLANS, MOE_PLAN])
 def test_offload_under_a_plan_matches_one_device(offload_parity, plan):
     reference, run = offload_parity[plan]
     assert_same_training(run, reference, loss_rtol=1e-5, norm_rtol=1e-5)

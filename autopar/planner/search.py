@@ -1,8 +1,8 @@
 """Every valid plan of a job on a cluster, ranked by predicted throughput among those that fit.
 
 A plan is the settings in ``PLAN_FIELDS``: the five parallel degrees (and the expert-parallel
-one of a mixture of experts), the pipeline schedule and
-micro-batch size, the activation checkpointing mode, the local batch and FSDP's reshard policy.
+one of a mixture of experts), the pipeline schedule and micro-batch size, the activation
+checkpointing mode, the local batch and FSDP's reshard policy.
 Settings the job pins are held; the rest are enumerated. Whether a plan can run at all is
 decided by ``validate.check_plan``, the rules the trainer itself enforces; its memory by
 ``planner.memory`` plus a runtime reserve, its speed by ``planner.time``.
