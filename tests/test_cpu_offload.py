@@ -98,14 +98,12 @@ def test_offload_under_a_plan_matches_one_device(offload_parity, plan):
 
 def test_the_planner_moves_weights_gradients_and_optimizer_state_to_the_host():
     flags = ["--model.flavor=8B", "--training.seq_len=4096", "--training.local_batch_size=1"]
-    plain = predict(model_args(parse_job(flags)), parse_job(flags), 8)[0]
-    offload = predict(
-        model_args(parse_job(flags)), parse_job([*flags, "--training.enable_cpu_offload=true"]), 8
-    )[0]
-    assert set(offload.host) == {"params", "optimizer", "grads"} and not set(offload.host) & set(
-        offload.parts
-    )
-    assert offload.parts == {k: v for k, v in plain.parts.items() if k not in offload.host}
+    plain_job, offload_job = parse_job(flags), parse_job([*flags, "--training.enable_cpu_offload=true"])
+    plain = predict(model_args(plain_job), plain_job, 8)[0]
+    offload = predict(model_args(offload_job), offload_job, 8)[0]
+    host = {"params", "optimizer", "grads"}
+    assert set(offload.host) == host and not host & set(offload.parts)
+    assert offload.parts == {k: v for k, v in plain.parts.items() if k not in host}
 
 
 def test_qwen3_8b_fits_one_h100_only_with_offload_and_pays_for_it_in_time():
