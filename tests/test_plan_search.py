@@ -4,6 +4,7 @@ its time model reproduces measured runs, and its CLI and ``auto = true`` behave 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,15 @@ def test_a_mixture_of_experts_is_planned_with_expert_parallelism_where_it_is_fas
 def test_a_dense_model_is_never_planned_with_expert_parallelism():
     job = preset("qwen3_8b")
     assert {p.dims.ep for p in search(job, model_args(job), 16, 8, H100)} == {1}
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "train_configs").glob("qwen*.toml")), ids=lambda p: p.stem)
+def test_every_shipped_config_runs_and_fits_the_node_its_first_line_names(path):
+    nproc = int(re.search(r"--nproc_per_node=(\d+)", path.read_text().splitlines()[0]).group(1))
+    job = parse_job(["--job.config", str(path)])
+    args = model_args(job)
+    plan = evaluate(args, job, check_plan(job, args, nproc, "cuda"), H100, 8)
+    assert plan.fits, f"{path.name}: {plan.peak_gib:.1f} GiB on {nproc} x {H100.name}"
 
 
 def test_pinned_settings_hold_in_every_plan():
