@@ -79,6 +79,7 @@ PLANS = [
     "tp=2,sp=false",
     "dp_shard=2,tp=2,ep=2",
     "dp_shard=2,ep=2,activation_checkpoint.mode=full",
+    "dp_shard=2,ep=2,activation_checkpoint.mode=selective",  # per-op
     "dp_shard=2,ep=2,compile.enable=true",
 ]
 
@@ -124,14 +125,13 @@ def test_expert_degrees_that_cannot_split_are_config_errors_with_the_numbers(tmp
         validate(moe_job(tmp_path, *flags), world)
 
 
-def test_per_op_checkpointing_with_expert_parallel_is_refused_naming_what_works(tmp_path):
+def test_compiled_per_op_checkpointing_with_expert_parallel_is_refused_naming_what_works(tmp_path):
     from autopar.config import ConfigError
 
-    job = moe_job(
-        tmp_path, "--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "selective"
-    )
-    with pytest.raises(ConfigError, match=r"use --activation_checkpoint\.mode full"):
-        validate(job, 2)
+    flags = ["--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "selective"]
+    validate(moe_job(tmp_path, *flags), 2)  # eager: runs (a parity plan above)
+    with pytest.raises(ConfigError, match=r"use --activation_checkpoint\.mode full.*--compile\.enable false"):
+        validate(moe_job(tmp_path, *flags, "--compile.enable", "true"), 2)
 
 
 def test_expert_parallel_needs_experts(tmp_path):

@@ -117,6 +117,11 @@ GRID = [
     (
         8,
         ("qwen3", "30B-A3B"),
+        [SMALL_VOCAB, "--parallelism.expert_parallel_degree=8", "--activation_checkpoint.mode=selective"],
+    ),
+    (
+        8,
+        ("qwen3", "30B-A3B"),
         ["--parallelism.expert_parallel_degree=4", "--parallelism.tensor_parallel_degree=2"],
     ),
     (

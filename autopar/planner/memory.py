@@ -216,9 +216,10 @@ def block_bytes_op_ac(z: _Sizes, tp: int, moe: bool = False) -> float:
     qkv = z.c * (z.nq + 2 * z.nkv) * z.d * t
     attention = z.c * z.nq * z.d * t + FP32 * z.nq * t
     out_proj = 2 * z.c * z.h * t  # o_proj and down_proj (or the experts' weighted sum) outputs
-    if moe:  # router logits, the experts' three grouped GEMMs
+    if moe:  # router logits, the experts' three grouped GEMMs (and EP's two all-to-alls)
         rows = z.top_k * t
         mlp = z.c * z.experts * t + 2 * z.c * rows * z.moe_inter + z.c * rows * z.h
+        mlp += 2 * z.c * rows * z.h if z.ep > 1 else 0.0
     else:
         mlp = 2 * z.c * z.inter * t
     block_input = z.c * z.h * t / z.sp

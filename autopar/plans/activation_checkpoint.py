@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.config.errors import ConfigError
@@ -53,13 +54,40 @@ def _op_context():
     return create_selective_checkpoint_contexts(_save_expensive_ops)
 
 
+PROFILER_OPS = frozenset(
+    (
+        torch.ops.profiler._record_function_enter_new.default,
+        torch.ops.profiler._record_function_exit._RecordFunction,
+    )
+)
+
+
+class _ProfilerRangesUncounted(TorchDispatchMode):
+    """Run the profiler's range ops past per-op checkpointing. A module FSDP shards inside a
+    checkpointed block (a mixture of experts' own group under EP) records one more range in
+    recompute than in forward (it is its iteration's first FSDP module then), and per-op
+    checkpointing would count that extra op as forward and recompute disagreeing."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in PROFILER_OPS:
+            with _disable_current_modes():
+                return func(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
 def _recompute_under_forward_modes(per_op: bool):
     """(forward, recompute) contexts for eager ``checkpoint``: recompute runs under the
     torch-function modes that were active in the forward. Context parallel's attention is
     such a mode, and backward (where recompute happens) runs with it switched off. (A
     compiled block recomputes inside its compiled backward, which needs no mode.)"""
     forward, recompute = _op_context() if per_op else (contextlib.nullcontext(), contextlib.nullcontext())
+    uncounted = _ProfilerRangesUncounted if per_op else contextlib.nullcontext
     modes = _get_current_function_mode_stack()
+
+    @contextlib.contextmanager
+    def counted_forward():
+        with forward, uncounted():
+            yield
 
     @contextlib.contextmanager
     def recompute_as_forward():
@@ -67,9 +95,10 @@ def _recompute_under_forward_modes(per_op: bool):
             for mode in modes:
                 stack.enter_context(mode)
             stack.enter_context(recompute)
+            stack.enter_context(uncounted())
             yield
 
-    return forward, recompute_as_forward()
+    return counted_forward(), recompute_as_forward()
 
 
 def check_ac(cfg: ActivationCheckpoint) -> None:

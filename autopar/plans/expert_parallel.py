@@ -35,15 +35,16 @@ from autopar.models.args import ModelArgs
 from autopar.models.moe import Experts, run_experts
 
 
-def check_ep(ep: int, ac: ActivationCheckpoint) -> None:
+def check_ep(ep: int, ac: ActivationCheckpoint, compiled: bool) -> None:
     """Expert parallelism's limits with the other transformations."""
-    if ep > 1 and ac.mode == "selective" and ac.selective_ac_option == "op":
-        # measured (torch 2.13): the experts' own FSDP group runs its hooks differently when
-        # the block is recomputed, which per-op checkpointing refuses
+    if ep > 1 and compiled and ac.mode == "selective" and ac.selective_ac_option == "op":
+        # measured (torch 2.13): the experts' own FSDP group records one more profiler range
+        # when the block is recomputed; eager blocks run those ranges past the per-op
+        # bookkeeping (plans/activation_checkpoint.py), compiled ones take only torch's own
         raise ConfigError(
-            f"parallelism.expert_parallel_degree={ep} with activation_checkpoint.mode='selective' "
-            "and selective_ac_option='op' fails in backward; use --activation_checkpoint.mode full, "
-            "or a layer interval (--activation_checkpoint.selective_ac_option 2)"
+            f"parallelism.expert_parallel_degree={ep} with compile.enable=true and per-op activation "
+            "checkpointing fails in backward; use --activation_checkpoint.mode full, a layer interval "
+            "(--activation_checkpoint.selective_ac_option 2), or --compile.enable false"
         )
 
 
