@@ -25,6 +25,7 @@ from autopar.plans.context_parallel import check_cp
 from autopar.plans.expert_parallel import check_ep
 from autopar.plans.float8 import check_float8, check_float8_filter
 from autopar.plans.mesh import ParallelDims, check_model_split
+from autopar.plans.mixed_precision import compute_dtype
 from autopar.plans.parallelize import loss_parallel_enabled
 from autopar.plans.sdpa_backend import check_sdpa_backend
 from autopar.profiling import check_profiling
@@ -39,6 +40,19 @@ def check_loss_chunks(job: JobConfig, dims: ParallelDims) -> None:
         raise ConfigError(
             f"training.loss_chunk_tokens={chunk} with tensor_parallel_degree={dims.tp} and vocab-parallel "
             "loss (which already splits the vocabulary): set it to 0, or --parallelism.disable_loss_parallel true"
+        )
+
+
+def check_expert_kernel(job: JobConfig, args: ModelArgs, device_type: str) -> None:
+    """A forced grouped expert GEMM must be one torch can compile: its traced shape function
+    takes bfloat16 only (``auto`` falls back to the per-expert loop there by itself)."""
+    compiled = job.compile.enable and "model" in job.compile.components
+    dtype = compute_dtype(job, torch.device(device_type))
+    if args.moe and job.training.expert_kernel == "grouped" and compiled and dtype != torch.bfloat16:
+        raise ConfigError(
+            f"training.expert_kernel='grouped' with compile.enable=true needs bfloat16 compute (torch "
+            f"traces its grouped GEMM in bfloat16 only), and this job computes in {dtype}; use "
+            "--training.mixed_precision_param bfloat16, --training.expert_kernel auto, or --compile.enable false"
         )
 
 
@@ -69,6 +83,7 @@ def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: st
     )
     check_pipeline(parallelism, args, job.training.local_batch_size)
     check_sdpa_backend(job, device_type)
+    check_expert_kernel(job, args, device_type)
     return dims
 
 

@@ -134,6 +134,15 @@ def test_compiled_per_op_checkpointing_with_expert_parallel_is_refused_naming_wh
         validate(moe_job(tmp_path, *flags, "--compile.enable", "true"), 2)
 
 
+def test_a_forced_grouped_kernel_compiled_outside_bf16_is_refused_naming_the_fixes(tmp_path):
+    from autopar.config import ConfigError
+
+    flags = ["--training.expert_kernel", "grouped", "--compile.enable", "true"]
+    with pytest.raises(ConfigError, match=r"needs bfloat16 compute.*mixed_precision_param bfloat16"):
+        validate(moe_job(tmp_path, *flags), 1, "cpu")
+    validate(moe_job(tmp_path, *flags, "--training.mixed_precision_param", "bfloat16"), 1, "cpu")
+
+
 def test_expert_parallel_needs_experts(tmp_path):
     from autopar.config import ConfigError
 
