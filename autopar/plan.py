@@ -127,6 +127,9 @@ def main(argv: list[str]) -> int:
         print(no_fit_message(plans[0], device, world, pinned), file=sys.stderr)
         return 2
     print(table(top))
+    if top[0].memory.host:
+        host = sum(top[0].memory.host.values()) / 2**30
+        print(f"\nCPU offload keeps {host:.1f} GiB per GPU in host memory (weights, gradients, AdamW state)")
     print("\nrun the best plan with:\n  " + " ".join(top[0].overrides))
     print(own_plan_line(job, args, world, gpus_per_node, device, top[0]))
     return 0

@@ -6,8 +6,10 @@ memory it saves is the planner's and the dry run's to show.)"""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -119,3 +121,18 @@ def test_qwen3_8b_fits_one_h100_only_with_offload_and_pays_for_it_in_time():
         plans[offload] = evaluate(args, job, check_plan(job, args, 1, "cuda"), PRESETS["h100"], 8)
     assert not plans["false"].fits and plans["true"].fits
     assert plans["true"].time.host_optimizer > 0 and "host" in plans["true"].time.comm_by_dim
+
+
+def test_the_plan_command_says_how_much_host_memory_offload_takes():
+    flags = ["--world-size", "1", "--top", "1", "--training.enable_cpu_offload", "true"]
+    out = subprocess.run(
+        [sys.executable, "-m", "autopar.plan", "--job.config", "train_configs/qwen3_8b.toml", *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    # 8.19B fp32 weights, their gradients and two AdamW moments: 16 bytes a parameter
+    host = float(re.search(r"CPU offload keeps ([\d.]+) GiB per GPU in host memory", out.stdout).group(1))
+    assert host == pytest.approx(8.19e9 * 16 / 2**30, rel=0.01)

@@ -417,8 +417,11 @@ def _predict_stage_rank(
         "optimizer": 2 * FP32 * numel,
         "grads": FP32 * numel if accumulating else 0.0,
     }
-    # CPU offload: master weights, their gradients and the optimizer state live in host memory
-    host, static = (static, {}) if job.training.enable_cpu_offload else ({}, static)
+    # CPU offload: master weights, the step's gradients (each shard lands there as its
+    # reduce-scatter ends) and the optimizer state live in host memory
+    host, static = (
+        ({**static, "grads": FP32 * numel}, {}) if job.training.enable_cpu_offload else ({}, static)
+    )
     if fsdp and layers:
         block = {is_moe[m]: _gathered_numel(args, job, dims, [m], c) for m in is_moe}
         # backward prefetches the block before: the largest that precedes each kind (its own

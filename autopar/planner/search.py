@@ -130,6 +130,7 @@ class Plan:
             "fits": self.fits,
             "predicted_peak_gib": self.peak_gib,
             "breakdown_gib": self.memory.gib(),
+            "host_gib": {k: v / GIB for k, v in self.memory.host.items()},
             "predicted_tokens_per_s": self.tokens_per_s,
             "predicted_mfu": self.mfu,
             "predicted_step_s": self.time.total if self.time else None,
@@ -186,7 +187,7 @@ def evaluate(
     cp_impl = resolve_impl(job.parallelism, device_type)
     worst = max(predict_dims(args, job, dims, cp_impl, device_type), key=lambda m: m.peak)
     parts = dict(worst.parts, runtime=runtime_reserve(worst.peak, dims))
-    memory = Memory(worst.role, parts)
+    memory = Memory(worst.role, parts, worst.host)
     fits = memory.peak <= device.memory_gib * GIB
     time, tokens_per_s, mfu = None, 0.0, 0.0
     if fits:
