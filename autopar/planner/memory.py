@@ -541,6 +541,11 @@ def _gathered_bytes(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules
     return _head_group_bytes(args, job, dims, modules, c)
 
 
+def layer_expert_numel(args: ModelArgs, ep: int) -> int:
+    """Elements of one MoE layer's experts on one of ``ep`` ranks (before FSDP shards them)."""
+    return 3 * (args.num_experts // ep) * args.moe_intermediate_size * args.hidden_size
+
+
 def _gathered_numel(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str], c: int) -> int:
     """Elements of the unsharded copies FSDP makes of ``modules``. Experts whose FSDP group
     is a single rank (expert parallelism took every data rank) and compute in their own
@@ -549,9 +554,8 @@ def _gathered_numel(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules
     numel = modules_numel(args, job, dims, modules, sharded=False)
     in_place = c == FP32 and not job.training.enable_cpu_offload
     if in_place and dims.ep > 1 and dims.ep == dims.dp_shard * dims.cp:
-        moe_layers = sum(1 for m in modules if m.startswith("layers.") and module_key(args, m) == "moe_layer")
-        per_layer = 3 * args.num_experts // dims.ep * args.moe_intermediate_size * args.hidden_size
-        numel -= moe_layers * per_layer
+        moe_layers = sum(1 for m in modules if module_key(args, m) == "moe_layer")
+        numel -= moe_layers * layer_expert_numel(args, dims.ep)
     return numel
 
 

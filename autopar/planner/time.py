@@ -31,6 +31,7 @@ from autopar.planner.memory import (
     FP32,
     block_bytes_no_ac,
     block_bytes_op_ac,
+    layer_expert_numel,
     micro_steps,
     modules_numel,
     sizes,
@@ -115,7 +116,7 @@ def predict_time(
     # recompute: full blocks rerun their forward; per-op AC rereads and rewrites what it dropped
     ac = job.activation_checkpoint
     op = ac.mode == "selective" and ac.selective_ac_option == "op"
-    moe_layers = sum(args.is_moe_layer(i) for i in range(args.num_hidden_layers)) / dims.pp
+    moe_layers = sum(args.is_moe_layer(i) for i in range(args.num_hidden_layers))
     recompute = 0.0
     ids = [str(i) for i in range(args.num_hidden_layers)]
     share = len(checkpointed_layers(ac, ids)) / len(ids) if ac.mode != "none" and not op else 0.0
@@ -133,8 +134,8 @@ def predict_time(
     if dims.tp > 1 and moe_layers:
         # every TP rank runs a mixture of experts on the whole sequence: tp times its FLOPs
         moe_fwd = 2 * (args.hidden_size * args.num_experts + 3 * z.top_k * args.hidden_size * z.moe_inter)
-        compute += (dims.tp - 1) * 3 * moe_fwd * moe_layers * dims.pp * tokens / world / rate
-        recompute += (dims.tp - 1) * share * moe_fwd * moe_layers * dims.pp * tokens / world / rate
+        compute += (dims.tp - 1) * 3 * moe_fwd * moe_layers * tokens / world / rate
+        recompute += (dims.tp - 1) * share * moe_fwd * moe_layers * tokens / world / rate
 
     spans = _spans(dims)
     comm: dict[str, float] = {}
@@ -159,7 +160,7 @@ def predict_time(
     if dims.ep > 1 and moe_layers:
         # all-to-all of every routed row out and back, in forward, backward and recompute
         rows = z.top_k * z.tokens
-        transfers = (4 + 2 * share) * moe_layers * micro_batches
+        transfers = (4 + 2 * share) * moe_layers / dims.pp * micro_batches  # this rank's stage
         moved = transfers * (dims.ep - 1) / dims.ep * c * rows * z.h
         comm["ep"] = moved / link_bytes_per_s(spans["ep"], gpus_per_node, device)
     fsdp = dims.dp_shard * dims.cp
@@ -226,8 +227,8 @@ def _rank_params(args: ModelArgs, job: JobConfig, dims: ParallelDims) -> int:
 
 def _rank_expert_params(args: ModelArgs, dims: ParallelDims) -> int:
     """Expert weights of the busiest stage on one rank (split over EP, not FSDP-sharded)."""
-    layers = [i for i in range(-(-args.num_hidden_layers // dims.pp)) if args.is_moe_layer(i)]
-    return len(layers) * 3 * args.num_experts // dims.ep * args.moe_intermediate_size * args.hidden_size
+    layers = sum(args.is_moe_layer(i) for i in range(-(-args.num_hidden_layers // dims.pp)))
+    return layers * layer_expert_numel(args, dims.ep)
 
 
 def _spans(dims: ParallelDims) -> dict[str, int]:
