@@ -8,10 +8,14 @@ parallel plan sees the single-device numbers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
 
 from autopar.data.loader import IGNORE_INDEX
 
@@ -34,7 +38,29 @@ def chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor) -> tuple[tor
     return loss, (grad * valid[:, None]).to(logits.dtype)
 
 
+def vocab_parallel_chunk_loss_and_grad(
+    logits: torch.Tensor, labels: torch.Tensor, group: dist.ProcessGroup, vocab_start: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunk_loss_and_grad`` for rows whose vocabulary is split over ``group`` (loss
+    parallel): this rank holds columns ``vocab_start`` onwards. The row maxima, the sums of
+    exponents and the targets' logits are combined over the group, so every rank gets the
+    whole loss; the gradient is this rank's columns."""
+    x = logits.float()
+    top = funcol.all_reduce(x.amax(dim=-1), "max", group)
+    exp = (x - top[:, None]).exp()
+    total = funcol.all_reduce(exp.sum(dim=-1), "sum", group)
+    local = labels - vocab_start
+    mine = (local >= 0) & (local < x.shape[1])  # the target is one of this rank's columns
+    index = torch.where(mine, local, 0)[:, None]
+    target = funcol.all_reduce((x.gather(1, index)[:, 0] * mine).contiguous(), "sum", group)
+    valid = labels != IGNORE_INDEX
+    loss = ((top + total.log() - target) * valid).sum()
+    grad = (exp / total[:, None]).scatter_add_(1, index, -mine[:, None].to(exp.dtype))
+    return loss, (grad * valid[:, None]).to(logits.dtype)
+
+
 ChunkKernel = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+VocabParallelKernel = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -64,10 +90,23 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
 
 def chunked_token_loss_sum(
-    logits: torch.Tensor, labels: torch.Tensor, chunk_tokens: int, kernel: ChunkKernel = chunk_loss_and_grad
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    kernel: ChunkKernel = chunk_loss_and_grad,
+    vocab_parallel_kernel: VocabParallelKernel = vocab_parallel_chunk_loss_and_grad,
 ) -> torch.Tensor:
     """``token_loss_sum`` that never holds fp32 logits for more than ``chunk_tokens`` tokens;
-    ``kernel`` may be ``chunk_loss_and_grad`` compiled."""
+    ``kernel`` may be ``chunk_loss_and_grad`` compiled. Logits sharded over the vocabulary
+    (a DTensor, loss parallel) go through ``vocab_parallel_kernel`` on each rank's columns."""
+    if isinstance(logits, DTensor):
+        mesh = logits.device_mesh
+        assert logits.placements == (Shard(logits.ndim - 1),), logits.placements
+        width = -(-logits.shape[-1] // mesh.size())  # DTensor's Shard splits as torch.chunk does
+        kernel = functools.partial(
+            vocab_parallel_kernel, group=mesh.get_group(), vocab_start=mesh.get_local_rank() * width
+        )
+        logits = logits.to_local()  # its backward makes the gradient a vocab-sharded DTensor
     return _ChunkedCrossEntropy.apply(logits.flatten(0, 1), labels.flatten(), chunk_tokens, kernel)
 
 

@@ -22,7 +22,13 @@ from torch.distributed.tensor.parallel import loss_parallel
 from autopar.config.job import JobConfig
 from autopar.data.loader import Batch
 from autopar.distributed import World, by_mesh
-from autopar.loss import chunk_loss_and_grad, chunked_token_loss_sum, count_targets, token_loss_sum
+from autopar.loss import (
+    chunk_loss_and_grad,
+    chunked_token_loss_sum,
+    count_targets,
+    token_loss_sum,
+    vocab_parallel_chunk_loss_and_grad,
+)
 from autopar.models.args import ModelArgs
 from autopar.models.moe import load_balancing_loss
 from autopar.optim import build_optimizers, set_lr
@@ -88,9 +94,13 @@ class TrainContext:
         # vocab-parallel cross-entropy is a DTensor op dispatch that does not trace; it is
         # already a fused collective-aware kernel, so it stays eager
         if loss_chunk_tokens > 0:
-            kernel = torch.compile(chunk_loss_and_grad) if compile_loss else chunk_loss_and_grad
+            kernels = (chunk_loss_and_grad, vocab_parallel_chunk_loss_and_grad)
+            plain, vocab_parallel = (torch.compile(k) for k in kernels) if compile_loss else kernels
             self.loss_fn = functools.partial(
-                chunked_token_loss_sum, chunk_tokens=loss_chunk_tokens, kernel=kernel
+                chunked_token_loss_sum,
+                chunk_tokens=loss_chunk_tokens,
+                kernel=plain,
+                vocab_parallel_kernel=vocab_parallel,
             )
         elif compile_loss and not loss_parallel:
             self.loss_fn = torch.compile(token_loss_sum)

@@ -26,21 +26,14 @@ from autopar.plans.expert_parallel import check_ep
 from autopar.plans.float8 import check_float8, check_float8_filter
 from autopar.plans.mesh import ParallelDims, check_model_split
 from autopar.plans.mixed_precision import compute_dtype
-from autopar.plans.parallelize import loss_parallel_enabled
 from autopar.plans.sdpa_backend import check_sdpa_backend
 from autopar.profiling import check_profiling
 
 
-def check_loss_chunks(job: JobConfig, dims: ParallelDims) -> None:
-    """The chunked cross-entropy replaces the plain one; it cannot replace the others."""
+def check_loss_chunks(job: JobConfig) -> None:
     chunk = job.training.loss_chunk_tokens
     if chunk < 0:
         raise ConfigError(f"training.loss_chunk_tokens={chunk} must be >= 0 (0: no chunking)")
-    if chunk and loss_parallel_enabled(job, dims):
-        raise ConfigError(
-            f"training.loss_chunk_tokens={chunk} with tensor_parallel_degree={dims.tp} and vocab-parallel "
-            "loss (which already splits the vocabulary): set it to 0, or --parallelism.disable_loss_parallel true"
-        )
 
 
 def check_expert_kernel(job: JobConfig, args: ModelArgs, device_type: str) -> None:
@@ -69,7 +62,7 @@ def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: st
         head_tail=parallelism.context_parallel_load_balancer == "headtail",
     )
     check_batch(job.training, dims.dp)
-    check_loss_chunks(job, dims)
+    check_loss_chunks(job)
     check_ac(job.activation_checkpoint)
     check_ep(dims.ep, job.activation_checkpoint, job.compile.enable and "model" in job.compile.components)
     check_compile(job.compile)

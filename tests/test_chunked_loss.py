@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.config import ConfigError
 from autopar.data.loader import IGNORE_INDEX
 from autopar.distributed import single_process
 from autopar.loss import chunk_loss_and_grad, chunked_token_loss_sum, token_loss_sum
+from autopar.parity import Case, run_cases
 from autopar.trainer import Trainer
 from autopar.validate import validate
 
-from jobs import assert_same_training, parity_runs, tiny_job
+from jobs import assert_same_training, chat_job, tiny_job
 
 
 def logits_and_labels(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,31 +61,24 @@ def test_training_with_a_chunked_loss_matches_the_plain_loss(tmp_path):
         assert (chunked.loss, chunked.grad_norm) == pytest.approx((plain.loss, plain.grad_norm), rel=1e-5)
 
 
-def test_a_chunked_loss_with_vocab_parallel_loss_is_refused(tmp_path):
-    job = tiny_job(
-        tmp_path,
-        "--training.loss_chunk_tokens",
-        "64",
-        "--parallelism.tensor_parallel_degree",
-        "2",
-        "--parallelism.data_parallel_shard_degree",
-        "1",
-    )
-    with pytest.raises(ConfigError, match="disable_loss_parallel true"):
-        validate(job, 2)
-
-
-PLANS = ["dp_shard=2", "pp=2", "cp=2", "tp=2,loss_parallel=false"]
+PLANS = ["dp_shard=2", "pp=2", "cp=2", "tp=2,loss_parallel=false", "tp=2"]
+"""``tp=2`` is vocab-parallel: each rank's chunk holds half the vocabulary's columns."""
+CHAT_PLANS = ["tp=2", "tp=2,compile.enable=true,compile.components=loss"]
+"""Conversations: prompt tokens are ignored targets, which each vocabulary half must skip."""
 
 
 @pytest.fixture(scope="module")
 def chunked_parity(tmp_path_factory):
-    base = tiny_job(tmp_path_factory.mktemp("chunked"), "--training.loss_chunk_tokens", "24")
-    return parity_runs(base, PLANS, steps=4)
+    chunked = ("--training.loss_chunk_tokens", "24")
+    base = tiny_job(tmp_path_factory.mktemp("chunked"), *chunked)
+    chat = chat_job(tmp_path_factory.mktemp("chat"), *chunked)
+    cases = [Case(base, plan) for plan in PLANS] + [Case(chat, plan) for plan in CHAT_PLANS]
+    runs = run_cases(cases, steps=4)
+    return dict(zip(PLANS + [f"chat:{plan}" for plan in CHAT_PLANS], runs, strict=True))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("plan", PLANS + [f"chat:{plan}" for plan in CHAT_PLANS])
 def test_a_chunked_loss_under_a_plan_matches_one_device(chunked_parity, plan):
     reference, run = chunked_parity[plan]
     assert_same_training(run, reference, loss_rtol=1e-5, norm_rtol=1e-5)

@@ -2,10 +2,13 @@
 
 A tiny model trains 300 steps on the shipped corpus in bf16 and with torchao FP8 linears
 (tensorwise scaling, bf16 compute otherwise). Compared: the mean loss of every 20-step
-window. Measured (torch 2.13, torchao 0.18, CPU): FP8 within 0.7% of bf16 in every window
-(bf16 vs fp32: 0.5%); FP8 with every GEMM output zeroed 10.4% off (its first window alone
+window. Measured (torch 2.13, torchao 0.18, CPU): FP8 runs that differ from each other only
+by rounding (grouped or expanded k/v heads, flash or math attention, lr 0.003 or 0.0029) are
+0.8% to 2.2% off bf16 in their worst window, one-signed: FP8's trajectory, not a bias
+(bf16 vs fp32: 0.5%). FP8 with every GEMM output zeroed is 10.4% off (its first window alone
 7.8%, before the head's bigrams catch up); FP8 GEMMs whose outputs are not unscaled 23%.
-The tolerance, 2%, is about three times the honest gap and a fifth of the smallest broken one.
+The tolerance, 4%, is about twice the largest honest gap and 2.6 times below the smallest
+broken one.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from jobs import tiny_job
 pytestmark = [pytest.mark.slow]
 
 STEPS, WINDOW = 300, 20
-WINDOW_RTOL = 0.02
+WINDOW_RTOL = 0.04
 BF16_FLAGS = (
     "--training.steps",
     str(STEPS),

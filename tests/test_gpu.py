@@ -6,6 +6,8 @@ ranks sharing one GPU over gloo hung on torch 2.11 in our trial), so they are no
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -67,12 +69,14 @@ def test_cuda_ring_attention_machinery_on_one_rank_matches_plain_forward(tmp_pat
     from autopar.data.loader import Batch
     from autopar.models import Qwen, get_flavor
     from autopar.plans.context_parallel import ContextParallel
+    from autopar.plans.sdpa_backend import apply_gqa
 
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("cp",))
         model = Qwen(get_flavor("qwen3", "debug")).cuda()
         model.init_weights()
+        apply_gqa(model, False)  # what native_gqa gives ring attention
         tokens = torch.randint(0, 512, (2, 64), device="cuda")
         expected = model(tokens)
         cfg = Parallelism(context_parallel_impl="ring", context_parallel_rotate_method=rotate)
@@ -81,6 +85,47 @@ def test_cuda_ring_attention_machinery_on_one_rank_matches_plain_forward(tmp_pat
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # fp32, same kernels
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("backend", "masked"), [("auto", False), ("cudnn", False), ("cudnn", True)])
+def test_cuda_grouped_kv_heads_run_the_fused_kernel_and_equal_expanded_ones(backend, masked):
+    """Where ``native_gqa`` passes grouped k/v heads (bf16: flash, or a pinned cuDNN, masked
+    too), the fused kernel takes them, not the math fallback, with expanded heads' numbers."""
+    from torch.nn.attention import sdpa_kernel
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.models import Qwen, get_flavor
+    from autopar.plans.sdpa_backend import BACKENDS
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.add(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    model = Qwen(get_flavor("qwen3", "debug")).cuda()  # 8 query heads, 4 k/v heads
+    model.init_weights()
+    model.to(torch.bfloat16)
+    tokens = torch.randint(0, 512, (2, 256), device="cuda")
+    documents = torch.zeros_like(tokens).index_fill_(1, torch.arange(100, 256, device="cuda"), 1)
+    outputs = {}
+    for native in (True, False):
+        for block in model.layers.values():
+            block.self_attn.native_gqa = native
+        kernel = sdpa_kernel(BACKENDS[backend]) if backend != "auto" else contextlib.nullcontext()
+        with kernel, Ops() as ops:
+            outputs[native] = model(tokens, documents=documents if masked else None).float()
+        if native:
+            fused = {
+                "auto": "_scaled_dot_product_flash_attention",
+                "cudnn": "_scaled_dot_product_cudnn_attention",
+            }
+            assert fused[backend] in {name.split(".")[0] for name in ops.names}, ops.names
+    torch.testing.assert_close(outputs[True], outputs[False], rtol=2e-2, atol=2e-2)  # bf16 kernels
 
 
 @pytest.mark.gpu

@@ -98,9 +98,10 @@ GRID = [
     (64, ("qwen2.5", "14B"), ["--parallelism.context_parallel_degree=2"]),
     (64, ("qwen2.5", "14B"), ["--activation_checkpoint.mode=full"]),
     (64, ("qwen2.5", "32B"), ["--parallelism.tensor_parallel_degree=8"]),
-    # the chunked loss: logits and their gradient, one chunk's fp32 at a time
+    # the chunked loss: logits and their gradient, one chunk's fp32 at a time (vocab-parallel under TP)
     (8, ("qwen3", "0.6B"), ["--training.loss_chunk_tokens=1024"]),
     (8, ("qwen3", "0.6B"), ["--training.loss_chunk_tokens=512", "--activation_checkpoint.mode=full"]),
+    (16, ("qwen3", "32B"), ["--parallelism.tensor_parallel_degree=4", "--training.loss_chunk_tokens=1024"]),
     (
         16,
         ("qwen3", "0.6B"),
@@ -252,3 +253,17 @@ def test_document_masking_costs_what_the_dry_run_measures(flags):
     predicted = peaks["true"].predicted_peak_gib - peaks["false"].predicted_peak_gib
     measured = peaks["true"].measured_peak_gib - peaks["false"].measured_peak_gib
     assert measured > 0.04 and predicted == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.slow
+def test_expanded_kv_heads_cost_what_the_dry_run_measures():
+    """Where CUDA's kernel takes no grouped k/v heads (the efficient one), they are expanded
+    to every query head before SDPA, which saves the copies: the predicted extra bytes over
+    passing them grouped (flash) are the measured ones."""
+    peaks = {}
+    for backend in ("flash", "efficient"):
+        job = real_scale_job("qwen3", "8B", SMALL_VOCAB, f"--training.sdpa_backend={backend}")
+        (peaks[backend],) = compare(job, model_args(job), 8)
+    predicted = peaks["efficient"].predicted_peak_gib - peaks["flash"].predicted_peak_gib
+    measured = peaks["efficient"].measured_peak_gib - peaks["flash"].measured_peak_gib
+    assert measured > 0.08 and predicted == pytest.approx(measured, rel=0.05)

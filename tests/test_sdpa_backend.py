@@ -1,18 +1,24 @@
 """``training.sdpa_backend`` pins the attention kernel: the pinned one is what runs, training
-is the same number on every kernel, and a kernel the device lacks is a config error."""
+is the same number on every kernel, and a kernel the device lacks is a config error. Grouped
+k/v heads reach SDPA as they are wherever the kernel takes them, with the same numbers as
+expanded ones."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.attention import sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.config import ConfigError
 from autopar.distributed import single_process
+from autopar.models import Qwen
+from autopar.models.flavors import get_flavor
 from autopar.planner.memory import predict
 from autopar.plans.materialize import seeded_values
 from autopar.plans.mesh import ParallelDims, build_meshes
 from autopar.plans.parallelize import build_parts
+from autopar.plans.sdpa_backend import BACKENDS, native_gqa
 from autopar.trainer import Trainer
 from autopar.validate import validate
 
@@ -82,3 +88,79 @@ def test_the_planner_refuses_the_math_kernel_it_does_not_model(tmp_path):
     job = tiny_job(tmp_path, "--training.sdpa_backend", "math")
     with pytest.raises(ConfigError, match="sdpa_backend='math' saves a seq_len x seq_len attention matrix"):
         predict(validate(job, 8, "cuda"), job, 8)
+
+
+def _gqa_forward_backward(native: bool, documents: torch.Tensor | None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = Qwen(get_flavor("qwen3", "debug"))  # 8 query heads share 4 k/v heads
+    model.init_weights(seed=0)
+    for block in model.layers.values():
+        block.self_attn.native_gqa = native
+    tokens = torch.randint(0, model.args.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    logits = model(tokens, documents=documents)
+    logits.float().square().mean().backward()
+    return [logits, *(p.grad for p in model.parameters())]
+
+
+@pytest.mark.parametrize("backend", ["flash", "math"])
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "document-mask"])
+def test_grouped_kv_heads_give_what_expanded_ones_give(backend, masked):
+    documents = torch.tensor([[0] * 20 + [1] * 28, [0] * 48]) if masked else None
+    with sdpa_kernel(BACKENDS[backend]):
+        grouped = _gqa_forward_backward(True, documents)
+        expanded = _gqa_forward_backward(False, documents)
+    for a, b in zip(grouped, expanded, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _SdpaKeyHeads(TorchDispatchMode):
+    """The head count of every key that reaches CPU flash attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is CPU_FLASH:
+            self.heads.append(args[1].shape[1])
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_built_model_passes_grouped_kv_heads_to_cpu_flash_attention(tmp_path):
+    job = tiny_job(tmp_path)  # 4 query heads, 2 k/v heads
+    args = validate(job, 1, "cpu")
+    built = build_parts(
+        args,
+        job,
+        build_meshes(ParallelDims.resolve(job.parallelism, 1), "cpu"),
+        torch.device("cpu"),
+        seeded_values(args, 0, torch.device("cpu")),
+    )
+    with _SdpaKeyHeads() as seen:
+        built.parts[0](torch.zeros((1, 32), dtype=torch.long))
+    assert seen.heads == [args.num_key_value_heads] * args.num_hidden_layers
+
+
+@pytest.mark.parametrize(
+    ("flags", "cp_impl", "native"),
+    [
+        ([], "ring", True),  # bf16 flash
+        (["--training.sdpa_backend", "cudnn"], "ring", True),
+        (["--training.sdpa_backend", "efficient"], "ring", False),  # no grouped heads
+        (["--training.mixed_precision_param", "float32"], "ring", False),  # fp32: efficient
+        (["--training.document_masking", "true"], "ring", False),  # masked: efficient
+        (["--training.document_masking", "true", "--training.sdpa_backend", "cudnn"], "ring", True),
+        (["--parallelism.context_parallel_degree", "2"], "ring", False),  # torch's ring kernels
+        (["--parallelism.context_parallel_degree", "2"], "allgather", False),  # masked
+    ],
+)
+def test_cuda_groups_kv_heads_only_where_the_kernel_that_runs_takes_them(tmp_path, flags, cp_impl, native):
+    job = tiny_job(tmp_path, "--training.mixed_precision_param", "auto", *flags)  # bf16 on CUDA
+    assert native_gqa(job, "cuda", cp_impl) is native
+
+
+@pytest.mark.parametrize(
+    "flags", [[], ["--training.document_masking", "true"], ["--training.sdpa_backend", "math"]]
+)
+def test_cpu_always_groups_kv_heads(tmp_path, flags):
+    assert native_gqa(tiny_job(tmp_path, *flags), "cpu", "allgather")

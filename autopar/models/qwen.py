@@ -83,10 +83,17 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention with RoPE; Qwen3 adds a per-head RMSNorm on q and k."""
+    """Causal grouped-query attention with RoPE; Qwen3 adds a per-head RMSNorm on q and k.
+
+    ``native_gqa``: query heads share their k/v head inside SDPA (``enable_gqa``), so no
+    expanded k/v copy is made or saved. Where the kernel that would run has no grouped-query
+    support (CUDA's memory-efficient one) the copies are made here instead
+    (``plans.sdpa_backend.native_gqa`` decides per job and device).
+    """
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
+        self.native_gqa = True
         self.head_dim = args.head_dim
         self.rope_theta = args.rope_theta
         q_out = args.num_attention_heads * args.head_dim
@@ -116,11 +123,13 @@ class Attention(nn.Module):
         k = apply_rotary(k, cos, sin).transpose(1, 2)  # (B, Hkv, S, D)
         v = v.transpose(1, 2)  # (B, Hkv, S, D)
         n_rep = q.shape[1] // k.shape[1]
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        gqa = n_rep > 1 and self.native_gqa
+        if not gqa:
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, Hq, S, D)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, Hq, S, D)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)  # (B, S, Hq * D)
         return self.o_proj(out)
 

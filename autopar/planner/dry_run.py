@@ -15,9 +15,10 @@ Differences from the GPU run, stated rather than hidden:
   temporaries, which CUDA's fused AdamW does not have.
 - ``torch.compile`` is off: eager saves at least what the compiled graph saves, so the
   figures are an upper bound for a compiled job.
-- Attention takes the CPU flash kernel, which saves what CUDA flash attention saves (the
-  output and a float32 logsumexp, no S x S matrix). Context parallelism takes the CPU
-  all-gather implementation; ``memory.predict`` is told so (``cp_impl``).
+- Attention takes the CPU flash kernel whichever CUDA kernel the job pins: it saves what
+  they save (the output and a float32 logsumexp, no S x S matrix), and its k/v heads come
+  grouped or expanded as the CUDA kernel would take them. Context parallelism takes the CPU all-gather
+  implementation; ``memory.predict`` is told so (``cp_impl``).
 - The allocator's rounding, the CUDA context and NCCL buffers are not simulated; the planner
   names them as a separate allowance.
 - A mixture of experts runs its grouped-GEMM kernel, and under expert parallelism routing is
@@ -63,6 +64,7 @@ from autopar.pipelining.schedule import Pipeline, StageIO
 from autopar.planner.memory import predict
 from autopar.plans.mesh import Meshes, ParallelDims, build_meshes
 from autopar.plans.parallelize import ModelParts, loss_parallel_enabled, materialize_parts, parallelized_parts
+from autopar.plans.sdpa_backend import apply_gqa, native_gqa
 from autopar.step import TrainStep
 from autopar.trainer import Trainer
 from autopar.validate import validate
@@ -253,6 +255,8 @@ def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) ->
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     job = dry_run_job(job)
+    gqa = native_gqa(job, "cuda", "allgather")
+    job.training.sdpa_backend = "auto"  # CPU's flash kernel, with CUDA's choice of k/v heads
     dims = ParallelDims.resolve(job.parallelism, world_size)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
@@ -261,6 +265,8 @@ def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) ->
         # parallelizing on meta allocates nothing; FSDP builds meshes of its own from real
         # rank lists, so only materializing and the step run under fake tensors
         built = parallelized_parts(args, job, meshes, world.device)
+        for part in built.parts:
+            apply_gqa(part, gqa)
         with FakeTensorMode(allow_non_fake_inputs=True):
             parts = materialize_parts(built, world.device, _fake_values)
             io = _stage_io(job, meshes, parts) if dims.pp > 1 else None

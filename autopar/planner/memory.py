@@ -9,8 +9,9 @@ per token of a block, with ``c`` the compute dtype's bytes and heads/intermediat
 - each RMSNorm: its float32 input, the normalized ``c`` copy and a float32 rsqrt per row
   (sharded along the sequence under sequence parallel); each sublayer's linear input ``c*h``
   (gathered over the sequence under SP);
-- Qwen3's q/k norms the same per head; attention saves q, k and v expanded to all query
-  heads (GQA is repeated before SDPA), its output and a float32 logsumexp;
+- Qwen3's q/k norms the same per head; attention saves q, k and v (with as many heads as
+  SDPA is given: the k/v heads where the kernel takes them grouped, else expanded to every
+  query head, ``plans.sdpa_backend.native_gqa``), its output and a float32 logsumexp;
 - SwiGLU saves gate, silu(gate), up and their product, ``4*c*I``;
 - an explicit attention mask (document masking: one per sequence; all-gather CP: one
   causal mask by global position) is saved by SDPA as an additive ``c`` copy per block;
@@ -58,6 +59,7 @@ from autopar.plans.activation_checkpoint import checkpointed_layers
 from autopar.plans.mesh import ParallelDims
 from autopar.plans.mixed_precision import compute_dtype
 from autopar.plans.parallelize import loss_parallel_enabled
+from autopar.plans.sdpa_backend import native_gqa
 from autopar.plans.tensor_parallel import tp_plan
 
 GIB = 2**30
@@ -167,6 +169,7 @@ class _Sizes:
     h: int
     nq: int  # query heads per TP rank
     nkv: int
+    kv_sdpa: int  # k/v heads SDPA is given: nkv, or nq where they are expanded before it
     d: int
     inter: int  # intermediate size per TP rank
     sp: int  # sequence-parallel shard factor of norms and residuals
@@ -203,7 +206,7 @@ def block_bytes_no_ac(z: _Sizes, qk_norm: bool, moe: bool = False) -> float:
     heads = z.nq * z.d * t
     qk = (FP32 + z.c) * (z.nq + z.nkv) * z.d * t + FP32 * (z.nq + z.nkv) * t if qk_norm else 0
     rope = 4 * z.c * z.seq * z.d
-    attention = 2 * z.c * heads + 2 * z.c * heads * z.kv_seq_factor + FP32 * z.nq * t
+    attention = 2 * z.c * heads + 2 * z.c * z.kv_sdpa * z.d * t * z.kv_seq_factor + FP32 * z.nq * t
     mlp = moe_bytes_no_ac(z) if moe else 4 * z.c * z.inter * t
     mask = z.c * z.mask  # SDPA turns a boolean mask into an additive one and saves it
     return 2 * norm + linear_inputs + qk + rope + attention + mlp + mask
@@ -272,8 +275,9 @@ def head_bytes(z: _Sizes, vocab: int, tp_loss_parallel: int, chunk_tokens: int =
     the loss's backward) and the loss's float32 log-softmax output. Backward: the float32
     gradients of nll and log-softmax (under loss parallel, vocab-sharded, and three: torch's
     fused backward keeps its one-hot target, the sum with softmax and the product alive at
-    once). The chunked loss saves the logits and their gradient (c), computed in forward
-    beside one chunk's float32 log-probabilities, their exponent and the masked gradient;
+    once). The chunked loss saves the logits and their gradient (c, vocab-sharded under loss
+    parallel too), computed in forward beside one chunk's float32 log-probabilities, their
+    exponent and the masked gradient;
     its backward scales the gradient into a third c copy."""
     t = z.tokens
     logits = z.c * (vocab // tp_loss_parallel) * t
@@ -288,7 +292,13 @@ def head_bytes(z: _Sizes, vocab: int, tp_loss_parallel: int, chunk_tokens: int =
 
 
 def sizes(
-    args: ModelArgs, job: JobConfig, dims: ParallelDims, micro_batch: int, cp_impl: str, c: int
+    args: ModelArgs,
+    job: JobConfig,
+    dims: ParallelDims,
+    micro_batch: int,
+    cp_impl: str,
+    c: int,
+    device_type: str = "cuda",
 ) -> _Sizes:
     seq = job.training.seq_len // dims.cp
     sequence_parallel = dims.tp > 1 and job.parallelism.enable_sequence_parallel
@@ -303,6 +313,10 @@ def sizes(
         h=args.hidden_size,
         nq=args.num_attention_heads // dims.tp,
         nkv=args.num_key_value_heads // dims.tp,
+        kv_sdpa=(
+            args.num_key_value_heads if native_gqa(job, device_type, cp_impl) else args.num_attention_heads
+        )
+        // dims.tp,
         d=args.head_dim,
         inter=args.intermediate_size // dims.tp,
         sp=dims.tp if sequence_parallel else 1,
@@ -349,7 +363,7 @@ def predict_dims(
         stages = stage_modules(job.parallelism, args)
         roles = {0: "first stage", dims.pp // 2: "middle stage", dims.pp - 1: "last stage"}
     return [
-        _predict_stage_rank(args, job, dims, stages, rank_stage, role, cp_impl, compute_bytes)
+        _predict_stage_rank(args, job, dims, stages, rank_stage, role, cp_impl, compute_bytes, device_type)
         for rank_stage, role in sorted(roles.items())
     ]
 
@@ -368,6 +382,7 @@ def _predict_stage_rank(
     role: str,
     cp_impl: str,
     c: int,
+    device_type: str,
 ) -> Memory:
     ids = _rank_stage_ids(job, dims, len(stages), pp_rank) if dims.pp > 1 else [0]
     modules = [m for i in ids for m in stages[i]]
@@ -375,7 +390,7 @@ def _predict_stage_rank(
     micro = (
         job.parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else job.training.local_batch_size
     )
-    z = sizes(args, job, dims, micro, cp_impl, c)
+    z = sizes(args, job, dims, micro, cp_impl, c, device_type)
 
     ac = job.activation_checkpoint
     op = ac.mode == "selective" and ac.selective_ac_option == "op"

@@ -152,7 +152,7 @@ def predict_time(
         )
     cp_exposed = 0.0
     if dims.cp > 1:
-        kv = 2 * c * z.nkv * z.d * z.tokens
+        kv = 2 * c * z.kv_sdpa * z.d * z.tokens  # ring attention passes k/v as SDPA gets them
         cp_bytes = 3 * (dims.cp - 1) * kv * layers * micro_batches
         comm["cp"] = cp_bytes / link_bytes_per_s(spans["cp"], gpus_per_node, device)
         attention = 12 * z.nq * z.d * seq * z.tokens * layers * micro_batches / rate

@@ -22,13 +22,14 @@ from autopar.pipelining.schedule import SCHEDULE_STYLES, schedule_name, stage_mo
 from autopar.pipelining.split import prune, stage_ids
 from autopar.plans.activation_checkpoint import apply_ac
 from autopar.plans.compile import apply_compile
+from autopar.plans.context_parallel import resolve_impl
 from autopar.plans.expert_parallel import apply_ep
 from autopar.plans.float8 import apply_float8, resolve_backend
 from autopar.plans.fsdp import apply_fsdp
 from autopar.plans.materialize import FullValue, materialize
 from autopar.plans.mesh import Meshes, ParallelDims
 from autopar.plans.mixed_precision import apply_compute_dtype, compute_dtype, fsdp_policy
-from autopar.plans.sdpa_backend import apply_sdpa_backend
+from autopar.plans.sdpa_backend import apply_gqa, apply_sdpa_backend, native_gqa
 from autopar.plans.tensor_parallel import apply_tp
 
 logger = logging.getLogger("autopar")
@@ -67,6 +68,12 @@ def parallelize(
     if job.training.sdpa_backend != "auto":
         apply_sdpa_backend(model, job.training.sdpa_backend)
         logger.info("attention pinned to the %s SDPA backend", job.training.sdpa_backend)
+    gqa = native_gqa(job, device.type, resolve_impl(parallelism, device.type))
+    apply_gqa(model, gqa)
+    if args.num_key_value_heads < args.num_attention_heads:
+        logger.info(
+            "grouped k/v heads %s", "go to SDPA as they are" if gqa else "expanded to every query head"
+        )
     for module in model.modules():
         if isinstance(module, Experts):
             module.kernel = job.training.expert_kernel

@@ -1,7 +1,11 @@
-"""Pin the attention kernel: each block's attention runs under ``sdpa_kernel`` with the one SDPA
-backend ``training.sdpa_backend`` names, so kernels can be compared on one job
+"""The attention kernel. Pinned: each block's attention runs under ``sdpa_kernel`` with the one
+SDPA backend ``training.sdpa_backend`` names, so kernels can be compared on one job
 (``python -m autopar.bench --variants attn_flash attn_cudnn``); ``auto`` leaves torch's choice.
-The model keeps calling ``F.scaled_dot_product_attention``: only its dispatch changes."""
+The model keeps calling ``F.scaled_dot_product_attention``: only its dispatch changes.
+
+Grouped-query attention: where the kernel that will run takes fewer k/v heads than query
+heads, the model passes them as they are (``enable_gqa``) and no expanded copy is made or
+saved; elsewhere it expands them first (``native_gqa`` is the rule)."""
 
 from __future__ import annotations
 
@@ -9,12 +13,14 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from autopar.config.errors import ConfigError
 from autopar.config.job import JobConfig
 from autopar.plans.context_parallel import resolve_impl
+from autopar.plans.mixed_precision import compute_dtype
 
 BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -46,6 +52,32 @@ def check_sdpa_backend(job: JobConfig, device_type: str) -> None:
             + ("document masking" if job.training.document_masking else "all-gather context parallel")
             + " needs one; use auto, efficient, cudnn or math"
         )
+
+
+def native_gqa(job: JobConfig, device_type: str, cp_impl: str) -> bool:
+    """Whether the kernel this job's attention will dispatch to takes grouped k/v heads itself.
+
+    CPU's flash kernel does, with or without a mask. On CUDA (torch's order: flash, efficient,
+    math, cuDNN) flash and cuDNN do, in half precision; flash takes no mask and the efficient
+    kernel no grouped heads, so a masked or float32 call with grouped heads would land on the
+    math kernel, which saves the S x S matrix: those keep expanding k/v. So does torch's ring
+    attention (``cp_impl`` ``ring``), whose kernels have not been checked with grouped heads."""
+    if device_type != "cuda":
+        return True
+    context_parallel = job.parallelism.context_parallel_degree > 1
+    if context_parallel and cp_impl == "ring":
+        return False
+    half = compute_dtype(job, torch.device(device_type)) != torch.float32
+    backend = job.training.sdpa_backend
+    masked = job.training.document_masking or context_parallel  # all-gather CP masks by position
+    return half and (backend == "cudnn" or (backend in ("auto", "flash") and not masked))
+
+
+def apply_gqa(model: nn.Module, native: bool) -> None:
+    """Every block's attention passes its grouped k/v heads to SDPA as they are (``native``)
+    or expands them to every query head first."""
+    for block in model.layers.values():
+        block.self_attn.native_gqa = native
 
 
 def apply_sdpa_backend(model: nn.Module, backend: str) -> None:
