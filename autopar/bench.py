@@ -9,7 +9,9 @@ table gives tokens/s per device, MFU, peak memory and the speed ratio to the fir
 each variant's steps go to ``<job.dump_folder>/bench/<variant>/metrics.jsonl`` so that
 ``python -m autopar.plot`` overlays their loss curves.
 A variant is a name below or ``name:key=value,...`` with any job field
-(``fp8_rowwise:float8.enable=true,float8.recipe=rowwise,compile.enable=true``).
+(``fp8_rowwise:float8.enable=true,float8.recipe=rowwise,compile.enable=true``). The variant
+``torchtitan`` (or ``torchtitan:key=value,...``) runs torchtitan's trainer on the same job
+(``bench_torchtitan``).
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ from pathlib import Path
 
 import torch
 
+from autopar.bench_torchtitan import check_torchtitan_job, to_toml, torchtitan_config, torchtitan_on_rank
 from autopar.config.errors import ConfigError
 from autopar.config.job import JobConfig
-from autopar.job import derive_job, parse_job, short_run
-from autopar.metrics import mfu_percent
+from autopar.job import derive_job, model_args, parse_job, short_run
+from autopar.metrics import flops_per_token, mfu_percent
+from autopar.plans.mesh import ParallelDims
 from autopar.validate import validate
 
+TORCHTITAN_VARIANT = "torchtitan"
 NAMED_VARIANTS = {
     "eager": "compile.enable=false,float8.enable=false",
     "compiled": "compile.enable=true,float8.enable=false",
@@ -70,7 +75,7 @@ class VariantResult:
 def variant_job(base: JobConfig, spec: str, steps: int) -> tuple[str, str, JobConfig]:
     """(name, overrides, job) of a variant spec; the job writes under ``bench/<name>``."""
     name, _, overrides = spec.partition(":")
-    if not overrides:
+    if not overrides and name != TORCHTITAN_VARIANT:
         if name not in NAMED_VARIANTS:
             raise ConfigError(
                 f"variant {name!r} is unknown; use one of {list(NAMED_VARIANTS)} or name:key=value,..."
@@ -118,10 +123,22 @@ def _bench_on_rank(job: JobConfig, warmup: int) -> dict:
     }
 
 
-def run_variant(job: JobConfig, nproc: int, warmup: int) -> list[dict]:
+def run_variant(name: str, job: JobConfig, nproc: int, warmup: int) -> list[dict]:
     from autopar.spawn import run_on_ranks
 
-    return run_on_ranks(_bench_on_rank, nproc, job, warmup)
+    if name != TORCHTITAN_VARIANT:
+        return run_on_ranks(_bench_on_rank, nproc, job, warmup)
+    config = to_toml(torchtitan_config(job))
+    ranks = run_on_ranks(torchtitan_on_rank, nproc, config, warmup)
+    training, dims = job.training, ParallelDims.resolve(job.parallelism, nproc)
+    sequences = (
+        training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dims.dp
+    )
+    args = model_args(job)
+    for rank in ranks:  # what ours reports from its own trainer, for the same job
+        rank["tokens_per_step"] = sequences * training.seq_len
+        rank["flops_per_token"] = flops_per_token(args, job.training.seq_len)
+    return ranks
 
 
 def summarize(name: str, overrides: str, ranks: list[dict], nproc: int) -> VariantResult:
@@ -190,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, _, job in jobs:
             try:
                 validate(job, known.nproc)
+                if name == TORCHTITAN_VARIANT:
+                    check_torchtitan_job(job)
             except ConfigError as err:
                 raise ConfigError(f"variant {name!r}: {err}") from None
     except ConfigError as err:
@@ -197,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results, device = [], "cpu"
     for name, overrides, job in jobs:
-        ranks = run_variant(job, known.nproc, known.warmup)
+        ranks = run_variant(name, job, known.nproc, known.warmup)
         device = ranks[0]["device"]
         results.append(summarize(name, overrides, ranks, known.nproc))
     text = table(results)
