@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from autopar.bench_torchtitan import check_torchtitan_job, to_toml, torchtitan_config, torchtitan_on_rank
+from autopar.bench_torchtitan import check_torchtitan_job, torchtitan_on_rank, write_torchtitan_job
 from autopar.config.errors import ConfigError
 from autopar.config.job import JobConfig
 from autopar.job import derive_job, model_args, parse_job, short_run
@@ -128,8 +128,7 @@ def run_variant(name: str, job: JobConfig, nproc: int, warmup: int) -> list[dict
 
     if name != TORCHTITAN_VARIANT:
         return run_on_ranks(_bench_on_rank, nproc, job, warmup)
-    config = to_toml(torchtitan_config(job))
-    ranks = run_on_ranks(torchtitan_on_rank, nproc, config, warmup)
+    ranks = run_on_ranks(torchtitan_on_rank, nproc, str(write_torchtitan_job(job)), warmup)
     training, dims = job.training, ParallelDims.resolve(job.parallelism, nproc)
     sequences = (
         training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dims.dp

@@ -129,19 +129,24 @@ def to_toml(sections: dict[str, dict[str, Any]]) -> str:
     return "\n".join(blocks)
 
 
-def torchtitan_on_rank(config_text: str, warmup: int) -> dict:
+def write_torchtitan_job(job: JobConfig) -> Path:
+    """The job file, beside the variant's outputs (``python -m torchtitan.train
+    --job.config_file`` reruns it as it ran)."""
+    path = Path(job.job.dump_folder) / "torchtitan.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_toml(torchtitan_config(job)))
+    return path
+
+
+def torchtitan_on_rank(job_file: str, warmup: int) -> dict:
     """torchtitan's Trainer on this rank (its process group already up, which torchtitan
     keeps), each ``train_step`` timed and each logged loss and peak memory recorded."""
-    import tempfile
-
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import init_logger
     from torchtitan.train import Trainer
 
     init_logger()
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
-        f.write(config_text)
-    config = ConfigManager().parse_args(["--job.config_file", f.name])
+    config = ConfigManager().parse_args(["--job.config_file", job_file])
     trainer = Trainer(config)
     times: list[float] = []
     losses: list[float] = []

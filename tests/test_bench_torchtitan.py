@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from autopar import bench, bench_torchtitan
-from autopar.bench_torchtitan import check_torchtitan_job, to_toml, torchtitan_config
+from autopar.bench_torchtitan import check_torchtitan_job, to_toml, torchtitan_config, write_torchtitan_job
 from autopar.config import ConfigError
 from autopar.config.parse import tomllib
 from autopar.data.tokens import BUILTIN_DATASETS
@@ -33,9 +33,11 @@ def test_the_job_file_carries_model_batch_precision_and_plan():
     assert sections["metrics"]["log_freq"] == 1  # every step ends in its loss's host sync
 
 
-def test_the_job_file_round_trips_through_toml():
-    sections = torchtitan_config(qwen3_1_7b())
-    assert tomllib.loads(to_toml(sections)) == sections
+def test_the_job_file_is_written_beside_the_variants_outputs_and_reads_back(tmp_path):
+    job = qwen3_1_7b("--job.dump_folder", str(tmp_path / "bench" / "torchtitan"))
+    path = write_torchtitan_job(job)
+    assert path == tmp_path / "bench" / "torchtitan" / "torchtitan.toml"
+    assert tomllib.loads(path.read_text()) == torchtitan_config(job)
 
 
 def test_torchtitan_reads_a_tokenizer_json_from_the_assets_folder():

@@ -17,8 +17,8 @@ Differences from the GPU run, stated rather than hidden:
   figures are an upper bound for a compiled job.
 - Attention takes the CPU flash kernel whichever CUDA kernel the job pins: it saves what
   they save (the output and a float32 logsumexp, no S x S matrix), and its k/v heads come
-  grouped or expanded as the CUDA kernel would take them. Context parallelism takes the CPU all-gather
-  implementation; ``memory.predict`` is told so (``cp_impl``).
+  grouped or expanded as the CUDA kernel would take them. Context parallelism takes the
+  CPU all-gather implementation; ``memory.predict`` is told so (``cp_impl``).
 - The allocator's rounding, the CUDA context and NCCL buffers are not simulated; the planner
   names them as a separate allowance.
 - A mixture of experts runs its grouped-GEMM kernel, and under expert parallelism routing is
