@@ -25,6 +25,7 @@ import torch
 
 from autopar.config.errors import ConfigError
 from autopar.config.job import JobConfig
+from autopar.config.parse import toml_value
 from autopar.data.chat import CHATML_TOKENIZER
 from autopar.data.tokens import BUILTIN_DATASETS
 from autopar.metrics import peak_flops
@@ -112,21 +113,11 @@ def torchtitan_config(job: JobConfig) -> dict[str, dict[str, Any]]:
 
 
 def to_toml(sections: dict[str, dict[str, Any]]) -> str:
-    """TOML text of flat sections of strings, numbers, booleans and lists of strings."""
-
-    def value(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, list):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        return repr(v)
-
-    blocks = []
-    for name, fields in sections.items():
-        blocks.append(f"[{name}]\n" + "".join(f"{key} = {value(v)}\n" for key, v in fields.items()))
-    return "\n".join(blocks)
+    """TOML text of flat sections."""
+    return "\n".join(
+        f"[{name}]\n" + "".join(f"{key} = {toml_value(v)}\n" for key, v in fields.items())
+        for name, fields in sections.items()
+    )
 
 
 def write_torchtitan_job(job: JobConfig) -> Path:

@@ -39,7 +39,8 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _attention_ops(job) -> set[object]:
+def _built_model(job) -> torch.nn.Module:
+    """The job's model as the trainer builds it on one CPU process."""
     args = validate(job, 1, "cpu")
     built = build_parts(
         args,
@@ -48,8 +49,13 @@ def _attention_ops(job) -> set[object]:
         torch.device("cpu"),
         seeded_values(args, 0, torch.device("cpu")),
     )
+    return built.parts[0]
+
+
+def _attention_ops(job) -> set[object]:
+    model = _built_model(job)
     with _Ops() as ops:
-        built.parts[0](torch.zeros((1, 32), dtype=torch.long))
+        model(torch.zeros((1, 32), dtype=torch.long))
     return ops.seen
 
 
@@ -128,16 +134,10 @@ class _SdpaKeyHeads(TorchDispatchMode):
 
 def test_a_built_model_passes_grouped_kv_heads_to_cpu_flash_attention(tmp_path):
     job = tiny_job(tmp_path)  # 4 query heads, 2 k/v heads
-    args = validate(job, 1, "cpu")
-    built = build_parts(
-        args,
-        job,
-        build_meshes(ParallelDims.resolve(job.parallelism, 1), "cpu"),
-        torch.device("cpu"),
-        seeded_values(args, 0, torch.device("cpu")),
-    )
+    model = _built_model(job)
+    args = model.args
     with _SdpaKeyHeads() as seen:
-        built.parts[0](torch.zeros((1, 32), dtype=torch.long))
+        model(torch.zeros((1, 32), dtype=torch.long))
     assert seen.heads == [args.num_key_value_heads] * args.num_hidden_layers
 
 

@@ -322,13 +322,14 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """A TOML literal of a string, number, boolean or list of them."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
     if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return repr(value)
 
 
@@ -343,11 +344,11 @@ def to_toml(job: JobConfig) -> str:
             if (name, key) == ("job", "print_config"):
                 value = False
             if key == "overrides":
-                lines.extend(f"{k} = {_toml_value(v)}" for k, v in value.items())
+                lines.extend(f"{k} = {toml_value(v)}" for k, v in value.items())
             elif value is None:
                 lines.append(f"# {key} is unset")
             else:
-                lines.append(f"{key} = {_toml_value(value)}")
+                lines.append(f"{key} = {toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
 
