@@ -1,10 +1,13 @@
 """Choose a parallel plan before launch: ``python -m autopar.plan --job.config FILE --world-size N
-[--gpus-per-node 8] [--device h100] [--gpu-memory-gib G] [--top 10] [--json PATH] [--section.field VALUE ...]``.
+[--gpus-per-node 8] [--device h100] [--gpu-memory-gib G] [--top 10] [--json PATH] [--verify K]
+[--section.field VALUE ...]``.
 
 Prints the best plans that fit (degrees, schedule, activation checkpointing, batch, predicted
 peak memory and its largest parts, tokens/s per GPU, MFU and where the time goes), the flags
 that run the best one, and how the job's own plan compares. Plan settings given as flags are
-held fixed. Exit 2 with one paragraph when no plan fits.
+held fixed. ``--verify K`` dry-runs the K best plans first (``planner/verify.py``), prints each
+rank role's measured peak beside the predicted one, and drops any plan that fails to build or
+does not fit as measured. Exit 2 with one paragraph when no plan fits.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from autopar.job import model_args, parse_job
 from autopar.models.args import ModelArgs
 from autopar.planner.devices import DeviceSpec, device_spec
 from autopar.planner.search import Plan, ac_text, evaluate, no_fit_message, pinned_fields, search
+from autopar.planner.verify import verify
 from autopar.validate import check_plan
 
 OPTIONS = {
@@ -30,6 +34,7 @@ OPTIONS = {
     "--gpu-memory-gib": float,
     "--top": int,
     "--json": str,
+    "--verify": int,
 }
 
 
@@ -56,7 +61,7 @@ def split_options(argv: list[str]) -> tuple[dict[str, object], list[str]]:
         i += 1
     if "--world-size" not in found:
         raise ConfigError("--world-size N is required: the number of GPUs to plan for")
-    for name in ("--world-size", "--gpus-per-node", "--top"):
+    for name in ("--world-size", "--gpus-per-node", "--top", "--verify"):
         if name in found and found[name] < 1:
             raise ConfigError(f"{name} {found[name]} must be >= 1")
     return found, rest
@@ -113,12 +118,14 @@ def main(argv: list[str]) -> int:
         return 2
     elapsed = time.perf_counter() - start
     fitting = [p for p in plans if p.fits]
-    top = fitting[: int(options.get("--top", 10))]
     print(
         f"{job.model.name} {job.model.flavor}, seq_len {job.training.seq_len}, on {world} x {device.name} "
         f"({device.memory_gib:.1f} GiB, {gpus_per_node} per node): {len(plans)} valid plans, "
         f"{len(fitting)} fit ({elapsed:.2f} s)"
     )
+    if "--verify" in options:
+        fitting = verified_plans(fitting, int(options["--verify"]), job, args, world, device)
+    top = fitting[: int(options.get("--top", 10))]
     if "--json" in options:
         path = Path(str(options["--json"]))
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -133,6 +140,19 @@ def main(argv: list[str]) -> int:
     print("\nrun the best plan with:\n  " + " ".join(top[0].overrides))
     print(own_plan_line(job, args, world, gpus_per_node, device, top[0]))
     return 0
+
+
+def verified_plans(
+    fitting: list[Plan], count: int, job: JobConfig, args: ModelArgs, world: int, device: DeviceSpec
+) -> list[Plan]:
+    """``fitting`` without those of its first ``count`` whose dry runs fail or do not fit;
+    prints each dry run."""
+    print(f"\nverifying the {min(count, len(fitting))} best plans by their dry runs:")
+    checked = verify(fitting, count, job, args, world, device)
+    for i, result in enumerate(checked, 1):
+        print("\n".join(result.lines(i)))
+    print()
+    return [r.plan for r in checked if r.kept] + fitting[count:]
 
 
 def own_plan_line(

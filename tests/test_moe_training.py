@@ -81,6 +81,9 @@ PLANS = [
     "dp_shard=2,ep=2,activation_checkpoint.mode=full",
     "dp_shard=2,ep=2,activation_checkpoint.mode=selective",  # per-op
     "dp_shard=2,ep=2,compile.enable=true",
+    # zero-bubble schedules recompute checkpointed blocks twice (input, then weight gradients)
+    "dp_shard=2,pp=2,ep=2,schedule=ZBVZeroBubble,activation_checkpoint.mode=selective",
+    "dp_shard=2,pp=2,ep=2,schedule=InterleavedZeroBubble,activation_checkpoint.mode=full",
 ]
 
 
@@ -94,8 +97,12 @@ def moe_parity(tmp_path_factory):
 @pytest.mark.parametrize("plan", PLANS)
 def test_moe_training_under_a_plan_matches_one_device(moe_parity, plan):
     reference, run = moe_parity[plan]
-    rtol = 1e-4 if "compile" in plan else 1e-5  # inductor fuses and reorders fp32 reductions
-    assert_same_training(run, reference, loss_rtol=rtol, norm_rtol=rtol)
+    # fp32, 4 steps, only the order of sums differs; routing amplifies it in the gradient
+    # norm. Measured over these plans under ATEN_CPU_CAPABILITY avx2 and default, with 1
+    # and 2 threads: loss <= 1.3e-6, grad norm <= 3.6e-5 (TP; 1.7e-5 on AVX2, 1.1e-5 CP).
+    # Inductor also fuses and reorders fp32 reductions.
+    loss_rtol = 1e-4 if "compile" in plan else 1e-5
+    assert_same_training(run, reference, loss_rtol=loss_rtol, norm_rtol=1e-4)
 
 
 @pytest.mark.parametrize(

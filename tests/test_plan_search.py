@@ -80,6 +80,34 @@ def test_the_naive_32b_plan_on_64_h100s_does_not_fit_but_the_chosen_one_does():
     assert best.fits and best.peak_gib <= H100.memory_gib
 
 
+def test_zero_bubble_schedules_are_searched_without_activation_checkpointing():
+    # the split backward keeps what checkpointing would free (memory.py's walk and the dry run)
+    job = preset("qwen3_32b")
+    plans = search(job, model_args(job), 64, 8, H100)
+    zero_bubble = [
+        p
+        for p in plans
+        if p.dims.pp > 1 and p.settings["parallelism.pipeline_parallel_schedule"] == "ZBVZeroBubble"
+    ]
+    assert zero_bubble and all(p.settings["activation_checkpoint.mode"] == "none" for p in zero_bubble)
+
+
+def test_a_zero_bubble_schedule_with_checkpointing_is_kept_when_the_job_pins_both():
+    job = preset(
+        "qwen3_32b",
+        "--parallelism.pipeline_parallel_degree=8",
+        "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble",
+        "--activation_checkpoint.mode=full",
+    )
+    pinned = {
+        "parallelism.pipeline_parallel_degree",
+        "parallelism.pipeline_parallel_schedule",
+        "activation_checkpoint.mode",
+    }
+    plans = search(job, model_args(job), 64, 8, H100, pinned)
+    assert plans and all(p.settings["activation_checkpoint.mode"] == "full" for p in plans)
+
+
 def test_pinned_degrees_that_cannot_multiply_to_the_world_are_one_error():
     job = preset("qwen3_8b", "--parallelism.tensor_parallel_degree=3")
     with pytest.raises(ConfigError, match=r"tensor_parallel_degree=3.*world size 8"):

@@ -4,13 +4,15 @@ FP8 against bf16 over a long run is in ``test_float8_numerics.py``."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
 from autopar.config.job import ActivationCheckpoint
 from autopar.models import Qwen, get_flavor
 from autopar.parity import Case, relative_deltas, run_cases
-from autopar.plans.activation_checkpoint import checkpointed_layers
+from autopar.plans.activation_checkpoint import apply_ac, checkpointed_layers
 
 from jobs import TINY_MODEL, assert_same_training, parity_runs, tiny_job
 
@@ -43,6 +45,31 @@ def test_compiled_block_has_no_graph_breaks():
 def test_checkpointed_layers_follow_the_mode(mode, option, expected):
     cfg = ActivationCheckpoint(mode=mode, selective_ac_option=option)
     assert checkpointed_layers(cfg, ["0", "1", "2", "3"]) == expected
+
+
+@pytest.mark.parametrize(
+    "mode, option",
+    [("full", "op"), ("selective", "op"), ("selective", "2")],
+    ids=["full", "per-op", "every-2nd"],
+)
+def test_checkpointed_blocks_backpropagate_in_two_passes_like_plain_ones(mode, option):
+    """Zero-bubble schedules run a stage's backward as two autograd passes (input gradients
+    keeping the graph, then weight gradients), so a checkpointed block recomputes twice."""
+    args = get_flavor("qwen3", "debug", **TINY_MODEL)
+    plain = Qwen(args)
+    plain.init_weights()
+    checkpointed = copy.deepcopy(plain)
+    apply_ac(checkpointed, ActivationCheckpoint(mode=mode, selective_ac_option=option), compiled=False)
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for model in (plain, checkpointed):
+        loss = model(tokens).pow(2).mean()
+        first = torch.autograd.grad(loss, [model.embed_tokens.weight], retain_graph=True)
+        second = torch.autograd.grad(loss, [p for n, p in model.named_parameters() if "layers" in n])
+        grads.append([*first, *second])
+    assert len(grads[0]) == len(grads[1]) > 1
+    for plain_grad, checkpointed_grad in zip(*grads, strict=True):
+        torch.testing.assert_close(checkpointed_grad, plain_grad)  # recompute replays the same fp32 ops
 
 
 AC_PLANS = [

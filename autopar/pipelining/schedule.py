@@ -50,6 +50,10 @@ class ScheduleStyle(NamedTuple):
     """How stages map to ranks: ``loop`` (stage s on rank s mod pp) or ``v`` (down and back)."""
     stages_per_rank: int | None
     """Stages each rank runs; None: any number (2 by default)."""
+    splits_backward: bool = False
+    """Zero-bubble: each backward runs as two autograd passes, input gradients (keeping the
+    graph) and later weight gradients, so a checkpointed block recomputes twice and a
+    compiled backward must not donate its buffers to the first pass."""
 
 
 SCHEDULE_STYLES: dict[str, ScheduleStyle] = {
@@ -57,9 +61,9 @@ SCHEDULE_STYLES: dict[str, ScheduleStyle] = {
     "1F1B": ScheduleStyle("loop", 1),
     "Interleaved1F1B": ScheduleStyle("loop", None),
     "LoopedBFS": ScheduleStyle("loop", None),
-    "InterleavedZeroBubble": ScheduleStyle("loop", None),
-    "ZBVZeroBubble": ScheduleStyle("v", 2),
-    "DualPipeV": ScheduleStyle("v", 2),
+    "InterleavedZeroBubble": ScheduleStyle("loop", None, splits_backward=True),
+    "ZBVZeroBubble": ScheduleStyle("v", 2, splits_backward=True),
+    "DualPipeV": ScheduleStyle("v", 2, splits_backward=True),
 }
 
 
@@ -228,6 +232,7 @@ class Pipeline:
     num_stages: int
     loss: StageLoss
     n_micro: int
+    splits_backward: bool = False
 
     @property
     def has_first(self) -> bool:
@@ -267,7 +272,17 @@ def build_pipeline(
         schedule = cls(stages[0], n_microbatches=n_micro, loss_fn=loss, scale_grads=False)
     else:
         schedule = cls(stages, n_microbatches=n_micro, loss_fn=loss, scale_grads=False)
-    return Pipeline(schedule, parts, stage_ids, total_stages, loss, n_micro)
+    splits = SCHEDULE_STYLES[schedule_name(cfg)].splits_backward
+    return Pipeline(schedule, parts, stage_ids, total_stages, loss, n_micro, splits)
+
+
+def _compiled_backward_context(pipeline: Pipeline) -> contextlib.AbstractContextManager:
+    """Where compiled blocks are built (lazily, in the first step) for a schedule that splits
+    backward: AOT autograd must keep the buffers it would donate to the backward, which the
+    input-gradient pass runs with ``retain_graph`` for the weight pass after it."""
+    if not pipeline.splits_backward:
+        return contextlib.nullcontext()
+    return torch._functorch.config.patch(donated_buffer=False)
 
 
 def pipeline_forward_backward(
@@ -296,7 +311,8 @@ def pipeline_forward_backward(
             kwargs = {name: value for name, value in extra.items() if value is not None}
             # return_outputs=False: the last stage keeps no logits of finished micro-batches
             run = pipeline.schedule.step if backward else pipeline.schedule.eval
-            run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+            with _compiled_backward_context(pipeline):
+                run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         # the micro-batches' own calls are the last ones (torch may first call the loss to
         # infer gradient shapes)
         for value, aux in pipeline.loss.parts[-pipeline.n_micro :] if pipeline.has_last else []:

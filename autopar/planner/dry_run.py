@@ -50,8 +50,9 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._utils import InferenceMode
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, _redistribute
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten
 
@@ -276,7 +277,19 @@ def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) ->
             peak = measure_step(step, _batches(job, dims), job.optimizer.lr)
     finally:
         dist.destroy_process_group()
+        _forget_sharding_cache()
     return peak
+
+
+def _forget_sharding_cache() -> None:
+    """Drop DTensor's cached sharding and redistribution decisions. They are keyed by device
+    meshes, which compare equal across process groups (rank layout and names, not the
+    group), so the next role's fake group would be handed the meshes of this destroyed one
+    (a flattened mesh inside a cached redistribution, under CP x TP): "Could not resolve the
+    process group" in the next stage's forward."""
+    _clear_sharding_prop_cache()  # the Python and the C++ dispatch fast path's caches
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
 
 
 def measure_step(step: TrainStep, batches: list[Batch], lr: float) -> dict[str, int]:

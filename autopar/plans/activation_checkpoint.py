@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.overrides import _get_current_function_mode_stack
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.config.errors import ConfigError
@@ -54,51 +55,91 @@ def _op_context():
     return create_selective_checkpoint_contexts(_save_expensive_ops)
 
 
-PROFILER_OPS = frozenset(
-    (
-        torch.ops.profiler._record_function_enter_new.default,
-        torch.ops.profiler._record_function_exit._RecordFunction,
-    )
-)
+class _SavedOutputs:
+    """Outputs of the ops in ``SAVED_OPS``, per op in call order, from one block's forward."""
+
+    def __init__(self) -> None:
+        self.by_op: dict[object, list[object]] = {}
 
 
-class _ProfilerRangesUncounted(TorchDispatchMode):
-    """Run the profiler's range ops past per-op checkpointing. A module FSDP shards inside a
-    checkpointed block (a mixture of experts' own group under EP) records one more range in
-    recompute than in forward (it is its iteration's first FSDP module then), and per-op
-    checkpointing would count that extra op as forward and recompute disagreeing."""
+def _detached(value: object) -> object:
+    return tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, value)
+
+
+class _SaveExpensiveOps(TorchDispatchMode):
+    """Forward of an eager per-op checkpointed block: keeps the expensive ops' outputs."""
+
+    def __init__(self, saved: _SavedOutputs) -> None:
+        super().__init__()
+        self.saved = saved
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func in PROFILER_OPS:
-            with _disable_current_modes():
-                return func(*args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if func in SAVED_OPS:
+            self.saved.by_op.setdefault(func, []).append(_detached(out))
+        return out
 
 
-def _recompute_under_forward_modes(per_op: bool):
-    """(forward, recompute) contexts for eager ``checkpoint``: recompute runs under the
-    torch-function modes that were active in the forward. Context parallel's attention is
-    such a mode, and backward (where recompute happens) runs with it switched off. (A
-    compiled block recomputes inside its compiled backward, which needs no mode.)"""
-    forward, recompute = _op_context() if per_op else (contextlib.nullcontext(), contextlib.nullcontext())
-    uncounted = _ProfilerRangesUncounted if per_op else contextlib.nullcontext
-    modes = _get_current_function_mode_stack()
+class _ReuseExpensiveOps(TorchDispatchMode):
+    """Recompute of an eager per-op checkpointed block: the expensive ops answer from the
+    forward's outputs, the rest run again. Unlike torch's selective-checkpoint cache, an
+    output is not consumed by its first use: zero-bubble schedules recompute a block once
+    for the input gradients and again for the weight gradients. Only ``SAVED_OPS`` are
+    counted, so ops that run a different number of times in recompute (profiler ranges of
+    a module FSDP shards inside the block) cannot misalign forward and recompute."""
 
-    @contextlib.contextmanager
-    def counted_forward():
-        with forward, uncounted():
-            yield
+    def __init__(self, saved: _SavedOutputs) -> None:
+        super().__init__()
+        self.saved = saved
+        self.calls: dict[object, int] = {}
 
-    @contextlib.contextmanager
-    def recompute_as_forward():
-        with contextlib.ExitStack() as stack:
-            for mode in modes:
-                stack.enter_context(mode)
-            stack.enter_context(recompute)
-            stack.enter_context(uncounted())
-            yield
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func not in SAVED_OPS:
+            return func(*args, **(kwargs or {}))
+        index = self.calls.get(func, 0)
+        self.calls[func] = index + 1
+        outputs = self.saved.by_op.get(func, [])
+        if index >= len(outputs):
+            raise RuntimeError(
+                f"per-op activation checkpointing: recompute called {func} more often than the "
+                "forward did; the block must compute the same ops in forward and backward"
+            )
+        return _detached(outputs[index])
 
-    return counted_forward(), recompute_as_forward()
+
+class _Recompute:
+    """Context of one eager block's recompute, re-enterable: it runs under the torch-function
+    modes that were active in the forward (context parallel's attention is such a mode, and
+    backward, where recompute happens, runs with it off) and, for per-op checkpointing,
+    reuses the forward's expensive outputs. Zero-bubble schedules enter it twice per block."""
+
+    def __init__(self, modes: tuple[object, ...], saved: _SavedOutputs | None) -> None:
+        self.modes = modes
+        self.saved = saved
+        self.stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        active = [id(mode) for mode in _get_current_function_mode_stack()]
+        for mode in self.modes:
+            # the weight pass of a zero-bubble schedule may run with the mode still on: a mode
+            # entered twice would hand its own attention call to its second copy
+            if id(mode) not in active:
+                stack.enter_context(mode)  # type: ignore[arg-type]
+        if self.saved is not None:
+            stack.enter_context(_ReuseExpensiveOps(self.saved))
+        self.stacks.append(stack)
+
+    def __exit__(self, *exc: object) -> bool | None:
+        return self.stacks.pop().__exit__(*exc)  # type: ignore[arg-type]
+
+
+def _eager_contexts(per_op: bool) -> tuple[contextlib.AbstractContextManager, _Recompute]:
+    """(forward, recompute) contexts for an eager ``checkpoint``. (A compiled block
+    recomputes inside its compiled backward, which needs neither.)"""
+    saved = _SavedOutputs() if per_op else None
+    forward = _SaveExpensiveOps(saved) if saved is not None else contextlib.nullcontext()
+    return forward, _Recompute(tuple(_get_current_function_mode_stack()), saved)
 
 
 def check_ac(cfg: ActivationCheckpoint) -> None:
@@ -127,7 +168,7 @@ def apply_ac(model: nn.Module, cfg: ActivationCheckpoint, compiled: bool) -> Non
     torch.compile accepts only dispatch-mode contexts."""
     per_op = cfg.mode == "selective" and cfg.selective_ac_option == "op"
     if not compiled:
-        extra = {"context_fn": functools.partial(_recompute_under_forward_modes, per_op)}
+        extra = {"context_fn": functools.partial(_eager_contexts, per_op)}
     else:
         extra = {"context_fn": _op_context} if per_op else {}
     for i in checkpointed_layers(cfg, list(model.layers.keys())):

@@ -1,0 +1,72 @@
+"""Check the planner's best plans by building them: each plan's dry run (its real parallelized
+model and one training step under a fake process group, see ``dry_run.py``) before the
+planner answers. A plan whose dry run fails, or whose measured peak with the runtime reserve
+does not fit the GPU, is dropped with the reason, so a recommended plan is one that builds."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from autopar.config.job import JobConfig
+from autopar.models.args import ModelArgs
+from autopar.planner.devices import DeviceSpec
+from autopar.planner.dry_run import RankMemory, compare
+from autopar.planner.memory import GIB
+from autopar.planner.search import Plan, runtime_reserve, with_settings
+
+
+@dataclass(frozen=True)
+class Verified:
+    """One plan's dry run: every rank role measured beside its prediction, or why it failed."""
+
+    plan: Plan
+    ranks: list[RankMemory]
+    error: str | None
+    fits: bool
+    seconds: float
+
+    @property
+    def kept(self) -> bool:
+        return self.error is None and self.fits
+
+    def lines(self, index: int) -> list[str]:
+        head = f"#{index} {self.plan.describe()}: "
+        if self.error is not None:
+            return [head + f"dropped, its dry run failed: {self.error}"]
+        verdict = "built" if self.fits else "dropped, its measured peak does not fit"
+        rows = [head + f"{verdict} ({self.seconds:.0f} s)"]
+        for rank in self.ranks:
+            rows.append(
+                f"    rank {rank.rank:>4} {rank.role:<13} measured {rank.measured_peak_gib:6.2f} GiB, "
+                f"predicted {rank.predicted_peak_gib or 0.0:6.2f} GiB (before the runtime reserve)"
+            )
+        return rows
+
+
+def verify_plan(plan: Plan, job: JobConfig, args: ModelArgs, world_size: int, device: DeviceSpec) -> Verified:
+    """Dry-run ``plan`` and judge its measured peak against the device, with the same runtime
+    reserve (CUDA context, NCCL buffers, allocator slack) the prediction carries."""
+    start = time.perf_counter()
+    try:
+        ranks = compare(with_settings(job, plan.settings), args, world_size)
+    except Exception as err:  # any failure of the real code path drops the plan
+        return Verified(plan, [], _root_cause(err), False, time.perf_counter() - start)
+    worst = max(rank.measured_peak_gib for rank in ranks) * GIB
+    fits = worst + runtime_reserve(worst, plan.dims) <= device.memory_gib * GIB
+    return Verified(plan, ranks, None, fits, time.perf_counter() - start)
+
+
+def _root_cause(err: BaseException) -> str:
+    """The innermost cause's type and first line (a pipeline stage wraps what failed in it)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+
+
+def verify(
+    plans: list[Plan], count: int, job: JobConfig, args: ModelArgs, world_size: int, device: DeviceSpec
+) -> list[Verified]:
+    """The first ``count`` plans of ``plans`` (best first) verified by their dry runs."""
+    return [verify_plan(plan, job, args, world_size, device) for plan in plans[:count]]

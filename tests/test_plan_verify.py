@@ -1,0 +1,49 @@
+"""``autopar.plan --verify K``: the best plans are built by their dry runs before the planner
+answers, measured beside predicted, and a plan that does not fit as measured is dropped."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+from autopar.job import model_args, parse_job
+from autopar.planner.devices import PRESETS
+from autopar.planner.search import search
+from autopar.planner.verify import verify_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = [
+    "--job.config",
+    str(ROOT / "train_configs" / "debug_model.toml"),
+    "--model.tie_word_embeddings=false",
+]
+
+
+def test_plan_verify_builds_the_best_plans_and_prints_measured_beside_predicted():
+    result = subprocess.run(
+        [sys.executable, "-m", "autopar.plan", *SMALL, "--world-size", "4", "--verify", "2", "--top", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "verifying the 2 best plans by their dry runs" in out
+    assert out.count(": built (") == 2, out
+    assert "measured" in out and "predicted" in out
+    assert "run the best plan with:" in out
+
+
+def test_a_plan_whose_measured_peak_does_not_fit_is_dropped():
+    job = parse_job(SMALL)
+    args = model_args(job)
+    best = search(job, args, 2, 8, PRESETS["h100"])[0]
+    roomy = verify_plan(best, job, args, 2, PRESETS["h100"])
+    assert roomy.kept and roomy.ranks and roomy.ranks[0].measured_peak_gib > 0
+    # the runtime reserve alone (CUDA context) exceeds a 0.1 GiB device
+    tiny = verify_plan(best, job, args, 2, dataclasses.replace(PRESETS["h100"], memory_gib=0.1))
+    assert tiny.error is None and not tiny.fits and not tiny.kept
+    assert "does not fit" in tiny.lines(1)[0]
