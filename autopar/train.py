@@ -26,6 +26,7 @@ from autopar.planner.auto import auto_job, record_measured, write_plan
 from autopar.planner.devices import DeviceSpec
 from autopar.planner.dry_run import compare, report, write_dry_run
 from autopar.planner.search import Plan
+from autopar.planner.verify import Verified
 from autopar.trainer import Trainer
 from autopar.validate import validate
 
@@ -65,12 +66,14 @@ def main(argv: list[str]) -> int:
         if dry_world is not None:
             return dry_run_main(argv, dry_world)
         job = parse_job(argv)
-        auto: tuple[Plan, DeviceSpec] | None = None
+        auto: tuple[Plan, DeviceSpec, list[Verified]] | None = None
         if job.parallelism.auto:
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
             gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            job, plan, device = auto_job(job, argv, world_size_from_env(), device_type, gpus_per_node)
-            auto = (plan, device)
+            job, plan, device, verified = auto_job(
+                job, argv, world_size_from_env(), device_type, gpus_per_node
+            )
+            auto = (plan, device, verified)
         if job.job.print_config:
             print(to_toml(job))
             return 0
@@ -93,7 +96,9 @@ def main(argv: list[str]) -> int:
         if world.is_main:  # the resolved job, runnable as is: --job.config <dump_folder>/config.toml
             (dump / "config.toml").write_text(to_toml(job))
         if auto and world.is_main:
-            plan, device = auto
+            plan, device, verified = auto
+            for i, result in enumerate(verified, 1):
+                logging.getLogger("autopar").info("auto plan dry run %s", "\n".join(result.lines(i)))
             logging.getLogger("autopar").info(
                 "auto plan: %s; predicted peak %.1f GiB of %.1f, %.0f tokens/s per device",
                 plan.describe(),

@@ -216,9 +216,20 @@ def test_auto_plan_runs_and_keeps_prediction_beside_measurement(tmp_path):
         "--metrics.log_freq", "1", "--checkpoint.enable", "false", "--job.dump_folder", str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
+    assert "auto plan dry run #1" in result.stderr and ": built (" in result.stderr  # verified first
     record = json.loads((tmp_path / "plan.json").read_text())
     assert record["plan"]["fits"] and record["plan"]["settings"]["training.local_batch_size"] == "2"
     assert record["measured"]["steps_logged"] == 3 and record["measured"]["tokens_per_s"] > 0
+
+
+def test_auto_without_verification_trains_the_predicted_best_without_a_dry_run(tmp_path):
+    result = run(
+        "train.py", "--job.config", "train_configs/debug_model.toml", "--parallelism.auto", "true",
+        "--parallelism.auto_verify", "false", "--training.local_batch_size", "2", "--training.steps", "1",
+        "--lr_scheduler.warmup_steps", "1", "--checkpoint.enable", "false", "--job.dump_folder", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "auto plan dry run" not in result.stderr and "auto plan:" in result.stderr
 
 
 def test_auto_with_pinned_degrees_that_contradict_the_world_is_exit_2(tmp_path):

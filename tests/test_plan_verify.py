@@ -11,7 +11,7 @@ from pathlib import Path
 from autopar.job import model_args, parse_job
 from autopar.planner.devices import PRESETS
 from autopar.planner.search import search
-from autopar.planner.verify import verify_plan
+from autopar.planner.verify import first_built, verify_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -47,3 +47,14 @@ def test_a_plan_whose_measured_peak_does_not_fit_is_dropped():
     tiny = verify_plan(best, job, args, 2, dataclasses.replace(PRESETS["h100"], memory_gib=0.1))
     assert tiny.error is None and not tiny.fits and not tiny.kept
     assert "does not fit" in tiny.lines(1)[0]
+
+
+def test_auto_takes_the_first_plan_that_builds_and_gives_none_when_none_fits():
+    job = parse_job(SMALL)
+    args = model_args(job)
+    plans = search(job, args, 2, 8, PRESETS["h100"])
+    chosen, made = first_built(plans, 3, job, args, 2, PRESETS["h100"])
+    assert chosen is plans[0] and len(made) == 1
+    tiny = dataclasses.replace(PRESETS["h100"], memory_gib=0.1)
+    chosen, made = first_built(plans, 2, job, args, 2, tiny)
+    assert chosen is None and [v.kept for v in made] == [False, False]

@@ -130,6 +130,10 @@ class Training:
 class Parallelism:
     auto: bool = False
     """Let the planner choose every plan setting the job does not pin (python -m autopar.plan explains)."""
+    auto_verify: bool = True
+    """With auto: build the chosen plan by its dry run before training (one step under fake
+    tensors: seconds for small models, minutes at 32B) and take the next best if it fails or
+    does not fit as measured."""
     data_parallel_replicate_degree: int = 1
     """Replicas of the weights (DDP-like; with shard degree > 1 this is HSDP)."""
     data_parallel_shard_degree: int = -1

@@ -17,19 +17,36 @@ from autopar.job import model_args
 from autopar.metrics import read_metrics
 from autopar.planner.devices import DeviceSpec, this_machine
 from autopar.planner.search import Plan, no_fit_message, pinned_fields, search, with_settings
+from autopar.planner.verify import Verified, first_built
+
+AUTO_VERIFY_TRIES = 3
+"""Plans auto dry-runs, best first, before it gives up."""
 
 
 def auto_job(
     job: JobConfig, argv: list[str], world_size: int, device_type: str, gpus_per_node: int
-) -> tuple[JobConfig, Plan, DeviceSpec]:
-    """The job with the best plan that fits this machine's devices; ConfigError when none does."""
+) -> tuple[JobConfig, Plan, DeviceSpec, list[Verified]]:
+    """The job with the best plan that fits this machine's devices, built by its dry run first
+    unless ``parallelism.auto_verify`` is off (the dry runs made come back for the log);
+    ConfigError when none fits or builds. Every rank computes the same answer."""
     device = this_machine(device_type, gpus_per_node)
     pinned = pinned_fields(job, *explicit_keys(argv))
-    plans = search(job, model_args(job), world_size, gpus_per_node, device, pinned, device_type)
-    best = plans[0]
-    if not best.fits:
-        raise ConfigError(no_fit_message(best, device, world_size, pinned))
-    return copy.deepcopy(with_settings(job, best.settings)), best, device
+    args = model_args(job)
+    plans = search(job, args, world_size, gpus_per_node, device, pinned, device_type)
+    if not plans[0].fits:
+        raise ConfigError(no_fit_message(plans[0], device, world_size, pinned))
+    best: Plan | None = plans[0]
+    made: list[Verified] = []
+    if job.parallelism.auto_verify:
+        fitting = [p for p in plans if p.fits]
+        best, made = first_built(fitting, AUTO_VERIFY_TRIES, job, args, world_size, device)
+    if best is None:
+        reasons = "; ".join(f"{v.plan.describe()}: {v.error or 'does not fit as measured'}" for v in made)
+        raise ConfigError(
+            f"parallelism.auto: none of the {len(made)} best plans built by its dry run ({reasons}); "
+            "pin plan settings, or set --parallelism.auto_verify false to train the predicted best"
+        )
+    return copy.deepcopy(with_settings(job, best.settings)), best, device, made
 
 
 def write_plan(path: Path, plan: Plan, device: DeviceSpec, world_size: int) -> None:

@@ -65,6 +65,19 @@ def _root_cause(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0] if lines else ''}"
 
 
+def first_built(
+    plans: list[Plan], tries: int, job: JobConfig, args: ModelArgs, world_size: int, device: DeviceSpec
+) -> tuple[Plan | None, list[Verified]]:
+    """The first of ``plans`` (best first, at most ``tries``) that builds and fits by its dry
+    run, or None, with every dry run made."""
+    made = []
+    for plan in plans[:tries]:
+        made.append(verify_plan(plan, job, args, world_size, device))
+        if made[-1].kept:
+            return plan, made
+    return None, made
+
+
 def verify(
     plans: list[Plan], count: int, job: JobConfig, args: ModelArgs, world_size: int, device: DeviceSpec
 ) -> list[Verified]:
