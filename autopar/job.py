@@ -13,7 +13,7 @@ from pathlib import Path
 
 from autopar.config import parse
 from autopar.config.errors import ConfigError
-from autopar.config.job import JobConfig
+from autopar.config.job import JobConfig, Model
 from autopar.data.chat import ChatFormat
 from autopar.models.args import ModelArgs
 from autopar.models.flavors import get_flavor, with_overrides
@@ -49,14 +49,12 @@ def short_run(job: JobConfig, steps: int) -> JobConfig:
 
 
 def model_args(job: JobConfig) -> ModelArgs:
-    """The job's model: the flavor, or the config.json of ``model.hf_assets_path``, with the
-    ``[model]`` overrides applied."""
+    """The job's model: the config.json of ``model.hf_assets_path``, else the flavor (also for
+    an assets folder holding only a tokenizer, as torchtitan's ``--assets tokenizer`` download
+    leaves it), with the ``[model]`` overrides applied."""
     model = job.model
     if model.hf_assets_path is None:
-        try:
-            return get_flavor(model.name, model.flavor, **model.overrides)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+        return _flavor_args(job)
     if not Path(model.hf_assets_path).is_dir():
         name = Path(model.hf_assets_path).name
         raise ConfigError(
@@ -64,6 +62,8 @@ def model_args(job: JobConfig) -> ModelArgs:
             f"(e.g. huggingface-cli download Qwen/{name} --local-dir {model.hf_assets_path}), "
             f"or unset it (--model.hf_assets_path none) to build flavor {model.flavor!r}"
         )
+    if not _has_config(job):
+        return _flavor_args(job)
     try:
         args = read_hf_config(model.hf_assets_path)
     except HFCheckpointError as err:
@@ -78,6 +78,61 @@ def model_args(job: JobConfig) -> ModelArgs:
         return with_overrides(args, model.overrides)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+
+
+def _flavor_args(job: JobConfig) -> ModelArgs:
+    try:
+        return get_flavor(job.model.name, job.model.flavor, **job.model.overrides)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _has_config(job: JobConfig) -> bool:
+    return job.model.hf_assets_path is not None and (Path(job.model.hf_assets_path) / "config.json").is_file()
+
+
+SHAPE_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+)
+
+
+def model_source(job: JobConfig) -> str:
+    """Where the model's shape comes from, for the start-up summary."""
+    model = job.model
+    if model.hf_assets_path is None:
+        return f"flavor {model.flavor}"
+    if not _has_config(job):
+        return f"flavor {model.flavor} (no config.json in {model.hf_assets_path}: shape from the flavor)"
+    return f"{model.hf_assets_path}/config.json"
+
+
+def flavor_mismatch(job: JobConfig) -> str | None:
+    """One line when the job names a flavor (other than the default) whose shape differs from
+    its assets folder's config.json, which wins; None otherwise."""
+    model = job.model
+    if not _has_config(job) or model.flavor == Model().flavor:
+        return None
+    try:
+        flavor = get_flavor(model.name, model.flavor)
+        config = read_hf_config(model.hf_assets_path)
+    except (ValueError, HFCheckpointError):
+        return None
+    differ = [
+        f"{k} {getattr(flavor, k)} vs {getattr(config, k)}"
+        for k in SHAPE_FIELDS
+        if getattr(flavor, k) != getattr(config, k)
+    ]
+    if not differ:
+        return None
+    return (
+        f"model.flavor={model.flavor!r} and {model.hf_assets_path}/config.json are different models "
+        f"({', '.join(differ)}); training the config.json's. To train the flavor, set "
+        "model.tokenizer_path to the folder and unset model.hf_assets_path; else name the matching flavor"
+    )
 
 
 def tokenizer_path(job: JobConfig) -> str | None:

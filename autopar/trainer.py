@@ -26,7 +26,7 @@ from autopar.faults import (
     ranks_not_finite,
     skipped_too_often,
 )
-from autopar.job import chat_format, tokenizer_path
+from autopar.job import chat_format, flavor_mismatch, model_source, tokenizer_path
 from autopar.metrics import MetricsLogger, flops_per_token, matmul_params
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
@@ -106,7 +106,10 @@ class Trainer:
             params = sum(p.numel() for p in Qwen(self.args).parameters())
         active = f" ({matmul_params(self.args) / 1e6:.3g}M active in matmuls)" if self.args.moe else ""
         tokenizer = tokenizer_path(job) or "the built-in byte tokenizer (no tokenizer.json given)"
-        shape = job.model.flavor if job.model.hf_assets_path is None else f"{job.model.hf_assets_path}"
+        shape = model_source(job)
+        mismatch = flavor_mismatch(job)
+        if mismatch:
+            logger.warning(mismatch)
         if job.model.overrides:
             shape += f" with {job.model.overrides}"
         logger.info(

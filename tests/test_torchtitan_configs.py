@@ -70,3 +70,42 @@ def test_their_float8_converter_and_section_keep_the_head_in_high_precision(hf_a
     apply_float8(model, job.float8, "cpu")
     assert not isinstance(model.lm_head, Float8Linear)
     assert isinstance(model.layers["0"].mlp.down_proj, Float8Linear)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_only_assets(hf_assets, tmp_path_factory) -> Path:
+    """torchtitan's ``--assets tokenizer`` download: each ``./assets/hf/<name>`` holds only
+    tokenizer.json and tokenizer_config.json, no config.json or weights."""
+    cwd = tmp_path_factory.mktemp("torchtitan_tokenizer_only")
+    for name in PRESETS.values():
+        folder = cwd / "assets" / "hf" / name
+        folder.mkdir(parents=True)
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(hf_assets / "assets" / "hf" / name / file, folder / file)
+    return cwd
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_tokenizer_only_assets_folder_trains_the_flavor_with_its_tokenizer(
+    tokenizer_only_assets, monkeypatch, capsys, preset
+):
+    monkeypatch.chdir(tokenizer_only_assets)
+    dump = tokenizer_only_assets / "outputs"
+    shutil.rmtree(dump, ignore_errors=True)
+    tiny = [f"--model.{k}={v}" for k, v in TINY_MODEL.items()]
+    argv = ["--job.config", str(CONFIGS / f"{preset}.toml"), *SHORT, "--model.flavor", "debug", *tiny]
+    assert main(argv) == 0
+    assert [r["step"] for r in read_metrics(dump / "metrics.jsonl")] == [1, 2]
+    summary = capsys.readouterr().err
+    assert "no config.json in ./assets/hf/" in summary and "shape from the flavor" in summary
+    assert f"tokenizer: ./assets/hf/{PRESETS[preset]}" in summary
+
+
+def test_a_named_flavor_that_differs_from_the_config_json_is_said_in_one_line(hf_assets, monkeypatch, capsys):
+    monkeypatch.chdir(hf_assets)
+    shutil.rmtree(hf_assets / "outputs", ignore_errors=True)
+    assert main(["--job.config", str(CONFIGS / "qwen3_0.6b.toml"), *SHORT]) == 0
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "different models" in line]
+    assert (
+        "model.flavor='0.6B'" in line and "hidden_size 1024 vs 64" in line and "model.tokenizer_path" in line
+    )
