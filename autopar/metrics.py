@@ -219,10 +219,14 @@ class MetricsLogger:
             self._tb.add_scalar("val_loss", loss, step)
 
     def forget_after(self, step: int) -> None:
-        """Drop the records of steps after ``step`` (a resumed run replays them)."""
+        """Drop the records of steps after ``step`` (a resumed run replays them), and lines a
+        stopped run left cut off mid-write (a full disk, a kill while appending), saying so."""
         if not self.is_main or not self.path.is_file():
             return
-        kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
+        records, cut = _whole_records(self.path)
+        if cut:
+            logger.warning("%s: dropped %d cut-off line(s) a stopped run left", self.path, cut)
+        kept = [r for r in records if r.get("step", 0) <= step]
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         tmp.replace(self.path)
@@ -230,6 +234,19 @@ class MetricsLogger:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+
+
+def _whole_records(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The records of a metrics.jsonl file that parse, and how many lines did not."""
+    records, cut = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            cut += 1
+    return records, cut
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -244,6 +244,8 @@ class Trainer:
             raise
         except DataError as err:  # found in a sample only when it is read
             raise TrainingStopped(f"step {self.step + 1}: {err}") from err
+        except OSError as err:  # a full disk or a read-only folder under metrics or exports
+            raise TrainingStopped(f"could not write after step {self.step}: {err}") from err
         except RuntimeError as err:
             stop = peer_failure(err, self.world.rank, self.job.comm.train_timeout_seconds)
             if stop is None:

@@ -132,6 +132,21 @@ def test_a_run_restarted_before_any_checkpoint_logs_each_step_once(tmp_path):
     assert [r["step"] for r in strict_records(tmp_path / "metrics.jsonl")] == [1, 2, 3]
 
 
+def test_a_metrics_line_cut_off_mid_write_is_dropped_on_resume_and_said(tmp_path, caplog):
+    trainer(tmp_path, "--training.steps", "2", *CHECKPOINTS).train()
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "loss": 2.7')  # a kill or a full disk while appending step 3
+    trainer(tmp_path, "--training.steps", "4", *CHECKPOINTS).train()
+    assert [r["step"] for r in strict_records(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert "dropped 1 cut-off line(s)" in caplog.text
+
+
+def test_metrics_that_cannot_be_written_stop_training_with_one_message(tmp_path):
+    (tmp_path / "metrics.jsonl").mkdir()  # appending to it fails as a full disk or read-only file would
+    with pytest.raises(TrainingStopped, match=r"could not write after step 1: .*metrics\.jsonl"):
+        trainer(tmp_path, "--training.steps", "2").train()
+
+
 @pytest.mark.slow
 def test_train_py_with_an_exploding_lr_exits_1_with_one_message(tmp_path):
     result = subprocess.run(
