@@ -473,7 +473,11 @@ def check_initial_load(cfg: Checkpoint, args: ModelArgs, model_label: str) -> No
 def check_load_step(cfg: Checkpoint, dump_folder: str) -> None:
     """An explicit ``load_step`` names a complete checkpoint of this job (whether its files
     are intact is checked when resuming, by every rank)."""
-    if cfg.load_step < 0:
+    if cfg.load_step < -1:
+        raise ConfigError(
+            f"checkpoint.load_step={cfg.load_step}: use -1 (the latest complete checkpoint) or a saved step number"
+        )
+    if cfg.load_step == -1:
         return
     if not cfg.enable:
         raise ConfigError(f"checkpoint.load_step={cfg.load_step} needs checkpoint.enable=true")

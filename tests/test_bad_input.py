@@ -129,6 +129,8 @@ CASES = {
         "model.safetensors: not a readable safetensors file",
     ),
     "missing load step": ("--checkpoint.enable true --checkpoint.load_step 5", "no complete checkpoint"),
+    "negative load step": ("--checkpoint.enable true --checkpoint.load_step -5", "load_step=-5: use -1"),
+    "empty dump folder": ("--job.dump_folder=", "job.dump_folder is empty"),
     "load step without checkpoints": (
         "--checkpoint.enable false --checkpoint.load_step 5",
         "needs checkpoint.enable=true",

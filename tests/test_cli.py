@@ -76,6 +76,7 @@ def test_print_config_shows_overrides():
     )
     assert result.returncode == 0
     assert 'flavor = "8B"' in result.stdout and "tensor_parallel_degree = 4" in result.stdout
+    assert "print_config" not in result.stdout  # a command, not a setting of the job
 
 
 @pytest.mark.slow

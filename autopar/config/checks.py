@@ -92,6 +92,10 @@ def unwritable(folder: Path) -> str | None:
 def check_output_folders(job: JobConfig) -> None:
     """The folders the job writes (metrics, checkpoints) can be written, so a mistake there is
     found now rather than at the first save."""
+    require(
+        job.job.dump_folder.strip() != "",
+        "job.dump_folder is empty (it would write into the current folder); name a folder, e.g. ./outputs",
+    )
     dump = Path(job.job.dump_folder)
     folders = {"job.dump_folder": dump}
     if job.checkpoint.enable:

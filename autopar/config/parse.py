@@ -335,14 +335,14 @@ def toml_value(value: Any) -> str:
 
 def to_toml(job: JobConfig) -> str:
     """The resolved job as TOML that parse_job reads back to the same config, ready to run
-    (``print_config`` is written false)."""
+    (``print_config`` is left out)."""
     lines = []
     for name in sections():
         section = getattr(job, name)
         lines.append(f"[{name}]")
         for key, value in dataclasses.asdict(section).items():
             if (name, key) == ("job", "print_config"):
-                value = False
+                continue  # a command, not a setting: the printed job trains as it is
             if key == "overrides":
                 lines.extend(f"{k} = {toml_value(v)}" for k, v in value.items())
             elif value is None:
