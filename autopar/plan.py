@@ -27,6 +27,9 @@ from autopar.planner.search import Plan, ac_text, evaluate, no_fit_message, pinn
 from autopar.planner.verify import verify
 from autopar.validate import check_plan
 
+MAX_WORLD = 131072
+"""The largest world the planner searches (its divisor walk grows with the world size)."""
+
 OPTIONS = {
     "--world-size": int,
     "--gpus-per-node": int,
@@ -64,6 +67,17 @@ def split_options(argv: list[str]) -> tuple[dict[str, object], list[str]]:
     for name in ("--world-size", "--gpus-per-node", "--top", "--verify"):
         if name in found and found[name] < 1:
             raise ConfigError(f"{name} {found[name]} must be >= 1")
+    world, per_node = int(found["--world-size"]), int(found.get("--gpus-per-node", 8))
+    if world > MAX_WORLD:
+        raise ConfigError(
+            f"--world-size {world} is more GPUs than the planner searches; use at most {MAX_WORLD}"
+        )
+    if world > per_node and world % per_node:
+        divisors = [d for d in range(1, per_node + 1) if world % d == 0]
+        raise ConfigError(
+            f"--gpus-per-node {per_node} does not divide --world-size {world} into whole nodes; "
+            f"use one of {divisors} or another world size"
+        )
     return found, rest
 
 

@@ -200,13 +200,23 @@ def test_plan_cli_explains_in_one_paragraph_when_nothing_fits():
         ["--world-size", "0"],
         ["--job.config", "train_configs/qwen3_8b.toml"],
         ["--world-size", "8", "--parallelism.tensor_parallel_degree", "3"],
+        ["--world-size", "8", "--gpus-per-node", "3"],
+        ["--world-size", "1000000000"],
     ],
-    ids=["unknown device", "zero world", "no world size", "degrees that cannot divide"],
+    ids=[
+        "unknown device",
+        "zero world",
+        "no world size",
+        "degrees that cannot divide",
+        "nodes that do not tile the world",
+        "a world past any cluster",
+    ],
 )
 def test_plan_cli_bad_input_is_one_line_and_exit_2(flags):
     result = run("-m", "autopar.plan", *flags)
     assert result.returncode == 2
     assert result.stderr.startswith("plan error:") and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 def test_auto_plan_runs_and_keeps_prediction_beside_measurement(tmp_path):
