@@ -210,6 +210,7 @@ PLANS = {
     "PP2 x FSDP2": ("pp=2,dp_shard=2", 4),
     "PP2 x TP2": ("pp=2,tp=2", 4),
     "PP2 x FSDP2 x TP2": ("pp=2,dp_shard=2,tp=2", 4),
+    "1F1B, micro-batches of 2": ("pp=2,schedule=1F1B,parallelism.pipeline_parallel_microbatch_size=2", 4),
 }
 
 ZERO_BUBBLE = [name for name, style in SCHEDULE_STYLES.items() if style.splits_backward]

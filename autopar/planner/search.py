@@ -271,7 +271,7 @@ def _data_parallel(
         if "parallelism.pipeline_parallel_microbatch_size" in pinned
         else list(MICRO_BATCHES)
     )
-    reshards = ["default", "never"] if pp == 1 else ["default"]
+    reshards = reshard_options(pp)
     if "parallelism.fsdp_reshard_after_forward" in pinned:
         reshards = [own["parallelism.fsdp_reshard_after_forward"]]
     acs = [
@@ -299,7 +299,7 @@ def _data_parallel(
     ):
         if pp > 1 and local % micro:
             continue
-        if pp > 1 and _checkpointing_saves_nothing(schedule, mode, pinned):
+        if pp > 1 and checkpointing_saves_nothing(schedule, mode, pinned):
             continue
         for ep in _expert_degrees(own, pinned, args, dp // replicate * cp):
             yield {
@@ -318,7 +318,13 @@ def _data_parallel(
             }
 
 
-def _checkpointing_saves_nothing(schedule: str, mode: str, pinned: set[str]) -> bool:
+def reshard_options(pp: int) -> list[str]:
+    """FSDP resharding after forward: searched both ways without pipelining; a pipeline keeps
+    its stages' weights gathered across micro-batches anyway."""
+    return ["default", "never"] if pp == 1 else ["default"]
+
+
+def checkpointing_saves_nothing(schedule: str, mode: str, pinned: set[str]) -> bool:
     """Zero-bubble schedules with activation checkpointing, unless the job pins both: they train
     (and equal one device), but torch's split backward keeps every weight's output gradient
     from the input pass to the weight pass, which recomputes the blocks again, so

@@ -1,0 +1,165 @@
+"""The planner's search space is the tested space: combinations it can recommend train and equal
+one device.
+
+The choices are read from ``planner/search.py`` itself (``SCHEDULES``, ``AC_MODES``, its
+reshard and zero-bubble rules), never copied, so a choice added there runs here. Families are
+the mechanisms a plan or its job adds: TP+SP, CP, replicas, EP, FSDP resharding, CPU offload, the
+chunked loss and FP8 (torchao). The full product of family x pipeline x checkpointing is 144
+combinations; an all-pairs design covers every (family, pipeline) and every (family, AC mode)
+pair the search can emit in about a quarter of that (every (pipeline, AC mode) pair runs in
+``test_pipeline.py``). A combination the trainer's ``validate`` refuses is one the planner can
+never emit (it validates every plan), so it is left out, and said.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from autopar.config.errors import ConfigError
+from autopar.parity import Case, plan_job, plan_overrides, run_cases, world_size
+from autopar.planner import search
+from autopar.validate import validate
+
+from jobs import assert_same_training, moe_job, tiny_job
+
+MOE = "moe"
+FAMILIES: dict[str, tuple[tuple[str, ...], str]] = {
+    # name: (base-job flags, one device runs them too; plan)
+    "plain": ((), ""),
+    "TP+SP": ((), "tp=2"),
+    "CP": ((), "cp=2"),
+    "replicas (DDP)": ((), "dp_replicate=2"),
+    "EP": ((MOE,), "dp_shard=2,ep=2"),
+    "FSDP reshard never": ((), "dp_shard=2,parallelism.fsdp_reshard_after_forward=never"),
+    "CPU offload": ((), "training.enable_cpu_offload=true"),
+    "chunked loss": (("--training.loss_chunk_tokens", "16"), ""),
+    "FP8 (torchao)": (("--float8.enable", "true"), ""),
+}
+PIPELINES = ["none", *search.SCHEDULES]
+AC = [f"{mode}/{option}" for mode, option in search.AC_MODES]
+
+
+def plan_text(family: str, pipeline: str, ac: str) -> str:
+    mode, option = ac.split("/")
+    items = [FAMILIES[family][1]] if FAMILIES[family][1] else []
+    if pipeline != "none":
+        items.append(f"pp=2,schedule={pipeline}")
+        if "--float8.enable" in FAMILIES[family][0]:  # two micro-batches of one sequence
+            items.append("training.local_batch_size=2")
+    items.append(f"activation_checkpoint.mode={mode},activation_checkpoint.selective_ac_option={option}")
+    return ",".join(items)
+
+
+def searchable(family: str, pipeline: str, ac: str) -> bool:
+    """Whether the search enumerates this combination (its own rules)."""
+    pp = 1 if pipeline == "none" else 2
+    if "reshard_after_forward=never" in FAMILIES[family][1] and "never" not in search.reshard_options(pp):
+        return False
+    return not (pp > 1 and search.checkpointing_saves_nothing(pipeline, ac.split("/")[0], set()))
+
+
+BATCH = ("--training.local_batch_size", "4", "--training.global_batch_size", "8")
+"""Two micro-steps of accumulation at dp 1: the 5-step trajectory whose fp32 noise stays
+below 1e-5 on AVX2 and AVX-512 (at global batch 4 its fifth step amplifies it to ~1e-3)."""
+FP8_BATCH = ("--training.local_batch_size", "1", "--training.global_batch_size", "8")
+"""FP8 scales each tensor by its own amax per forward, so one device must see the sequences
+one at a time, as a pipeline's micro-batches of one do."""
+
+
+def base_job(folder, family: str):
+    flags = FAMILIES[family][0]
+    if MOE in flags:
+        return moe_job(folder, *BATCH, "--model.num_hidden_layers=4")
+    batch = FP8_BATCH if "--float8.enable" in flags else BATCH
+    return tiny_job(folder, *batch, *flags, num_hidden_layers=4, tie_word_embeddings=False)
+
+
+def all_pairs(candidates: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """Greedy all-pairs: few combinations covering every (family, pipeline) and (family, AC)
+    pair among the candidates."""
+
+    def pairs(c: tuple[str, str, str]) -> set[tuple[str, str]]:
+        return {(c[0], "pp:" + c[1]), (c[0], "ac:" + c[2])}
+
+    uncovered = set().union(*(pairs(c) for c in candidates))
+    chosen = []
+    while uncovered:
+        best = max(candidates, key=lambda c: len(pairs(c) & uncovered))
+        chosen.append(best)
+        uncovered -= pairs(best)
+    return chosen
+
+
+def design(folder) -> tuple[list[tuple[str, str, str]], dict[tuple[str, str, str], str]]:
+    """The combinations to run, and those ``validate`` refuses with its reason."""
+    runnable, refused = [], {}
+    for combo in itertools.product(FAMILIES, PIPELINES, AC):
+        if not searchable(*combo):
+            continue
+        base = base_job(folder, combo[0])
+        job = plan_job(base, plan_text(*combo), 5, str(folder / "probe"))
+        try:
+            validate(job, world_size(job))
+        except ConfigError as err:
+            refused[combo] = str(err)
+            continue
+        runnable.append(combo)
+    return all_pairs(runnable), refused
+
+
+@pytest.fixture(scope="module")
+def space(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("space")
+    chosen, refused = design(folder)
+    cases = [Case(base_job(folder, c[0]), plan_text(*c)) for c in chosen]
+    return dict(zip(chosen, run_cases(cases, steps=5))), refused
+
+
+def test_the_design_covers_every_family_with_every_searched_schedule_and_ac_mode(tmp_path):
+    chosen, refused = design(tmp_path)
+    covered = {(f, "pp:" + p) for f, p, _ in chosen} | {(f, "ac:" + a) for f, _, a in chosen}
+    for family, pipeline, ac in itertools.product(FAMILIES, PIPELINES, AC):
+        combo = (family, pipeline, ac)
+        if searchable(*combo) and combo not in refused:
+            assert (family, "pp:" + pipeline) in covered and (family, "ac:" + ac) in covered, combo
+    assert len(chosen) < len(FAMILIES) * len(PIPELINES) * len(AC) / 2
+
+
+@pytest.mark.slow
+def test_every_combination_the_search_can_emit_trains_like_one_device(space):
+    runs, _ = space
+    failures = []
+    for (family, pipeline, ac), (reference, run) in runs.items():
+        # fp32 on CPU, 5 steps: only the order of sums differs (FP8 rounds the same values,
+        # scaled by the same amax, to the same grid)
+        try:
+            assert_same_training(run, reference, loss_rtol=1e-5, norm_rtol=1e-5)
+        except AssertionError as err:
+            failures.append(f"{family} x {pipeline} x AC {ac}: {err}")
+    assert not failures, "\n".join(failures)
+    assert len(runs) >= len(FAMILIES) * len(PIPELINES) // 2
+
+
+def varied_fields(plans: list[str]) -> set[str]:
+    """The job fields these parity plans set away from a single device's value."""
+    out = set()
+    for plan in plans:
+        for item in plan_overrides(plan):
+            key, value = item.split("=", 1)
+            if not (key.endswith("_degree") and value == "1"):
+                out.add(key)
+    return out
+
+
+def test_every_setting_the_search_chooses_is_varied_by_a_parity_plan(tmp_path):
+    """A setting added to ``search.PLAN_FIELDS`` fails here until a parity plan varies it."""
+    from test_pipeline import PLANS as PIPELINE_PLANS
+
+    chosen, _ = design(tmp_path)
+    varied = varied_fields([plan_text(*c) for c in chosen]) | varied_fields(
+        [p for p, _ in PIPELINE_PLANS.values()]
+    )
+    varied.add("training.local_batch_size")  # every base job sets it (4, and 1 for FP8)
+    assert set(search.PLAN_FIELDS) <= varied, set(search.PLAN_FIELDS) - varied
