@@ -59,7 +59,8 @@ def test_checkpointed_blocks_backpropagate_in_two_passes_like_plain_ones(mode, o
     plain = Qwen(args)
     plain.init_weights()
     checkpointed = copy.deepcopy(plain)
-    apply_ac(checkpointed, ActivationCheckpoint(mode=mode, selective_ac_option=option), compiled=False)
+    cfg = ActivationCheckpoint(mode=mode, selective_ac_option=option)
+    apply_ac(checkpointed, cfg, compiled=False, recomputed_twice=True)
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     grads = []
     for model in (plain, checkpointed):

@@ -56,10 +56,13 @@ def _op_context():
 
 
 class _SavedOutputs:
-    """Outputs of the ops in ``SAVED_OPS``, per op in call order, from one block's forward."""
+    """Outputs of the ops in ``SAVED_OPS``, per op in call order, from one block's forward.
+    Each is released at its first reuse (so recompute holds no more than torch's own
+    selective checkpointing) unless ``keep``: the block will be recomputed twice."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: bool) -> None:
         self.by_op: dict[object, list[object]] = {}
+        self.keep = keep
 
 
 def _detached(value: object) -> object:
@@ -83,8 +86,8 @@ class _SaveExpensiveOps(TorchDispatchMode):
 class _ReuseExpensiveOps(TorchDispatchMode):
     """Recompute of an eager per-op checkpointed block: the expensive ops answer from the
     forward's outputs, the rest run again. Unlike torch's selective-checkpoint cache, an
-    output is not consumed by its first use: zero-bubble schedules recompute a block once
-    for the input gradients and again for the weight gradients. Only ``SAVED_OPS`` are
+    output can serve a second recompute: zero-bubble schedules recompute a block once for
+    the input gradients and again for the weight gradients. Only ``SAVED_OPS`` are
     counted, so ops that run a different number of times in recompute (profiler ranges of
     a module FSDP shards inside the block) cannot misalign forward and recompute."""
 
@@ -99,12 +102,15 @@ class _ReuseExpensiveOps(TorchDispatchMode):
         index = self.calls.get(func, 0)
         self.calls[func] = index + 1
         outputs = self.saved.by_op.get(func, [])
-        if index >= len(outputs):
+        if index >= len(outputs) or outputs[index] is None:
             raise RuntimeError(
                 f"per-op activation checkpointing: recompute called {func} more often than the "
-                "forward did; the block must compute the same ops in forward and backward"
+                "forward did, or recomputed the block again where one recompute was expected"
             )
-        return _detached(outputs[index])
+        value = outputs[index]
+        if not self.saved.keep:
+            outputs[index] = None
+        return _detached(value)
 
 
 class _Recompute:
@@ -134,10 +140,12 @@ class _Recompute:
         return self.stacks.pop().__exit__(*exc)  # type: ignore[arg-type]
 
 
-def _eager_contexts(per_op: bool) -> tuple[contextlib.AbstractContextManager, _Recompute]:
+def _eager_contexts(
+    per_op: bool, recomputed_twice: bool
+) -> tuple[contextlib.AbstractContextManager, _Recompute]:
     """(forward, recompute) contexts for an eager ``checkpoint``. (A compiled block
     recomputes inside its compiled backward, which needs neither.)"""
-    saved = _SavedOutputs() if per_op else None
+    saved = _SavedOutputs(keep=recomputed_twice) if per_op else None
     forward = _SaveExpensiveOps(saved) if saved is not None else contextlib.nullcontext()
     return forward, _Recompute(tuple(_get_current_function_mode_stack()), saved)
 
@@ -162,13 +170,16 @@ def checkpointed_layers(cfg: ActivationCheckpoint, layer_ids: list[str]) -> list
     return [i for i in layer_ids if int(i) % every == 0]
 
 
-def apply_ac(model: nn.Module, cfg: ActivationCheckpoint, compiled: bool) -> None:
+def apply_ac(
+    model: nn.Module, cfg: ActivationCheckpoint, compiled: bool, recomputed_twice: bool = False
+) -> None:
     """Wrap the chosen blocks in place (parameter names gain a wrapper prefix that
     checkpoints and the init code strip). ``compiled``: the blocks will be compiled, and
-    torch.compile accepts only dispatch-mode contexts."""
+    torch.compile accepts only dispatch-mode contexts. ``recomputed_twice``: backward runs
+    as two passes (zero-bubble schedules), each recomputing the blocks."""
     per_op = cfg.mode == "selective" and cfg.selective_ac_option == "op"
     if not compiled:
-        extra = {"context_fn": functools.partial(_eager_contexts, per_op)}
+        extra = {"context_fn": functools.partial(_eager_contexts, per_op, recomputed_twice)}
     else:
         extra = {"context_fn": _op_context} if per_op else {}
     for i in checkpointed_layers(cfg, list(model.layers.keys())):

@@ -90,7 +90,8 @@ def parallelize(
         logger.info("weights cast to %s in each block's forward (fp32 master weights)", dtype)
     compiled = job.compile.enable and "model" in job.compile.components
     if job.activation_checkpoint.mode != "none":
-        apply_ac(model, job.activation_checkpoint, compiled)
+        twice = pipelined and SCHEDULE_STYLES[schedule_name(parallelism)].splits_backward
+        apply_ac(model, job.activation_checkpoint, compiled, recomputed_twice=twice)
         logger.info(
             "applied activation checkpointing: %s (%s)",
             job.activation_checkpoint.mode,
