@@ -136,7 +136,7 @@ def run_cases(cases: list[Case], steps: int) -> list[tuple[PlanRun, PlanRun]]:
             jobs.append((key, job))
         reference_runs = {}
         for key, job in references.items():
-            losses, norms = run_job(job)
+            losses, norms = _in_this_process(run_job, job)
             reference_runs[key] = PlanRun("single device", 1, losses, norms)
         by_size: dict[int, list[int]] = {}
         for i, (_, job) in enumerate(jobs):
@@ -144,9 +144,24 @@ def run_cases(cases: list[Case], steps: int) -> list[tuple[PlanRun, PlanRun]]:
         runs: dict[int, PlanRun] = {}
         for size, indices in sorted(by_size.items()):
             group = [(cases[i].plan, jobs[i][1]) for i in indices]
-            results = run_plans(group) if size == 1 else run_on_ranks(run_plans, size, group)[0]
+            results = (
+                _in_this_process(run_plans, group) if size == 1 else run_on_ranks(run_plans, size, group)[0]
+            )
             runs.update(zip(indices, results))
     return [(reference_runs[jobs[i][0]], runs[i]) for i in range(len(cases))]
+
+
+def _in_this_process(fn, *args):  # type: ignore[no-untyped-def]
+    """``fn(*args)`` here, leaving no process group behind: a one-process run makes one where
+    FSDP needs it (CPU offload), and the caller's next fake or real group must start clean."""
+    import torch.distributed as dist
+
+    had_group = dist.is_initialized()
+    try:
+        return fn(*args)
+    finally:
+        if not had_group and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _dp(job: JobConfig) -> int:
