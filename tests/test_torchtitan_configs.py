@@ -87,7 +87,7 @@ def tokenizer_only_assets(hf_assets, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_a_tokenizer_only_assets_folder_trains_the_flavor_with_its_tokenizer(
-    tokenizer_only_assets, monkeypatch, caplog, preset
+    tokenizer_only_assets, monkeypatch, caplog, capsys, preset
 ):
     caplog.set_level("INFO", logger="autopar")  # another test's parity run may have quietened it
     monkeypatch.chdir(tokenizer_only_assets)
@@ -97,17 +97,19 @@ def test_a_tokenizer_only_assets_folder_trains_the_flavor_with_its_tokenizer(
     argv = ["--job.config", str(CONFIGS / f"{preset}.toml"), *SHORT, "--model.flavor", "debug", *tiny]
     assert main(argv) == 0
     assert [r["step"] for r in read_metrics(dump / "metrics.jsonl")] == [1, 2]
-    summary = caplog.text
+    summary = capsys.readouterr().err  # train.py's own log handler writes to stderr
     assert "no config.json in ./assets/hf/" in summary and "shape from the flavor" in summary
     assert f"tokenizer: ./assets/hf/{PRESETS[preset]}" in summary
 
 
-def test_a_named_flavor_that_differs_from_the_config_json_is_said_in_one_line(hf_assets, monkeypatch, caplog):
+def test_a_named_flavor_that_differs_from_the_config_json_is_said_in_one_line(
+    hf_assets, monkeypatch, caplog, capsys
+):
     caplog.set_level("WARNING", logger="autopar")
     monkeypatch.chdir(hf_assets)
     shutil.rmtree(hf_assets / "outputs", ignore_errors=True)
     assert main(["--job.config", str(CONFIGS / "qwen3_0.6b.toml"), *SHORT]) == 0
-    (line,) = [r.getMessage() for r in caplog.records if "different models" in r.getMessage()]
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "different models" in line]
     assert (
         "model.flavor='0.6B'" in line and "hidden_size 1024 vs 64" in line and "model.tokenizer_path" in line
     )
