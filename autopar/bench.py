@@ -17,6 +17,7 @@ A variant is a name below or ``name:key=value,...`` with any job field
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import platform
@@ -198,6 +199,13 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging(0)
     try:
+        for flag, value, least in (
+            ("--steps", known.steps, 1),
+            ("--warmup", known.warmup, 0),
+            ("--nproc", known.nproc, 1),
+        ):
+            if value < least:
+                raise ConfigError(f"{flag} {value} must be >= {least}")
         base = parse_job(job_argv)
         jobs = [variant_job(base, spec, known.warmup + known.steps) for spec in known.variants]
         names = [name for name, _, _ in jobs]
@@ -225,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(text)
     curves = [str(Path(job.job.dump_folder) / "metrics.jsonl") for _, _, job in jobs]
-    print(f"loss curves: python -m autopar.plot {' '.join(curves)} -o bench_loss.png")
+    needs = "" if importlib.util.find_spec("matplotlib") else " (needs matplotlib: pip install matplotlib)"
+    print(f"loss curves: python -m autopar.plot {' '.join(curves)} -o bench_loss.png{needs}")
     if known.json:
         payload = {
             "device": device,

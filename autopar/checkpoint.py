@@ -248,13 +248,13 @@ class Checkpointer:
                 )
             )
 
-    def _state(self, train: dict[str, int], model_only: bool = False) -> dict[str, Any]:
+    def _state(self, train: dict[str, Any], model_only: bool = False) -> dict[str, Any]:
         state: dict[str, Any] = {"model": ModelState(self.parts), "train": train}
         if not model_only:
             state["optimizer"] = OptimizerState(self.parts, self.optimizers)
         return state
 
-    def save(self, train: dict[str, int], model_only: bool = False) -> Path:
+    def save(self, train: dict[str, Any], model_only: bool = False) -> Path:
         """Write the checkpoint of step ``train["step"]`` (``train`` is saved beside the
         weights) atomically; prune old ones past keep_latest_k. ``model_only`` leaves out
         the optimizer. With checkpoint.async_mode, returns once the state is copied aside and
@@ -367,11 +367,11 @@ class Checkpointer:
                     f"checkpoint.load_step={self.cfg.load_step} is broken: {problem}; "
                     f"pick another of {steps}, or leave load_step unset to use the newest intact one"
                 )
-            return self.cfg.load_step
+            return self._unverified_said(self.cfg.load_step)
         for step in reversed(steps):
             problem = broken_file(self.folder / f"step-{step}")
             if problem is None:
-                return step
+                return self._unverified_said(step)
             logger.warning("checkpoint step-%d is broken (%s); trying the one before", step, problem)
         if steps:
             raise TrainingStopped(
@@ -380,7 +380,7 @@ class Checkpointer:
             )
         return None
 
-    def load(self, step: int) -> dict[str, int]:
+    def load(self, step: int) -> dict[str, Any]:
         """Restore everything saved at ``step``; returns the train state saved with it
         ({"step", "consumed_samples"}, and the data shape of newer saves)."""
         path = self.folder / f"step-{step}"
@@ -405,6 +405,39 @@ class Checkpointer:
             torch.set_rng_state(torch.load(rng))
         logger.info("resumed from %s", path)
         return state["train"]
+
+    def _unverified_said(self, step: int) -> int:
+        """``step``, after a warning when its files could not be verified for want of a manifest."""
+        if not (self.folder / f"step-{step}" / MANIFEST).is_file():
+            logger.warning(
+                "checkpoint step-%d has no %s (deleted, or saved by an older autopar): resuming from it "
+                "without verifying its files",
+                step,
+                MANIFEST,
+            )
+        return step
+
+    def train_state(self, step: int) -> dict[str, Any]:
+        """The train entries saved at ``step`` (step, data position, what the data was), read
+        without the model: what a resume can be checked against before building anything."""
+        keys = [
+            k.removeprefix("train.")
+            for k in saved_keys(self.folder / f"step-{step}")
+            if k.startswith("train.")
+        ]
+        state: dict[str, Any] = {"train": dict.fromkeys(keys, 0)}
+        _dcp(dcp.load, state, self.folder / f"step-{step}")
+        return state["train"]
+
+    def resume_candidate(self) -> int | None:
+        """The step a resume would start from if its files are intact (no verification, no
+        collective): checkpoint.load_step, else the newest complete one."""
+        if not self.cfg.enable:
+            return None
+        if self.cfg.load_step >= 0:
+            return self.cfg.load_step
+        steps = complete_steps(self.folder)
+        return steps[-1] if steps else None
 
     def model_only(self, step: int) -> bool:
         """Whether the checkpoint of ``step`` holds the model without its optimizer."""

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from autopar.config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -27,8 +30,29 @@ class World:
 
 
 def world_size_from_env() -> int:
-    """The number of processes torchrun started (1 for plain ``python``)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """The number of processes torchrun started (1 for plain ``python``). Launch variables set
+    by hand without the rest are refused: with ``RANK=1`` alone a run would train as a
+    non-saving rank of a world of one, and ``WORLD_SIZE=2`` alone would wait for a rendezvous
+    that no one serves."""
+    env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT")}
+    for name in ("WORLD_SIZE", "RANK"):
+        value = env[name]
+        if value is not None and not value.isdigit():
+            raise ConfigError(f"environment {name}={value!r} must be a non-negative integer")
+    size, rank = int(env["WORLD_SIZE"] or 1), int(env["RANK"] or 0)
+    launch = "launch with torchrun --nproc_per_node=N train.py ..., which sets them all"
+    if size < 1 or rank >= size:
+        raise ConfigError(
+            f"environment RANK={rank} with WORLD_SIZE={env['WORLD_SIZE'] or 'unset (1)'}: the rank must be "
+            f"below the world size; {launch}, or unset RANK and WORLD_SIZE for one process"
+        )
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if env[k] is None]
+    if size > 1 and missing and not dist.is_initialized():  # a group joined another way needs none
+        raise ConfigError(
+            f"environment WORLD_SIZE={size} without {' and '.join(missing)}: {launch}, or unset "
+            "WORLD_SIZE for one process"
+        )
+    return size
 
 
 def device_for(local_rank: int) -> torch.device:
@@ -70,6 +94,30 @@ def set_timeout(seconds: int) -> None:
     for group in list(dist.distributed_c10d._world.pg_map):
         if group.group_desc != BACKGROUND_SAVE_GROUP:
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+class CollectiveTimeout:
+    """The bound on every collective, as the training moves between quick steps and phases that
+    may keep some ranks long (compiling, writing a checkpoint). ``longer`` restores whatever
+    bound was in force, so phases nest."""
+
+    def __init__(self, seconds: int) -> None:
+        self.seconds = seconds
+        """The bound in force: the one the process group was made with, to begin with."""
+
+    def set(self, seconds: int) -> None:
+        set_timeout(seconds)
+        self.seconds = seconds
+
+    @contextmanager
+    def longer(self, seconds: int) -> Iterator[None]:
+        """Bound collectives by at least ``seconds`` while entered."""
+        previous = self.seconds
+        self.set(max(seconds, previous))
+        try:
+            yield
+        finally:
+            self.set(previous)
 
 
 BACKGROUND_SAVE_GROUP = "background_save"

@@ -105,11 +105,30 @@ def peer_failure(err: RuntimeError, rank: int, timeout_s: int) -> TrainingStoppe
     )
 
 
+OUT_OF_MEMORY = ("CUDA out of memory", "can't allocate memory", "not enough memory")
+"""What torch's allocators say when an allocation fails (CUDA raises OutOfMemoryError; the
+CPU allocator a RuntimeError)."""
+
+
+def out_of_memory(err: RuntimeError, step: int, rank: int, local_batch: int) -> TrainingStopped | None:
+    """``err`` as a stop naming what to lower, when an allocation failed."""
+    if not (isinstance(err, torch.OutOfMemoryError) or any(s in str(err) for s in OUT_OF_MEMORY)):
+        return None
+    first_line = str(err).strip().splitlines()[0][:300]
+    return TrainingStopped(
+        f"rank {rank}: out of memory in step {step} ({first_line}); lower training.local_batch_size "
+        f"(now {local_batch}) or seq_len, turn on --activation_checkpoint.mode full, or size the job "
+        "first with python -m autopar.plan or --dry-run --world-size N"
+    )
+
+
 class StopRequest:
     """While entered, turns the first stop signal into a request ``requested()`` reports on
     every rank; handlers are installed only from the main thread and restored on exit."""
 
-    def __init__(self) -> None:
+    def __init__(self, keeps: str = "its checkpoint is saved") -> None:
+        self.keeps = keeps
+        """What the stopped run leaves, for the line that acknowledges the signal."""
         self.signal_name: str | None = None
         self._previous: dict[int, object] = {}
 
@@ -129,7 +148,7 @@ class StopRequest:
             return
         self.signal_name = signal.Signals(signum).name
         logger.warning(
-            "%s: stopping after this step (a checkpoint is saved); again to stop at once", self.signal_name
+            "%s: stopping after this step (%s); again to stop at once", self.signal_name, self.keeps
         )
 
     def requested(self, device: torch.device) -> bool:

@@ -11,22 +11,25 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from autopar.config import ConfigError, help_text, to_toml
+from autopar.config import ConfigError, JobConfig, help_text, to_toml
 from autopar.data import DataError
 from autopar.distributed import init_world, world_size_from_env
 from autopar.faults import TrainingStopped
 from autopar.job import parse_job
 from autopar.log import setup_logging
+from autopar.models.args import ModelArgs
 from autopar.planner.auto import auto_job, record_measured, write_plan
 from autopar.planner.devices import DeviceSpec
-from autopar.planner.dry_run import compare, report, write_dry_run
+from autopar.planner.dry_run import compare, report, title, write_dry_run
 from autopar.planner.search import Plan
 from autopar.planner.verify import Verified
+from autopar.run_lock import dump_folder_lock
 from autopar.trainer import Trainer
 from autopar.validate import validate
 
@@ -50,6 +53,7 @@ def dry_run_main(argv: list[str], world_size: int) -> int:
     args = validate(job, world_size, device_type="cuda")
     setup_logging(0)
     ranks = compare(job, args, world_size)
+    print(title(job, world_size))
     print(report(ranks))
     path = Path(job.job.dump_folder) / "dry_run.json"
     write_dry_run(path, ranks)
@@ -81,6 +85,17 @@ def main(argv: list[str]) -> int:
     except ConfigError as err:
         return _refuse("config error", err)
     try:
+        with ExitStack() as held:
+            if os.environ.get("RANK", "0") == "0":  # the first rank speaks for the job
+                held.enter_context(dump_folder_lock(Path(job.job.dump_folder)))
+            return _run(job, args, auto)
+    except ConfigError as err:
+        return _refuse("config error", err)
+
+
+def _run(job: JobConfig, args: ModelArgs, auto: tuple[Plan, DeviceSpec, list[Verified]] | None) -> int:
+    """Join the world, build this rank's part of the job and train it; the exit code."""
+    try:
         world = init_world(job.comm.init_timeout_seconds)
     except dist.DistError as err:  # every rank says so: the one that is missing cannot
         rank = os.environ.get("RANK", "0")
@@ -90,23 +105,12 @@ def main(argv: list[str]) -> int:
         return 1
     setup_logging(world.rank)
     dump = Path(job.job.dump_folder)
-    metrics_path = dump / "metrics.jsonl"
     try:
         trainer = Trainer(job, args, world)
         if world.is_main:  # the resolved job, runnable as is: --job.config <dump_folder>/config.toml
             (dump / "config.toml").write_text(to_toml(job))
         if auto and world.is_main:
-            plan, device, verified = auto
-            for i, result in enumerate(verified, 1):
-                logging.getLogger("autopar").info("auto plan dry run %s", "\n".join(result.lines(i)))
-            logging.getLogger("autopar").info(
-                "auto plan: %s; predicted peak %.1f GiB of %.1f, %.0f tokens/s per device",
-                plan.describe(),
-                plan.peak_gib,
-                device.memory_gib,
-                plan.tokens_per_s,
-            )
-            write_plan(dump / "plan.json", plan, device, world.size)
+            _announce_auto(*auto, dump, world.size)
         records = trainer.train()
     except DataError as err:
         return _refuse("data error", err)
@@ -117,14 +121,32 @@ def main(argv: list[str]) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     if auto and world.is_main:
-        record_measured(dump / "plan.json", metrics_path, len(records))
+        record_measured(dump / "plan.json", dump / "metrics.jsonl", len(records))
     return 0
+
+
+def _announce_auto(
+    plan: Plan, device: DeviceSpec, verified: list[Verified], dump: Path, world_size: int
+) -> None:
+    """Log the plan parallelism.auto chose (and its dry runs) and write plan.json."""
+    log = logging.getLogger("autopar")
+    for i, result in enumerate(verified, 1):
+        log.info("auto plan dry run %s", "\n".join(result.lines(i)))
+    log.info(
+        "auto plan: %s; predicted peak %.1f GiB of %.1f, %.0f tokens/s per device",
+        plan.describe(),
+        plan.peak_gib,
+        device.memory_gib,
+        plan.tokens_per_s,
+    )
+    write_plan(dump / "plan.json", plan, device, world_size)
 
 
 def _refuse(kind: str, err: object) -> int:
     """Print ``kind: err`` once (from the first rank under torchrun, where every rank finds
     it); the exit code of bad input."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    launched = "MASTER_ADDR" in os.environ and os.environ.get("WORLD_SIZE", "1") not in ("", "1")
+    if os.environ.get("RANK", "0") == "0" or not launched:
         print(f"{kind}: {err}", file=sys.stderr)
     return 2
 

@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
-from autopar.checkpoint import Checkpointer, export_hf
+from autopar.checkpoint import Checkpointer, complete_steps, export_hf
 from autopar.config.job import JobConfig
 from autopar.data.dataset import SampleSource
 from autopar.data.errors import DataError
 from autopar.data.loader import StepLoader, build_samples
-from autopar.data.tokenizer import Tokenizer, build_tokenizer
-from autopar.distributed import World, set_timeout
+from autopar.data.tokenizer import Tokenizer, build_tokenizer, tokenizer_file
+from autopar.distributed import CollectiveTimeout, World
 from autopar.evaluate import Validator, validation_samples
 from autopar.faults import (
     StopRequest,
     TrainingStopped,
     nonfinite,
+    out_of_memory,
     parameters_finite,
     peer_failure,
     ranks_not_finite,
@@ -49,6 +53,22 @@ class StepRecord:
     grad_norm: float
     aux_loss: float | None = None
     """A mixture-of-experts model's load-balancing loss."""
+
+
+def data_identity(job: JobConfig, samples: SampleSource) -> dict[str, str]:
+    """What the job trains on, as a checkpoint records it: the tokenizer (its file and a digest
+    of it) and the dataset with its format."""
+    path = tokenizer_path(job)
+    if path is None:
+        tokenizer, digest = "the built-in byte tokenizer", "byte"
+    else:
+        file = tokenizer_file(path)
+        tokenizer, digest = str(file), hashlib.sha256(file.read_bytes()).hexdigest()
+    return {
+        "tokenizer": tokenizer,
+        "tokenizer_sha256": digest,
+        "dataset": f"{samples.describe()} as {job.training.dataset_format}",
+    }
 
 
 class Trainer:
@@ -94,10 +114,32 @@ class Trainer:
             world.is_main,
             job.metrics.save_tb_folder if job.metrics.enable_tensorboard else None,
         )
+        self.timeout = CollectiveTimeout(job.comm.init_timeout_seconds)  # what init_world made the group with
         self.step = 0
         self.bad: list[str] = []  # what was not finite at the last step
         self.skipped_in_a_row = 0
+        self.data = data_identity(job, samples)
+        self._check_resumed_tokenizer()
         self._announce(samples)
+
+    def _check_resumed_tokenizer(self) -> None:
+        """Refuse, before any step, to resume a checkpoint trained with another tokenizer: its
+        embeddings were learned for other token ids."""
+        step = self.checkpointer.resume_candidate()
+        if step is None:
+            return
+        try:
+            saved = self.checkpointer.train_state(step)
+        except Exception:  # a broken checkpoint: resume verifies it and falls back (or says why)
+            return
+        if saved.get("tokenizer_sha256", self.data["tokenizer_sha256"]) == self.data["tokenizer_sha256"]:
+            return
+        path = self.checkpointer.folder / f"step-{step}"
+        raise DataError(
+            f"{path} was trained with tokenizer {saved['tokenizer']}, this job uses {self.data['tokenizer']}: "
+            f"resuming would continue on other token ids. Give this job its own --job.dump_folder "
+            f"(to start from those weights anyway: --checkpoint.initial_load_path {path})"
+        )
 
     def _announce(self, samples: SampleSource) -> None:
         """The start-up summary: model, plan, data and tokenizer, and what was adjusted."""
@@ -191,13 +233,29 @@ class Trainer:
             self.checkpointer.load_model_only(checkpoint.initial_load_path)
         self.metrics.forget_after(self.step)  # steps logged after it (by a run that died) run again
 
-    def _data_shape(self) -> dict[str, int]:
-        """What a checkpoint records of how samples were cut and batched."""
-        return {"seq_len": self.job.training.seq_len, "global_batch_size": self.loader.global_batch}
+    def _data_shape(self) -> dict[str, int | str]:
+        """What a checkpoint records of the data: how samples were cut and batched, and from
+        which files and tokenizer."""
+        return {
+            "seq_len": self.job.training.seq_len,
+            "global_batch_size": self.loader.global_batch,
+            **self.data,
+        }
 
-    def _warn_changed_data_shape(self, saved: dict[str, int]) -> None:
-        """Resuming with another seq_len or batch works, but is not the run that was saved."""
-        now = self._data_shape()
+    def _warn_changed_data_shape(self, saved: dict[str, int | str]) -> None:
+        """Resuming with other data, seq_len or batch works, but is not the run that was saved
+        (another tokenizer is refused at start)."""
+        if saved.get("dataset", self.data["dataset"]) != self.data["dataset"]:
+            logger.warning(
+                "resuming step %d on other data: the checkpoint was trained on %s, this job reads %s; "
+                "the data position (%d samples) is carried over to it. For a new run on this data use "
+                "another --job.dump_folder",
+                self.step,
+                saved["dataset"],
+                self.data["dataset"],
+                saved["consumed_samples"],
+            )
+        now = {"seq_len": self.job.training.seq_len, "global_batch_size": self.loader.global_batch}
         changed = [f"{k} {saved[k]} -> {v}" for k, v in now.items() if k in saved and saved[k] != v]
         if not changed:
             return
@@ -247,7 +305,9 @@ class Trainer:
         except OSError as err:  # a full disk or a read-only folder under metrics or exports
             raise TrainingStopped(f"could not write after step {self.step}: {err}") from err
         except RuntimeError as err:
-            stop = peer_failure(err, self.world.rank, self.job.comm.train_timeout_seconds)
+            stop = peer_failure(err, self.world.rank, self.job.comm.train_timeout_seconds) or out_of_memory(
+                err, self.step + 1, self.world.rank, self.job.training.local_batch_size
+            )
             if stop is None:
                 raise
             raise stop from err
@@ -264,12 +324,13 @@ class Trainer:
         first_step = self.step + 1
         stopped = False
         profiler = Profiler(self.job.profiling, self.job.job.dump_folder, self.world.rank, first_step)
-        with StopRequest() as stop, profiler:
+        started = time.perf_counter()
+        with StopRequest(self._what_a_stop_keeps()) as stop, profiler:
             while self.step < steps and not stopped:
                 loss, norm = self.train_step()
                 profiler.step(self.step)
                 if self.step == first_step:  # compiled and warmed up: from now on steps are quick
-                    set_timeout(self.job.comm.train_timeout_seconds)
+                    self.timeout.set(self.job.comm.train_timeout_seconds)
                 window_steps += 1
                 if self.step % log_freq == 0 or self.step in (1, steps):
                     elapsed = time.perf_counter() - window_start
@@ -285,12 +346,46 @@ class Trainer:
                 stopped = self.step < steps and stop.requested(self.world.device)  # the last step ends anyway
                 if stopped:
                     self._stop_early(stop.signal_name or "a stop signal (on another rank)", saved)
-        set_timeout(self.job.comm.init_timeout_seconds)  # a background save may still be writing
+        self.timeout.set(self.job.comm.init_timeout_seconds)  # a background save may still be writing
         self.checkpointer.close()
-        if self.job.checkpoint.last_save_in_hf and not stopped:
-            self._export_hf()
+        exported = self._export_hf() if self.job.checkpoint.last_save_in_hf else None
         self.metrics.close()
+        ended = f"stopped by {stop.signal_name or 'a stop signal'}" if stopped else "finished"
+        self._summarize(records, time.perf_counter() - started, first_step, exported, ended)
         return records
+
+    def _what_a_stop_keeps(self) -> str:
+        checkpoint = self.job.checkpoint
+        if checkpoint.enable:
+            return "its checkpoint is saved"
+        if checkpoint.last_save_in_hf:
+            return "checkpointing is off; its HF export is written"
+        return "checkpointing is off: nothing is saved"
+
+    def _summarize(
+        self, records: list[StepRecord], seconds: float, first_step: int, exported: Path | None, ended: str
+    ) -> None:
+        """The run's last line: what was trained, how it ended and where its outputs are."""
+        ran = self.step - first_step + 1
+        if ran <= 0:
+            return
+        last = f", last loss {records[-1].loss:.4f}" if records else ""
+        saved = complete_steps(self.checkpointer.folder) if self.checkpointer.folder.is_dir() else []
+        outputs = [f"metrics {self.metrics.path}"]
+        if saved:
+            outputs.append(f"checkpoint {self.checkpointer.folder / f'step-{saved[-1]}'}")
+        if exported is not None:
+            outputs.append(f"HF export {exported}")
+        logger.info(
+            "%s at step %d of %d: %d step(s) in %.1fs%s | %s",
+            ended,
+            self.step,
+            self.job.training.steps,
+            ran,
+            seconds,
+            last,
+            ", ".join(outputs),
+        )
 
     def _log(self, loss: torch.Tensor, norm: torch.Tensor, steps: int, seconds: float) -> StepRecord:
         """Log this step's numbers (``steps`` trained in ``seconds`` since the last log)."""
@@ -305,7 +400,7 @@ class Trainer:
     def _stop_early(self, why: str, saved: bool) -> None:
         """Save this step (unless just saved) and say how to go on."""
         if not self.job.checkpoint.enable:
-            logger.warning("stopped by %s after step %d; checkpointing is off, nothing saved", why, self.step)
+            logger.warning("stopped by %s after step %d; %s", why, self.step, self._what_a_stop_keeps())
             return
         if not saved:
             self._save()
@@ -315,10 +410,9 @@ class Trainer:
 
     def _validate(self) -> None:
         """The held-out loss of this step's weights, logged."""
-        set_timeout(self.job.comm.init_timeout_seconds)  # the first pass compiles its forward
         assert self.validator is not None
-        result = self.validator.run()
-        set_timeout(self.job.comm.train_timeout_seconds)
+        with self.timeout.longer(self.job.comm.init_timeout_seconds):  # the first pass compiles its forward
+            result = self.validator.run()
         self.metrics.record_validation(self.step, result.loss, result.tokens)
 
     def _save(self, model_only: bool = False) -> Path:
@@ -328,20 +422,33 @@ class Trainer:
                 f"step {self.step}: weights are not finite, so no checkpoint was written (the last "
                 "one on disk is kept); lower optimizer.lr or training.max_norm and resume from it"
             )
-        set_timeout(self.job.comm.init_timeout_seconds)  # writing may keep some ranks long
         train = {"step": self.step, "consumed_samples": self.loader.consumed_samples, **self._data_shape()}
-        path = self.checkpointer.save(train, model_only)
-        set_timeout(self.job.comm.train_timeout_seconds)
-        return path
+        with self.timeout.longer(self.job.comm.init_timeout_seconds):  # writing may keep some ranks long
+            return self.checkpointer.save(train, model_only)
 
-    def _export_hf(self) -> None:
+    def _export_hf(self) -> Path:
+        """Write ``<dump_folder>/hf/step-N`` of this step: into a ``.partial`` folder renamed into
+        place when complete, so a full disk leaves no half export (and says so)."""
         checkpoint = self.job.checkpoint
         ckpt = self.checkpointer.folder / f"step-{self.step}"
         if not ckpt.is_dir():
             ckpt = self._save()
         out = Path(self.job.job.dump_folder) / "hf" / f"step-{self.step}"
-        if self.world.is_main:
-            export_hf(ckpt, self.args, out, DTYPES[checkpoint.export_dtype])
+        if not self.world.is_main:
+            return out
+        partial = out.with_name(out.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        try:
+            export_hf(ckpt, self.args, partial, DTYPES[checkpoint.export_dtype])
             source = self.job.model.hf_assets_path or tokenizer_path(self.job)
-            assets = copy_assets(source, out) if source is not None else []
-            logger.info("exported HF checkpoint %s (with %s)", out, ", ".join(assets) or "no tokenizer files")
+            assets = copy_assets(source, partial) if source is not None else []
+            shutil.rmtree(out, ignore_errors=True)
+            partial.rename(out)
+        except (OSError, SafetensorError) as err:  # safetensors reports a full disk as its own error
+            shutil.rmtree(partial, ignore_errors=True)
+            raise TrainingStopped(
+                f"could not write the HF export {out}: {err}; nothing was left there, and checkpoint "
+                f"{ckpt} is kept: free space and run the same command again to export it"
+            ) from err
+        logger.info("exported HF checkpoint %s (with %s)", out, ", ".join(assets) or "no tokenizer files")
+        return out

@@ -7,11 +7,15 @@ case's own make a job that would otherwise train.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
+from autopar.bench import main as bench_main
+from autopar.data.prepare import main as prepare_main
 from autopar.data.prepare import prepare
+from autopar.data.tokens import source_files
 from autopar.job import model_args
 from autopar.models import Qwen, to_hf
 from autopar.train import main as train_main
@@ -30,6 +34,9 @@ def inputs(tmp_path_factory) -> Path:
     (folder / "a_file").write_text("not a folder")
     (folder / "tok").mkdir()
     (folder / "tok" / "tokenizer.json").write_text("{")
+    (folder / "latin1.txt").write_bytes("caf\u00e9 au lait, ".encode("latin-1") * 200)
+    (folder / "number.jsonl").write_text('{"text": "a fine line of text"}\n{"text": 5}\n')
+    os.mkfifo(folder / "fifo")
     (folder / "text").mkdir()
     (folder / "text" / "doc.txt").write_text("a document long enough for a few sequences " * 20)
     prepared, _ = prepare([str(folder / "text")], str(folder / "cut"), None)
@@ -112,6 +119,15 @@ CASES = {
     "toml syntax": ("--job.config {inputs}/syntax.toml", "syntax.toml"),
     "toml unknown section": ("--job.config {inputs}/section.toml", "did you mean 'training'?"),
     "toml wrong type": ("--job.config {inputs}/type.toml", "training.steps='ten' is not an int"),
+    "dataset not UTF-8": (
+        "--training.dataset_path {inputs}/latin1.txt",
+        "latin1.txt: not UTF-8 text (byte 3",
+    ),
+    "jsonl text not a string": (
+        "--training.dataset_path {inputs}/number.jsonl",
+        'number.jsonl:2: "text" is int 5',
+    ),
+    "dataset is a pipe": ("--training.dataset_path {inputs}/fifo", "fifo: not a regular file or folder"),
     "missing dataset": ("--training.dataset_path {inputs}/none", "training.dataset_path="),
     "unknown dataset": ("--training.dataset nope", "training.dataset='nope' is not built in"),
     "dataset too short": ("--training.dataset_path {inputs}/short.txt", "cannot fill one sequence"),
@@ -141,6 +157,14 @@ CASES = {
     "blend of text": ("--training.dataset_blend 1:{inputs}/text", "is not a prepared dataset"),
     # outputs
     "dump folder is a file": ("--job.dump_folder {inputs}/a_file", "job.dump_folder: cannot write"),
+    "checkpoint folder where nothing can be made": (
+        "--checkpoint.enable true --checkpoint.folder /proc/autopar_checkpoints",
+        "checkpoint.folder: cannot write /proc/autopar_checkpoints: nothing can be created in /proc",
+    ),
+    "float8 converting no linear": (
+        "--float8.enable true --float8.backend torchao --model.hidden_size=72",
+        "float8.enable=true converts no linear of this model",
+    ),
     "checkpoint folder under a file": (
         "--checkpoint.enable true --checkpoint.folder {inputs}/a_file/ck",
         "checkpoint.folder: cannot write",
@@ -167,3 +191,59 @@ def test_bad_input_gets_one_line_exit_2_and_writes_nothing(case, inputs, tmp_pat
     assert len(lines) == 1 and lines[0].split(":")[0] in ("config error", "data error"), err[-2000:]
     assert expected in lines[0]
     assert snapshot(inputs, tmp_path) == before
+
+
+LAUNCH_ENVIRONMENTS = {
+    "rank without a world": ({"RANK": "1"}, "environment RANK=1 with WORLD_SIZE=unset (1)"),
+    "world without a rendezvous": ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 without MASTER_ADDR and MASTER_PORT"),
+    "rank not a number": ({"RANK": "first"}, "environment RANK='first' must be a non-negative integer"),
+}
+
+
+@pytest.mark.parametrize("case", LAUNCH_ENVIRONMENTS, ids=list(LAUNCH_ENVIRONMENTS))
+def test_launch_variables_set_by_hand_get_one_line_exit_2(case, tmp_path, capsys, monkeypatch):
+    env, expected = LAUNCH_ENVIRONMENTS[case]
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code = train_main(
+        ["--job.config", "debug_model", *TINY_FLAGS, "--job.dump_folder", str(tmp_path / "out")]
+    )
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and expected in lines[0], lines
+    assert not (tmp_path / "out").exists()
+
+
+def test_bench_with_zero_timed_steps_gets_one_line_exit_2(capsys):
+    assert bench_main(["--steps", "0", "--job.config", "debug_model"]) == 2
+    assert capsys.readouterr().err.strip() == "config error: --steps 0 must be >= 1"
+
+
+@pytest.mark.parametrize(
+    ("source", "output", "expected"),
+    [
+        ("text", "{inputs}/prepared_here/", "is a folder; give a file prefix"),
+        ("latin1.txt", "{tmp}/latin", "latin1.txt: not UTF-8 text"),
+    ],
+    ids=["output a folder", "input not UTF-8"],
+)
+def test_prepare_refuses_with_one_line_exit_2_and_writes_nothing(
+    source, output, expected, inputs, tmp_path, capsys
+):
+    (inputs / "prepared_here").mkdir(exist_ok=True)
+    before = snapshot(inputs, tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        prepare_main(
+            ["--input", str(inputs / source), "--output", output.format(inputs=inputs, tmp=tmp_path)]
+        )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and expected in err[0], err
+    assert snapshot(inputs, tmp_path) == before
+
+
+def test_a_text_folder_names_the_files_it_ignores(tmp_path, caplog):
+    (tmp_path / "doc.txt").write_text("some text")
+    (tmp_path / "tokens.bin").write_bytes(bytes(8))
+    assert source_files(tmp_path) == [tmp_path / "doc.txt"]
+    assert "ignoring 1 file(s) that are not .txt/.md/.jsonl: tokens.bin" in caplog.text

@@ -17,12 +17,16 @@ import pytest
 import torch
 
 from autopar.checkpoint import broken_file
+from autopar.data.chat import CHATML_TOKENIZER
+from autopar.data.errors import DataError
 from autopar.distributed import single_process
 from autopar.faults import TrainingStopped
+from autopar.run_lock import LOCK_NAME, dump_folder_lock
+from autopar.train import main as train_main
 from autopar.trainer import Trainer
 from autopar.validate import validate
 
-from jobs import free_port, rank_env, tiny_job, train_py
+from jobs import CHAT_VOCAB, TINY_FLAGS, free_port, rank_env, tiny_job, train_py
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINTS = ("--checkpoint.enable", "true", "--checkpoint.interval", "1")
@@ -408,3 +412,115 @@ def test_a_checkpoint_that_cannot_be_written_stops_with_a_message_and_keeps_the_
     assert "GiB free there" in result.stderr and "Traceback" not in result.stderr
     assert [p.name for p in (tmp_path / "checkpoint").iterdir()] == ["step-2"]
     assert broken_file(tmp_path / "checkpoint" / "step-2") is None
+
+
+def test_a_second_run_on_a_dump_folder_in_use_is_refused_naming_the_holder(tmp_path, capsys):
+    with dump_folder_lock(tmp_path):
+        code = train_main(["--job.config", "debug_model", *TINY_FLAGS, "--job.dump_folder", str(tmp_path)])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    assert f"job.dump_folder={str(tmp_path)!r} is in use by another run (pid {os.getpid()} on" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # the holder's lock went with it
+
+
+def test_a_lock_file_left_by_a_dead_run_does_not_block_the_next(tmp_path):
+    (tmp_path / LOCK_NAME).write_text("pid 999999 on a host that died")  # no process holds it
+    code = train_main(
+        [
+            "--job.config",
+            "debug_model",
+            *TINY_FLAGS,
+            "--training.steps",
+            "1",
+            "--job.dump_folder",
+            str(tmp_path),
+        ]
+    )
+    assert code == 0 and not (tmp_path / LOCK_NAME).exists()
+
+
+def test_resuming_with_another_tokenizer_is_refused_before_training(tmp_path):
+    vocab = ("--model.vocab_size", str(CHAT_VOCAB))
+    trainer(tmp_path, "--training.steps", "2", *vocab, *CHECKPOINTS).train()
+    with pytest.raises(
+        DataError, match=r"trained with tokenizer the built-in byte tokenizer, this job uses .*chatml"
+    ):
+        trainer(
+            tmp_path,
+            "--training.steps",
+            "4",
+            *vocab,
+            *CHECKPOINTS,
+            "--model.tokenizer_path",
+            str(CHATML_TOKENIZER),
+        )
+
+
+def test_resuming_on_other_data_warns_naming_both(tmp_path, caplog):
+    trainer(tmp_path, "--training.steps", "2", *CHECKPOINTS).train()
+    other = tmp_path / "other.txt"
+    other.write_text("other words for another run, long enough for a few samples. " * 40)
+    trainer(tmp_path, "--training.steps", "3", *CHECKPOINTS, "--training.dataset_path", str(other)).train()
+    assert "resuming step 2 on other data" in caplog.text and "other.txt" in caplog.text
+
+
+def test_resuming_a_checkpoint_without_its_manifest_says_it_is_unverified(tmp_path, caplog):
+    trainer(tmp_path, "--training.steps", "2", *CHECKPOINTS).train()
+    (tmp_path / "checkpoint" / "step-2" / "manifest.json").unlink()
+    trainer(tmp_path, "--training.steps", "3", *CHECKPOINTS).train()
+    assert "checkpoint step-2 has no manifest.json" in caplog.text and "without verifying" in caplog.text
+
+
+def test_running_out_of_memory_stops_with_one_message_naming_the_batch(tmp_path):
+    run = trainer(tmp_path, "--training.steps", "3")
+
+    def allocate_too_much(module, args):
+        if run.step == 1:  # the second step asks the real allocator for 16 TiB
+            torch.empty(2**42)
+
+    run.parts[0].register_forward_pre_hook(allocate_too_much)
+    with pytest.raises(TrainingStopped, match=r"out of memory in step 2 .*local_batch_size \(now 2\)"):
+        run.train()
+
+
+def test_the_run_ends_with_a_summary_line_naming_its_outputs(tmp_path, caplog):
+    caplog.set_level("INFO", logger="autopar")
+    trainer(tmp_path, "--training.steps", "2", *CHECKPOINTS).train()
+    last = caplog.records[-1].getMessage()
+    assert last.startswith("finished at step 2 of 2: 2 step(s) in ")
+    assert f"metrics {tmp_path / 'metrics.jsonl'}, checkpoint {tmp_path / 'checkpoint' / 'step-2'}" in last
+
+
+@pytest.mark.slow
+def test_an_hf_export_onto_a_full_disk_stops_with_a_message_and_leaves_no_folder(tmp_path):
+    trainer(tmp_path, "--training.steps", "2", *CHECKPOINTS).train()
+    result = subprocess.run(
+        train_py(tmp_path, "--training.steps", "2", *CHECKPOINTS, "--checkpoint.last_save_in_hf", "true"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limit_file_size(100_000),
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert f"could not write the HF export {tmp_path / 'hf' / 'step-2'}" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert list((tmp_path / "hf").iterdir()) == []
+    assert broken_file(tmp_path / "checkpoint" / "step-2") is None
+
+
+def test_a_stop_signal_writes_the_hf_export_the_job_asked_for_and_says_so(tmp_path, caplog):
+    run = trainer(tmp_path, "--training.steps", "5", "--checkpoint.last_save_in_hf", "true")
+    train_step = run.train_step
+
+    def step_then_signal():
+        result = train_step()
+        if run.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return result
+
+    run.train_step = step_then_signal
+    run.train()
+    assert run.step == 2 and (tmp_path / "hf" / "step-2" / "model.safetensors").is_file()
+    assert "SIGTERM: stopping after this step (checkpointing is off; its HF export is written)" in caplog.text
+    assert "nothing is saved" not in caplog.text

@@ -13,6 +13,8 @@ broken one.
 
 from __future__ import annotations
 
+import os
+import signal
 import statistics
 
 import pytest
@@ -43,16 +45,32 @@ BF16_FLAGS = (
 FP8_FLAGS = (*BF16_FLAGS, "--float8.enable", "true", "--float8.backend", "torchao")
 
 
-def losses(folder, flags) -> list[float]:
+BROKEN_STEPS = 60
+"""A broken FP8 run is stopped (by a stop signal, on the same 300-step schedule) after three
+windows: both breakages show in the first."""
+
+
+def losses(folder, flags, stop_after: int = STEPS) -> list[float]:
     job = tiny_job(folder, *flags)
-    return [r.loss for r in Trainer(job, validate(job, 1), single_process()).train()]
+    run = Trainer(job, validate(job, 1), single_process())
+    train_step = run.train_step
+
+    def step_then_stop():
+        result = train_step()
+        if run.step == stop_after < STEPS:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return result
+
+    run.train_step = step_then_stop
+    return [r.loss for r in run.train()]
 
 
 def worst_window_gap(run: list[float], reference: list[float]) -> float:
-    """Largest relative difference between the two curves' WINDOW-step mean losses."""
-    assert len(run) == len(reference) == STEPS
+    """Largest relative difference between the two curves' WINDOW-step mean losses, over the
+    steps ``run`` has (the same learning-rate schedule: ``reference``'s first steps)."""
+    assert len(run) % WINDOW == 0 and len(reference) == STEPS
     gaps = []
-    for start in range(0, STEPS, WINDOW):
+    for start in range(0, len(run), WINDOW):
         mine, theirs = (statistics.fmean(x[start : start + WINDOW]) for x in (run, reference))
         gaps.append(abs(mine - theirs) / theirs)
     return max(gaps)
@@ -75,7 +93,7 @@ def test_zeroed_fp8_gemms_fail_the_comparison(bf16_curve, tmp_path, monkeypatch)
 
     forward = Float8Linear.forward
     monkeypatch.setattr(Float8Linear, "forward", lambda self, x: forward(self, x) * 0)
-    assert worst_window_gap(losses(tmp_path, FP8_FLAGS), bf16_curve) > WINDOW_RTOL
+    assert worst_window_gap(losses(tmp_path, FP8_FLAGS, BROKEN_STEPS), bf16_curve) > WINDOW_RTOL
 
 
 def test_unscaled_fp8_gemms_fail_the_comparison(bf16_curve, tmp_path, monkeypatch):
@@ -85,4 +103,4 @@ def test_unscaled_fp8_gemms_fail_the_comparison(bf16_curve, tmp_path, monkeypatc
         return scaled_mm(a, b, scale_a=torch.ones_like(scale_a), scale_b=torch.ones_like(scale_b), **kwargs)
 
     monkeypatch.setattr(torch, "_scaled_mm", unscaled)
-    assert worst_window_gap(losses(tmp_path, FP8_FLAGS), bf16_curve) > WINDOW_RTOL
+    assert worst_window_gap(losses(tmp_path, FP8_FLAGS, BROKEN_STEPS), bf16_curve) > WINDOW_RTOL

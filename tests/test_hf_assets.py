@@ -106,3 +106,26 @@ def test_the_export_is_a_complete_hf_folder_that_transformers_loads(hf_folder, t
     ours = build_tokenizer(str(folder))
     text = "the model trains on its own words"
     assert theirs(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
+
+
+def test_the_readme_hf_finetune_preset_takes_an_hf_folder_in_and_gives_one_back(hf_folder, tmp_path):
+    folder, _ = hf_folder
+    job = parse_job(
+        [
+            "--job.config",
+            "hf_finetune",
+            "--model.hf_assets_path",
+            str(folder),
+            "--checkpoint.initial_load_path",
+            str(folder),
+            "--job.dump_folder",
+            str(tmp_path),
+            "--training.steps",
+            "2",
+            "--training.seq_len",
+            "32",
+        ]
+    )
+    assert job.checkpoint.initial_load_in_hf and job.checkpoint.last_save_in_hf
+    Trainer(job, validate(job, 1), single_process()).train()
+    assert (tmp_path / "hf" / "step-2" / "model.safetensors").is_file()

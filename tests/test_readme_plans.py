@@ -4,12 +4,14 @@ same stage roles and schedule; ``--verify`` measures the full plan, in minutes).
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 from pathlib import Path
 
 import pytest
 
+from autopar.config import JobConfig
 from autopar.config.parse import explicit_keys
 from autopar.job import derive_job, model_args, parse_job
 from autopar.pipelining.schedule import num_stages
@@ -44,9 +46,10 @@ def test_the_readme_shows_best_plans():
     assert len(SHOWN) >= 2
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("argv, flags", SHOWN, ids=[" ".join(a[:4]) for a, _ in SHOWN])
-def test_the_readme_best_plan_is_the_planners_answer_and_builds(argv, flags):
+@functools.cache
+def best_plan(argv: tuple[str, ...]) -> tuple[JobConfig, list[str], int]:
+    """(the job, the planner's best plan as flags, world size) of a README planner command;
+    searched once for both tests."""
     options, job_argv = split_options(
         [a if not a.startswith("train_configs") else str(ROOT / a) for a in argv]
     )
@@ -55,7 +58,37 @@ def test_the_readme_best_plan_is_the_planners_answer_and_builds(argv, flags):
     device = device_spec(str(options.get("--device", "h100")), options.get("--gpu-memory-gib"))
     pinned = pinned_fields(job, *explicit_keys(job_argv))
     best = search(job, model_args(job), world, int(options.get("--gpus-per-node", 8)), device, pinned)[0]
-    assert best.overrides == flags
+    return job, best.overrides, world
+
+
+def shown(heavy_from_world: int):
+    """SHOWN as parameters; examples of ``heavy_from_world`` GPUs or more are marked heavy."""
+    return [
+        pytest.param(
+            argv,
+            flags,
+            id=" ".join(argv[:4]),
+            marks=[pytest.mark.heavy]
+            if int(argv[argv.index("--world-size") + 1]) >= heavy_from_world
+            else [],
+        )
+        for argv, flags in SHOWN
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv, flags", shown(heavy_from_world=10**9))
+def test_the_readme_best_plan_is_the_planners_answer(argv, flags):
+    assert best_plan(tuple(argv))[1] == flags
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv, flags", shown(heavy_from_world=64))
+def test_the_readme_best_plan_builds(argv, flags):
+    """Its dry run at one layer per pipeline stage and one micro-batch per pipeline rank. The
+    64-GPU 32B example takes a minute and a half here; the stage roles of its pp x cp x tp shape
+    are built in the default run by test_planner's pp x cp x tp role test."""
+    job, _, world = best_plan(tuple(argv))
     chosen = derive_job(job, [f.removeprefix("--") for f in flags])
     stages = num_stages(chosen.parallelism, model_args(chosen).num_hidden_layers)
     chosen.model.num_hidden_layers = max(2, stages)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import tempfile
 from pathlib import Path
 
 from autopar.config.errors import ConfigError
@@ -78,7 +79,9 @@ def check_numbers(job: JobConfig) -> None:
 
 
 def unwritable(folder: Path) -> str | None:
-    """Why ``folder`` could not be created or written to, or None; creates nothing."""
+    """Why ``folder`` could not be created or written to, or None; leaves nothing behind. It
+    makes and removes a folder in the nearest existing one: permission bits alone pass
+    ``/proc`` or a read-only bind mount for root."""
     existing = folder
     while not existing.exists():
         existing = existing.parent
@@ -86,6 +89,10 @@ def unwritable(folder: Path) -> str | None:
         return f"{existing} is a file, not a folder"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".autopar-probe-", dir=existing))
+    except OSError as err:
+        return f"nothing can be created in {existing} ({err.strerror})"
     return None
 
 

@@ -357,7 +357,13 @@ def help_text() -> str:
     """Every flag with its type, default and documentation."""
     lines = [
         "usage: train.py --job.config FILE [--section.field VALUE ...] [--print-config]",
+        "       train.py --job.config FILE [...] --dry-run --world-size N",
         "Precedence: CLI > TOML > defaults. Lists are comma-separated; booleans true/false.",
+        "  --print-config        print the resolved job as TOML and exit",
+        "  --dry-run --world-size N",
+        "                        build the job for N GPUs on this machine (fake tensors, no GPU), run one",
+        "                        step of each rank role and report its peak memory; writes dry_run.json",
+        "  parallelism.auto=true picks the plan; python -m autopar.plan ranks plans without a job",
         "",
     ]
     defaults = JobConfig()

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from autopar.data.errors import DataError
+from autopar.data.errors import DataError, not_utf8
 from autopar.data.tokenizer import tokenizer_file
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -250,6 +250,13 @@ def read_conversations(path: str | Path) -> Iterator[list[dict[str, Any]]]:
     """The conversations of a chat JSONL file: one ``{"messages": [{"role", "content"}, ...]}``
     (or ShareGPT's ``{"conversations": [{"from", "value"}, ...]}``) per line; a bad line is a
     DataError naming the file and line."""
+    try:
+        yield from _conversations(path)
+    except UnicodeDecodeError as err:
+        raise not_utf8(path, err) from None
+
+
+def _conversations(path: str | Path) -> Iterator[list[dict[str, Any]]]:
     with Path(path).open(encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -41,6 +42,11 @@ def prepare(
     tokenizer = build_tokenizer(tokenizer_path)
     files = [f for item in inputs for f in source_files(Path(item))]
     prefix = Path(output)
+    if output.endswith(("/", os.sep)) or prefix.is_dir():
+        raise DataError(
+            f"--output {output}: is a folder; give a file prefix, e.g. --output {prefix / 'data'} "
+            f"(writes {prefix / 'data.bin'} and its .json)"
+        )
     if prefix.suffix in (".bin", ".json"):
         prefix = prefix.with_suffix("")
     if prefix.with_suffix(".bin").exists():

@@ -10,12 +10,13 @@ this as an indexed dataset.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from autopar.data.errors import DataError
+from autopar.data.errors import DataError, not_utf8
 from autopar.data.tokenizer import Tokenizer
 
 TEXT_SUFFIXES = (".txt", ".md")
@@ -24,34 +25,64 @@ FORMAT_VERSION = 1
 BUILTIN_DATASETS = {"autopar_corpus": Path(__file__).parent / "corpus"}
 """Datasets shipped with autopar, by the name ``training.dataset`` uses."""
 
+logger = logging.getLogger(__name__)
+
 
 def source_files(path: Path) -> list[Path]:
-    """The text / jsonl files under ``path`` (itself, or a folder's files in sorted order)."""
+    """The text / jsonl files under ``path`` (itself, or a folder's files in sorted order);
+    a folder's other files are named in a warning, not read."""
     if path.is_file():
         return [path]
+    if path.exists() and not path.is_dir():
+        raise DataError(
+            f"{path}: not a regular file or folder (a pipe or a device?); save the data to a file"
+        )
     if not path.is_dir():
         raise DataError(f"{path}: no such file or folder")
-    files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES)
+    found = sorted(p for p in path.rglob("*") if p.is_file())
+    files = [p for p in found if p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES]
     if not files:
         raise DataError(f"{path}: holds no {', '.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} files")
+    other = [p.name for p in found if p not in files]
+    if other:
+        more = f" and {len(other) - 3} more" if len(other) > 3 else ""
+        logger.warning(
+            "%s: ignoring %d file(s) that are not %s: %s%s (a prepared .bin is read by pointing "
+            "training.dataset_path at it, not at its folder)",
+            path,
+            len(other),
+            "/".join(TEXT_SUFFIXES + JSONL_SUFFIXES),
+            ", ".join(other[:3]),
+            more,
+        )
     return files
 
 
 def documents(path: Path) -> Iterator[str]:
     """Documents of a text file (the whole file) or a jsonl file (the "text" of each line)."""
-    if path.suffix in JSONL_SUFFIXES:
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    yield json.loads(line)["text"]
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise DataError(f'{path}:{lineno}: not a JSON object with a "text" field') from None
-    elif path.suffix in TEXT_SUFFIXES:
-        yield path.read_text(encoding="utf-8")
-    else:
-        raise DataError(f"{path}: unsupported file type; use {TEXT_SUFFIXES + JSONL_SUFFIXES}")
+    try:
+        if path.suffix in JSONL_SUFFIXES:
+            yield from _jsonl_documents(path)
+        elif path.suffix in TEXT_SUFFIXES:
+            yield path.read_text(encoding="utf-8")
+        else:
+            raise DataError(f"{path}: unsupported file type; use {TEXT_SUFFIXES + JSONL_SUFFIXES}")
+    except UnicodeDecodeError as err:
+        raise not_utf8(path, err) from None
+
+
+def _jsonl_documents(path: Path) -> Iterator[str]:
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                text = json.loads(line)["text"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise DataError(f'{path}:{lineno}: not a JSON object with a "text" field') from None
+            if not isinstance(text, str):
+                raise DataError(f'{path}:{lineno}: "text" is {type(text).__name__} {text!r}, not a string')
+            yield text
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -399,6 +399,24 @@ def compare(job: JobConfig, args: ModelArgs, world_size: int) -> list[RankMemory
     ]
 
 
+def title(job: JobConfig, world_size: int) -> str:
+    """The plan a dry run measured, in one line above its table."""
+    dims = ParallelDims.resolve(job.parallelism, world_size)
+    training, parallelism = job.training, job.parallelism
+    degrees = (
+        f"dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} tp={dims.tp} cp={dims.cp} pp={dims.pp}"
+    )
+    if dims.ep > 1:
+        degrees += f" ep={dims.ep}"
+    if dims.pp > 1:
+        degrees += f" ({parallelism.pipeline_parallel_schedule})"
+    return (
+        f"dry run: {job.model.name} {job.model.flavor if job.model.hf_assets_path is None else job.model.hf_assets_path} "
+        f"on {world_size} GPUs | {degrees} | AC {job.activation_checkpoint.mode} | local batch "
+        f"{training.local_batch_size} x {training.seq_len} tokens"
+    )
+
+
 def report(ranks: list[RankMemory]) -> str:
     """A table: one row per role, measured and predicted peaks and the measured breakdown."""
     names = sorted({k for r in ranks for k, v in r.breakdown_gib.items() if v > 0})

@@ -68,8 +68,8 @@ def eligible(filter_fqns: list[str]) -> Callable[[nn.Module, str], bool]:
 
 
 def check_float8_filter(cfg: Float8, args: ModelArgs) -> None:
-    """Every ``filter_fqns`` item names some module: a misspelt one would silently put the
-    layer it meant to protect into FP8."""
+    """Every ``filter_fqns`` item names some module (a misspelt one would silently put the
+    layer it meant to protect into FP8), and some linear is left to convert."""
     if not cfg.enable:
         return
     with torch.device("meta"):
@@ -80,6 +80,16 @@ def check_float8_filter(cfg: Float8, args: ModelArgs) -> None:
                 f"float8.filter_fqns item {item!r} matches no module of the model (names look like "
                 "'lm_head', 'layers.0.mlp.down_proj'); fix it, or that layer runs in FP8"
             )
+    keep = eligible(cfg.filter_fqns)
+    with torch.device("meta"):
+        count = sum(keep(m, fqn) for fqn, m in Qwen(args).named_modules())
+    if count == 0:
+        raise ConfigError(
+            "float8.enable=true converts no linear of this model: FP8 GEMMs need both dims multiples "
+            f"of 16 (hidden_size={args.hidden_size}, intermediate_size={args.intermediate_size}, "
+            f"head_dim={args.head_dim}) outside float8.filter_fqns={cfg.filter_fqns}; set "
+            "--float8.enable false, or use a model whose dims qualify"
+        )
 
 
 def check_float8(cfg: Float8, device_type: str, tp_degree: int, compiled: bool) -> None:

@@ -71,8 +71,9 @@ def parallelize(
     gqa = native_gqa(job, device.type, resolve_impl(parallelism, device.type))
     apply_gqa(model, gqa)
     if args.num_key_value_heads < args.num_attention_heads:
-        logger.info(
-            "grouped k/v heads %s", "go to SDPA as they are" if gqa else "expanded to every query head"
+        logger.debug(
+            "attention: grouped-query k/v heads %s",
+            "passed to SDPA ungrouped (enable_gqa)" if gqa else "repeated to every query head",
         )
     for module in model.modules():
         if isinstance(module, Experts):
