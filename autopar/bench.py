@@ -105,7 +105,7 @@ def _bench_on_rank(job: JobConfig, warmup: int) -> dict:
     times, losses = [], []
     for _ in range(job.training.steps):
         start = time.perf_counter()
-        loss_t, norm_t = trainer.train_step()
+        loss_t, norm_t = trainer.run_step()
         losses.append(loss_t.item())  # waits for the step, so the timer sees all of it
         times.append(time.perf_counter() - start)
         lr = trainer.optimizers[0].param_groups[0]["lr"]

@@ -62,7 +62,7 @@ def check_torchtitan_job(job: JobConfig) -> None:
     if importlib.util.find_spec("torchtitan") is None:
         raise ConfigError(
             f"needs {TORCHTITAN} installed (pip install {TORCHTITAN}; on a "
-            "machine with no network, carry its wheels: BENCHMARKS.md says which)"
+            "machine with no network, carry its wheels: docs/performance.md says which)"
         )
 
 

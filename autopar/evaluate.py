@@ -107,15 +107,15 @@ class Validator:
         self,
         job: JobConfig,
         samples: PackedWindows,
-        one_step: TrainStep,
+        train_step: TrainStep,
         dp_rank: int,
         device: torch.device,
     ) -> None:
         cfg = job.validation
         self.samples = samples
-        self.one_step = one_step
+        self.train_step = train_step
         self.dp_rank = dp_rank
-        self.dp = one_step.dims.dp
+        self.dp = train_step.dims.dp
         self.device = device
         self.local_batch = cfg.local_batch_size
         per_step = self.local_batch * self.dp
@@ -132,13 +132,13 @@ class Validator:
         """One pass over the held-out batches (collective over every rank)."""
         per_step = self.local_batch * self.dp
         loader = StepLoader(self.samples, per_step, self.local_batch, self.dp_rank, self.dp, self.device)
-        dp_mesh = self.one_step.meshes.get("dp")
+        dp_mesh = self.train_step.meshes.get("dp")
         loss_sum = torch.zeros((), device=self.device)
         targets = torch.zeros((), device=self.device)
         for _ in range(self.steps):
             batches = loader.next_step()
             step_targets = global_target_count(batches, dp_mesh)
-            loss_sum += self.one_step.forward_loss(batches, step_targets) * step_targets
+            loss_sum += self.train_step.forward_loss(batches, step_targets) * step_targets
             targets += step_targets
         loss, tokens = (loss_sum / targets).item(), int(targets.item())
         return ValidationResult(loss, tokens)

@@ -133,7 +133,7 @@ def global_target_count(batches: list[Batch], dp_mesh: DeviceMesh | None) -> tor
     return all_reduce_sum(local, dp_mesh)
 
 
-def forward_backward(
+def microbatches_forward_backward(
     model: nn.Module,
     batches: list[Batch],
     global_targets: torch.Tensor,
@@ -170,7 +170,7 @@ def _grads_by_mesh(parts: list[nn.Module]) -> list[list[torch.Tensor]]:
     return by_mesh(p.grad for part in parts for p in part.parameters() if p.grad is not None)
 
 
-def grad_norm(parts: list[nn.Module], pp_mesh: DeviceMesh | None) -> torch.Tensor:
+def global_grad_norm(parts: list[nn.Module], pp_mesh: DeviceMesh | None) -> torch.Tensor:
     """Global L2 norm of all gradients, counting each parameter element once (pipeline
     stages hold disjoint parameters, so their squared norms add)."""
     squares = []
@@ -270,7 +270,7 @@ class TrainStep:
             )
             local_loss, aux = (all_reduce_sum(value, self.meshes.get("pp")) for value in (local_loss, aux))
         else:
-            local_loss, aux = forward_backward(
+            local_loss, aux = microbatches_forward_backward(
                 self.parts[0], batches, targets, self.context, global_sequences=sequences
             )
         self.aux_loss = all_reduce_sum(aux, self.meshes.get("loss"))
@@ -287,7 +287,9 @@ class TrainStep:
             )
             local_loss = all_reduce_sum(local_loss, self.meshes.get("pp"))
         else:
-            local_loss, _ = forward_backward(self.parts[0], batches, targets, self.context, backward=False)
+            local_loss, _ = microbatches_forward_backward(
+                self.parts[0], batches, targets, self.context, backward=False
+            )
         return all_reduce_sum(local_loss, self.meshes.get("loss"))
 
     def update(self, lr: float) -> torch.Tensor:
@@ -298,7 +300,7 @@ class TrainStep:
 
     def grad_norm(self) -> torch.Tensor:
         """The global gradient norm of this step (the same tensor value on every rank)."""
-        return grad_norm(self.parts, self.meshes.get("pp"))
+        return global_grad_norm(self.parts, self.meshes.get("pp"))
 
     def apply(self, lr: float, norm: torch.Tensor) -> None:
         """Clip to ``training.max_norm`` by ``norm``, step the optimizers at ``lr``, free the

@@ -87,11 +87,11 @@ class Trainer:
         self.dims = ParallelDims.resolve(job.parallelism, world.size)
         self.meshes = build_meshes(self.dims, world.device.type, always_fsdp=job.training.enable_cpu_offload)
         built = build_parts(args, job, self.meshes, world.device, self._initial_values())
-        self.one_step = TrainStep(job, world, self.meshes, built)
-        self.parts, self.optimizers = self.one_step.parts, self.one_step.optimizers
+        self.train_step = TrainStep(job, world, self.meshes, built)
+        self.parts, self.optimizers = self.train_step.parts, self.train_step.optimizers
         self.loader = self._build_loader(samples)
         self.validator = (
-            Validator(job, held_out, self.one_step, self.loader.dp_rank, world.device)
+            Validator(job, held_out, self.train_step, self.loader.dp_rank, world.device)
             if held_out is not None
             else None
         )
@@ -270,21 +270,21 @@ class Trainer:
             saved["consumed_samples"],
         )
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next optimizer step on the loader's next batches; (loss, grad norm) as device
         tensors. A step whose loss or gradient norm is not finite makes no update (see
         ``autopar.faults``); reading them is this step's one host sync."""
         lr = self.job.optimizer.lr * lr_factor(self.step + 1, self.job.lr_scheduler, self.job.training.steps)
-        loss = self.one_step.forward_backward(self.loader.next_step())
-        norm = self.one_step.grad_norm()
+        loss = self.train_step.forward_backward(self.loader.next_step())
+        norm = self.train_step.grad_norm()
         self.step += 1
         self.bad = nonfinite(*torch.stack([loss, norm]).tolist())
         if not self.bad:
-            self.one_step.apply(lr, norm)
+            self.train_step.apply(lr, norm)
             self.skipped_in_a_row = 0
             return loss, norm
-        where = ranks_not_finite(self.one_step.local_loss, self.parts)
-        self.one_step.discard()
+        where = ranks_not_finite(self.train_step.local_loss, self.parts)
+        self.train_step.discard()
         self.skipped_in_a_row += 1
         limit = self.job.training.max_skipped_steps
         if self.skipped_in_a_row > limit:
@@ -327,7 +327,7 @@ class Trainer:
         started = time.perf_counter()
         with StopRequest(self._what_a_stop_keeps()) as stop, profiler:
             while self.step < steps and not stopped:
-                loss, norm = self.train_step()
+                loss, norm = self.run_step()
                 profiler.step(self.step)
                 if self.step == first_step:  # compiled and warmed up: from now on steps are quick
                     self.timeout.set(self.job.comm.train_timeout_seconds)
@@ -389,7 +389,7 @@ class Trainer:
 
     def _log(self, loss: torch.Tensor, norm: torch.Tensor, steps: int, seconds: float) -> StepRecord:
         """Log this step's numbers (``steps`` trained in ``seconds`` since the last log)."""
-        aux = self.one_step.aux_loss.item() if self.args.moe else None
+        aux = self.train_step.aux_loss.item() if self.args.moe else None
         record = StepRecord(self.step, loss.item(), norm.item(), aux)
         lr = self.optimizers[0].param_groups[0]["lr"]
         self.metrics.record(

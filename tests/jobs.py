@@ -176,3 +176,12 @@ def write_tiny_hf_folder(folder: Path, model: dict[str, object]) -> ModelArgs:
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "bos_token_id": eos, "eos_token_id": eos}))
     return args
+
+
+def one_process_trainer(job: JobConfig):
+    """A Trainer of ``job`` validated for, and built on, this one process."""
+    from autopar.distributed import single_process
+    from autopar.trainer import Trainer
+    from autopar.validate import validate
+
+    return Trainer(job, validate(job, 1), single_process())

@@ -104,8 +104,9 @@ def interrupted_run(folder: Path, ranks: int, seed: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("ranks", "seed"), [(1, 0), pytest.param(1, 1, marks=pytest.mark.heavy), (2, 0)]
-)  # more seeds, more kill moments: python -m pytest -m heavy
+    ("ranks", "seed"),
+    [(1, 0), pytest.param(1, 1, marks=pytest.mark.heavy), pytest.param(2, 0, marks=pytest.mark.heavy)],
+)  # more seeds and two ranks (a survivor noticing its peer died: also test_faults): python -m pytest -m heavy
 def test_kill_9_at_random_moments_then_rerun_logs_the_uninterrupted_losses(tmp_path, ranks, seed):
     run_to_the_end(tmp_path / "reference", ranks)
     reference = losses(tmp_path / "reference")

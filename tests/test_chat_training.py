@@ -14,12 +14,10 @@ from autopar.config import ConfigError
 from autopar.data.chat import CHAT_EXAMPLE, CHATML_TOKENIZER, ChatFormat, encode, load_chat
 from autopar.data.loader import IGNORE_INDEX, StepLoader, build_samples
 from autopar.data.tokenizer import build_tokenizer
-from autopar.distributed import single_process
 from autopar.job import model_args
-from autopar.trainer import Trainer
 from autopar.validate import validate
 
-from jobs import assert_same_training, chat_job, parity_runs
+from jobs import assert_same_training, chat_job, one_process_trainer, parity_runs
 
 
 def chat_samples(seq_len: int, loss_on: str = "assistant"):
@@ -48,7 +46,7 @@ def test_labels_are_ignored_exactly_where_a_token_is_not_learned():
 
 def assert_first_step_is_the_masked_mean(job) -> None:
     """Step 1's logged loss equals cross-entropy over the learned tokens of its batch, by hand."""
-    trainer = Trainer(job, validate(job, 1), single_process())
+    trainer = one_process_trainer(job)
     loader = trainer.loader
     (batch,) = StepLoader(loader.samples, loader.global_batch, 2, 0, 1, torch.device("cpu")).next_step()
     with torch.no_grad():
@@ -66,7 +64,7 @@ def test_what_is_learned_follows_loss_on(tmp_path):
     losses = {}
     for loss_on in ("assistant", "all"):
         job = chat_job(tmp_path / loss_on, "--training.loss_on", loss_on, "--training.steps", "1")
-        losses[loss_on] = Trainer(job, validate(job, 1), single_process()).train()[0].loss
+        losses[loss_on] = one_process_trainer(job).train()[0].loss
     assert losses["assistant"] != pytest.approx(losses["all"], rel=1e-5)  # fp32 runs agree to 1e-6
 
 
@@ -143,7 +141,7 @@ def test_prepared_chat_with_another_loss_on_is_refused(tmp_path):
 
     job = chat_job(tmp_path / "run", "--training.dataset_path", str(prepare_chat(tmp_path, "all")))
     with pytest.raises(DataError, match=r"prepared with loss_on='all', but training\.loss_on='assistant'"):
-        Trainer(job, validate(job, 1), single_process())
+        one_process_trainer(job)
 
 
 def test_a_bad_chat_line_leaves_nothing_prepared(tmp_path):
@@ -165,7 +163,7 @@ def test_a_bad_chat_line_leaves_nothing_prepared(tmp_path):
 
 
 def test_the_sft_walk_through_takes_an_hf_folder_and_gives_one_transformers_chats_with(tmp_path):
-    """The README's path: HF folder in (weights, ChatML tokenizer, template), chat JSONL,
+    """The path docs/hf_and_finetuning.md shows: HF folder in (weights, ChatML tokenizer, template), chat JSONL,
     assistant-only loss with packed conversations masked, HF folder out that transformers
     loads, tokenizes conversations with and computes our logits with."""
     import json
@@ -201,7 +199,7 @@ def test_the_sft_walk_through_takes_an_hf_folder_and_gives_one_transformers_chat
         "2",
     )
     assert model_args(job).hidden_size == TINY_MODEL["hidden_size"]
-    trainer = Trainer(job, validate(job, 1), single_process())
+    trainer = one_process_trainer(job)
     trainer.train()
     out = tmp_path / "run" / "hf" / "step-2"
     model = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)

@@ -7,13 +7,10 @@ import pytest
 import torch
 
 from autopar.data.loader import IGNORE_INDEX
-from autopar.distributed import single_process
 from autopar.loss import chunk_loss_and_grad, chunked_token_loss_sum, token_loss_sum
 from autopar.parity import Case, run_cases
-from autopar.trainer import Trainer
-from autopar.validate import validate
 
-from jobs import assert_same_training, chat_job, tiny_job
+from jobs import assert_same_training, chat_job, one_process_trainer, tiny_job
 
 
 def logits_and_labels(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +53,7 @@ def test_training_with_a_chunked_loss_matches_the_plain_loss(tmp_path):
     runs = {}
     for chunk in ("0", "24"):
         job = tiny_job(tmp_path / chunk, "--training.loss_chunk_tokens", chunk, "--training.steps", "3")
-        runs[chunk] = Trainer(job, validate(job, 1), single_process()).train()
+        runs[chunk] = one_process_trainer(job).train()
     for plain, chunked in zip(runs["0"], runs["24"], strict=True):
         assert (chunked.loss, chunked.grad_norm) == pytest.approx((plain.loss, plain.grad_norm), rel=1e-5)
 

@@ -13,13 +13,11 @@ from autopar.data.chat import CHAT_EXAMPLE, CHATML_TOKENIZER, ChatFormat, encode
 from autopar.data.dataset import PackedWindows
 from autopar.data.loader import IGNORE_INDEX, StepLoader, build_samples
 from autopar.data.tokenizer import ByteTokenizer, build_tokenizer
-from autopar.distributed import single_process
 from autopar.models import ModelArgs, Qwen
 from autopar.models.qwen import document_positions
-from autopar.trainer import Trainer
 from autopar.validate import validate
 
-from jobs import assert_same_training, chat_job, parity_runs, tiny_job
+from jobs import assert_same_training, chat_job, one_process_trainer, parity_runs, tiny_job
 
 LENGTHS = (5, 11, 1, 7)
 """A packed row's documents: one of a single token, and the row ends mid-document."""
@@ -150,7 +148,7 @@ def test_prepared_data_reads_its_document_index(tmp_path):
 
 def test_document_masking_trains_on_one_device(tmp_path):
     job = chat_job(tmp_path, "--training.document_masking", "true", "--training.steps", "2")
-    losses = [m.loss for m in Trainer(job, validate(job, 1), single_process()).train()]
+    losses = [m.loss for m in one_process_trainer(job).train()]
     assert len(losses) == 2 and all(np.isfinite(losses))
 
 

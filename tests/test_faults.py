@@ -19,14 +19,13 @@ import torch
 from autopar.checkpoint import broken_file
 from autopar.data.chat import CHATML_TOKENIZER
 from autopar.data.errors import DataError
-from autopar.distributed import single_process
 from autopar.faults import TrainingStopped
 from autopar.run_lock import LOCK_NAME, dump_folder_lock
 from autopar.train import main as train_main
 from autopar.trainer import Trainer
 from autopar.validate import validate
 
-from jobs import CHAT_VOCAB, TINY_FLAGS, free_port, rank_env, tiny_job, train_py
+from jobs import CHAT_VOCAB, TINY_FLAGS, free_port, one_process_trainer, rank_env, tiny_job, train_py
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINTS = ("--checkpoint.enable", "true", "--checkpoint.interval", "1")
@@ -34,7 +33,7 @@ CHECKPOINTS = ("--checkpoint.enable", "true", "--checkpoint.interval", "1")
 
 def trainer(folder, *flags: str) -> Trainer:
     job = tiny_job(folder, *flags)
-    return Trainer(job, validate(job, 1), single_process())
+    return one_process_trainer(job)
 
 
 def strict_records(path: Path) -> list[dict]:
@@ -48,7 +47,7 @@ def strict_records(path: Path) -> list[dict]:
 
 def poison_gradients_at(run: Trainer, bad_steps: set[int]) -> None:
     """Make one gradient NaN at the given steps, as an overflow in backward would."""
-    forward_backward = run.one_step.forward_backward
+    forward_backward = run.train_step.forward_backward
 
     def poisoned(batches):
         loss = forward_backward(batches)
@@ -56,7 +55,7 @@ def poison_gradients_at(run: Trainer, bad_steps: set[int]) -> None:
             next(run.parts[0].parameters()).grad[0] = float("nan")
         return loss
 
-    run.one_step.forward_backward = poisoned
+    run.train_step.forward_backward = poisoned
 
 
 def test_a_nonfinite_step_is_skipped_without_touching_weights_or_optimizer(tmp_path):
@@ -64,14 +63,14 @@ def test_a_nonfinite_step_is_skipped_without_touching_weights_or_optimizer(tmp_p
     poison_gradients_at(run, {2})
     before = {}
 
-    def snapshot_after_step_1(batches, forward_backward=run.one_step.forward_backward):
+    def snapshot_after_step_1(batches, forward_backward=run.train_step.forward_backward):
         if run.step == 1:
             before["params"] = [p.detach().clone() for p in run.parts[0].parameters()]
             before["adam_steps"] = [s["step"].clone() for s in run.optimizers[0].state.values()]
         return forward_backward(batches)
 
-    run.one_step.forward_backward = snapshot_after_step_1
-    apply = run.one_step.apply
+    run.train_step.forward_backward = snapshot_after_step_1
+    apply = run.train_step.apply
     after = {}
 
     def capture_after_step_2(lr, norm):
@@ -80,7 +79,7 @@ def test_a_nonfinite_step_is_skipped_without_touching_weights_or_optimizer(tmp_p
             after["adam_steps"] = [s["step"].clone() for s in run.optimizers[0].state.values()]
         apply(lr, norm)
 
-    run.one_step.apply = capture_after_step_2
+    run.train_step.apply = capture_after_step_2
     records = run.train()
     assert all(torch.equal(a, b) for a, b in zip(before["params"], after["params"], strict=True))
     assert all(torch.equal(a, b) for a, b in zip(before["adam_steps"], after["adam_steps"], strict=True))
@@ -110,7 +109,7 @@ def test_more_nonfinite_steps_in_a_row_than_allowed_stop_training(tmp_path):
 
 def test_weights_that_are_not_finite_are_never_checkpointed(tmp_path):
     run = trainer(tmp_path, "--training.max_skipped_steps", "5", "--training.steps", "3", *CHECKPOINTS)
-    apply = run.one_step.apply
+    apply = run.train_step.apply
 
     def overflow_at_step_2(lr, norm):
         apply(lr, norm)
@@ -118,7 +117,7 @@ def test_weights_that_are_not_finite_are_never_checkpointed(tmp_path):
             with torch.no_grad():
                 next(run.parts[0].parameters())[0] = float("inf")
 
-    run.one_step.apply = overflow_at_step_2
+    run.train_step.apply = overflow_at_step_2
     with pytest.raises(TrainingStopped, match="step 2: weights are not finite, so no checkpoint"):
         run.train()
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-1"]
@@ -225,15 +224,15 @@ def train_with_rank_1_signalled_at_step_2(job) -> int:
 
     world = init_world()
     run = Trainer(job, validate(job, world.size), world)
-    train_step = run.train_step
+    run_step = run.run_step
 
     def step_then_signal():
-        result = train_step()
+        result = run_step()
         if run.step == 2 and world.rank == 1:
             os.kill(os.getpid(), signal.SIGUSR1)
         return result
 
-    run.train_step = step_then_signal
+    run.run_step = step_then_signal
     run.train()
     return run.step
 
@@ -511,15 +510,15 @@ def test_an_hf_export_onto_a_full_disk_stops_with_a_message_and_leaves_no_folder
 
 def test_a_stop_signal_writes_the_hf_export_the_job_asked_for_and_says_so(tmp_path, caplog):
     run = trainer(tmp_path, "--training.steps", "5", "--checkpoint.last_save_in_hf", "true")
-    train_step = run.train_step
+    run_step = run.run_step
 
     def step_then_signal():
-        result = train_step()
+        result = run_step()
         if run.step == 2:
             os.kill(os.getpid(), signal.SIGTERM)
         return result
 
-    run.train_step = step_then_signal
+    run.run_step = step_then_signal
     run.train()
     assert run.step == 2 and (tmp_path / "hf" / "step-2" / "model.safetensors").is_file()
     assert "SIGTERM: stopping after this step (checkpointing is off; its HF export is written)" in caplog.text

@@ -20,11 +20,7 @@ import statistics
 import pytest
 import torch
 
-from autopar.distributed import single_process
-from autopar.trainer import Trainer
-from autopar.validate import validate
-
-from jobs import tiny_job
+from jobs import one_process_trainer, tiny_job
 
 pytestmark = [pytest.mark.slow]
 
@@ -52,16 +48,16 @@ windows: both breakages show in the first."""
 
 def losses(folder, flags, stop_after: int = STEPS) -> list[float]:
     job = tiny_job(folder, *flags)
-    run = Trainer(job, validate(job, 1), single_process())
-    train_step = run.train_step
+    run = one_process_trainer(job)
+    run_step = run.run_step
 
     def step_then_stop():
-        result = train_step()
+        result = run_step()
         if run.step == stop_after < STEPS:
             os.kill(os.getpid(), signal.SIGUSR1)
         return result
 
-    run.train_step = step_then_stop
+    run.run_step = step_then_stop
     return [r.loss for r in run.train()]
 
 

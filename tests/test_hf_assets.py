@@ -12,12 +12,9 @@ import pytest
 from autopar.config import ConfigError
 from autopar.data import ByteTokenizer, build_tokenizer
 from autopar.data.tokens import BUILTIN_DATASETS, load_tokens
-from autopar.distributed import single_process
 from autopar.job import model_args, parse_job, tokenizer_path
-from autopar.trainer import Trainer
-from autopar.validate import validate
 
-from jobs import TINY_MODEL, write_tiny_hf_folder
+from jobs import TINY_MODEL, one_process_trainer, write_tiny_hf_folder
 
 HF_ARGS = {**TINY_MODEL, "max_position_embeddings": 1234, "rope_theta": 500000.0}
 
@@ -72,7 +69,7 @@ def test_training_from_an_hf_folder_tokenizes_with_its_tokenizer(hf_folder, tmp_
     folder, _ = hf_folder
     job = hf_job(folder, "--job.dump_folder", str(tmp_path))
     with caplog.at_level(logging.INFO, logger="autopar"):
-        trainer = Trainer(job, validate(job, 1), single_process())
+        trainer = one_process_trainer(job)
     assert f"tokenizer: {folder} " in caplog.text
     as_bytes = load_tokens(BUILTIN_DATASETS["autopar_corpus"], ByteTokenizer())
     assert trainer.loader.samples.tokens.size < as_bytes.size / 2  # BPE ids, not bytes
@@ -93,7 +90,7 @@ def test_the_export_is_a_complete_hf_folder_that_transformers_loads(hf_folder, t
         "--checkpoint.last_save_in_hf",
         "true",
     )
-    Trainer(job, validate(job, 1), single_process()).train()
+    one_process_trainer(job).train()
     out = tmp_path / "hf" / "step-2"
     config = json.loads((out / "config.json").read_text())
     source = json.loads((folder / "config.json").read_text())
@@ -127,5 +124,5 @@ def test_the_readme_hf_finetune_preset_takes_an_hf_folder_in_and_gives_one_back(
         ]
     )
     assert job.checkpoint.initial_load_in_hf and job.checkpoint.last_save_in_hf
-    Trainer(job, validate(job, 1), single_process()).train()
+    one_process_trainer(job).train()
     assert (tmp_path / "hf" / "step-2" / "model.safetensors").is_file()

@@ -8,21 +8,19 @@ import torch
 import torch.nn.functional as F
 
 from autopar.data.loader import IGNORE_INDEX, StepLoader
-from autopar.distributed import single_process
 from autopar.metrics import flops_per_token, matmul_params
 from autopar.models import get_flavor
 from autopar.models.moe import Experts, load_balancing_loss
 from autopar.parity import PlanRun, plan_job, relative_deltas, run_job, run_plans
 from autopar.spawn import run_on_ranks
-from autopar.trainer import Trainer
 from autopar.validate import validate
 
-from jobs import assert_same_training, moe_job, parity_runs
+from jobs import assert_same_training, moe_job, one_process_trainer, parity_runs
 
 
 def test_the_step_trains_the_lm_loss_plus_the_weighted_mean_sequence_balance_loss(tmp_path):
     job = moe_job(tmp_path, "--training.steps", "1", "--training.max_norm", "0")
-    trainer = Trainer(job, validate(job, 1), single_process())
+    trainer = one_process_trainer(job)
     model = trainer.parts[0]
     loader = trainer.loader
     (batch,) = StepLoader(loader.samples, loader.global_batch, 2, 0, 1, torch.device("cpu")).next_step()
@@ -45,7 +43,7 @@ def test_accumulating_micro_batches_trains_like_one_big_batch(tmp_path):
         ("direct", ("--training.local_batch_size", "8")),
     ):
         job = moe_job(tmp_path / name, *flags)
-        runs[name] = Trainer(job, validate(job, 1), single_process()).train()
+        runs[name] = one_process_trainer(job).train()
     for a, b in zip(runs["accumulated"], runs["direct"], strict=True):
         assert (a.loss, a.aux_loss, a.grad_norm) == pytest.approx((b.loss, b.aux_loss, b.grad_norm), rel=1e-5)
 
@@ -54,7 +52,7 @@ def test_the_balance_loss_is_logged_beside_the_loss(tmp_path):
     import json
 
     job = moe_job(tmp_path, "--training.steps", "2")
-    Trainer(job, validate(job, 1), single_process()).train()
+    one_process_trainer(job).train()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(r["aux_loss"] > 0 and r["loss"] > 0 for r in records)
 
@@ -193,7 +191,7 @@ def test_the_expert_kernel_setting_trains_alike_on_both_kernels(tmp_path):
     losses = {}
     for kernel in ("grouped", "loop"):
         job = moe_job(tmp_path / kernel, "--training.expert_kernel", kernel, "--training.steps", "3")
-        trainer = Trainer(job, validate(job, 1), single_process())
+        trainer = one_process_trainer(job)
         assert {m.kernel for m in trainer.parts[0].modules() if isinstance(m, Experts)} == {kernel}
         losses[kernel] = [(r.loss, r.aux_loss, r.grad_norm) for r in trainer.train()]
     for grouped, loop in zip(losses["grouped"], losses["loop"], strict=True):

@@ -231,37 +231,53 @@ checkpointed block twice per micro-batch: input, then weight gradients), with ev
 activation checkpointing mode it searches, read from ``planner/search.py``: a choice added
 there runs here."""
 PLANS |= {
-    "ZBVZeroBubble + full AC, compiled": (
-        "pp=2,schedule=ZBVZeroBubble,compile.enable=true," + ac_flags("full", "op"),
-        4,
-    ),
     "ZBVZeroBubble + per-op AC, compiled": (
         "pp=2,schedule=ZBVZeroBubble,compile.enable=true," + ac_flags("selective", "op"),
         4,
     ),
-    "InterleavedZeroBubble, compiled": ("pp=2,schedule=InterleavedZeroBubble,compile.enable=true", 4),
     "ZBVZeroBubble x CP2 + per-op AC": ("pp=2,cp=2,schedule=ZBVZeroBubble," + ac_flags("selective", "op"), 4),
     "DualPipeV x CP2 + full AC": ("pp=2,cp=2,schedule=DualPipeV," + ac_flags("full", "op"), 4),
 }
+HEAVY_PLANS = {
+    "ZBVZeroBubble + full AC, compiled": (
+        "pp=2,schedule=ZBVZeroBubble,compile.enable=true," + ac_flags("full", "op"),
+        4,
+    ),
+    "InterleavedZeroBubble, compiled": ("pp=2,schedule=InterleavedZeroBubble,compile.enable=true", 4),
+}
+"""More compiled zero-bubble schedules (the split backward of a compiled graph): a minute of
+compilation beside the compiled per-op case above; python -m pytest -m heavy."""
+
+
+def run_pipelines(folder, plans: dict[str, tuple[str, int]]) -> dict:
+    bases = {
+        layers: tiny_job(
+            folder, "--training.local_batch_size", "4", num_hidden_layers=layers, tie_word_embeddings=False
+        )
+        for layers in {n for _, n in plans.values()}
+    }
+    cases = [Case(bases[layers], plan) for plan, layers in plans.values()]
+    return dict(zip(plans, run_cases(cases, steps=3)))  # step 2 shows a wrong gradient
 
 
 @pytest.fixture(scope="module")
 def pipeline_runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("pp")
-    bases = {
-        layers: tiny_job(
-            tmp, "--training.local_batch_size", "4", num_hidden_layers=layers, tie_word_embeddings=False
-        )
-        for layers in {n for _, n in PLANS.values()}
-    }
-    cases = [Case(bases[layers], plan) for plan, layers in PLANS.values()]
-    return dict(zip(PLANS, run_cases(cases, steps=3)))  # step 2 shows a wrong gradient
+    return run_pipelines(tmp_path_factory.mktemp("pp"), PLANS)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", PLANS)
 def test_pipeline_matches_single_device(pipeline_runs, name):
-    reference, run = pipeline_runs[name]
+    assert_pipeline_matches(*pipeline_runs[name], name)
+
+
+@pytest.mark.heavy
+def test_more_compiled_zero_bubble_pipelines_match_single_device(tmp_path):
+    for name, (reference, run) in run_pipelines(tmp_path, HEAVY_PLANS).items():
+        assert_pipeline_matches(reference, run, name)
+
+
+def assert_pipeline_matches(reference, run, name: str) -> None:
     # fp32 on CPU: only the order of sums differs from one device (inductor also fuses and
     # reorders them: 1e-4, as for every compiled plan)
     rtol = 1e-4 if "compiled" in name else 1e-5

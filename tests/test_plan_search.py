@@ -18,6 +18,7 @@ from autopar.planner.devices import PRESETS, device_spec
 from autopar.planner.search import evaluate, rank, search
 from autopar.planner.time import bubble_fraction, predict_time
 from autopar.plans.mesh import ParallelDims
+from autopar.train import main as train_main
 from autopar.validate import check_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,14 +185,10 @@ def test_plan_cli_prints_the_best_plans_and_writes_json(tmp_path):
     assert set(plans[0]) >= {"degrees", "overrides", "predicted_peak_gib", "breakdown_gib", "predicted_mfu"}
 
 
-def test_plan_cli_explains_in_one_paragraph_when_nothing_fits():
-    result = run(
-        "-m", "autopar.plan", "--job.config", "train_configs/qwen3_32b.toml", "--world-size", "8",
-        "--gpu-memory-gib", "16",
-    )  # fmt: skip
-    assert result.returncode == 2
-    assert "No plan fits 8 x h100 (16.0 GiB)" in result.stderr
-    assert "Traceback" not in result.stderr and "more GPUs" in result.stderr
+def test_plan_cli_explains_in_one_paragraph_when_nothing_fits(capsys):
+    code = plan_main(["--job.config", "qwen3_32b", "--world-size", "8", "--gpu-memory-gib", "16"])
+    err = capsys.readouterr().err
+    assert code == 2 and "No plan fits 8 x h100 (16.0 GiB)" in err and "more GPUs" in err
 
 
 @pytest.mark.parametrize(
@@ -243,11 +240,10 @@ def test_auto_without_verification_trains_the_predicted_best_without_a_dry_run(t
     assert "auto plan dry run" not in result.stderr and "auto plan:" in result.stderr
 
 
-def test_auto_with_pinned_degrees_that_contradict_the_world_is_exit_2(tmp_path):
-    result = run(
-        "train.py", "--job.config", "train_configs/debug_model.toml", "--parallelism.auto", "true",
-        "--parallelism.pipeline_parallel_degree", "2", "--job.dump_folder", str(tmp_path),
+def test_auto_with_pinned_degrees_that_contradict_the_world_is_exit_2(tmp_path, capsys):
+    code = train_main(
+        ["--job.config", "debug_model", "--parallelism.auto", "true", "--parallelism.pipeline_parallel_degree", "2",
+         "--job.dump_folder", str(tmp_path)]
     )  # fmt: skip
-    assert result.returncode == 2
-    assert "config error:" in result.stderr and "Traceback" not in result.stderr
+    assert code == 2 and capsys.readouterr().err.startswith("config error:")
     assert not any(tmp_path.iterdir())

@@ -7,12 +7,9 @@ import json
 import pytest
 
 from autopar.config import ConfigError
-from autopar.distributed import single_process
 from autopar.profiling import check_profiling
-from autopar.trainer import Trainer
-from autopar.validate import validate
 
-from jobs import tiny_job
+from jobs import one_process_trainer, tiny_job
 
 
 def test_traces_are_written_for_one_step_in_every_profile_freq(tmp_path):
@@ -25,7 +22,7 @@ def test_traces_are_written_for_one_step_in_every_profile_freq(tmp_path):
         "--profiling.profile_freq",
         "3",
     )
-    Trainer(job, validate(job, 1), single_process()).train()
+    one_process_trainer(job).train()
     traces = tmp_path / "profile_traces"
     assert sorted(p.name for p in traces.iterdir()) == ["iteration_3", "iteration_6"]
     events = json.loads((traces / "iteration_6" / "rank0_trace.json").read_text())["traceEvents"]

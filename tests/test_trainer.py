@@ -11,20 +11,17 @@ import torch
 from autopar.checkpoint import complete_steps
 from autopar.config.job import LRScheduler
 from autopar.data.loader import Batch
-from autopar.distributed import single_process
 from autopar.faults import TrainingStopped
 from autopar.metrics import read_metrics
 from autopar.models import Qwen, from_hf, get_flavor
 from autopar.optim import lr_factor
-from autopar.step import TrainContext, forward_backward
-from autopar.trainer import Trainer
-from autopar.validate import validate
+from autopar.step import TrainContext, microbatches_forward_backward
 
-from jobs import TINY_MODEL, tiny_job
+from jobs import TINY_MODEL, one_process_trainer, tiny_job
 
 
 def train(job):
-    return Trainer(job, validate(job, 1), single_process()).train()
+    return one_process_trainer(job).train()
 
 
 def test_same_job_twice_is_bit_identical(tmp_path):
@@ -47,7 +44,7 @@ def test_accumulating_four_micro_batches_of_two_equals_one_batch_of_eight():
     for batches in (whole, split):
         model.zero_grad()
         context = TrainContext(loss_parallel=False)
-        loss, _ = forward_backward(model, batches, targets, context)
+        loss, _ = microbatches_forward_backward(model, batches, targets, context)
         results.append((loss, {n: p.grad.clone() for n, p in model.named_parameters()}))
     (loss8, grads8), (loss4x2, grads4x2) = results
     # fp32; only the order of summation differs
@@ -90,13 +87,13 @@ def test_a_background_save_resumes_like_a_blocking_one(tmp_path, mode):
 def test_last_save_model_only_leaves_the_optimizer_out_of_the_final_checkpoint(tmp_path):
     flags = ("--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "3")
     job = tiny_job(tmp_path, *flags, "--checkpoint.last_save_model_only", "true")
-    trainer = Trainer(job, validate(job, 1), single_process())
+    trainer = one_process_trainer(job)
     trainer.train()
     assert trainer.checkpointer.model_only(6) and not trainer.checkpointer.model_only(3)
     started = tiny_job(
         tmp_path / "next", "--checkpoint.initial_load_path", str(tmp_path / "checkpoint" / "step-6")
     )
-    loaded = Trainer(started, validate(started, 1), single_process())
+    loaded = one_process_trainer(started)
     loaded.restore()
     for (name, trained), (_, initial) in zip(
         trainer.parts[0].named_parameters(), loaded.parts[0].named_parameters()
@@ -161,7 +158,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint_usable(tmp_path, monkeyp
 
     flags = ("--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "3")
     job = tiny_job(tmp_path / "run", *flags)
-    trainer = Trainer(job, validate(job, 1), single_process())
+    trainer = one_process_trainer(job)
     real_save = checkpoint.dcp.save
     calls = []
 
@@ -266,7 +263,7 @@ def test_hf_export_casts_to_the_export_dtype(tmp_path):
         "--training.steps",
         "2",
     )
-    trainer = Trainer(job, validate(job, 1), single_process())
+    trainer = one_process_trainer(job)
     trainer.train()
     exported = load_file(tmp_path / "hf" / "step-2" / "model.safetensors")
     for name, param in trainer.parts[0].named_parameters():

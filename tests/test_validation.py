@@ -20,7 +20,7 @@ from autopar.spawn import run_on_ranks
 from autopar.trainer import Trainer
 from autopar.validate import validate
 
-from jobs import tiny_job
+from jobs import one_process_trainer, tiny_job
 
 HELD_OUT = BUILTIN_DATASETS["autopar_corpus"] / "c_everyday.txt"
 
@@ -46,7 +46,7 @@ def validation_job(folder, *flags: str):
 
 def test_val_loss_equals_evaluating_the_same_weights_on_the_same_data(tmp_path):
     job = validation_job(tmp_path, "--validation.local_batch_size", "1")
-    trainer = Trainer(job, validate(job, 1), single_process())
+    trainer = one_process_trainer(job)
     trainer.train()
     records = val_records(tmp_path)
     assert [r["step"] for r in records] == [2, 4]
@@ -91,7 +91,7 @@ def plan_val_losses(tmp_path_factory):
         "4",
     )
     reference = validation_job(tmp / "one", *same)
-    Trainer(reference, validate(reference, 1), single_process()).train()
+    one_process_trainer(reference).train()
     jobs = [
         (
             plan,
@@ -152,5 +152,5 @@ def test_held_out_data_smaller_than_one_batch_is_a_data_error_before_training(tm
 
     job = validation_job(tmp_path, "--validation.local_batch_size", "100000")
     with pytest.raises(DataError, match=r"fewer than one batch .* lower validation.local_batch_size"):
-        Trainer(job, validate(job, 1), single_process())
+        one_process_trainer(job)
     assert not (tmp_path / "metrics.jsonl").exists()

@@ -316,7 +316,7 @@ def measure_jobs(jobs: list[JobConfig]) -> list[dict[str, int]]:
     for job in jobs:
         world = init_world()
         trainer = Trainer(job, validate(job, world.size), world)
-        peaks.append(measure_step(trainer.one_step, trainer.loader.next_step(), job.optimizer.lr))
+        peaks.append(measure_step(trainer.train_step, trainer.loader.next_step(), job.optimizer.lr))
     return peaks
 
 

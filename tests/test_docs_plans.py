@@ -1,4 +1,4 @@
-"""The README's "Which plan?" examples: each shown best plan is the planner's answer today, and it
+"""The planner page's examples (docs/planner.md): each shown best plan is the planner's answer today, and it
 builds: its dry run at one layer per pipeline stage and one micro-batch per pipeline rank (the
 same stage roles and schedule; ``--verify`` measures the full plan, in minutes)."""
 
@@ -25,8 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def shown_plans() -> list[tuple[list[str], list[str]]]:
-    """(planner argv, best plan's flags) of every README example that shows a best plan."""
-    blocks = (ROOT / "README.md").read_text().split("```")[1::2]
+    """(planner argv, best plan's flags) of every docs/planner.md example that shows a best plan."""
+    blocks = (ROOT / "docs" / "planner.md").read_text().split("```")[1::2]
     found = []
     for block in blocks:
         if "run the best plan with:" not in block:
@@ -42,13 +42,13 @@ def shown_plans() -> list[tuple[list[str], list[str]]]:
 SHOWN = shown_plans()
 
 
-def test_the_readme_shows_best_plans():
+def test_the_planner_page_shows_best_plans():
     assert len(SHOWN) >= 2
 
 
 @functools.cache
 def best_plan(argv: tuple[str, ...]) -> tuple[JobConfig, list[str], int]:
-    """(the job, the planner's best plan as flags, world size) of a README planner command;
+    """(the job, the planner's best plan as flags, world size) of a shown planner command;
     searched once for both tests."""
     options, job_argv = split_options(
         [a if not a.startswith("train_configs") else str(ROOT / a) for a in argv]
@@ -78,13 +78,13 @@ def shown(heavy_from_world: int):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("argv, flags", shown(heavy_from_world=10**9))
-def test_the_readme_best_plan_is_the_planners_answer(argv, flags):
+def test_the_documented_best_plan_is_the_planners_answer(argv, flags):
     assert best_plan(tuple(argv))[1] == flags
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("argv, flags", shown(heavy_from_world=64))
-def test_the_readme_best_plan_builds(argv, flags):
+def test_the_documented_best_plan_builds(argv, flags):
     """Its dry run at one layer per pipeline stage and one micro-batch per pipeline rank. The
     64-GPU 32B example takes a minute and a half here; the stage roles of its pp x cp x tp shape
     are built in the default run by test_planner's pp x cp x tp role test."""
