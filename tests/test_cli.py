@@ -31,7 +31,7 @@ def test_train_py_trains_the_debug_job_and_writes_metrics(tmp_path):
         "--job.config",
         "train_configs/debug_model.toml",
         "--training.steps",
-        "40",
+        "20",
         "--metrics.log_freq",
         "10",
         "--job.dump_folder",
@@ -41,11 +41,11 @@ def test_train_py_trains_the_debug_job_and_writes_metrics(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     records = read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 10, 20, 30, 40]
-    assert records[-1]["loss"] < records[0]["loss"] - 2.0
-    assert "step 40  loss" in result.stderr
+    assert [r["step"] for r in records] == [1, 10, 20]
+    assert records[-1]["loss"] < records[0]["loss"] - 2.0  # learned: 6.27 -> 2.95 on AMD EPYC (AVX2)
+    assert "step 20  loss" in result.stderr
     saved = parse_job(["--job.config", str(tmp_path / "config.toml")])  # the resolved job, runnable
-    assert (saved.training.steps, saved.checkpoint.enable, saved.job.print_config) == (40, False, False)
+    assert (saved.training.steps, saved.checkpoint.enable, saved.job.print_config) == (20, False, False)
 
 
 def test_train_py_reports_a_config_error_and_touches_nothing(tmp_path):
