@@ -10,8 +10,8 @@ from pathlib import Path
 
 from autopar.config import JobConfig
 from autopar.data.tokens import BUILTIN_DATASETS
-from autopar.job import model_args, parse_job
 from autopar.models import ModelArgs, Qwen, to_hf
+from autopar.training.resolve import model_args, parse_job
 
 TINY_MODEL = {
     "hidden_size": 64,
@@ -105,14 +105,14 @@ def moe_job(folder, *flags: str) -> JobConfig:
 
 def parity_runs(base: JobConfig, plans: list[str], steps: int = 5) -> dict:
     """plan -> (single-device reference, plan run), all plans of one world size in one group."""
-    from autopar.parity import Case, run_cases
+    from autopar.cli.parity import Case, run_cases
 
     return dict(zip(plans, run_cases([Case(base, plan) for plan in plans], steps=steps)))
 
 
 def assert_same_training(run, reference, loss_rtol: float, norm_rtol: float) -> None:
     """Every step's loss and gradient norm within the given relative tolerances."""
-    from autopar.parity import relative_deltas
+    from autopar.cli.parity import relative_deltas
 
     assert len(run.losses) == len(reference.losses)
     assert max(relative_deltas(run.losses, reference.losses)) <= loss_rtol, (run.losses, reference.losses)
@@ -180,8 +180,8 @@ def write_tiny_hf_folder(folder: Path, model: dict[str, object]) -> ModelArgs:
 
 def one_process_trainer(job: JobConfig):
     """A Trainer of ``job`` validated for, and built on, this one process."""
-    from autopar.distributed import single_process
-    from autopar.trainer import Trainer
-    from autopar.validate import validate
+    from autopar.parallel.world import single_process
+    from autopar.training.preflight import check_job
+    from autopar.training.trainer import Trainer
 
-    return Trainer(job, validate(job, 1), single_process())
+    return Trainer(job, check_job(job, 1), single_process())

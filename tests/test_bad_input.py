@@ -1,7 +1,7 @@
 """Bad input, as users type it: every malformed config, flag, file or folder gets one line
 naming the field and the fix, exit code 2, no traceback, and nothing written to disk.
 
-Each case runs ``autopar.train.main`` (what train.py runs) in this process on the tiny job; the flags before the
+Each case runs ``autopar.cli.train.main`` (what train.py runs) in this process on the tiny job; the flags before the
 case's own make a job that would otherwise train.
 """
 
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from autopar.bench import main as bench_main
+from autopar.cli.bench import main as bench_main
+from autopar.cli.train import main as train_main
 from autopar.data.prepare import main as prepare_main
 from autopar.data.prepare import prepare
 from autopar.data.tokens import source_files
-from autopar.job import model_args
 from autopar.models import Qwen, to_hf
-from autopar.train import main as train_main
+from autopar.training.resolve import model_args
 
 from jobs import TINY_FLAGS, tiny_job
 

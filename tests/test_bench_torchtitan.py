@@ -9,11 +9,16 @@ from pathlib import Path
 import pytest
 
 from autopar import bench, bench_torchtitan
-from autopar.bench_torchtitan import check_torchtitan_job, to_toml, torchtitan_config, write_torchtitan_job
+from autopar.cli.bench_torchtitan import (
+    check_torchtitan_job,
+    to_toml,
+    torchtitan_config,
+    write_torchtitan_job,
+)
 from autopar.config import ConfigError
 from autopar.config.parse import tomllib
 from autopar.data.tokens import BUILTIN_DATASETS
-from autopar.job import parse_job
+from autopar.training.resolve import parse_job
 
 
 def qwen3_1_7b(*flags: str):

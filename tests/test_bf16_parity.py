@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from autopar.parity import Case, PlanRun, plan_job, relative_deltas, run_cases, run_job, run_plans
-from autopar.spawn import run_on_ranks
+from autopar.cli.parity import Case, PlanRun, plan_job, relative_deltas, run_cases, run_job, run_plans
+from autopar.cli.spawn import run_on_ranks
 
 from jobs import tiny_job
 

@@ -14,8 +14,8 @@ from autopar.config import ConfigError
 from autopar.data.chat import CHAT_EXAMPLE, CHATML_TOKENIZER, ChatFormat, encode, load_chat
 from autopar.data.loader import IGNORE_INDEX, StepLoader, build_samples
 from autopar.data.tokenizer import build_tokenizer
-from autopar.job import model_args
-from autopar.validate import validate
+from autopar.training.preflight import check_job
+from autopar.training.resolve import model_args
 
 from jobs import assert_same_training, chat_job, one_process_trainer, parity_runs
 
@@ -77,7 +77,7 @@ def test_what_is_learned_follows_loss_on(tmp_path):
 )
 def test_chat_settings_that_cannot_work_are_config_errors(tmp_path, flags, message):
     with pytest.raises(ConfigError, match=message):
-        validate(chat_job(tmp_path, *flags), 1)
+        check_job(chat_job(tmp_path, *flags), 1)
 
 
 @pytest.mark.slow

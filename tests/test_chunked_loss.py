@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autopar.cli.parity import Case, run_cases
 from autopar.data.loader import IGNORE_INDEX
-from autopar.loss import chunk_loss_and_grad, chunked_token_loss_sum, token_loss_sum
-from autopar.parity import Case, run_cases
+from autopar.training.loss import chunk_loss_and_grad, chunked_token_loss_sum, token_loss_sum
 
 from jobs import assert_same_training, chat_job, one_process_trainer, tiny_job
 

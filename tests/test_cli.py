@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from autopar.job import parse_job
-from autopar.metrics import read_metrics
+from autopar.training.metrics import read_metrics
+from autopar.training.resolve import parse_job
 
 from jobs import TINY_FLAGS
 
@@ -147,7 +147,7 @@ def test_a_wheel_trains_a_preset_by_name_outside_the_repository(tmp_path):
         entry_points = wheel.read(
             next(n for n in wheel.namelist() if n.endswith("entry_points.txt"))
         ).decode()
-    assert "autopar-train = autopar.train:cli" in entry_points
+    assert "autopar-train = autopar.cli.train:cli" in entry_points
     shipped = ("templates/qwen2.5.jinja", "templates/qwen3.jinja", "tokenizers/chatml/tokenizer.json")
     assert all((site / "autopar" / "data" / path).is_file() for path in shipped)
     result = subprocess.run(
@@ -226,7 +226,7 @@ def test_bench_prints_the_table_and_writes_json(tmp_path):
     results = payload["results"]
     assert [r["variant"] for r in results] == ["eager", "compiled"]
     assert results[1]["first_loss"] == pytest.approx(results[0]["first_loss"], rel=1e-4)
-    for variant in results:  # each variant's curve, ready for autopar.plot
+    for variant in results:  # each variant's curve, ready for autopar.cli.plot
         curve = read_metrics(tmp_path / "bench" / variant["variant"] / "metrics.jsonl")
         assert [r["step"] for r in curve] == [1, 2, 3]
         assert curve[-1]["loss"] == pytest.approx(variant["final_loss"])
@@ -254,7 +254,7 @@ def test_plot_overlays_runs(tmp_path):
 
 
 def test_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypatch, capsys):
-    from autopar.plot import main
+    from autopar.cli.plot import main
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     with pytest.raises(SystemExit) as exit_:

@@ -6,8 +6,8 @@ import pytest
 
 from autopar.config import ConfigError, JobConfig, to_toml
 from autopar.config.parse import PRESETS, help_text
-from autopar.job import parse_job
-from autopar.validate import validate
+from autopar.training.preflight import check_job
+from autopar.training.resolve import parse_job
 
 from jobs import VALID_FLAGS
 
@@ -255,13 +255,13 @@ def valid(*argv: str) -> list[str]:
 )
 def test_validation_rejects_with_field_value_and_fix(argv, message):
     with pytest.raises(ConfigError, match=message):
-        validate(parse_job(argv), world_size=1)
+        check_job(parse_job(argv), world_size=1)
 
 
 def test_transformer_engine_fp8_with_compile_is_refused_on_cuda():
     job = parse_job(valid("--float8.enable", "true", "--float8.backend", "te", "--compile.enable", "true"))
     with pytest.raises(ConfigError, match=r"float8.backend='te' does not compose with compile.enable=true"):
-        validate(job, world_size=1, device_type="cuda")
+        check_job(job, world_size=1, device_type="cuda")
 
 
 def test_compiled_allgather_context_parallel_with_recompute_is_refused():
@@ -278,7 +278,7 @@ def test_compiled_allgather_context_parallel_with_recompute_is_refused():
         )
     )
     with pytest.raises(ConfigError, match=r"compile.enable=true and activation_checkpoint.mode='full'"):
-        validate(job, world_size=2)
+        check_job(job, world_size=2)
 
 
 def test_hf_initial_load_must_match_the_flavor(tmp_path):
@@ -294,17 +294,17 @@ def test_hf_initial_load_must_match_the_flavor(tmp_path):
         ConfigError,
         match=r"has num_hidden_layers=4, but .*config.json has num_hidden_layers=2; .*--model.num_hidden_layers 2",
     ):
-        validate(job, world_size=1)
+        check_job(job, world_size=1)
     job.model.overrides["num_hidden_layers"] = 2
-    validate(job, world_size=1)
+    check_job(job, world_size=1)
 
 
 def test_dcp_initial_load_needs_dcp_metadata(tmp_path):
     job = parse_job(valid("--checkpoint.initial_load_path", str(tmp_path)))
     with pytest.raises(ConfigError, match="is not a DCP checkpoint"):
-        validate(job, world_size=1)
+        check_job(job, world_size=1)
 
 
 def test_valid_job_returns_the_model_args():
-    args = validate(parse_job(valid("--model.num_hidden_layers", "2")), world_size=1)
+    args = check_job(parse_job(valid("--model.num_hidden_layers", "2")), world_size=1)
     assert args.num_hidden_layers == 2 and args.qk_norm

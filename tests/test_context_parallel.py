@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from autopar.config import ConfigError
-from autopar.plans.context_parallel import shard_sequence
-from autopar.validate import validate
+from autopar.parallel.context_parallel import shard_sequence
+from autopar.training.preflight import check_job
 
 from jobs import assert_same_training, debug_job, parity_runs, tiny_job
 
@@ -37,7 +37,7 @@ def test_ring_attention_on_cpu_is_refused_with_the_fix():
         pytest.skip("CUDA present: ring attention is allowed")
     job = cp_job("--parallelism.context_parallel_degree", "2", "--parallelism.context_parallel_impl", "ring")
     with pytest.raises(ConfigError, match=r"context_parallel_impl='ring' needs CUDA.*allgather"):
-        validate(job, 2)
+        check_job(job, 2)
 
 
 def test_unbalanced_cp_needs_only_cp_chunks():
@@ -49,10 +49,10 @@ def test_unbalanced_cp_needs_only_cp_chunks():
         "--parallelism.context_parallel_load_balancer",
         "none",
     )
-    validate(job, 4)
+    check_job(job, 4)
     job.parallelism.context_parallel_load_balancer = "headtail"
     with pytest.raises(ConfigError, match="seq_len=68 is not divisible by 8"):
-        validate(job, 4)
+        check_job(job, 4)
 
 
 PLANS = [

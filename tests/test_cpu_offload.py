@@ -17,15 +17,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
-from autopar.job import model_args, parse_job
-from autopar.parity import Case, run_cases
+from autopar.cli.parity import Case, run_cases
+from autopar.parallel.materialize import seeded_values
+from autopar.parallel.mesh import ParallelDims, build_meshes
+from autopar.parallel.parallelize import build_parts
 from autopar.planner.devices import PRESETS
 from autopar.planner.memory import predict
 from autopar.planner.search import evaluate
-from autopar.plans.materialize import seeded_values
-from autopar.plans.mesh import ParallelDims, build_meshes
-from autopar.plans.parallelize import build_parts
-from autopar.validate import check_plan
+from autopar.training.preflight import check_plan
+from autopar.training.resolve import model_args, parse_job
 
 from jobs import assert_same_training, moe_job, tiny_job, train_py
 

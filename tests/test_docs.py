@@ -10,19 +10,19 @@ from pathlib import Path
 import pytest
 
 from autopar.config.parse import field_types, sections
-from autopar.job import MODEL_FIELDS
+from autopar.training.resolve import MODEL_FIELDS
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 COMMANDS = {
     # how a command is spelt -> the module whose source holds its own (non-job) options
-    "train.py": "autopar/train.py",
-    "autopar.train": "autopar/train.py",
-    "autopar-train": "autopar/train.py",
-    "autopar.plan": "autopar/plan.py",
-    "autopar.bench": "autopar/bench.py",
-    "autopar.parity": "autopar/parity.py",
-    "autopar.plot": "autopar/plot.py",
+    "train.py": "autopar/cli/train.py",
+    "autopar.train": "autopar/cli/train.py",
+    "autopar-train": "autopar/cli/train.py",
+    "autopar.plan": "autopar/cli/plan.py",
+    "autopar.bench": "autopar/cli/bench.py",
+    "autopar.parity": "autopar/cli/parity.py",
+    "autopar.plot": "autopar/cli/plot.py",
     "autopar.data.prepare": "autopar/data/prepare.py",
 }
 OWN_FLAGS_ELSEWHERE = {"--help", "--print-config", "--dry-run", "--world-size"}

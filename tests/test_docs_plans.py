@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from autopar.cli.plan import split_options
 from autopar.config import JobConfig
 from autopar.config.parse import explicit_keys
-from autopar.job import derive_job, model_args, parse_job
-from autopar.pipelining.schedule import num_stages
-from autopar.plan import split_options
+from autopar.parallel.pipelining.schedule import num_stages
 from autopar.planner.devices import device_spec
 from autopar.planner.dry_run import dry_run
 from autopar.planner.search import pinned_fields, search
-from autopar.validate import validate
+from autopar.training.preflight import check_job
+from autopar.training.resolve import derive_job, model_args, parse_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,5 +96,5 @@ def test_the_documented_best_plan_builds(argv, flags):
         micro = chosen.parallelism.pipeline_parallel_microbatch_size
         chosen.training.local_batch_size = micro * chosen.parallelism.pipeline_parallel_degree
         chosen.training.global_batch_size = -1
-    ranks = dry_run(chosen, validate(chosen, world, "cuda"), world)
+    ranks = dry_run(chosen, check_job(chosen, world, "cuda"), world)
     assert ranks and all(r.measured_peak_gib > 0 for r in ranks)

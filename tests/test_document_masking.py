@@ -15,7 +15,7 @@ from autopar.data.loader import IGNORE_INDEX, StepLoader, build_samples
 from autopar.data.tokenizer import ByteTokenizer, build_tokenizer
 from autopar.models import ModelArgs, Qwen
 from autopar.models.qwen import document_positions
-from autopar.validate import validate
+from autopar.training.preflight import check_job
 
 from jobs import assert_same_training, chat_job, one_process_trainer, parity_runs, tiny_job
 
@@ -165,7 +165,7 @@ def test_ring_attention_cannot_mask_documents(tmp_path):
         "ring",
     )
     with pytest.raises(ConfigError, match="document_masking=true with context_parallel_impl='ring'"):
-        validate(job, 2, device_type="cuda")
+        check_job(job, 2, device_type="cuda")
 
 
 PLANS = ["dp_shard=2", "tp=2", "pp=2", "cp=2"]

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopar.checkpoint import broken_file
+from autopar.cli.train import main as train_main
 from autopar.data.chat import CHATML_TOKENIZER
 from autopar.data.errors import DataError
-from autopar.faults import TrainingStopped
-from autopar.run_lock import LOCK_NAME, dump_folder_lock
-from autopar.train import main as train_main
-from autopar.trainer import Trainer
-from autopar.validate import validate
+from autopar.training.checkpoint import broken_file
+from autopar.training.faults import TrainingStopped
+from autopar.training.preflight import check_job
+from autopar.training.run_lock import LOCK_NAME, dump_folder_lock
+from autopar.training.trainer import Trainer
 
 from jobs import CHAT_VOCAB, TINY_FLAGS, free_port, one_process_trainer, rank_env, tiny_job, train_py
 
@@ -204,7 +204,7 @@ def test_a_stop_signal_saves_the_current_step_and_exits_0(tmp_path, signum):
 def test_a_second_stop_signal_exits_at_once():
     script = """
 import os, signal, torch
-from autopar.faults import StopRequest
+from autopar.training.faults import StopRequest
 with StopRequest() as stop:
     os.kill(os.getpid(), signal.SIGUSR1)
     print("requested", stop.requested(torch.device("cpu")), flush=True)
@@ -220,10 +220,10 @@ with StopRequest() as stop:
 
 def train_with_rank_1_signalled_at_step_2(job) -> int:
     """Train ``job`` on this rank; rank 1 alone receives SIGUSR1 after step 2."""
-    from autopar.distributed import init_world
+    from autopar.parallel.world import init_world
 
     world = init_world()
-    run = Trainer(job, validate(job, world.size), world)
+    run = Trainer(job, check_job(job, world.size), world)
     run_step = run.run_step
 
     def step_then_signal():
@@ -239,7 +239,7 @@ def train_with_rank_1_signalled_at_step_2(job) -> int:
 
 @pytest.mark.slow
 def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
-    from autopar.spawn import run_on_ranks
+    from autopar.cli.spawn import run_on_ranks
 
     job = tiny_job(
         tmp_path,
@@ -258,10 +258,10 @@ def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
 
 def train_with_rank_1_overflowing_at_step_2(job) -> str:
     """Train ``job`` on this rank; rank 1's logits overflow at step 2. The stop message."""
-    from autopar.distributed import init_world
+    from autopar.parallel.world import init_world
 
     world = init_world()
-    run = Trainer(job, validate(job, world.size), world)
+    run = Trainer(job, check_job(job, world.size), world)
     if world.rank == 1:
         run.parts[0].register_forward_hook(lambda _m, _i, out: out * float("inf") if run.step == 1 else None)
     with pytest.raises(TrainingStopped) as stopped:
@@ -271,7 +271,7 @@ def train_with_rank_1_overflowing_at_step_2(job) -> str:
 
 @pytest.mark.slow
 def test_a_nonfinite_step_names_the_rank_whose_loss_went_bad(tmp_path):
-    from autopar.spawn import run_on_ranks
+    from autopar.cli.spawn import run_on_ranks
 
     job = tiny_job(tmp_path, "--parallelism.data_parallel_shard_degree", "2")
     messages = run_on_ranks(train_with_rank_1_overflowing_at_step_2, 2, job, timeout_s=120)

@@ -12,11 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autopar.distributed import single_process
-from autopar.parity import plan_job, relative_deltas
-from autopar.plans.context_parallel import shard_sequence
-from autopar.trainer import Trainer
-from autopar.validate import validate
+from autopar.cli.parity import plan_job, relative_deltas
+from autopar.parallel.context_parallel import shard_sequence
+from autopar.parallel.world import single_process
+from autopar.training.preflight import check_job
+from autopar.training.trainer import Trainer
 
 from jobs import tiny_job
 
@@ -42,7 +42,7 @@ def test_masked_attention_of_a_cp_shard_equals_its_rows_of_causal_attention(devi
 
 
 def _train(job):
-    records = Trainer(job, validate(job, 1), single_process("cuda")).train()
+    records = Trainer(job, check_job(job, 1), single_process("cuda")).train()
     return [r.loss for r in records]
 
 
@@ -65,11 +65,11 @@ def test_cuda_ring_attention_machinery_on_one_rank_matches_plain_forward(tmp_pat
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from autopar.config.job import Parallelism
+    from autopar.config.sections import Parallelism
     from autopar.data.loader import Batch
     from autopar.models import Qwen, get_flavor
-    from autopar.plans.context_parallel import ContextParallel
-    from autopar.plans.sdpa_backend import apply_gqa
+    from autopar.parallel.context_parallel import ContextParallel
+    from autopar.parallel.sdpa_backend import apply_gqa
 
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
@@ -96,7 +96,7 @@ def test_cuda_grouped_kv_heads_run_the_fused_kernel_and_equal_expanded_ones(back
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from autopar.models import Qwen, get_flavor
-    from autopar.plans.sdpa_backend import BACKENDS
+    from autopar.parallel.sdpa_backend import BACKENDS
 
     class Ops(TorchDispatchMode):
         def __init__(self) -> None:

@@ -12,7 +12,7 @@ import pytest
 from autopar.config import ConfigError
 from autopar.data import ByteTokenizer, build_tokenizer
 from autopar.data.tokens import BUILTIN_DATASETS, load_tokens
-from autopar.job import model_args, parse_job, tokenizer_path
+from autopar.training.resolve import model_args, parse_job, tokenizer_path
 
 from jobs import TINY_MODEL, one_process_trainer, write_tiny_hf_folder
 

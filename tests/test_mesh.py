@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from autopar.config import ConfigError
-from autopar.config.job import Parallelism
-from autopar.plans.mesh import ParallelDims
-from autopar.validate import validate
+from autopar.config.sections import Parallelism
+from autopar.parallel.mesh import ParallelDims
+from autopar.training.preflight import check_job
 
 from jobs import debug_job
 
@@ -109,7 +109,7 @@ INVALID = [
 @pytest.mark.parametrize("world, flags, message", INVALID)
 def test_invalid_degrees_are_refused_with_the_numbers(world, flags, message):
     with pytest.raises(ConfigError, match=message):
-        validate(job_with(*flags), world_size=world)
+        check_job(job_with(*flags), world_size=world)
 
 
 def test_the_table_has_at_least_fifteen_cases():
@@ -125,7 +125,7 @@ def test_tp_without_sequence_parallel_does_not_need_seq_len_divisible():
         "--parallelism.enable_sequence_parallel",
         "false",
     )
-    validate(job, world_size=4)
+    check_job(job, world_size=4)
 
 
 def test_shard_degree_minus_one_takes_the_remaining_ranks():

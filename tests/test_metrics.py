@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from autopar.metrics import flops_per_token, matmul_params
 from autopar.models import FLAVORS, Qwen, get_flavor
 from autopar.models.moe import Experts, Router
+from autopar.training.metrics import flops_per_token, matmul_params
 
 
 @pytest.mark.parametrize("family, flavor", [(f, v) for f, vs in FLAVORS.items() for v in vs])

@@ -7,13 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from autopar.cli.parity import PlanRun, plan_job, relative_deltas, run_job, run_plans
+from autopar.cli.spawn import run_on_ranks
 from autopar.data.loader import IGNORE_INDEX, StepLoader
-from autopar.metrics import flops_per_token, matmul_params
 from autopar.models import get_flavor
 from autopar.models.moe import Experts, load_balancing_loss
-from autopar.parity import PlanRun, plan_job, relative_deltas, run_job, run_plans
-from autopar.spawn import run_on_ranks
-from autopar.validate import validate
+from autopar.training.metrics import flops_per_token, matmul_params
+from autopar.training.preflight import check_job
 
 from jobs import assert_same_training, moe_job, one_process_trainer, parity_runs
 
@@ -127,16 +127,16 @@ def test_expert_degrees_that_cannot_split_are_config_errors_with_the_numbers(tmp
     from autopar.config import ConfigError
 
     with pytest.raises(ConfigError, match=message):
-        validate(moe_job(tmp_path, *flags), world)
+        check_job(moe_job(tmp_path, *flags), world)
 
 
 def test_compiled_per_op_checkpointing_with_expert_parallel_is_refused_naming_what_works(tmp_path):
     from autopar.config import ConfigError
 
     flags = ["--parallelism.expert_parallel_degree", "2", "--activation_checkpoint.mode", "selective"]
-    validate(moe_job(tmp_path, *flags), 2)  # eager: runs (a parity plan above)
+    check_job(moe_job(tmp_path, *flags), 2)  # eager: runs (a parity plan above)
     with pytest.raises(ConfigError, match=r"use --activation_checkpoint\.mode full.*--compile\.enable false"):
-        validate(moe_job(tmp_path, *flags, "--compile.enable", "true"), 2)
+        check_job(moe_job(tmp_path, *flags, "--compile.enable", "true"), 2)
 
 
 def test_a_forced_grouped_kernel_compiled_outside_bf16_is_refused_naming_the_fixes(tmp_path):
@@ -144,8 +144,8 @@ def test_a_forced_grouped_kernel_compiled_outside_bf16_is_refused_naming_the_fix
 
     flags = ["--training.expert_kernel", "grouped", "--compile.enable", "true"]
     with pytest.raises(ConfigError, match=r"needs bfloat16 compute.*mixed_precision_param bfloat16"):
-        validate(moe_job(tmp_path, *flags), 1, "cpu")
-    validate(moe_job(tmp_path, *flags, "--training.mixed_precision_param", "bfloat16"), 1, "cpu")
+        check_job(moe_job(tmp_path, *flags), 1, "cpu")
+    check_job(moe_job(tmp_path, *flags, "--training.mixed_precision_param", "bfloat16"), 1, "cpu")
 
 
 def test_expert_parallel_needs_experts(tmp_path):
@@ -154,7 +154,7 @@ def test_expert_parallel_needs_experts(tmp_path):
     from jobs import tiny_job
 
     with pytest.raises(ConfigError, match="expert_parallel_degree=2 needs a mixture-of-experts model"):
-        validate(tiny_job(tmp_path, "--parallelism.expert_parallel_degree", "2"), 2)
+        check_job(tiny_job(tmp_path, "--parallelism.expert_parallel_degree", "2"), 2)
 
 
 def _resume_job(folder, plan_flags, load_step=None):

@@ -10,8 +10,8 @@ import copy
 
 import pytest
 
-from autopar.parity import Case, relative_deltas, run_cases, run_plans
-from autopar.spawn import run_on_ranks
+from autopar.cli.parity import Case, relative_deltas, run_cases, run_plans
+from autopar.cli.spawn import run_on_ranks
 
 from jobs import assert_same_training, tiny_job
 

@@ -7,14 +7,14 @@ import copy
 import pytest
 import torch
 
+from autopar.cli.parity import Case, relative_deltas, run_cases, run_plans
+from autopar.cli.spawn import run_on_ranks
 from autopar.config import ConfigError
 from autopar.models import Qwen, get_flavor
-from autopar.parity import Case, relative_deltas, run_cases, run_plans
-from autopar.pipelining.schedule import SCHEDULE_STYLES, rank_actions
-from autopar.pipelining.split import check_split, even_split, prune, stage_ids
+from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, rank_actions
+from autopar.parallel.pipelining.split import check_split, even_split, prune, stage_ids
 from autopar.planner import search
-from autopar.spawn import run_on_ranks
-from autopar.validate import validate
+from autopar.training.preflight import check_job
 
 from jobs import assert_same_training, debug_job, tiny_job
 
@@ -182,17 +182,17 @@ def pp_job(*flags: str, layers: int = 4):
 def test_impossible_pipelines_are_refused(world, flags, message):
     job = pp_job(*flags)
     if message is None:  # a valid interleaved split: 4 stages of one layer each over 2 ranks
-        validate(job, world)
+        check_job(job, world)
         return
     with pytest.raises(ConfigError, match=message):
-        validate(job, world)
+        check_job(job, world)
 
 
 def test_more_stages_than_layers_is_refused():
     with pytest.raises(
         ConfigError, match="pipeline_parallel_degree=8 is more stages than num_hidden_layers=4"
     ):
-        validate(pp_job("--parallelism.pipeline_parallel_degree", "8"), 8)
+        check_job(pp_job("--parallelism.pipeline_parallel_degree", "8"), 8)
 
 
 PLANS = {

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.parity import Case, run_cases
+from autopar.cli.parity import Case, run_cases
 
 from jobs import assert_same_training, tiny_job
 

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from autopar.cli.plan import main as plan_main
+from autopar.cli.train import main as train_main
 from autopar.config import ConfigError
-from autopar.job import derive_job, model_args, parse_job
-from autopar.plan import main as plan_main
+from autopar.parallel.mesh import ParallelDims
 from autopar.planner.devices import PRESETS, device_spec
 from autopar.planner.search import evaluate, rank, search
 from autopar.planner.time import bubble_fraction, predict_time
-from autopar.plans.mesh import ParallelDims
-from autopar.train import main as train_main
-from autopar.validate import check_plan
+from autopar.training.preflight import check_plan
+from autopar.training.resolve import derive_job, model_args, parse_job
 
 ROOT = Path(__file__).resolve().parents[1]
 H100 = PRESETS["h100"]

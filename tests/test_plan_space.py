@@ -7,7 +7,7 @@ the mechanisms a plan or its job adds: TP+SP, CP, replicas, EP, FSDP resharding,
 chunked loss and FP8 (torchao). The full product of family x pipeline x checkpointing is 144
 combinations; an all-pairs design covers every (family, pipeline) and every (family, AC mode)
 pair the search can emit in about a quarter of that (every (pipeline, AC mode) pair runs in
-``test_pipeline.py``). A combination the trainer's ``validate`` refuses is one the planner can
+``test_pipeline.py``). A combination the trainer's ``check_job`` refuses is one the planner can
 never emit (it validates every plan), so it is left out, and said.
 """
 
@@ -17,10 +17,10 @@ import itertools
 
 import pytest
 
+from autopar.cli.parity import Case, plan_job, plan_overrides, run_cases, world_size
 from autopar.config.errors import ConfigError
-from autopar.parity import Case, plan_job, plan_overrides, run_cases, world_size
 from autopar.planner import search
-from autopar.validate import validate
+from autopar.training.preflight import check_job
 
 from jobs import assert_same_training, moe_job, tiny_job
 
@@ -96,7 +96,7 @@ def all_pairs(candidates: list[tuple[str, str, str]]) -> list[tuple[str, str, st
 
 
 def design(folder) -> tuple[list[tuple[str, str, str]], dict[tuple[str, str, str], str]]:
-    """The combinations to run, and those ``validate`` refuses with its reason."""
+    """The combinations to run, and those ``check_job`` refuses with its reason."""
     runnable, refused = [], {}
     for combo in itertools.product(FAMILIES, PIPELINES, AC):
         if not searchable(*combo):
@@ -104,7 +104,7 @@ def design(folder) -> tuple[list[tuple[str, str, str]], dict[tuple[str, str, str
         base = base_job(folder, combo[0])
         job = plan_job(base, plan_text(*combo), STEPS, str(folder / "probe"))
         try:
-            validate(job, world_size(job))
+            check_job(job, world_size(job))
         except ConfigError as err:
             refused[combo] = str(err)
             continue

@@ -1,4 +1,4 @@
-"""``autopar.plan --verify K``: the best plans are built by their dry runs before the planner
+"""``autopar.cli.plan --verify K``: the best plans are built by their dry runs before the planner
 answers, measured beside predicted, and a plan that does not fit as measured is dropped."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from autopar.job import model_args, parse_job
 from autopar.planner.devices import PRESETS
 from autopar.planner.search import search
 from autopar.planner.verify import first_built, verify_plan
+from autopar.training.resolve import model_args, parse_job
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from autopar.job import model_args, parse_job
+from autopar.parallel.mesh import ParallelDims
 from autopar.planner.dry_run import compare, dry_run_job, role_ranks
 from autopar.planner.memory import GIB, local_numel, predict
-from autopar.plans.mesh import ParallelDims
-from autopar.validate import validate
+from autopar.training.preflight import check_job
+from autopar.training.resolve import model_args, parse_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -164,7 +164,7 @@ GRID = [
 @pytest.mark.parametrize(("world", "model", "flags"), GRID)
 def test_predicted_peak_is_within_ten_percent_of_the_dry_run(world, model, flags):
     job = real_scale_job(*model, *flags)
-    for rank in compare(job, validate(job, world, "cuda"), world):  # only jobs the trainer runs
+    for rank in compare(job, check_job(job, world, "cuda"), world):  # only jobs the trainer runs
         assert rank.predicted_peak_gib == pytest.approx(rank.measured_peak_gib, rel=0.10), rank
 
 
@@ -283,7 +283,7 @@ def test_every_stage_role_of_a_pp_cp_tp_plan_builds_under_the_fake_group():
             "--parallelism.pipeline_parallel_degree=2",
         ]
     )
-    ranks = compare(job, validate(job, 8), 8)
+    ranks = compare(job, check_job(job, 8), 8)
     assert [r.role for r in ranks] == ["first stage", "last stage"]
     for rank in ranks:
         assert rank.predicted_peak_gib == pytest.approx(rank.measured_peak_gib, rel=0.10), rank

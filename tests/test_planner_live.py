@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from autopar.config.job import JobConfig
-from autopar.job import model_args, parse_job
+from autopar.cli.spawn import run_on_ranks
+from autopar.config.sections import JobConfig
+from autopar.parallel.mesh import ParallelDims
 from autopar.planner.dry_run import measure_jobs, role_ranks
 from autopar.planner.memory import predict
-from autopar.plans.mesh import ParallelDims
-from autopar.spawn import run_on_ranks
+from autopar.training.resolve import model_args, parse_job
 
 pytestmark = pytest.mark.slow
 

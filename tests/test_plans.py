@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from autopar.models import FLAVORS, Qwen, get_flavor
-from autopar.plans.fsdp import fsdp_groups
-from autopar.plans.tensor_parallel import tp_plan
+from autopar.parallel.fsdp import fsdp_groups
+from autopar.parallel.tensor_parallel import tp_plan
 
 ALL_FLAVORS = [(family, flavor) for family, flavors in FLAVORS.items() for flavor in flavors]
 

@@ -11,16 +11,16 @@ from torch.nn.attention import sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.config import ConfigError
-from autopar.distributed import single_process
 from autopar.models import Qwen
 from autopar.models.flavors import get_flavor
+from autopar.parallel.materialize import seeded_values
+from autopar.parallel.mesh import ParallelDims, build_meshes
+from autopar.parallel.parallelize import build_parts
+from autopar.parallel.sdpa_backend import BACKENDS, native_gqa
+from autopar.parallel.world import single_process
 from autopar.planner.memory import predict
-from autopar.plans.materialize import seeded_values
-from autopar.plans.mesh import ParallelDims, build_meshes
-from autopar.plans.parallelize import build_parts
-from autopar.plans.sdpa_backend import BACKENDS, native_gqa
-from autopar.trainer import Trainer
-from autopar.validate import validate
+from autopar.training.preflight import check_job
+from autopar.training.trainer import Trainer
 
 from jobs import tiny_job
 
@@ -41,7 +41,7 @@ class _Ops(TorchDispatchMode):
 
 def _built_model(job) -> torch.nn.Module:
     """The job's model as the trainer builds it on one CPU process."""
-    args = validate(job, 1, "cpu")
+    args = check_job(job, 1, "cpu")
     built = build_parts(
         args,
         job,
@@ -69,7 +69,7 @@ def test_every_cpu_backend_trains_the_same_numbers(tmp_path):
     runs = {}
     for backend in ("flash", "math"):
         job = tiny_job(tmp_path / backend, "--training.sdpa_backend", backend)
-        runs[backend] = Trainer(job, validate(job, 1, "cpu"), single_process()).train()
+        runs[backend] = Trainer(job, check_job(job, 1, "cpu"), single_process()).train()
     for flash, math in zip(runs["flash"], runs["math"], strict=True):
         assert flash.loss == pytest.approx(math.loss, rel=1e-5)
         assert flash.grad_norm == pytest.approx(math.grad_norm, rel=1e-4)
@@ -80,20 +80,20 @@ def test_a_cuda_kernel_on_cpu_is_a_config_error_naming_what_cpu_has(tmp_path, ba
     with pytest.raises(
         ConfigError, match=r"sdpa_backend='(efficient|cudnn)' is a CUDA kernel.*'flash', 'math'"
     ):
-        validate(tiny_job(tmp_path, "--training.sdpa_backend", backend), 1, "cpu")
+        check_job(tiny_job(tmp_path, "--training.sdpa_backend", backend), 1, "cpu")
 
 
 def test_flash_on_cuda_with_document_masking_is_a_config_error(tmp_path):
     job = tiny_job(tmp_path, "--training.sdpa_backend", "flash", "--training.document_masking", "true")
     with pytest.raises(ConfigError, match="takes no attention mask on CUDA, and document masking needs one"):
-        validate(job, 1, "cuda")
-    validate(job, 1, "cpu")  # CPU's flash kernel takes masks
+        check_job(job, 1, "cuda")
+    check_job(job, 1, "cpu")  # CPU's flash kernel takes masks
 
 
 def test_the_planner_refuses_the_math_kernel_it_does_not_model(tmp_path):
     job = tiny_job(tmp_path, "--training.sdpa_backend", "math")
     with pytest.raises(ConfigError, match="sdpa_backend='math' saves a seq_len x seq_len attention matrix"):
-        predict(validate(job, 8, "cuda"), job, 8)
+        predict(check_job(job, 8, "cuda"), job, 8)
 
 
 def _gqa_forward_backward(native: bool, documents: torch.Tensor | None) -> list[torch.Tensor]:

@@ -56,17 +56,32 @@ def test_every_module_imports_on_its_own_in_a_fresh_interpreter():
     assert result.stdout == "", f"modules that fail to import on their own:\n{result.stdout}"
 
 
-@pytest.mark.parametrize(
-    "floor, allowed",
-    [
-        ("autopar.config", ("autopar.config",)),
-        ("autopar.models", ("autopar.models",)),
-    ],
-)
-def test_floor_imports_only_itself(floor, allowed):
+FLOORS = {
+    "autopar.config": ("autopar.config",),
+    "autopar.models": ("autopar.models",),
+    "autopar.data": ("autopar.config", "autopar.data"),
+    "autopar.parallel": ("autopar.config", "autopar.models", "autopar.data", "autopar.parallel"),
+    "autopar.training": ("autopar.config", "autopar.models", "autopar.data", "autopar.parallel", "autopar.training"),
+    "autopar.planner": (
+        "autopar.config",
+        "autopar.models",
+        "autopar.data",
+        "autopar.parallel",
+        "autopar.training",
+        "autopar.planner",
+    ),
+}
+"""Each folder and the folders it may import: each floor stands only on those below it."""
+
+COMMAND_MODULES = ("autopar.train", "autopar.plan", "autopar.bench", "autopar.parity", "autopar.plot")
+"""``python -m autopar.<command>``: each only hands over to ``autopar.cli``."""
+
+
+@pytest.mark.parametrize("floor", sorted(FLOORS))
+def test_floor_imports_only_the_floors_below(floor):
     offenders = {
         module: sorted(
-            name for name in autopar_imports(module) if not any(in_package(name, a) for a in allowed)
+            name for name in autopar_imports(module) if not any(in_package(name, a) for a in FLOORS[floor])
         )
         for module in MODULES
         if in_package(module, floor)
@@ -74,16 +89,20 @@ def test_floor_imports_only_itself(floor, allowed):
     assert {m: names for m, names in offenders.items() if names} == {}
 
 
-def test_pipelining_imports_neither_the_step_nor_the_trainer():
-    forbidden = ("autopar.step", "autopar.trainer")
-    offenders = {
-        module: sorted(
-            name for name in autopar_imports(module) if any(in_package(name, f) for f in forbidden)
-        )
+def test_every_module_lives_on_a_floor_or_is_a_command():
+    homeless = [
+        module
         for module in MODULES
-        if in_package(module, "autopar.pipelining")
-    }
-    assert {m: names for m, names in offenders.items() if names} == {}
+        if module != "autopar"
+        and not any(in_package(module, floor) for floor in (*FLOORS, "autopar.cli"))
+        and module not in COMMAND_MODULES
+    ]
+    assert homeless == []
+
+
+@pytest.mark.parametrize("module", COMMAND_MODULES)
+def test_command_modules_only_hand_over_to_the_cli(module):
+    assert autopar_imports(module) == {module.replace("autopar.", "autopar.cli.")}
 
 
 def test_the_import_graph_has_no_cycles():

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from autopar.job import parse_job
-from autopar.metrics import read_metrics
-from autopar.train import main
+from autopar.cli.train import main
+from autopar.training.metrics import read_metrics
+from autopar.training.resolve import parse_job
 
 from jobs import TINY_MODEL, write_tiny_hf_folder
 
@@ -59,9 +59,9 @@ def test_their_float8_converter_and_section_keep_the_head_in_high_precision(hf_a
     pytest.importorskip("torchao")
     from torchao.float8.float8_linear import Float8Linear
 
-    from autopar.job import model_args
     from autopar.models import Qwen
-    from autopar.plans.float8 import apply_float8
+    from autopar.parallel.float8 import apply_float8
+    from autopar.training.resolve import model_args
 
     monkeypatch.chdir(hf_assets)
     job = parse_job(["--job.config", str(CONFIGS / "qwen3_0.6b.toml"), "--model.converters", "float8"])

@@ -8,14 +8,14 @@ import shutil
 import pytest
 import torch
 
-from autopar.checkpoint import complete_steps
-from autopar.config.job import LRScheduler
+from autopar.config.sections import LRScheduler
 from autopar.data.loader import Batch
-from autopar.faults import TrainingStopped
-from autopar.metrics import read_metrics
 from autopar.models import Qwen, from_hf, get_flavor
-from autopar.optim import lr_factor
-from autopar.step import TrainContext, microbatches_forward_backward
+from autopar.training.checkpoint import complete_steps
+from autopar.training.faults import TrainingStopped
+from autopar.training.metrics import read_metrics
+from autopar.training.optim import lr_factor
+from autopar.training.step import TrainContext, microbatches_forward_backward
 
 from jobs import TINY_MODEL, one_process_trainer, tiny_job
 
@@ -154,7 +154,7 @@ def test_resuming_with_the_same_data_shape_says_nothing_about_it(tmp_path, caplo
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint_usable(tmp_path, monkeypatch):
-    import autopar.checkpoint as checkpoint
+    import autopar.training.checkpoint as checkpoint
 
     flags = ("--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "3")
     job = tiny_job(tmp_path / "run", *flags)

@@ -9,10 +9,10 @@ import copy
 import pytest
 import torch
 
-from autopar.config.job import ActivationCheckpoint
+from autopar.cli.parity import Case, relative_deltas, run_cases
+from autopar.config.sections import ActivationCheckpoint
 from autopar.models import Qwen, get_flavor
-from autopar.parity import Case, relative_deltas, run_cases
-from autopar.plans.activation_checkpoint import apply_ac, checkpointed_layers
+from autopar.parallel.activation_checkpoint import apply_ac, checkpointed_layers
 
 from jobs import TINY_MODEL, assert_same_training, parity_runs, tiny_job
 
@@ -20,8 +20,8 @@ from jobs import TINY_MODEL, assert_same_training, parity_runs, tiny_job
 def test_compiled_block_has_no_graph_breaks():
     from torch._dynamo.utils import counters
 
-    from autopar.config.job import Compile
-    from autopar.plans.compile import apply_compile
+    from autopar.config.sections import Compile
+    from autopar.parallel.compile import apply_compile
 
     torch._dynamo.reset()
     counters.clear()
@@ -119,8 +119,8 @@ def test_compiled_matches_eager_single_device(compile_runs, plan):
 
 def test_torchtitans_output_filter_keeps_our_head_in_high_precision():
     pytest.importorskip("torchao")
-    from autopar.config.job import Float8
-    from autopar.plans.float8 import apply_float8, check_float8_filter
+    from autopar.config.sections import Float8
+    from autopar.parallel.float8 import apply_float8, check_float8_filter
 
     args = get_flavor("qwen3", "debug", **TINY_MODEL)
     cfg = Float8(enable=True, backend="torchao", filter_fqns=["output"])
@@ -133,8 +133,8 @@ def test_torchtitans_output_filter_keeps_our_head_in_high_precision():
 
 def test_fp8_keeps_the_head_and_odd_dims_in_high_precision():
     pytest.importorskip("torchao")
-    from autopar.config.job import Float8
-    from autopar.plans.float8 import apply_float8
+    from autopar.config.sections import Float8
+    from autopar.parallel.float8 import apply_float8
 
     with torch.device("meta"):
         model = Qwen(get_flavor("qwen3", "debug", **{**TINY_MODEL, "intermediate_size": 120}))

@@ -10,15 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from autopar.cli.parity import run_plans
+from autopar.cli.spawn import run_on_ranks
 from autopar.config import ConfigError
 from autopar.data.tokenizer import build_tokenizer
 from autopar.data.tokens import BUILTIN_DATASETS, load_tokens
-from autopar.distributed import single_process
-from autopar.metrics import read_metrics
-from autopar.parity import run_plans
-from autopar.spawn import run_on_ranks
-from autopar.trainer import Trainer
-from autopar.validate import validate
+from autopar.parallel.world import single_process
+from autopar.training.metrics import read_metrics
+from autopar.training.preflight import check_job
+from autopar.training.trainer import Trainer
 
 from jobs import one_process_trainer, tiny_job
 
@@ -64,9 +64,9 @@ def test_val_loss_equals_evaluating_the_same_weights_on_the_same_data(tmp_path):
 
 def test_validation_leaves_training_untouched(tmp_path):
     plain = Trainer(
-        job := tiny_job(tmp_path / "a", "--training.steps", "4"), validate(job, 1), single_process()
+        job := tiny_job(tmp_path / "a", "--training.steps", "4"), check_job(job, 1), single_process()
     )
-    checked = Trainer(job := validation_job(tmp_path / "b"), validate(job, 1), single_process())
+    checked = Trainer(job := validation_job(tmp_path / "b"), check_job(job, 1), single_process())
     assert [r.loss for r in checked.train()] == [r.loss for r in plain.train()]
 
 
@@ -144,7 +144,7 @@ def test_val_loss_under_a_plan_equals_one_device(plan_val_losses, plan):
 def test_bad_validation_settings_are_refused_naming_the_field(tmp_path, flags, message):
     job = tiny_job(tmp_path, "--validation.enable", "true", *flags)
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
-        validate(job, 2)
+        check_job(job, 2)
 
 
 def test_held_out_data_smaller_than_one_batch_is_a_data_error_before_training(tmp_path):

@@ -1,4 +1,4 @@
-"""Checks that need nothing but the job's own numbers (the config floor's share of ``validate``)."""
+"""Checks that need nothing but the job's own numbers (the config floor's share of ``training.preflight``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from autopar.config.errors import ConfigError
-from autopar.config.job import JobConfig
+from autopar.config.sections import JobConfig
 
 
 def require(ok: bool, message: str) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from autopar.config.errors import ConfigError
-from autopar.config.job import JobConfig, Model
+from autopar.config.sections import JobConfig, Model
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -122,7 +122,7 @@ def _unknown(kind: str, name: str, known: list[str]) -> ConfigError:
 
 ModelFields = Mapping[str, Any]
 """Model argument name -> type: the keys ``[model]`` accepts besides its own fields. The
-config floor does not know the model; callers pass its fields (``autopar.job`` does)."""
+config floor does not know the model; callers pass its fields (``autopar.training.resolve`` does)."""
 
 
 SECTION_ALIASES = {"quantize.linear.float8": "float8"}

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from autopar.config.errors import ConfigError
-from autopar.config.job import Training
+from autopar.config.sections import Training
 from autopar.data.chat import ChatFormat, load_chat, pad_to_windows
 from autopar.data.dataset import Blend, PackedWindows, SampleSource
 from autopar.data.errors import DataError

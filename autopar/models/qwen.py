@@ -1,6 +1,6 @@
 """Qwen2.5 / Qwen3 dense decoder, single-device and free of any parallel code.
 
-Plans in ``autopar.plans`` parallelize this module after construction. To let them, the
+Plans in ``autopar.parallel`` parallelize this module after construction. To let them, the
 code here follows three rules: shapes come from tensors (``view(..., -1, head_dim)``), never
 from head counts, so a tensor-parallel shard with fewer heads still works; rotary positions
 can be passed in, so a context-parallel shard knows where its tokens sit; and every top-level

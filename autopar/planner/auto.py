@@ -11,13 +11,13 @@ import statistics
 from pathlib import Path
 
 from autopar.config.errors import ConfigError
-from autopar.config.job import JobConfig
 from autopar.config.parse import explicit_keys
-from autopar.job import model_args
-from autopar.metrics import read_metrics
+from autopar.config.sections import JobConfig
 from autopar.planner.devices import DeviceSpec, this_machine
 from autopar.planner.search import Plan, no_fit_message, pinned_fields, search, with_settings
 from autopar.planner.verify import Verified, first_built
+from autopar.training.metrics import read_metrics
+from autopar.training.resolve import model_args
 
 AUTO_VERIFY_TRIES = 3
 """Plans auto dry-runs, best first, before it gives up."""

@@ -4,7 +4,7 @@ FSDPMemTracker or, where that cannot follow the rank (several pipeline stages, n
 ``PeakTracker``.
 
 One rank of each distinct role runs (the first, a middle and the last pipeline stage; every
-other rank holds the same shapes as one of these). What runs is ``autopar.step.TrainStep``,
+other rank holds the same shapes as one of these). What runs is ``autopar.training.step.TrainStep``,
 the trainer's own step, on synthetic token batches; nothing is allocated and nothing touches
 the disk except ``dry_run.json``.
 
@@ -56,19 +56,24 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten
 
-from autopar.config.job import JobConfig
+from autopar.config.sections import JobConfig
 from autopar.data.loader import Batch
-from autopar.distributed import World, init_world
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
-from autopar.pipelining.schedule import Pipeline, StageIO
+from autopar.parallel.mesh import Meshes, ParallelDims, build_meshes
+from autopar.parallel.parallelize import (
+    ModelParts,
+    loss_parallel_enabled,
+    materialize_parts,
+    parallelized_parts,
+)
+from autopar.parallel.pipelining.schedule import Pipeline, StageIO
+from autopar.parallel.sdpa_backend import apply_gqa, native_gqa
+from autopar.parallel.world import World, init_world
 from autopar.planner.memory import predict
-from autopar.plans.mesh import Meshes, ParallelDims, build_meshes
-from autopar.plans.parallelize import ModelParts, loss_parallel_enabled, materialize_parts, parallelized_parts
-from autopar.plans.sdpa_backend import apply_gqa, native_gqa
-from autopar.step import TrainStep
-from autopar.trainer import Trainer
-from autopar.validate import validate
+from autopar.training.preflight import check_job
+from autopar.training.step import TrainStep
+from autopar.training.trainer import Trainer
 
 GIB = 2**30
 logger = logging.getLogger("autopar")
@@ -315,7 +320,7 @@ def measure_jobs(jobs: list[JobConfig]) -> list[dict[str, int]]:
     peaks = []
     for job in jobs:
         world = init_world()
-        trainer = Trainer(job, validate(job, world.size), world)
+        trainer = Trainer(job, check_job(job, world.size), world)
         peaks.append(measure_step(trainer.train_step, trainer.loader.next_step(), job.optimizer.lr))
     return peaks
 

@@ -50,17 +50,17 @@ import torch
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from autopar.config.errors import ConfigError
-from autopar.config.job import JobConfig
+from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.models.qwen import Qwen
-from autopar.pipelining.schedule import SCHEDULE_STYLES, rank_actions, schedule_name, stage_modules
-from autopar.pipelining.split import stage_ids
-from autopar.plans.activation_checkpoint import checkpointed_layers
-from autopar.plans.mesh import ParallelDims
-from autopar.plans.mixed_precision import compute_dtype
-from autopar.plans.parallelize import loss_parallel_enabled
-from autopar.plans.sdpa_backend import native_gqa
-from autopar.plans.tensor_parallel import tp_plan
+from autopar.parallel.activation_checkpoint import checkpointed_layers
+from autopar.parallel.mesh import ParallelDims
+from autopar.parallel.mixed_precision import compute_dtype
+from autopar.parallel.parallelize import loss_parallel_enabled
+from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, rank_actions, schedule_name, stage_modules
+from autopar.parallel.pipelining.split import stage_ids
+from autopar.parallel.sdpa_backend import native_gqa
+from autopar.parallel.tensor_parallel import tp_plan
 
 GIB = 2**30
 FP32 = 4

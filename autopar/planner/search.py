@@ -4,7 +4,7 @@ A plan is the settings in ``PLAN_FIELDS``: the five parallel degrees (and the ex
 one of a mixture of experts), the pipeline schedule and micro-batch size, the activation
 checkpointing mode, the local batch and FSDP's reshard policy.
 Settings the job pins are held; the rest are enumerated. Whether a plan can run at all is
-decided by ``validate.check_plan``, the rules the trainer itself enforces; its memory by
+decided by ``training.preflight.check_plan``, the rules the trainer itself enforces; its memory by
 ``planner.memory`` plus a runtime reserve, its speed by ``planner.time``.
 
 The global batch is held when the job sets ``training.global_batch_size`` (the local batch and
@@ -20,16 +20,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from autopar.config.errors import ConfigError
-from autopar.config.job import JobConfig
-from autopar.metrics import flops_per_token
+from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
-from autopar.pipelining.schedule import SCHEDULE_STYLES
+from autopar.parallel.context_parallel import resolve_impl
+from autopar.parallel.mesh import ParallelDims
+from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES
 from autopar.planner.devices import DeviceSpec
 from autopar.planner.memory import GIB, Memory, predict_dims
 from autopar.planner.time import StepTime, predict_time, tokens_per_step
-from autopar.plans.context_parallel import resolve_impl
-from autopar.plans.mesh import ParallelDims
-from autopar.validate import check_plan
+from autopar.training.metrics import flops_per_token
+from autopar.training.preflight import check_plan
 
 PLAN_FIELDS = (
     "parallelism.data_parallel_replicate_degree",

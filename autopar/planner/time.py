@@ -22,10 +22,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autopar.config.job import JobConfig
-from autopar.metrics import block_matmul_params, flops_per_token
+from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
-from autopar.pipelining.schedule import SCHEDULE_STYLES, schedule_name
+from autopar.parallel.activation_checkpoint import checkpointed_layers
+from autopar.parallel.mesh import ParallelDims
+from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, schedule_name
 from autopar.planner.devices import DeviceSpec
 from autopar.planner.memory import (
     FP32,
@@ -36,8 +37,7 @@ from autopar.planner.memory import (
     modules_numel,
     sizes,
 )
-from autopar.plans.activation_checkpoint import checkpointed_layers
-from autopar.plans.mesh import ParallelDims
+from autopar.training.metrics import block_matmul_params, flops_per_token
 
 COMPUTE_EFFICIENCY = {"compiled": 0.479, "eager": 0.294}
 FP8_SPEEDUP = 39_492 / 36_037

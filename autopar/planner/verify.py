@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from autopar.config.job import JobConfig
+from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.planner.devices import DeviceSpec
 from autopar.planner.dry_run import RankMemory, compare

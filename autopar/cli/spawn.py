@@ -14,7 +14,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-_PRELOAD = ["torch", "autopar.trainer"]
+_PRELOAD = ["torch", "autopar.training.trainer"]
 
 
 def _child(
@@ -29,8 +29,8 @@ def _child(
     import torch
     import torch.distributed as dist
 
-    from autopar.distributed import backend_for, device_for
-    from autopar.log import setup_logging
+    from autopar.cli.log import setup_logging
+    from autopar.parallel.world import backend_for, device_for
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))

@@ -14,23 +14,23 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from autopar.config.job import JobConfig
+from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.models.moe import Experts
 from autopar.models.qwen import Qwen
-from autopar.pipelining.schedule import SCHEDULE_STYLES, schedule_name, stage_modules
-from autopar.pipelining.split import prune, stage_ids
-from autopar.plans.activation_checkpoint import apply_ac
-from autopar.plans.compile import apply_compile
-from autopar.plans.context_parallel import resolve_impl
-from autopar.plans.expert_parallel import apply_ep
-from autopar.plans.float8 import apply_float8, resolve_backend
-from autopar.plans.fsdp import apply_fsdp
-from autopar.plans.materialize import FullValue, materialize
-from autopar.plans.mesh import Meshes, ParallelDims
-from autopar.plans.mixed_precision import apply_compute_dtype, compute_dtype, fsdp_policy
-from autopar.plans.sdpa_backend import apply_gqa, apply_sdpa_backend, native_gqa
-from autopar.plans.tensor_parallel import apply_tp
+from autopar.parallel.activation_checkpoint import apply_ac
+from autopar.parallel.compile import apply_compile
+from autopar.parallel.context_parallel import resolve_impl
+from autopar.parallel.expert_parallel import apply_ep
+from autopar.parallel.float8 import apply_float8, resolve_backend
+from autopar.parallel.fsdp import apply_fsdp
+from autopar.parallel.materialize import FullValue, materialize
+from autopar.parallel.mesh import Meshes, ParallelDims
+from autopar.parallel.mixed_precision import apply_compute_dtype, compute_dtype, fsdp_policy
+from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, schedule_name, stage_modules
+from autopar.parallel.pipelining.split import prune, stage_ids
+from autopar.parallel.sdpa_backend import apply_gqa, apply_sdpa_backend, native_gqa
+from autopar.parallel.tensor_parallel import apply_tp
 
 logger = logging.getLogger("autopar")
 

@@ -44,12 +44,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from autopar.config.errors import ConfigError
-from autopar.config.job import Checkpoint
-from autopar.distributed import background_save_group
-from autopar.faults import TrainingStopped, peer_gone
+from autopar.config.sections import Checkpoint
 from autopar.models.args import ModelArgs
 from autopar.models.hf import HFCheckpointError, HFTensors, read_hf_config, save_hf_streaming
 from autopar.models.qwen import Qwen
+from autopar.parallel.world import background_save_group
+from autopar.training.faults import TrainingStopped, peer_gone
 
 logger = logging.getLogger("autopar")
 _STEP_DIR = re.compile(r"^step-(\d+)$")

@@ -12,15 +12,21 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from autopar.checkpoint import Checkpointer, complete_steps, export_hf
-from autopar.config.job import JobConfig
+from autopar.config.sections import JobConfig
 from autopar.data.dataset import SampleSource
 from autopar.data.errors import DataError
 from autopar.data.loader import StepLoader, build_samples
 from autopar.data.tokenizer import Tokenizer, build_tokenizer, tokenizer_file
-from autopar.distributed import CollectiveTimeout, World
-from autopar.evaluate import Validator, validation_samples
-from autopar.faults import (
+from autopar.models.args import ModelArgs
+from autopar.models.dtypes import DTYPES
+from autopar.models.hf import HFTensors, copy_assets
+from autopar.models.qwen import Qwen
+from autopar.parallel.materialize import FullValue, seeded_values, tensor_values
+from autopar.parallel.mesh import ParallelDims, build_meshes
+from autopar.parallel.parallelize import build_parts
+from autopar.parallel.world import CollectiveTimeout, World
+from autopar.training.checkpoint import Checkpointer, complete_steps, export_hf
+from autopar.training.faults import (
     StopRequest,
     TrainingStopped,
     nonfinite,
@@ -30,18 +36,12 @@ from autopar.faults import (
     ranks_not_finite,
     skipped_too_often,
 )
-from autopar.job import chat_format, flavor_mismatch, model_source, tokenizer_path
-from autopar.metrics import MetricsLogger, flops_per_token, matmul_params
-from autopar.models.args import ModelArgs
-from autopar.models.dtypes import DTYPES
-from autopar.models.hf import HFTensors, copy_assets
-from autopar.models.qwen import Qwen
-from autopar.optim import lr_factor
-from autopar.plans.materialize import FullValue, seeded_values, tensor_values
-from autopar.plans.mesh import ParallelDims, build_meshes
-from autopar.plans.parallelize import build_parts
-from autopar.profiling import Profiler
-from autopar.step import TrainStep
+from autopar.training.metrics import MetricsLogger, flops_per_token, matmul_params
+from autopar.training.optim import lr_factor
+from autopar.training.profiling import Profiler
+from autopar.training.resolve import chat_format, flavor_mismatch, model_source, tokenizer_path
+from autopar.training.step import TrainStep
+from autopar.training.validation import Validator, validation_samples
 
 logger = logging.getLogger("autopar")
 
@@ -273,7 +273,7 @@ class Trainer:
     def run_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next optimizer step on the loader's next batches; (loss, grad norm) as device
         tensors. A step whose loss or gradient norm is not finite makes no update (see
-        ``autopar.faults``); reading them is this step's one host sync."""
+        ``autopar.training.faults``); reading them is this step's one host sync."""
         lr = self.job.optimizer.lr * lr_factor(self.step + 1, self.job.lr_scheduler, self.job.training.steps)
         loss = self.train_step.forward_backward(self.loader.next_step())
         norm = self.train_step.grad_norm()

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
 
 from autopar.config.errors import ConfigError
-from autopar.config.job import Parallelism
+from autopar.config.sections import Parallelism
 from autopar.data.loader import Batch
 from autopar.models.qwen import document_positions
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from autopar.config import parse
 from autopar.config.errors import ConfigError
-from autopar.config.job import JobConfig, Model
+from autopar.config.sections import JobConfig, Model
 from autopar.data.chat import ChatFormat
 from autopar.models.args import ModelArgs
 from autopar.models.flavors import get_flavor, with_overrides

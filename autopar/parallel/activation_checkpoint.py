@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.config.errors import ConfigError
-from autopar.config.job import ActivationCheckpoint
+from autopar.config.sections import ActivationCheckpoint
 
 _aten = torch.ops.aten
 SAVED_OPS = frozenset(

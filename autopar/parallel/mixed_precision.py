@@ -32,7 +32,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 # again, which is the patched forward
 from torch.nn.utils.stateless import _reparametrize_module
 
-from autopar.config.job import JobConfig
+from autopar.config.sections import JobConfig
 from autopar.models.dtypes import DTYPES
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from autopar.config.errors import ConfigError
-from autopar.config.job import Float8
+from autopar.config.sections import Float8
 from autopar.models.args import ModelArgs
 from autopar.models.qwen import Qwen
 

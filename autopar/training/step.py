@@ -1,7 +1,7 @@
 """One optimizer step's forward/backward over its micro-batches, and the gradient norm.
 
 The loss is a sum of token losses divided by the global number of target tokens
-(``autopar.loss``); summing the per-micro-batch results over the data/context-parallel
+(``autopar.training.loss``); summing the per-micro-batch results over the data/context-parallel
 ranks gives the mean loss of the global batch, whatever the plan.
 """
 
@@ -19,24 +19,24 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from autopar.config.job import JobConfig
+from autopar.config.sections import JobConfig
 from autopar.data.loader import Batch
-from autopar.distributed import World, by_mesh
-from autopar.loss import (
+from autopar.models.args import ModelArgs
+from autopar.models.moe import load_balancing_loss
+from autopar.parallel.context_parallel import ContextParallel
+from autopar.parallel.float8 import after_optimizer_step, resolve_backend, te_autocast
+from autopar.parallel.mesh import Meshes
+from autopar.parallel.parallelize import ModelParts, loss_parallel_enabled
+from autopar.parallel.pipelining.schedule import Pipeline, StageIO, build_pipeline, pipeline_forward_backward
+from autopar.parallel.world import World, by_mesh
+from autopar.training.loss import (
     chunk_loss_and_grad,
     chunked_token_loss_sum,
     count_targets,
     token_loss_sum,
     vocab_parallel_chunk_loss_and_grad,
 )
-from autopar.models.args import ModelArgs
-from autopar.models.moe import load_balancing_loss
-from autopar.optim import build_optimizers, set_lr
-from autopar.pipelining.schedule import Pipeline, StageIO, build_pipeline, pipeline_forward_backward
-from autopar.plans.context_parallel import ContextParallel
-from autopar.plans.float8 import after_optimizer_step, resolve_backend, te_autocast
-from autopar.plans.mesh import Meshes
-from autopar.plans.parallelize import ModelParts, loss_parallel_enabled
+from autopar.training.optim import build_optimizers, set_lr
 
 
 def all_reduce_sum(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:

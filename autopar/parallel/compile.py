@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autopar.config.errors import ConfigError
-from autopar.config.job import Compile
+from autopar.config.sections import Compile
 from autopar.models.moe import MoE
 
 
@@ -26,7 +26,7 @@ def check_compile(cfg: Compile) -> None:
 
 def check_compile_backend(cfg: Compile) -> None:
     """A compile backend torch knows (listing them imports every backend: about 2 s, so the
-    planner, which checks many plans of one job, leaves this to ``validate``)."""
+    planner, which checks many plans of one job, leaves this to ``check_job``)."""
     if not cfg.enable:
         return
     backends = torch._dynamo.list_backends(exclude_tags=())

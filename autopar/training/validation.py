@@ -14,15 +14,15 @@ from dataclasses import dataclass
 import torch
 
 from autopar.config.errors import ConfigError
-from autopar.config.job import JobConfig
+from autopar.config.sections import JobConfig
 from autopar.data.dataset import PackedWindows
 from autopar.data.errors import DataError
 from autopar.data.loader import StepLoader, build_samples, check_data
 from autopar.data.tokenizer import Tokenizer
-from autopar.job import chat_format
 from autopar.models.args import ModelArgs
-from autopar.plans.mesh import ParallelDims, check_model_split
-from autopar.step import TrainStep, global_target_count
+from autopar.parallel.mesh import ParallelDims, check_model_split
+from autopar.training.resolve import chat_format
+from autopar.training.step import TrainStep, global_target_count
 
 
 def validation_seq_len(job: JobConfig) -> int:

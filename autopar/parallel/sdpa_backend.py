@@ -18,9 +18,9 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from autopar.config.errors import ConfigError
-from autopar.config.job import JobConfig
-from autopar.plans.context_parallel import resolve_impl
-from autopar.plans.mixed_precision import compute_dtype
+from autopar.config.sections import JobConfig
+from autopar.parallel.context_parallel import resolve_impl
+from autopar.parallel.mixed_precision import compute_dtype
 
 BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,

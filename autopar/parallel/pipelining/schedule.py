@@ -26,11 +26,11 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor import DTensor
 
 from autopar.config.errors import ConfigError
-from autopar.config.job import Parallelism
+from autopar.config.sections import Parallelism
 from autopar.data.loader import Batch
-from autopar.distributed import by_mesh
 from autopar.models.args import ModelArgs
-from autopar.pipelining.split import StageStyle, check_split, even_split, stage_ids
+from autopar.parallel.pipelining.split import StageStyle, check_split, even_split, stage_ids
+from autopar.parallel.world import by_mesh
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(logits, labels) -> summed token loss."""

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from autopar.config.errors import ConfigError
-from autopar.config.job import ActivationCheckpoint
+from autopar.config.sections import ActivationCheckpoint
 from autopar.models.args import ModelArgs
 from autopar.models.moe import Experts, run_experts
 

@@ -16,7 +16,7 @@ from types import TracebackType
 import torch
 
 from autopar.config.errors import ConfigError
-from autopar.config.job import Profiling
+from autopar.config.sections import Profiling
 
 logger = logging.getLogger("autopar")
 

@@ -8,8 +8,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from autopar.config.job import LRScheduler, Optimizer
-from autopar.distributed import by_mesh
+from autopar.config.sections import LRScheduler, Optimizer
+from autopar.parallel.world import by_mesh
 
 
 def build_optimizers(parts: Iterable[nn.Module], cfg: Optimizer) -> list[torch.optim.AdamW]:

@@ -1,4 +1,4 @@
-"""One validation pass over a job, before any process group, model or file is touched.
+"""The checks a job passes before any process group, model or file is touched (``check_job``).
 
 Every check raises ``ConfigError`` naming the field, its value and the fix. The rules live
 beside the code that depends on them (each part's ``check_*``); this module only calls them
@@ -10,24 +10,24 @@ from __future__ import annotations
 
 import torch
 
-from autopar.checkpoint import check_initial_load, check_load_step
 from autopar.config.checks import check_numbers, check_output_folders
 from autopar.config.errors import ConfigError
-from autopar.config.job import JobConfig
+from autopar.config.sections import JobConfig
 from autopar.data.loader import check_batch, check_training_data
-from autopar.evaluate import check_validation
-from autopar.job import model_args, tokenizer_path
 from autopar.models.args import ModelArgs
-from autopar.pipelining.schedule import check_pipeline
-from autopar.plans.activation_checkpoint import check_ac
-from autopar.plans.compile import check_compile, check_compile_backend
-from autopar.plans.context_parallel import check_cp
-from autopar.plans.expert_parallel import check_ep
-from autopar.plans.float8 import check_float8, check_float8_filter
-from autopar.plans.mesh import ParallelDims, check_model_split
-from autopar.plans.mixed_precision import compute_dtype
-from autopar.plans.sdpa_backend import check_sdpa_backend
-from autopar.profiling import check_profiling
+from autopar.parallel.activation_checkpoint import check_ac
+from autopar.parallel.compile import check_compile, check_compile_backend
+from autopar.parallel.context_parallel import check_cp
+from autopar.parallel.expert_parallel import check_ep
+from autopar.parallel.float8 import check_float8, check_float8_filter
+from autopar.parallel.mesh import ParallelDims, check_model_split
+from autopar.parallel.mixed_precision import compute_dtype
+from autopar.parallel.pipelining.schedule import check_pipeline
+from autopar.parallel.sdpa_backend import check_sdpa_backend
+from autopar.training.checkpoint import check_initial_load, check_load_step
+from autopar.training.profiling import check_profiling
+from autopar.training.resolve import model_args, tokenizer_path
+from autopar.training.validation import check_validation
 
 
 def check_loss_chunks(job: JobConfig) -> None:
@@ -80,7 +80,7 @@ def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: st
     return dims
 
 
-def validate(job: JobConfig, world_size: int, device_type: str | None = None) -> ModelArgs:
+def check_job(job: JobConfig, world_size: int, device_type: str | None = None) -> ModelArgs:
     """Check the whole job for ``world_size`` ranks of ``device_type`` (default: this
     machine's); the resolved model args."""
     check_numbers(job)

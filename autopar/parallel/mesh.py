@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.config.errors import ConfigError
-from autopar.config.job import Parallelism
-from autopar.distributed import backend_for
+from autopar.config.sections import Parallelism
 from autopar.models.args import ModelArgs
+from autopar.parallel.world import backend_for
 
 
 @dataclass(frozen=True)

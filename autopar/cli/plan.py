@@ -1,0 +1,199 @@
+"""Choose a parallel plan before launch: ``python -m autopar.plan --job.config FILE --world-size N
+[--gpus-per-node 8] [--device h100] [--gpu-memory-gib G] [--top 10] [--json PATH] [--verify K]
+[--section.field VALUE ...]``.
+
+Prints the best plans that fit (degrees, schedule, activation checkpointing, batch, predicted
+peak memory and its largest parts, tokens/s per GPU, MFU and where the time goes), the flags
+that run the best one, and how the job's own plan compares. Plan settings given as flags are
+held fixed. ``--verify K`` dry-runs the K best plans first (``planner/verify.py``), prints each
+rank role's measured peak beside the predicted one, and drops any plan that fails to build or
+does not fit as measured. Exit 2 with one paragraph when no plan fits.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from autopar.config import ConfigError
+from autopar.config.parse import explicit_keys
+from autopar.config.sections import JobConfig
+from autopar.models.args import ModelArgs
+from autopar.planner.devices import DeviceSpec, device_spec
+from autopar.planner.search import Plan, ac_text, evaluate, no_fit_message, pinned_fields, search
+from autopar.planner.verify import verify
+from autopar.training.preflight import check_plan
+from autopar.training.resolve import model_args, parse_job
+
+MAX_WORLD = 131072
+"""The largest world the planner searches (its divisor walk grows with the world size)."""
+
+OPTIONS = {
+    "--world-size": int,
+    "--gpus-per-node": int,
+    "--device": str,
+    "--gpu-memory-gib": float,
+    "--top": int,
+    "--json": str,
+    "--verify": int,
+}
+
+
+def split_options(argv: list[str]) -> tuple[dict[str, object], list[str]]:
+    """The planner's own options (typed) and the job's flags."""
+    found: dict[str, object] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        if name in OPTIONS:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{name} needs a value")
+                value = argv[i + 1]
+                i += 1
+            try:
+                found[name] = OPTIONS[name](value)
+            except ValueError:
+                raise ConfigError(f"{name} {value!r} is not a valid {OPTIONS[name].__name__}") from None
+            i += 1
+            continue
+        rest.append(argv[i])
+        i += 1
+    if "--world-size" not in found:
+        raise ConfigError("--world-size N is required: the number of GPUs to plan for")
+    for name in ("--world-size", "--gpus-per-node", "--top", "--verify"):
+        if name in found and found[name] < 1:
+            raise ConfigError(f"{name} {found[name]} must be >= 1")
+    world, per_node = int(found["--world-size"]), int(found.get("--gpus-per-node", 8))
+    if world > MAX_WORLD:
+        raise ConfigError(
+            f"--world-size {world} is more GPUs than the planner searches; use at most {MAX_WORLD}"
+        )
+    if world > per_node and world % per_node:
+        divisors = [d for d in range(1, per_node + 1) if world % d == 0]
+        raise ConfigError(
+            f"--gpus-per-node {per_node} does not divide --world-size {world} into whole nodes; "
+            f"use one of {divisors} or another world size"
+        )
+    return found, rest
+
+
+def table(plans: list[Plan]) -> str:
+    experts = any(p.dims.ep > 1 for p in plans)  # a column for expert parallelism when it is used
+    head = (
+        "| # | dp_rep | dp_shard | tp | cp | pp |"
+        + (" ep |" if experts else "")
+        + " schedule/mbs | AC | reshard | local batch | peak GiB (largest parts) | tokens/s/GPU | MFU | compute/comm/bubble/recompute/host optimizer |"
+    )
+    rows = [head, "|" + "---|" * (14 + experts)]
+    for i, p in enumerate(plans, 1):
+        d, s = p.dims, p.settings
+        pipe = (
+            f"{s['parallelism.pipeline_parallel_schedule']}/{s['parallelism.pipeline_parallel_microbatch_size']}"
+            if d.pp > 1
+            else "-"
+        )
+        largest = sorted(p.memory.gib().items(), key=lambda kv: -kv[1])[:2]
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in largest)
+        split = p.time.split() if p.time else {}
+        shares = "/".join(
+            f"{100 * split.get(k, 0):.0f}"
+            for k in ("compute", "exposed_comm", "bubble", "recompute", "host_optimizer")
+        )
+        rows.append(
+            f"| {i} | {d.dp_replicate} | {d.dp_shard} | {d.tp} | {d.cp} | {d.pp} | "
+            + (f"{d.ep} | " if experts else "")
+            + f"{pipe} | {ac_text(s)} | "
+            f"{s['parallelism.fsdp_reshard_after_forward']} | {s['training.local_batch_size']} | {p.peak_gib:.1f} ({parts}) | {p.tokens_per_s:,.0f} | "
+            f"{100 * p.mfu:.1f}% | {shares} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return 0
+    try:
+        options, job_argv = split_options(argv)
+        job = parse_job(job_argv)
+        args = model_args(job)
+        world = int(options["--world-size"])
+        gpus_per_node = int(options.get("--gpus-per-node", 8))
+        device = device_spec(str(options.get("--device", "h100")), options.get("--gpu-memory-gib"))
+        pinned = pinned_fields(job, *explicit_keys(job_argv))
+        start = time.perf_counter()
+        plans = search(job, args, world, gpus_per_node, device, pinned)
+    except ConfigError as err:
+        print(f"plan error: {err}", file=sys.stderr)
+        return 2
+    elapsed = time.perf_counter() - start
+    fitting = [p for p in plans if p.fits]
+    print(
+        f"{job.model.name} {job.model.flavor}, seq_len {job.training.seq_len}, on {world} x {device.name} "
+        f"({device.memory_gib:.1f} GiB, {gpus_per_node} per node): {len(plans)} valid plans, "
+        f"{len(fitting)} fit ({elapsed:.2f} s)"
+    )
+    if "--verify" in options:
+        fitting = verified_plans(fitting, int(options["--verify"]), job, args, world, device)
+    top = fitting[: int(options.get("--top", 10))]
+    if "--json" in options:
+        path = Path(str(options["--json"]))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"plans": [p.to_json() for p in top]}, indent=2))
+    if not top:
+        print(no_fit_message(plans[0], device, world, pinned), file=sys.stderr)
+        return 2
+    print(table(top))
+    if top[0].memory.host:
+        host = sum(top[0].memory.host.values()) / 2**30
+        print(f"\nCPU offload keeps {host:.1f} GiB per GPU in host memory (weights, gradients, AdamW state)")
+    print("\nrun the best plan with:\n  " + " ".join(top[0].overrides))
+    print(own_plan_line(job, args, world, gpus_per_node, device, top[0]))
+    return 0
+
+
+def verified_plans(
+    fitting: list[Plan], count: int, job: JobConfig, args: ModelArgs, world: int, device: DeviceSpec
+) -> list[Plan]:
+    """``fitting`` without those of its first ``count`` whose dry runs fail or do not fit;
+    prints each dry run."""
+    print(f"\nverifying the {min(count, len(fitting))} best plans by their dry runs:")
+    checked = verify(fitting, count, job, args, world, device)
+    for i, result in enumerate(checked, 1):
+        print("\n".join(result.lines(i)))
+    print()
+    return [r.plan for r in checked if r.kept] + fitting[count:]
+
+
+def own_plan_line(
+    job: JobConfig, args: ModelArgs, world: int, gpus_per_node: int, device: DeviceSpec, best: Plan
+) -> str:
+    """How the job's plan as written compares with the best."""
+    try:
+        dims = check_plan(job, args, world, "cuda")
+    except ConfigError as err:
+        return f"the job's own plan cannot run on {world} GPUs: {err}"
+    own = evaluate(args, job, dims, device, gpus_per_node)
+    if not own.fits:
+        return (
+            f"the job's own plan ({own.describe()}) does not fit: predicted peak {own.peak_gib:.1f} GiB "
+            f"> {device.memory_gib:.1f} GiB"
+        )
+    ratio = best.tokens_per_s / own.tokens_per_s
+    return (
+        f"the job's own plan ({own.describe()}): peak {own.peak_gib:.1f} GiB, "
+        f"{own.tokens_per_s:,.0f} tokens/s/GPU; the best is {ratio:.2f}x"
+    )
+
+
+def cli() -> None:
+    """The console entry point: ``main`` on this process's arguments."""
+    sys.exit(main(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    cli()
