@@ -61,7 +61,13 @@ FLOORS = {
     "autopar.models": ("autopar.models",),
     "autopar.data": ("autopar.config", "autopar.data"),
     "autopar.parallel": ("autopar.config", "autopar.models", "autopar.data", "autopar.parallel"),
-    "autopar.training": ("autopar.config", "autopar.models", "autopar.data", "autopar.parallel", "autopar.training"),
+    "autopar.training": (
+        "autopar.config",
+        "autopar.models",
+        "autopar.data",
+        "autopar.parallel",
+        "autopar.training",
+    ),
     "autopar.planner": (
         "autopar.config",
         "autopar.models",

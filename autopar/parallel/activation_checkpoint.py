@@ -14,14 +14,16 @@ import functools
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.overrides import _get_current_function_mode_stack
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.config.errors import ConfigError
 from autopar.config.sections import ActivationCheckpoint
+from autopar.parallel.torch_internals import (
+    TorchDispatchMode,
+    checkpoint_wrapper,
+    function_mode_stack,
+    tree_map,
+)
 
 _aten = torch.ops.aten
 SAVED_OPS = frozenset(
@@ -126,7 +128,7 @@ class _Recompute:
 
     def __enter__(self) -> None:
         stack = contextlib.ExitStack()
-        active = [id(mode) for mode in _get_current_function_mode_stack()]
+        active = [id(mode) for mode in function_mode_stack()]
         for mode in self.modes:
             # the weight pass of a zero-bubble schedule may run with the mode still on: a mode
             # entered twice would hand its own attention call to its second copy
@@ -147,7 +149,7 @@ def _eager_contexts(
     recomputes inside its compiled backward, which needs neither.)"""
     saved = _SavedOutputs(keep=recomputed_twice) if per_op else None
     forward = _SaveExpensiveOps(saved) if saved is not None else contextlib.nullcontext()
-    return forward, _Recompute(tuple(_get_current_function_mode_stack()), saved)
+    return forward, _Recompute(tuple(function_mode_stack()), saved)
 
 
 def check_ac(cfg: ActivationCheckpoint) -> None:

@@ -22,7 +22,6 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.overrides import TorchFunctionMode
@@ -31,6 +30,7 @@ from autopar.config.errors import ConfigError
 from autopar.config.sections import Parallelism
 from autopar.data.loader import Batch
 from autopar.models.qwen import document_positions
+from autopar.parallel.torch_internals import funcol, ring_attention_options
 
 # torch 2.13 renamed the autograd-aware all-gather; 2.11 has only the old name
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor_autograd
@@ -146,18 +146,14 @@ class ContextParallel:
     @contextlib.contextmanager
     def _ring(self, batch: Batch, positions: torch.Tensor) -> Iterator[tuple[Batch, torch.Tensor]]:
         from torch.distributed.tensor.experimental import context_parallel
-        from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
 
         # torch shards these in place, so they must be fresh contiguous tensors
         inputs, labels = batch.inputs.clone(), batch.labels.clone()
-        set_rotate_method(self.rotate_method)
-        previous = _cp_options.enable_load_balance
-        _cp_options.enable_load_balance = self.head_tail
-        try:
-            buffers = [inputs, labels, positions]
-            with context_parallel(
+        buffers = [inputs, labels, positions]
+        with (
+            ring_attention_options(self.rotate_method, self.head_tail),
+            context_parallel(
                 self.mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)
-            ):
-                yield Batch(inputs, labels), positions
-        finally:
-            _cp_options.enable_load_balance = previous
+            ),
+        ):
+            yield Batch(inputs, labels), positions

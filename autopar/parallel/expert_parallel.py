@@ -22,9 +22,7 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
@@ -33,6 +31,7 @@ from autopar.config.errors import ConfigError
 from autopar.config.sections import ActivationCheckpoint
 from autopar.models.args import ModelArgs
 from autopar.models.moe import Experts, run_experts
+from autopar.parallel.torch_internals import funcol, is_fake
 
 
 def check_ep(ep: int, ac: ActivationCheckpoint, compiled: bool) -> None:

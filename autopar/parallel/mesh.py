@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autopar.config.errors import ConfigError
 from autopar.config.sections import Parallelism
 from autopar.models.args import ModelArgs
+from autopar.parallel.torch_internals import flatten_mesh, unflatten_mesh
 from autopar.parallel.world import backend_for
 
 
@@ -199,14 +200,14 @@ def build_meshes(dims: ParallelDims, device_type: str, always_fsdp: bool = False
             backend_for(torch.device(device_type)), store=dist.HashStore(), rank=0, world_size=1
         )
     world = init_device_mesh(device_type, (dims.world_size,), mesh_dim_names=("world",))
-    dense = world._unflatten(
-        0,
+    dense = unflatten_mesh(
+        world,
         (dims.pp, dims.dp_replicate, dims.dp_shard * dims.cp, dims.tp),
         ("pp", "dp_replicate", "fsdp", "tp"),
     )
-    batch = world._unflatten(0, (dims.pp, dims.dp, dims.cp, dims.tp), ("pp", "dp", "cp", "tp"))
-    experts = world._unflatten(
-        0,
+    batch = unflatten_mesh(world, (dims.pp, dims.dp, dims.cp, dims.tp), ("pp", "dp", "cp", "tp"))
+    experts = unflatten_mesh(
+        world,
         (dims.pp, dims.dp_replicate, dims.dp_shard * dims.cp // dims.ep, dims.ep, dims.tp),
         ("pp", "dp_replicate", "efsdp", "ep", "tp"),
     )
@@ -215,7 +216,7 @@ def build_meshes(dims: ParallelDims, device_type: str, always_fsdp: bool = False
         "tp": dense["tp"],
         "dp": batch["dp"],
         "cp": batch["cp"],
-        "loss": batch["dp", "cp"]._flatten("loss"),
+        "loss": flatten_mesh(batch["dp", "cp"], "loss"),
         # HSDP: (replicate, shard) 2-D; FSDP: the shard dimension alone
         "fsdp": dense["dp_replicate", "fsdp"] if dims.dp_replicate > 1 else dense["fsdp"],
         "ep": experts["ep"],

@@ -28,12 +28,9 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-# functional_call's own reparametrization; functional_call itself would call the module
-# again, which is the patched forward
-from torch.nn.utils.stateless import _reparametrize_module
-
 from autopar.config.sections import JobConfig
 from autopar.models.dtypes import DTYPES
+from autopar.parallel.torch_internals import reparametrize_module
 
 
 def compute_dtype(job: JobConfig, device: torch.device) -> torch.dtype:
@@ -62,7 +59,7 @@ def _cast_forward(module: nn.Module, dtype: torch.dtype, owns: Callable[[str], b
     @functools.wraps(forward)
     def cast_then_forward(*args, **kwargs):
         casts = {name: p.to(dtype) for name, p in module.named_parameters() if owns(name)}
-        with _reparametrize_module(module, casts, tie_weights=True):
+        with reparametrize_module(module, casts, tie_weights=True):
             return forward(*args, **kwargs)
 
     module.forward = cast_then_forward

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from autopar.config import ConfigError
+from autopar.parallel.torch_internals import set_group_timeouts
 
 
 @dataclass(frozen=True)
@@ -91,9 +92,7 @@ def set_timeout(seconds: int) -> None:
     that died or hangs then fails the others' next collective instead of stalling them."""
     if not dist.is_initialized():
         return
-    for group in list(dist.distributed_c10d._world.pg_map):
-        if group.group_desc != BACKGROUND_SAVE_GROUP:
-            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+    set_group_timeouts(seconds, skip_desc=BACKGROUND_SAVE_GROUP)
 
 
 class CollectiveTimeout:

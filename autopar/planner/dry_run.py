@@ -33,28 +33,17 @@ the planner against on CPU ranks).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import logging
 import weakref
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch._guards import active_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining._utils import InferenceMode
-from torch.distributed.tensor import DTensor, Shard, _redistribute
-from torch.distributed.tensor._sharding_prop import ShardingPropagator
-from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
-from torch.utils._pytree import tree_flatten
+from torch.distributed.tensor import DTensor, Shard
 
 from autopar.config.sections import JobConfig
 from autopar.data.loader import Batch
@@ -67,8 +56,19 @@ from autopar.parallel.parallelize import (
     materialize_parts,
     parallelized_parts,
 )
-from autopar.parallel.pipelining.schedule import Pipeline, StageIO
+from autopar.parallel.pipelining.schedule import StageIO
 from autopar.parallel.sdpa_backend import apply_gqa, native_gqa
+from autopar.parallel.torch_internals import (
+    FakeTensorMode,
+    FSDPMemTracker,
+    TorchDispatchMode,
+    active_fake_mode,
+    assume_static_stage_metadata,
+    fake_store,
+    forget_sharding_caches,
+    sharding_propagation_untracked,
+    tree_flatten,
+)
 from autopar.parallel.world import World, init_world
 from autopar.planner.memory import predict
 from autopar.training.preflight import check_job
@@ -244,27 +244,13 @@ class PeakTracker(TorchDispatchMode):
         return out
 
 
-def _agree_on_static_metadata(pipeline: Pipeline) -> None:
-    """Stand in for torch's warm-up vote, in which the pipeline ranks agree whether every
-    stage's metadata is static: the fake process group carries no data to vote with, and
-    here every stage has static metadata (``_stage_io``), so the vote's answer is known."""
-
-    def vote(stages: list[PipelineStage], has_backward: bool, p2p_done: bool) -> None:
-        for stage in stages:
-            stage._inference_mode = InferenceMode.STATIC
-
-    pipeline.schedule._warmup_p2p = vote  # type: ignore[method-assign]
-
-
 def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) -> dict[str, int]:
     """``measure_step`` of ``rank`` under a fake process group of its own, destroyed after."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     job = dry_run_job(job)
     gqa = native_gqa(job, "cuda", "allgather")
     job.training.sdpa_backend = "auto"  # CPU's flash kernel, with CUDA's choice of k/v heads
     dims = ParallelDims.resolve(job.parallelism, world_size)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
         world = World(rank=rank, size=world_size, local_rank=rank, device=torch.device("cpu"))
         meshes = build_meshes(dims, "cpu", always_fsdp=job.training.enable_cpu_offload)
@@ -278,23 +264,14 @@ def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) ->
             io = _stage_io(job, meshes, parts) if dims.pp > 1 else None
             step = TrainStep(job, world, meshes, parts, io)
             if step.pipeline is not None:
-                _agree_on_static_metadata(step.pipeline)
+                # the schedule's warm-up vote on static metadata moves no data under the
+                # fake group; every stage has static shapes here (``_stage_io``)
+                assume_static_stage_metadata(step.pipeline.schedule)
             peak = measure_step(step, _batches(job, dims), job.optimizer.lr)
     finally:
         dist.destroy_process_group()
-        _forget_sharding_cache()
+        forget_sharding_caches()  # keyed by meshes, which compare equal across fake groups
     return peak
-
-
-def _forget_sharding_cache() -> None:
-    """Drop DTensor's cached sharding and redistribution decisions. They are keyed by device
-    meshes, which compare equal across process groups (rank layout and names, not the
-    group), so the next role's fake group would be handed the meshes of this destroyed one
-    (a flattened mesh inside a cached redistribution, under CP x TP): "Could not resolve the
-    process group" in the next stage's forward."""
-    _clear_sharding_prop_cache()  # the Python and the C++ dispatch fast path's caches
-    _redistribute._gen_transform_infos.cache_clear()
-    _redistribute.clear_redistribute_planner_cache()
 
 
 def measure_step(step: TrainStep, batches: list[Batch], lr: float) -> dict[str, int]:
@@ -307,7 +284,9 @@ def measure_step(step: TrainStep, batches: list[Batch], lr: float) -> dict[str, 
         tracker = PeakTracker(step.parts, step.optimizers)
     # the tracker misreads optimizer-step temporaries on DTensors, so it watches the forward
     # and backward; the update's own peak (params, grads, state) is lower
-    with _untracked_sharding_propagation(), tracker:
+    # DTensor's propagation runs each op once more on whole-tensor fakes a real run never
+    # allocates: at the loss-parallel backward, two vocabulary-sized fp32 tensors at the peak
+    with sharding_propagation_untracked((PeakTracker, FSDPMemTracker)), tracker:
         step.forward_backward(batches)
     step.update(lr)
     return tracker.peak if isinstance(tracker, PeakTracker) else _fsdp_peak(tracker)
@@ -323,27 +302,6 @@ def measure_jobs(jobs: list[JobConfig]) -> list[dict[str, int]]:
         trainer = Trainer(job, check_job(job, world.size), world)
         peaks.append(measure_step(trainer.train_step, trainer.loader.next_step(), job.optimizer.lr))
     return peaks
-
-
-@contextlib.contextmanager
-def _untracked_sharding_propagation() -> Iterator[None]:
-    """Hide DTensor's shape propagation from the trackers. It runs each op once more on
-    whole-tensor (unsharded) fakes, in the active fake mode when there is one: a real run
-    never allocates those, yet at the loss-parallel backward they are two vocabulary-sized
-    float32 tensors (4.6 GiB for Qwen3 at 4096 tokens) alive at the peak."""
-    original = ShardingPropagator._propagate_tensor_meta_non_cached
-
-    def untracked(self: ShardingPropagator, op_schema: object) -> object:
-        if not isinstance(_get_current_dispatch_mode(), (PeakTracker, FSDPMemTracker)):
-            return original(self, op_schema)
-        with _pop_mode_temporarily():
-            return original(self, op_schema)
-
-    ShardingPropagator._propagate_tensor_meta_non_cached = untracked  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
 
 
 def _fsdp_peak(tracker: FSDPMemTracker) -> dict[str, int]:

@@ -13,11 +13,11 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from autopar.data.loader import IGNORE_INDEX
+from autopar.parallel.torch_internals import funcol
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from autopar.config.sections import Parallelism
 from autopar.data.loader import Batch
 from autopar.models.args import ModelArgs
 from autopar.parallel.pipelining.split import StageStyle, check_split, even_split, stage_ids
+from autopar.parallel.torch_internals import keep_donated_buffers
 from autopar.parallel.world import by_mesh
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -282,7 +283,7 @@ def _compiled_backward_context(pipeline: Pipeline) -> contextlib.AbstractContext
     input-gradient pass runs with ``retain_graph`` for the weight pass after it."""
     if not pipeline.splits_backward:
         return contextlib.nullcontext()
-    return torch._functorch.config.patch(donated_buffer=False)
+    return keep_donated_buffers()
 
 
 def pipeline_forward_backward(

@@ -1,0 +1,190 @@
+"""Every private torch name autopar imports or patches, in one module: a torch upgrade is one
+file to read. Checked against torch 2.11 (the GPU image) and 2.13 (CI);
+``tests/test_torch_internals.py`` fails by name when one of ``LEANED_ON`` moves or goes, and
+fails when a module outside this one imports a private torch name.
+
+Private *operators* (``torch.ops._c10d_functional.*``, ``torch._grouped_mm``) are called where
+they are used and listed in that test; everything reached through a private module or
+attribute is here, each beside the reason autopar needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch._guards import active_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import _redistribute
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
+from torch.utils._pytree import tree_flatten, tree_map
+
+CHECKED_WITH = ("2.11", "2.13")
+"""The torch versions every name below was checked against."""
+
+LEANED_ON = {
+    # (module, dotted attribute): why autopar needs it
+    ("torch.distributed._functional_collectives", "all_reduce"): "collectives that compile (loss, CP, EP)",
+    ("torch.distributed._functional_collectives", "all_to_all_single_autograd"): "EP token dispatch",
+    ("torch._guards", "active_fake_mode"): "dry run: which fake mode allocates",
+    ("torch._subclasses.fake_tensor", "is_fake"): "EP: fake routing counts in the dry run",
+    ("torch._subclasses.fake_tensor", "FakeTensorMode"): "dry run: tensors without storage",
+    ("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker"): "dry run: peak memory by category",
+    (
+        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+        "checkpoint_wrapper",
+    ): "activation checkpointing",
+    ("torch.nn.utils.stateless", "_reparametrize_module"): "mixed precision: cast weights for one call",
+    ("torch.overrides", "_get_current_function_mode_stack"): "AC: recompute under the forward's modes",
+    ("torch.utils._python_dispatch", "TorchDispatchMode"): "per-op AC and the dry run's tracker",
+    ("torch.utils._python_dispatch", "_get_current_dispatch_mode"): "dry run",
+    ("torch.utils._python_dispatch", "_pop_mode_temporarily"): "dry run",
+    ("torch.utils._pytree", "tree_map"): "AC",
+    ("torch.utils._pytree", "tree_flatten"): "dry run",
+    ("torch.distributed.distributed_c10d", "_world.pg_map"): "set_group_timeouts: every group",
+    ("torch.distributed.distributed_c10d", "_set_pg_timeout"): "set_group_timeouts",
+    ("torch.distributed.device_mesh", "DeviceMesh._unflatten"): "mesh: one world mesh, several views",
+    ("torch.distributed.device_mesh", "DeviceMesh._flatten"): "mesh: the loss view",
+    ("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"): "forget_sharding_caches",
+    ("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear"): "forget_sharding_caches",
+    ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache"): "forget_sharding_caches",
+    (
+        "torch.distributed.tensor._sharding_prop",
+        "ShardingPropagator._propagate_tensor_meta_non_cached",
+    ): "sharding_propagation_untracked",
+    ("torch.distributed.pipelining._utils", "InferenceMode.STATIC"): "assume_static_stage_metadata",
+    (
+        "torch.distributed.pipelining.schedules",
+        "_PipelineSchedule._warmup_p2p",
+    ): "assume_static_stage_metadata",
+    ("torch.testing._internal.distributed.fake_pg", "FakeStore"): "fake_store: the dry run's process group",
+    (
+        "torch.distributed.tensor.experimental._attention",
+        "_cp_options.enable_load_balance",
+    ): "ring_attention_options",
+    ("torch.distributed.tensor.experimental._attention", "set_rotate_method"): "ring_attention_options",
+    ("torch._functorch.config", "donated_buffer"): "keep_donated_buffers: split-backward pipelines",
+}
+
+__all__ = [
+    "FSDPMemTracker",
+    "FakeTensorMode",
+    "TorchDispatchMode",
+    "active_fake_mode",
+    "checkpoint_wrapper",
+    "funcol",
+    "function_mode_stack",
+    "is_fake",
+    "reparametrize_module",
+    "tree_flatten",
+    "tree_map",
+]
+
+reparametrize_module = _reparametrize_module
+"""functional_call's own reparametrization: swaps tensors into a module for one call without
+calling the module again (functional_call would, and reach a patched forward twice)."""
+
+function_mode_stack = _get_current_function_mode_stack
+"""The torch-function modes active now (CP's attention mode among them)."""
+
+
+def set_group_timeouts(seconds: int, skip_desc: str) -> None:
+    """Bound every live process group's collectives (but the one described ``skip_desc``):
+    torch has no public way to change a made group's timeout."""
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group.group_desc != skip_desc:
+            dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+
+def unflatten_mesh(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """``mesh``'s one dimension seen as several: views of one world mesh share its groups."""
+    return mesh._unflatten(0, sizes, names)
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """Several dimensions of ``mesh`` as one, named ``name``."""
+    return mesh._flatten(name)
+
+
+def forget_sharding_caches() -> None:
+    """Drop DTensor's cached sharding and redistribution decisions. They are keyed by device
+    meshes, which compare equal across process groups (rank layout and names, not the
+    group), so a later fake group would be handed a destroyed group's meshes (a flattened
+    mesh inside a cached redistribution, under CP x TP): "Could not resolve the process group"."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python and the C++ dispatch fast path's caches
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+
+
+@contextlib.contextmanager
+def sharding_propagation_untracked(tracker_types: tuple[type, ...]) -> Iterator[None]:
+    """Run DTensor's shape propagation outside the dispatch mode on top when it is one of
+    ``tracker_types``. Propagation runs each op once more on whole-tensor (unsharded) fakes,
+    which a real run never allocates; a memory tracker must not count them."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def untracked(self: ShardingPropagator, op_schema: object) -> object:
+        if not isinstance(_get_current_dispatch_mode(), tracker_types):
+            return original(self, op_schema)
+        with _pop_mode_temporarily():
+            return original(self, op_schema)
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = untracked  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original  # type: ignore[method-assign]
+
+
+def assume_static_stage_metadata(schedule: object) -> None:
+    """Stand in for a schedule's warm-up vote, in which the pipeline ranks agree whether every
+    stage's metadata is static: a fake process group carries no data to vote with, and the
+    caller knows the answer (its stages were given static shapes)."""
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def vote(stages: list, has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = vote  # type: ignore[attr-defined]
+
+
+def fake_store() -> dist.Store:
+    """The store of torch's ``fake`` backend: collectives that move no data, for the dry run."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+@contextlib.contextmanager
+def ring_attention_options(rotate_method: str, load_balance: bool) -> Iterator[None]:
+    """torch's ring attention, while inside: how k/v pass between ranks (``allgather`` or
+    ``alltoall``) and whether sequences are load-balanced (head-tail sharding)."""
+    from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
+
+    set_rotate_method(rotate_method)
+    previous = _cp_options.enable_load_balance
+    _cp_options.enable_load_balance = load_balance
+    try:
+        yield
+    finally:
+        _cp_options.enable_load_balance = previous
+
+
+def keep_donated_buffers() -> contextlib.AbstractContextManager:
+    """AOT autograd keeps the buffers it would donate to the backward: needed where a backward
+    runs with ``retain_graph`` (a split backward's input pass, before its weight pass)."""
+    return torch._functorch.config.patch(donated_buffer=False)
