@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from autopar import bench, bench_torchtitan
+from autopar.cli import bench, bench_torchtitan
 from autopar.cli.bench_torchtitan import (
     check_torchtitan_job,
     to_toml,
