@@ -69,14 +69,14 @@ def test_cuda_ring_attention_machinery_on_one_rank_matches_plain_forward(tmp_pat
     from autopar.data.loader import Batch
     from autopar.models import Qwen, get_flavor
     from autopar.parallel.context_parallel import ContextParallel
-    from autopar.parallel.sdpa_backend import apply_gqa
+    from autopar.parallel.sdpa_backend import apply_attention_kernel
 
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("cp",))
         model = Qwen(get_flavor("qwen3", "debug")).cuda()
         model.init_weights()
-        apply_gqa(model, False)  # what native_gqa gives ring attention
+        apply_attention_kernel(model, False)  # what native_gqa gives ring attention
         tokens = torch.randint(0, 512, (2, 64), device="cuda")
         expected = model(tokens)
         cfg = Parallelism(context_parallel_impl="ring", context_parallel_rotate_method=rotate)
@@ -96,7 +96,7 @@ def test_cuda_grouped_kv_heads_run_the_fused_kernel_and_equal_expanded_ones(back
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from autopar.models import Qwen, get_flavor
-    from autopar.parallel.sdpa_backend import BACKENDS
+    from autopar.parallel.sdpa_backend import BACKENDS, apply_attention_kernel
 
     class Ops(TorchDispatchMode):
         def __init__(self) -> None:
@@ -114,8 +114,7 @@ def test_cuda_grouped_kv_heads_run_the_fused_kernel_and_equal_expanded_ones(back
     documents = torch.zeros_like(tokens).index_fill_(1, torch.arange(100, 256, device="cuda"), 1)
     outputs = {}
     for native in (True, False):
-        for block in model.layers.values():
-            block.self_attn.native_gqa = native
+        apply_attention_kernel(model, native)
         kernel = sdpa_kernel(BACKENDS[backend]) if backend != "auto" else contextlib.nullcontext()
         with kernel, Ops() as ops:
             outputs[native] = model(tokens, documents=documents if masked else None).float()

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from autopar.models import ModelArgs, Qwen, from_hf, get_flavor, to_hf
-from autopar.models.moe import Experts, load_balancing_loss
+from autopar.models.moe import load_balancing_loss
+from autopar.parallel.expert_parallel import apply_expert_kernel
 
 transformers = pytest.importorskip("transformers")
 
@@ -157,9 +158,7 @@ def test_grouped_and_per_expert_kernels_agree():
     batch = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
     results = {}
     for kernel in ("grouped", "loop"):
-        for module in model.modules():
-            if isinstance(module, Experts):
-                module.kernel = kernel
+        apply_expert_kernel(model, kernel)
         model.zero_grad()
         logits, routing = model(batch)
         (logits.square().mean() + load_balancing_loss(routing.sum(0), 2)).backward()

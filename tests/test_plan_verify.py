@@ -10,7 +10,7 @@ from pathlib import Path
 
 from autopar.planner.devices import PRESETS
 from autopar.planner.search import search
-from autopar.planner.verify import first_built, verify_plan
+from autopar.planner.verify import TRIES_PER_KEPT, first_built, verify, verify_plan
 from autopar.training.resolve import model_args, parse_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,3 +58,13 @@ def test_auto_takes_the_first_plan_that_builds_and_gives_none_when_none_fits():
     tiny = dataclasses.replace(PRESETS["h100"], memory_gib=0.1)
     chosen, made = first_built(plans, 2, job, args, 2, tiny)
     assert chosen is None and [v.kept for v in made] == [False, False]
+
+
+def test_verify_tries_past_dropped_plans_and_stops_at_the_count_it_keeps():
+    job = parse_job(SMALL)
+    args = model_args(job)
+    plans = search(job, args, 2, 8, PRESETS["h100"])
+    roomy = verify(plans, 2, job, args, 2, PRESETS["h100"])
+    assert [v.kept for v in roomy] == [True, True]
+    tiny = dataclasses.replace(PRESETS["h100"], memory_gib=0.1)
+    assert len(verify(plans, 1, job, args, 2, tiny)) == TRIES_PER_KEPT  # each one dropped, the next tried

@@ -16,7 +16,7 @@ from autopar.models.flavors import get_flavor
 from autopar.parallel.materialize import seeded_values
 from autopar.parallel.mesh import ParallelDims, build_meshes
 from autopar.parallel.parallelize import build_parts
-from autopar.parallel.sdpa_backend import BACKENDS, native_gqa
+from autopar.parallel.sdpa_backend import BACKENDS, apply_attention_kernel, native_gqa
 from autopar.parallel.world import single_process
 from autopar.planner.memory import predict
 from autopar.training.preflight import check_job
@@ -65,6 +65,15 @@ def test_the_pinned_backend_is_the_kernel_that_runs(tmp_path, backend, flash_run
     assert (CPU_FLASH in _attention_ops(job)) == flash_runs
 
 
+def test_the_kernel_a_plan_swaps_in_shows_in_the_models_repr(tmp_path):
+    job = tiny_job(
+        tmp_path, "--training.sdpa_backend", "math", "--training.mixed_precision_param", "bfloat16"
+    )
+    shown = repr(_built_model(job))
+    assert "(sdpa): PinnedScaledDotProduct(native_gqa=True, backend=math)" in shown
+    assert "weights cast to torch.bfloat16" in shown
+
+
 def test_every_cpu_backend_trains_the_same_numbers(tmp_path):
     runs = {}
     for backend in ("flash", "math"):
@@ -100,8 +109,7 @@ def _gqa_forward_backward(native: bool, documents: torch.Tensor | None) -> list[
     torch.manual_seed(0)
     model = Qwen(get_flavor("qwen3", "debug"))  # 8 query heads share 4 k/v heads
     model.init_weights(seed=0)
-    for block in model.layers.values():
-        block.self_attn.native_gqa = native
+    apply_attention_kernel(model, native)
     tokens = torch.randint(0, model.args.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
     logits = model(tokens, documents=documents)
     logits.float().square().mean().backward()

@@ -20,13 +20,15 @@ def module_name(path: Path) -> str:
 MODULES = sorted(module_name(p) for p in PACKAGE.rglob("*.py"))
 
 
+def module_path(module: str) -> Path:
+    path = PACKAGE.parent / (module.replace(".", "/") + ".py")
+    return path if path.is_file() else PACKAGE.parent / module.replace(".", "/") / "__init__.py"
+
+
 def autopar_imports(module: str) -> set[str]:
     """Every autopar module ``module`` imports, at top level or inside functions."""
-    path = PACKAGE.parent / (module.replace(".", "/") + ".py")
-    if not path.is_file():
-        path = PACKAGE.parent / module.replace(".", "/") / "__init__.py"
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(module_path(module).read_text())):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -109,6 +111,19 @@ def test_every_module_lives_on_a_floor_or_is_a_command():
 @pytest.mark.parametrize("module", COMMAND_MODULES)
 def test_command_modules_only_hand_over_to_the_cli(module):
     assert autopar_imports(module) == {module.replace("autopar.", "autopar.cli.")}
+
+
+def test_no_module_has_its_forward_replaced():
+    # a plan that changes how a module computes swaps in a module or a class (shown by the
+    # model's repr), never an instance's forward
+    assigned = [
+        f"{module}:{node.lineno}"
+        for module in MODULES
+        for node in ast.walk(ast.parse(module_path(module).read_text()))
+        if isinstance(node, ast.Assign)
+        and any(isinstance(target, ast.Attribute) and target.attr == "forward" for target in node.targets)
+    ]
+    assert assigned == []
 
 
 def test_the_import_graph_has_no_cycles():

@@ -159,14 +159,17 @@ def main(argv: list[str]) -> int:
 def verified_plans(
     fitting: list[Plan], count: int, job: JobConfig, args: ModelArgs, world: int, device: DeviceSpec
 ) -> list[Plan]:
-    """``fitting`` without those of its first ``count`` whose dry runs fail or do not fit;
-    prints each dry run."""
+    """The ``count`` best of ``fitting`` whose dry runs build and fit (a dropped plan's place
+    goes to the next best), then the plans not dry-run; prints each dry run."""
     print(f"\nverifying the {min(count, len(fitting))} best plans by their dry runs:")
     checked = verify(fitting, count, job, args, world, device)
     for i, result in enumerate(checked, 1):
         print("\n".join(result.lines(i)))
+    kept = sum(r.kept for r in checked)
+    if kept < count:
+        print(f"only {kept} of the {len(checked)} plans dry-run built and fit")
     print()
-    return [r.plan for r in checked if r.kept] + fitting[count:]
+    return [r.plan for r in checked if r.kept] + fitting[len(checked) :]
 
 
 def own_plan_line(

@@ -82,18 +82,41 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     return x.reshape(bsz, kv_heads * n_rep, seqlen, head_dim)  # (B, H, S, D)
 
 
-class Attention(nn.Module):
-    """Causal grouped-query attention with RoPE; Qwen3 adds a per-head RMSNorm on q and k.
+class ScaledDotProduct(nn.Module):
+    """The attention kernel's call: parameter-free, so that a plan can swap in another (a pinned
+    SDPA backend, expanded k/v heads) and the model's repr shows which one runs.
 
     ``native_gqa``: query heads share their k/v head inside SDPA (``enable_gqa``), so no
     expanded k/v copy is made or saved. Where the kernel that would run has no grouped-query
     support (CUDA's memory-efficient one) the copies are made here instead
-    (``plans.sdpa_backend.native_gqa`` decides per job and device).
+    (``parallel.sdpa_backend.native_gqa`` decides per job and device).
     """
+
+    def __init__(self, native_gqa: bool = True) -> None:
+        super().__init__()
+        self.native_gqa = native_gqa
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """q (B, Hq, S, D), k and v (B, Hkv, S, D) -> (B, Hq, S, D); causal unless ``mask``."""
+        n_rep = q.shape[1] // k.shape[1]
+        gqa = n_rep > 1 and self.native_gqa
+        if not gqa:
+            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+    def extra_repr(self) -> str:
+        return f"native_gqa={self.native_gqa}"
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with RoPE; Qwen3 adds a per-head RMSNorm on q and k."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.native_gqa = True
         self.head_dim = args.head_dim
         self.rope_theta = args.rope_theta
         q_out = args.num_attention_heads * args.head_dim
@@ -104,6 +127,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_out, args.hidden_size, bias=False)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.sdpa = ScaledDotProduct()
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor | None = None, mask: torch.Tensor | None = None
@@ -122,14 +146,7 @@ class Attention(nn.Module):
         q = apply_rotary(q, cos, sin).transpose(1, 2)  # (B, Hq, S, D)
         k = apply_rotary(k, cos, sin).transpose(1, 2)  # (B, Hkv, S, D)
         v = v.transpose(1, 2)  # (B, Hkv, S, D)
-        n_rep = q.shape[1] // k.shape[1]
-        gqa = n_rep > 1 and self.native_gqa
-        if not gqa:
-            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, Hq, S, D)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        out = self.sdpa(q, k, v, mask)  # (B, Hq, S, D)
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)  # (B, S, Hq * D)
         return self.o_proj(out)
 

@@ -9,7 +9,7 @@ experts' call, which receives this rank's token copies grouped by global expert:
    rows every peer sends to each of its experts; the rows follow (autograd-aware all-to-all
    with those split sizes) and are regrouped from (source rank, expert) order to (expert,
    source rank) order;
-2. compute: ``models.moe.run_experts`` on this rank's weight shards;
+2. compute: the module's ``ExpertMatmuls`` on this rank's weight shards;
 3. combine: the inverse regrouping and the reverse all-to-all bring every row home, in the
    order it left, so the router's weighting and the sum over top-k run as on one device.
 
@@ -18,8 +18,6 @@ FSDP then shards each rank's expert weights over the data ranks EP did not take
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from torch import nn
@@ -30,7 +28,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from autopar.config.errors import ConfigError
 from autopar.config.sections import ActivationCheckpoint
 from autopar.models.args import ModelArgs
-from autopar.models.moe import Experts, run_experts
+from autopar.models.moe import ExpertKernel, ExpertMatmuls, Experts
 from autopar.parallel.torch_internals import funcol, is_fake
 
 
@@ -55,8 +53,29 @@ class ExpertParallel(ParallelStyle):
         for name, param in list(module.named_parameters(recurse=False)):
             sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        module.forward = functools.partial(_routed_forward, module, device_mesh)
+        module.__class__ = RoutedExperts
+        module.mesh = device_mesh
         return module
+
+
+class RoutedExperts(Experts):
+    """``Experts`` whose weights are sharded over an expert-parallel mesh: each row travels to
+    its expert's rank by all-to-all and back (what ``ExpertParallel`` makes of an ``Experts``)."""
+
+    mesh: DeviceMesh
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return _routed_forward(self, self.mesh, x, counts)
+
+    def extra_repr(self) -> str:
+        return f"ep={self.mesh.size()}"
+
+
+def apply_expert_kernel(model: nn.Module, kernel: ExpertKernel) -> None:
+    """Swap in every ``Experts``' matmuls with the job's kernel choice."""
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.matmuls = ExpertMatmuls(kernel)
 
 
 def expert_plan(args: ModelArgs, layer_ids: list[str]) -> dict[str, ParallelStyle]:
@@ -91,7 +110,7 @@ def _routed_forward(module: Experts, mesh: DeviceMesh, x: torch.Tensor, counts: 
     source, expert = block // local_experts, block % local_experts
     order = (expert * ranks + source).argsort(stable=True)
     weights = (_local(module.gate_proj), _local(module.up_proj), _local(module.down_proj))
-    out = run_experts(rows[order], recv_counts.sum(0), *weights, module.kernel)
+    out = module.matmuls(rows[order], recv_counts.sum(0), *weights)
     home = out[order.argsort()]  # back to (source, expert) order; a gather saves no rows
     return funcol.all_to_all_single_autograd(home, send_sizes, recv_sizes, group)
 

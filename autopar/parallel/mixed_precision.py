@@ -22,7 +22,7 @@ FSDP2's bf16 gather cannot match. With an fp32 compute dtype nothing is cast.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,25 +48,41 @@ def fsdp_policy(job: JobConfig, device: torch.device) -> MixedPrecisionPolicy:
     )
 
 
-def _cast_forward(module: nn.Module, dtype: torch.dtype, owns: Callable[[str], bool]) -> None:
-    """Run ``module``'s forward with the parameters ``owns`` accepts cast to ``dtype``.
+class CastsWeights(nn.Module):
+    """Put in front of a module's class by ``apply_compute_dtype`` (as FSDP2 swaps in its own
+    class): the forward runs with the module's weights cast to ``compute_dtype``, those of its
+    blocks too unless ``blocks_cast_their_own``.
 
     The cast is inside the forward, so activation checkpointing recomputes it and
     torch.compile traces it; gradients flow through the cast to the fp32 parameters.
     """
-    forward = module.forward
 
-    @functools.wraps(forward)
-    def cast_then_forward(*args, **kwargs):
-        casts = {name: p.to(dtype) for name, p in module.named_parameters() if owns(name)}
-        with reparametrize_module(module, casts, tie_weights=True):
-            return forward(*args, **kwargs)
+    compute_dtype: torch.dtype
+    blocks_cast_their_own: bool
 
-    module.forward = cast_then_forward
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        casts = {
+            name: p.to(self.compute_dtype)
+            for name, p in self.named_parameters()
+            if not (self.blocks_cast_their_own and name.startswith("layers."))
+        }
+        with reparametrize_module(self, casts, tie_weights=True):
+            return super().forward(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return ", ".join(filter(None, [super().extra_repr(), f"weights cast to {self.compute_dtype}"]))
 
 
-def _outside_blocks(name: str) -> bool:
-    return not name.startswith("layers.")
+@functools.cache
+def _casting_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """One class per module class, so compiled blocks share their code and guards."""
+    return type(f"Cast{cls.__name__}", (CastsWeights, cls), {})
+
+
+def _cast_weights(module: nn.Module, dtype: torch.dtype, blocks_cast_their_own: bool) -> None:
+    module.__class__ = _casting_class(type(module))
+    module.compute_dtype = dtype
+    module.blocks_cast_their_own = blocks_cast_their_own
 
 
 def apply_compute_dtype(model: nn.Module, dtype: torch.dtype) -> None:
@@ -77,5 +93,5 @@ def apply_compute_dtype(model: nn.Module, dtype: torch.dtype) -> None:
     block.
     """
     for block in model.layers.values():
-        _cast_forward(block, dtype, lambda _name: True)
-    _cast_forward(model, dtype, _outside_blocks)
+        _cast_weights(block, dtype, blocks_cast_their_own=False)
+    _cast_weights(model, dtype, blocks_cast_their_own=True)

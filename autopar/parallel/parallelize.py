@@ -16,12 +16,11 @@ from torch import nn
 
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
-from autopar.models.moe import Experts
 from autopar.models.qwen import Qwen
 from autopar.parallel.activation_checkpoint import apply_ac
 from autopar.parallel.compile import apply_compile
 from autopar.parallel.context_parallel import resolve_impl
-from autopar.parallel.expert_parallel import apply_ep
+from autopar.parallel.expert_parallel import apply_ep, apply_expert_kernel
 from autopar.parallel.float8 import apply_float8, resolve_backend
 from autopar.parallel.fsdp import apply_fsdp
 from autopar.parallel.materialize import FullValue, materialize
@@ -29,7 +28,7 @@ from autopar.parallel.mesh import Meshes, ParallelDims
 from autopar.parallel.mixed_precision import apply_compute_dtype, compute_dtype, fsdp_policy
 from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, schedule_name, stage_modules
 from autopar.parallel.pipelining.split import prune, stage_ids
-from autopar.parallel.sdpa_backend import apply_gqa, apply_sdpa_backend, native_gqa
+from autopar.parallel.sdpa_backend import apply_attention_kernel, native_gqa
 from autopar.parallel.tensor_parallel import apply_tp
 
 logger = logging.getLogger("autopar")
@@ -65,19 +64,16 @@ def parallelize(
             parallelism.enable_sequence_parallel,
             loss_parallel_enabled(job, dims),
         )
-    if job.training.sdpa_backend != "auto":
-        apply_sdpa_backend(model, job.training.sdpa_backend)
-        logger.info("attention pinned to the %s SDPA backend", job.training.sdpa_backend)
     gqa = native_gqa(job, device.type, resolve_impl(parallelism, device.type))
-    apply_gqa(model, gqa)
+    apply_attention_kernel(model, gqa, job.training.sdpa_backend)
+    if job.training.sdpa_backend != "auto":
+        logger.info("attention pinned to the %s SDPA backend", job.training.sdpa_backend)
     if args.num_key_value_heads < args.num_attention_heads:
         logger.debug(
             "attention: grouped-query k/v heads %s",
             "passed to SDPA ungrouped (enable_gqa)" if gqa else "repeated to every query head",
         )
-    for module in model.modules():
-        if isinstance(module, Experts):
-            module.kernel = job.training.expert_kernel
+    apply_expert_kernel(model, job.training.expert_kernel)
     ep_mesh = meshes.get("ep")
     if ep_mesh is not None:
         apply_ep(model, ep_mesh, args)

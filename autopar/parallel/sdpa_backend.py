@@ -9,16 +9,13 @@ saved; elsewhere it expands them first (``native_gqa`` is the rule)."""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Any
-
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig
+from autopar.models.qwen import ScaledDotProduct
 from autopar.parallel.context_parallel import resolve_impl
 from autopar.parallel.mixed_precision import compute_dtype
 
@@ -73,20 +70,27 @@ def native_gqa(job: JobConfig, device_type: str, cp_impl: str) -> bool:
     return half and (backend == "cudnn" or (backend in ("auto", "flash") and not masked))
 
 
-def apply_gqa(model: nn.Module, native: bool) -> None:
-    """Every block's attention passes its grouped k/v heads to SDPA as they are (``native``)
-    or expands them to every query head first."""
+class PinnedScaledDotProduct(ScaledDotProduct):
+    """``ScaledDotProduct`` under one named SDPA backend (``sdpa_kernel``)."""
+
+    def __init__(self, native_gqa: bool, backend: str) -> None:
+        super().__init__(native_gqa)
+        self.backend = backend
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        with sdpa_kernel(BACKENDS[self.backend]):
+            return super().forward(q, k, v, mask)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, backend={self.backend}"
+
+
+def apply_attention_kernel(model: nn.Module, native: bool, backend: str = "auto") -> None:
+    """Swap in every block's attention kernel call: grouped k/v heads passed to SDPA as they
+    are (``native``) or expanded to every query head first, under the named SDPA backend
+    (``auto``: torch's choice)."""
     for block in model.layers.values():
-        block.self_attn.native_gqa = native
-
-
-def apply_sdpa_backend(model: nn.Module, backend: str) -> None:
-    """Run every block's attention under the named SDPA backend."""
-    for block in model.layers.values():
-        attention = block.self_attn
-        attention.forward = functools.partial(_under_backend, attention.forward, BACKENDS[backend])
-
-
-def _under_backend(forward: Callable[..., Any], backend: SDPBackend, *args: Any, **kwargs: Any) -> Any:
-    with sdpa_kernel(backend):
-        return forward(*args, **kwargs)
+        pinned = backend != "auto"
+        block.self_attn.sdpa = PinnedScaledDotProduct(native, backend) if pinned else ScaledDotProduct(native)

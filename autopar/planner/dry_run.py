@@ -57,7 +57,7 @@ from autopar.parallel.parallelize import (
     parallelized_parts,
 )
 from autopar.parallel.pipelining.schedule import StageIO
-from autopar.parallel.sdpa_backend import apply_gqa, native_gqa
+from autopar.parallel.sdpa_backend import apply_attention_kernel, native_gqa
 from autopar.parallel.torch_internals import (
     FakeTensorMode,
     FSDPMemTracker,
@@ -258,7 +258,7 @@ def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) ->
         # rank lists, so only materializing and the step run under fake tensors
         built = parallelized_parts(args, job, meshes, world.device)
         for part in built.parts:
-            apply_gqa(part, gqa)
+            apply_attention_kernel(part, gqa)
         with FakeTensorMode(allow_non_fake_inputs=True):
             parts = materialize_parts(built, world.device, _fake_values)
             io = _stage_io(job, meshes, parts) if dims.pp > 1 else None

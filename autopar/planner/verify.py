@@ -78,8 +78,18 @@ def first_built(
     return None, made
 
 
+TRIES_PER_KEPT = 3
+"""How many dry runs ``verify`` may spend per plan it is asked to keep."""
+
+
 def verify(
     plans: list[Plan], count: int, job: JobConfig, args: ModelArgs, world_size: int, device: DeviceSpec
 ) -> list[Verified]:
-    """The first ``count`` plans of ``plans`` (best first) verified by their dry runs."""
-    return [verify_plan(plan, job, args, world_size, device) for plan in plans[:count]]
+    """Dry runs of ``plans`` (best first) until ``count`` of them build and fit, or
+    ``TRIES_PER_KEPT * count`` were tried: a dropped plan's place goes to the next best."""
+    made: list[Verified] = []
+    for plan in plans[: TRIES_PER_KEPT * count]:
+        made.append(verify_plan(plan, job, args, world_size, device))
+        if sum(v.kept for v in made) == count:
+            break
+    return made
