@@ -192,7 +192,7 @@ def test_the_expert_kernel_setting_trains_alike_on_both_kernels(tmp_path):
     for kernel in ("grouped", "loop"):
         job = moe_job(tmp_path / kernel, "--training.expert_kernel", kernel, "--training.steps", "3")
         trainer = one_process_trainer(job)
-        assert {m.matmuls.kernel for m in trainer.parts[0].modules() if isinstance(m, Experts)} == {kernel}
+        assert {m.kernel for m in trainer.parts[0].modules() if isinstance(m, Experts)} == {kernel}
         losses[kernel] = [(r.loss, r.aux_loss, r.grad_norm) for r in trainer.train()]
     for grouped, loop in zip(losses["grouped"], losses["loop"], strict=True):
         assert grouped == pytest.approx(loop, rel=1e-5)

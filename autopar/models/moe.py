@@ -65,33 +65,15 @@ class Experts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(experts, inter, hidden))
         self.up_proj = nn.Parameter(torch.empty(experts, inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inter))
-        self.matmuls = ExpertMatmuls(kernel)
+        self.kernel = kernel
+        """``grouped`` (one grouped GEMM per projection), ``loop`` (a matmul per expert, any
+        device) or ``auto`` (grouped where ``grouped_mm_usable``). A plain attribute, not a
+        submodule taking the weights as inputs: module hooks on weight inputs (FSDP's memory
+        tracker among them) hold extra copies."""
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` (N, H): rows grouped by expert, ``counts[e]`` of them for expert e."""
-        return self.matmuls(x, counts, self.gate_proj, self.up_proj, self.down_proj)
-
-
-class ExpertMatmuls(nn.Module):
-    """How the experts' SwiGLU runs on rows grouped by expert: parameter-free, so that a plan
-    can swap in another kernel choice and the model's repr shows which one runs.
-
-    ``kernel``: ``grouped`` (one grouped GEMM per projection), ``loop`` (a matmul per expert,
-    any device) or ``auto`` (grouped where ``grouped_mm_usable``)."""
-
-    def __init__(self, kernel: ExpertKernel = "auto") -> None:
-        super().__init__()
-        self.kernel = kernel
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        counts: torch.Tensor,
-        gate_proj: torch.Tensor,
-        up_proj: torch.Tensor,
-        down_proj: torch.Tensor,
-    ) -> torch.Tensor:
-        return run_experts(x, counts, gate_proj, up_proj, down_proj, self.kernel)
+        return run_experts(x, counts, self.gate_proj, self.up_proj, self.down_proj, self.kernel)
 
     def extra_repr(self) -> str:
         return f"kernel={self.kernel}"

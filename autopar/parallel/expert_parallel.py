@@ -9,7 +9,7 @@ experts' call, which receives this rank's token copies grouped by global expert:
    rows every peer sends to each of its experts; the rows follow (autograd-aware all-to-all
    with those split sizes) and are regrouped from (source rank, expert) order to (expert,
    source rank) order;
-2. compute: the module's ``ExpertMatmuls`` on this rank's weight shards;
+2. compute: ``models.moe.run_experts`` with the module's kernel on this rank's weight shards;
 3. combine: the inverse regrouping and the reverse all-to-all bring every row home, in the
    order it left, so the router's weighting and the sum over top-k run as on one device.
 
@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from autopar.config.errors import ConfigError
 from autopar.config.sections import ActivationCheckpoint
 from autopar.models.args import ModelArgs
-from autopar.models.moe import ExpertKernel, ExpertMatmuls, Experts
+from autopar.models.moe import ExpertKernel, Experts, run_experts
 from autopar.parallel.torch_internals import funcol, is_fake
 
 
@@ -68,14 +68,14 @@ class RoutedExperts(Experts):
         return _routed_forward(self, self.mesh, x, counts)
 
     def extra_repr(self) -> str:
-        return f"ep={self.mesh.size()}"
+        return f"{super().extra_repr()}, ep={self.mesh.size()}"
 
 
 def apply_expert_kernel(model: nn.Module, kernel: ExpertKernel) -> None:
-    """Swap in every ``Experts``' matmuls with the job's kernel choice."""
+    """Set every ``Experts``' kernel to the job's choice."""
     for module in model.modules():
         if isinstance(module, Experts):
-            module.matmuls = ExpertMatmuls(kernel)
+            module.kernel = kernel
 
 
 def expert_plan(args: ModelArgs, layer_ids: list[str]) -> dict[str, ParallelStyle]:
@@ -110,7 +110,7 @@ def _routed_forward(module: Experts, mesh: DeviceMesh, x: torch.Tensor, counts: 
     source, expert = block // local_experts, block % local_experts
     order = (expert * ranks + source).argsort(stable=True)
     weights = (_local(module.gate_proj), _local(module.up_proj), _local(module.down_proj))
-    out = module.matmuls(rows[order], recv_counts.sum(0), *weights)
+    out = run_experts(rows[order], recv_counts.sum(0), *weights, module.kernel)
     home = out[order.argsort()]  # back to (source, expert) order; a gather saves no rows
     return funcol.all_to_all_single_autograd(home, send_sizes, recv_sizes, group)
 
