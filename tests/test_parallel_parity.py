@@ -33,6 +33,18 @@ PLANS = [
     "dp_shard=2,tp=2",
     "dp_shard=2,tp=2,loss_parallel=false",
 ]
+# LoRA adapters follow their base's placement (A whole and B sharded on a column-parallel
+# linear, the other way on a row-parallel one); FSDP shards them beside the frozen base.
+LORA = ("--lora.enable", "true", "--lora.rank", "4")
+LORA_PLANS = [
+    "dp_shard=2",
+    "dp_replicate=2,dp_shard=2",
+    "tp=2",
+    "tp=2,sp=false",
+    "dp_shard=2,tp=2",
+    "cp=2",
+    "pp=2",
+]
 # fp32 on CPU: plans differ from one device only in the order of floating-point sums.
 RTOL = 1e-5
 
@@ -42,6 +54,8 @@ def parity(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parity")
     keys = [(model, plan) for model in MODELS for plan in PLANS]
     cases = [Case(tiny_job(tmp, **MODELS[model]), plan) for model, plan in keys]
+    keys += [("qwen3-lora", plan) for plan in LORA_PLANS]
+    cases += [Case(tiny_job(tmp, *LORA, **MODELS["qwen3-untied"]), plan) for plan in LORA_PLANS]
     return dict(zip(keys, run_cases(cases, steps=5)))
 
 
@@ -50,6 +64,12 @@ def parity(tmp_path_factory):
 def test_plan_matches_single_device_loss_and_grad_norm(parity, model, plan):
     reference, run = parity[(model, plan)]
     assert len(reference.losses) == 5
+    assert_same_training(run, reference, loss_rtol=RTOL, norm_rtol=RTOL)
+
+
+@pytest.mark.parametrize("plan", LORA_PLANS)
+def test_lora_plan_matches_single_device_lora(parity, plan):
+    reference, run = parity[("qwen3-lora", plan)]
     assert_same_training(run, reference, loss_rtol=RTOL, norm_rtol=RTOL)
 
 

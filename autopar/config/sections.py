@@ -252,6 +252,26 @@ class Float8:
 
 
 @dataclass
+class LoRA:
+    enable: bool = False
+    """Fine-tune low-rank adapters on frozen base weights instead of every weight."""
+    rank: int = 8
+    """Rank r of each adapter (A: r x in, B: out x r)."""
+    alpha: float = 16.0
+    """The update is scaled by alpha / rank (peft's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input (peft's lora_dropout)."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Linears that get adapters: an entry matches module names ending with it (peft's rule)."""
+    base_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Storage dtype of the frozen weights; auto: the compute dtype (bf16 on CUDA: no fp32 copy)."""
+    merge_on_export: bool = False
+    """With checkpoint.last_save_in_hf, also write the merged full model beside the adapter folder."""
+
+
+@dataclass
 class Validation:
     enable: bool = False
     """Compute a held-out loss (val_loss) under the training plan every freq steps and at the end."""
@@ -315,6 +335,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
+    lora: LoRA = field(default_factory=LoRA)
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)

@@ -23,6 +23,7 @@ from autopar.parallel.context_parallel import resolve_impl
 from autopar.parallel.expert_parallel import apply_ep, apply_expert_kernel
 from autopar.parallel.float8 import apply_float8, resolve_backend
 from autopar.parallel.fsdp import apply_fsdp
+from autopar.parallel.lora import adapter_values, apply_lora, base_storage_dtype
 from autopar.parallel.materialize import FullValue, materialize
 from autopar.parallel.mesh import Meshes, ParallelDims
 from autopar.parallel.mixed_precision import apply_compute_dtype, compute_dtype, fsdp_policy
@@ -64,6 +65,16 @@ def parallelize(
             parallelism.enable_sequence_parallel,
             loss_parallel_enabled(job, dims),
         )
+    dtype = compute_dtype(job, device)
+    if job.lora.enable:
+        count = apply_lora(model, job.lora, dtype)
+        logger.info(
+            "applied LoRA: rank %d, alpha %g on %d linears; frozen weights in %s",
+            job.lora.rank,
+            job.lora.alpha,
+            count,
+            base_storage_dtype(job.lora, dtype),
+        )
     gqa = native_gqa(job, device.type, resolve_impl(parallelism, device.type))
     apply_attention_kernel(model, gqa, job.training.sdpa_backend)
     if job.training.sdpa_backend != "auto":
@@ -80,7 +91,6 @@ def parallelize(
         logger.info(
             "applied expert parallel: degree %d (%d experts per rank)", dims.ep, args.num_experts // dims.ep
         )
-    dtype = compute_dtype(job, device)
     fsdp_mesh = meshes.get("fsdp")
     if fsdp_mesh is None and dtype != torch.float32:
         apply_compute_dtype(model, dtype)
@@ -172,4 +182,6 @@ def build_parts(
     """The model parts this rank runs, parallelized and filled with ``values`` (in host
     memory under CPU offload, where FSDP keeps the sharded weights)."""
     storage = torch.device("cpu") if job.training.enable_cpu_offload else device
+    if job.lora.enable:
+        values = adapter_values(values, job.debug.seed, storage)
     return materialize_parts(parallelized_parts(args, job, meshes, device), storage, values)

@@ -26,7 +26,7 @@ import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -44,10 +44,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from autopar.config.errors import ConfigError
-from autopar.config.sections import Checkpoint
+from autopar.config.sections import Checkpoint, LoRA
 from autopar.models.args import ModelArgs
 from autopar.models.hf import HFCheckpointError, HFTensors, read_hf_config, save_hf_streaming
 from autopar.models.qwen import Qwen
+from autopar.parallel.lora import apply_lora
+from autopar.parallel.materialize import FullValue
 from autopar.parallel.world import background_save_group
 from autopar.training.faults import TrainingStopped, peer_gone
 
@@ -55,14 +57,28 @@ logger = logging.getLogger("autopar")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
+ModelPart = Literal["all", "trained", "frozen"]
+"""Which parameters a checkpoint holds: all of them, or under LoRA the adapters a run trains
+(its saves) or the frozen base they train on (its initial load)."""
+
+
 class ModelState(Stateful):
     """The parameters of every local model part, under their plain (single-device) names."""
 
-    def __init__(self, parts: list[nn.Module]) -> None:
+    def __init__(self, parts: list[nn.Module], which: ModelPart = "all") -> None:
         self.parts = parts
+        self.which = which
 
     def state_dict(self) -> dict[str, Any]:
-        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items()}
+        state = {k: v for part in self.parts for k, v in get_model_state_dict(part).items()}
+        if self.which == "all":
+            return state
+        trained = {
+            k
+            for part in self.parts
+            for k in get_model_state_dict(part, options=StateDictOptions(ignore_frozen_params=True))
+        }
+        return {k: v for k, v in state.items() if (k in trained) == (self.which == "trained")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for part in self.parts:
@@ -184,12 +200,18 @@ def saved_keys(folder: Path) -> set[str]:
     return set(dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
 
 
-def model_mismatch(folder: Path, args: ModelArgs) -> str | None:
-    """How the parameters saved in ``folder`` differ from ``args``' model, or None."""
+def model_mismatch(folder: Path, args: ModelArgs, lora: LoRA | None = None) -> str | None:
+    """How the parameters saved in ``folder`` differ from those a job of ``args`` (and
+    ``lora``: its adapters only) saves, or None."""
     metadata = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     saved = {k.removeprefix("model."): tuple(v.size) for k, v in metadata.items() if k.startswith("model.")}
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in Qwen(args).state_dict(keep_vars=True).items()}
+        model = Qwen(args)
+        if lora is not None and lora.enable:
+            apply_lora(model, lora, torch.float32)
+    expected = {
+        n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False) if p.requires_grad
+    }
     differences = [f"{name} is not in the checkpoint" for name in expected if name not in saved]
     differences += [
         f"{name} is in the checkpoint but not in the model" for name in saved if name not in expected
@@ -226,8 +248,11 @@ class Checkpointer:
         parts: list[nn.Module],
         optimizers: list[torch.optim.Optimizer],
         init_timeout_s: int = 300,
+        lora: LoRA | None = None,
     ) -> None:
         self.cfg = cfg
+        self.lora = lora or LoRA()
+        self.saved_part: ModelPart = "trained" if self.lora.enable else "all"
         self.args = args
         self.folder = Path(dump_folder) / cfg.folder
         self.rank = rank
@@ -249,7 +274,7 @@ class Checkpointer:
             )
 
     def _state(self, train: dict[str, Any], model_only: bool = False) -> dict[str, Any]:
-        state: dict[str, Any] = {"model": ModelState(self.parts), "train": train}
+        state: dict[str, Any] = {"model": ModelState(self.parts, self.saved_part), "train": train}
         if not model_only:
             state["optimizer"] = OptimizerState(self.parts, self.optimizers)
         return state
@@ -384,7 +409,7 @@ class Checkpointer:
         """Restore everything saved at ``step``; returns the train state saved with it
         ({"step", "consumed_samples"}, and the data shape of newer saves)."""
         path = self.folder / f"step-{step}"
-        mismatch = model_mismatch(path, self.args)
+        mismatch = model_mismatch(path, self.args, self.lora)
         if mismatch is not None:
             raise TrainingStopped(
                 f"checkpoint {path} was saved from another model: {mismatch}; resume with the "
@@ -445,7 +470,7 @@ class Checkpointer:
 
     def load_model_only(self, path: str | Path) -> None:
         """Initial weights from a DCP folder (model entries only)."""
-        _dcp(dcp.load, {"model": ModelState(self.parts)}, path)
+        _dcp(dcp.load, {"model": ModelState(self.parts, "frozen" if self.lora.enable else "all")}, path)
 
     def should_save(self, step: int, last_step: int) -> bool:
         return self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step)
@@ -463,6 +488,60 @@ def export_hf(checkpoint_dir: str | Path, args: ModelArgs, out_dir: str | Path, 
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
         return state["model"]
+
+    save_hf_streaming(layout, load, args, out_dir)
+
+
+def saved_adapters(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The LoRA adapters of a DCP checkpoint (full fp32 tensors under our names), in one process."""
+    metadata = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata().state_dict_metadata
+    names = [k.removeprefix("model.") for k in metadata if k.startswith("model.") and ".lora_" in k]
+    state = {"model": {n: torch.empty(tuple(metadata[f"model.{n}"].size)) for n in names}}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
+    return state["model"]
+
+
+def dcp_values(path: str | Path) -> FullValue:
+    """Full tensors of a DCP checkpoint's model by name (what a LoRA job's base came from)."""
+
+    def value(name: str, shape: torch.Size) -> torch.Tensor:
+        state = {"model": {name: torch.empty(shape)}}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        return state["model"][name]
+
+    return value
+
+
+def export_merged(
+    adapters: dict[str, torch.Tensor],
+    base: FullValue,
+    args: ModelArgs,
+    lora: LoRA,
+    out_dir: str | Path,
+    dtype: torch.dtype,
+) -> None:
+    """Write base + alpha / rank * B @ A for every adapted linear as a plain HF folder, one
+    safetensors shard in memory at a time."""
+    with torch.device("meta"):
+        layout = {n: (p.shape, dtype) for n, p in Qwen(args).named_parameters()}
+    scaling = lora.alpha / lora.rank
+
+    def load(names: list[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in names:
+            tensor = base(name, layout[name][0]).float().cpu()
+            module = name.removesuffix(".weight")
+            if f"{module}.lora_A.weight" in adapters:
+                tensor = (
+                    tensor
+                    + scaling * adapters[f"{module}.lora_B.weight"] @ adapters[f"{module}.lora_A.weight"]
+                )
+            out[name] = tensor.to(dtype)
+        return out
 
     save_hf_streaming(layout, load, args, out_dir)
 

@@ -20,6 +20,7 @@ from autopar.parallel.compile import check_compile, check_compile_backend
 from autopar.parallel.context_parallel import check_cp
 from autopar.parallel.expert_parallel import check_ep
 from autopar.parallel.float8 import check_float8, check_float8_filter
+from autopar.parallel.lora import check_lora
 from autopar.parallel.mesh import ParallelDims, check_model_split
 from autopar.parallel.mixed_precision import compute_dtype
 from autopar.parallel.pipelining.schedule import check_pipeline
@@ -89,6 +90,7 @@ def check_job(job: JobConfig, world_size: int, device_type: str | None = None) -
     dims = check_plan(job, args, world_size, device_type)
     check_validation(job, args, dims)
     check_float8_filter(job.float8, args)
+    check_lora(job, args, device_type)
     check_profiling(job.profiling, device_type)
     check_compile_backend(job.compile)
     check_training_data(job.training, tokenizer_path(job), args.vocab_size, args.max_position_embeddings)

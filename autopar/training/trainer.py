@@ -6,6 +6,7 @@ import hashlib
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,13 +20,22 @@ from autopar.data.loader import StepLoader, build_samples
 from autopar.data.tokenizer import Tokenizer, build_tokenizer, tokenizer_file
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
-from autopar.models.hf import HFTensors, copy_assets
+from autopar.models.hf import CONFIG_FILE, HFTensors, copy_assets
+from autopar.models.hf_adapter import AdapterShape, save_adapter
 from autopar.models.qwen import Qwen
+from autopar.parallel.lora import apply_lora
 from autopar.parallel.materialize import FullValue, seeded_values, tensor_values
 from autopar.parallel.mesh import ParallelDims, build_meshes
 from autopar.parallel.parallelize import build_parts
 from autopar.parallel.world import CollectiveTimeout, World
-from autopar.training.checkpoint import Checkpointer, complete_steps, export_hf
+from autopar.training.checkpoint import (
+    Checkpointer,
+    complete_steps,
+    dcp_values,
+    export_hf,
+    export_merged,
+    saved_adapters,
+)
 from autopar.training.faults import (
     StopRequest,
     TrainingStopped,
@@ -103,6 +113,7 @@ class Trainer:
             self.parts,
             self.optimizers,
             job.comm.init_timeout_seconds,
+            job.lora,
         )
         self.metrics = MetricsLogger(
             job.job.dump_folder,
@@ -120,6 +131,7 @@ class Trainer:
         self.skipped_in_a_row = 0
         self.data = data_identity(job, samples)
         self._check_resumed_tokenizer()
+        self._check_resumed_base()
         self._announce(samples)
 
     def _check_resumed_tokenizer(self) -> None:
@@ -141,12 +153,42 @@ class Trainer:
             f"(to start from those weights anyway: --checkpoint.initial_load_path {path})"
         )
 
+    def _lora_base(self) -> str:
+        """The frozen weights a LoRA run's adapters were trained on, as its checkpoints record it."""
+        checkpoint = self.job.checkpoint
+        return checkpoint.initial_load_path or f"seeded initialization (debug.seed {self.job.debug.seed})"
+
+    def _check_resumed_base(self) -> None:
+        """Refuse, before any step, to resume LoRA adapters on another base than they were
+        trained on: a LoRA checkpoint holds the adapters only."""
+        step = self.checkpointer.resume_candidate()
+        if step is None or not self.job.lora.enable:
+            return
+        try:
+            saved = self.checkpointer.train_state(step).get("lora_base")
+        except Exception:  # a broken checkpoint: resume verifies it and falls back (or says why)
+            return
+        if saved is None or saved == self._lora_base():
+            return
+        path = self.checkpointer.folder / f"step-{step}"
+        raise TrainingStopped(
+            f"{path} holds LoRA adapters trained on {saved}, but this job's base is {self._lora_base()}: "
+            f"resume with the base they were trained on (--checkpoint.initial_load_path {saved}), or give "
+            "this job its own --job.dump_folder"
+        )
+
     def _announce(self, samples: SampleSource) -> None:
         """The start-up summary: model, plan, data and tokenizer, and what was adjusted."""
         job, dims = self.job, self.dims
         with torch.device("meta"):
             params = sum(p.numel() for p in Qwen(self.args).parameters())
         active = f" ({matmul_params(self.args) / 1e6:.3g}M active in matmuls)" if self.args.moe else ""
+        if job.lora.enable:
+            with torch.device("meta"):
+                adapted = Qwen(self.args)
+                apply_lora(adapted, job.lora, torch.float32)
+            trained = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+            active += f" ({trained / 1e6:.3g}M trained: LoRA rank {job.lora.rank})"
         tokenizer = tokenizer_path(job) or "the built-in byte tokenizer (no tokenizer.json given)"
         shape = model_source(job)
         mismatch = flavor_mismatch(job)
@@ -224,6 +266,8 @@ class Trainer:
         if step is not None and step >= self.job.training.steps and self.checkpointer.model_only(step):
             self.step = step  # a finished run whose last save holds the model only: nothing to do
         elif step is not None:
+            if self.job.lora.enable and checkpoint.initial_load_path and not checkpoint.initial_load_in_hf:
+                self.checkpointer.load_model_only(checkpoint.initial_load_path)  # the adapters' frozen base
             state = self.checkpointer.load(step)
             self.step = state["step"]
             self._warn_changed_data_shape(state)
@@ -422,26 +466,61 @@ class Trainer:
                 f"step {self.step}: weights are not finite, so no checkpoint was written (the last "
                 "one on disk is kept); lower optimizer.lr or training.max_norm and resume from it"
             )
-        train = {"step": self.step, "consumed_samples": self.loader.consumed_samples, **self._data_shape()}
+        train = {
+            "step": self.step,
+            "consumed_samples": self.loader.consumed_samples,
+            **self._data_shape(),
+            **({"lora_base": self._lora_base()} if self.job.lora.enable else {}),
+        }
         with self.timeout.longer(self.job.comm.init_timeout_seconds):  # writing may keep some ranks long
             return self.checkpointer.save(train, model_only)
 
     def _export_hf(self) -> Path:
-        """Write ``<dump_folder>/hf/step-N`` of this step: into a ``.partial`` folder renamed into
-        place when complete, so a full disk leaves no half export (and says so)."""
-        checkpoint = self.job.checkpoint
+        """Write ``<dump_folder>/hf/step-N`` of this step: the model, or under LoRA its peft
+        adapter folder (and, with lora.merge_on_export, the merged model beside it as
+        ``step-N-merged``). Returns the first."""
+        checkpoint, lora = self.job.checkpoint, self.job.lora
         ckpt = self.checkpointer.folder / f"step-{self.step}"
         if not ckpt.is_dir():
             ckpt = self._save()
         out = Path(self.job.job.dump_folder) / "hf" / f"step-{self.step}"
         if not self.world.is_main:
             return out
+        dtype = DTYPES[checkpoint.export_dtype]
+        if not lora.enable:
+            self._write_export(ckpt, out, lambda folder: export_hf(ckpt, self.args, folder, dtype))
+            return out
+        adapters = saved_adapters(ckpt)
+        shape = AdapterShape(lora.rank, lora.alpha, lora.dropout, lora.target_modules)
+        base_model = self.job.model.hf_assets_path or checkpoint.initial_load_path
+        cast = {n: t.to(dtype) for n, t in adapters.items()}
+        self._write_export(ckpt, out, lambda folder: save_adapter(cast, shape, folder, base_model))
+        if lora.merge_on_export:
+            merged = out.with_name(f"{out.name}-merged")
+            base = self._base_values()
+            self._write_export(
+                ckpt, merged, lambda folder: export_merged(adapters, base, self.args, lora, folder, dtype)
+            )
+        return out
+
+    def _base_values(self) -> FullValue:
+        """The weights this run started from (a LoRA run's frozen base), by name."""
+        checkpoint = self.job.checkpoint
+        if checkpoint.initial_load_path is not None and not checkpoint.initial_load_in_hf:
+            return dcp_values(checkpoint.initial_load_path)
+        return self._initial_values()
+
+    def _write_export(self, ckpt: Path, out: Path, write: Callable[[Path], None]) -> None:
+        """``write`` into a ``.partial`` folder renamed to ``out`` when complete, so a full disk
+        leaves no half export (and says so); the tokenizer files go with a model folder."""
         partial = out.with_name(out.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         try:
-            export_hf(ckpt, self.args, partial, DTYPES[checkpoint.export_dtype])
+            write(partial)
+            assets: list[str] = []
             source = self.job.model.hf_assets_path or tokenizer_path(self.job)
-            assets = copy_assets(source, partial) if source is not None else []
+            if source is not None and (partial / CONFIG_FILE).is_file():
+                assets = copy_assets(source, partial)
             shutil.rmtree(out, ignore_errors=True)
             partial.rename(out)
         except (OSError, SafetensorError) as err:  # safetensors reports a full disk as its own error
@@ -450,5 +529,4 @@ class Trainer:
                 f"could not write the HF export {out}: {err}; nothing was left there, and checkpoint "
                 f"{ckpt} is kept: free space and run the same command again to export it"
             ) from err
-        logger.info("exported HF checkpoint %s (with %s)", out, ", ".join(assets) or "no tokenizer files")
-        return out
+        logger.info("exported HF folder %s (with %s)", out, ", ".join(assets) or "no tokenizer files")

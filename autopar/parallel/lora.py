@@ -1,0 +1,184 @@
+"""LoRA as a transformation of a built model: frozen base weights, trainable low-rank adapters.
+
+Each targeted ``nn.Linear`` becomes a ``LoRALinear`` (its class swapped, as FSDP2 swaps in its
+own), gaining ``lora_A`` (rank x in) and ``lora_B`` (out x rank):
+``y = base(x) + alpha / rank * B(A(dropout(x)))``, peft's formula and initialization (A
+Kaiming-uniform, B zero, so training starts from the base model). The base weight keeps its
+name, so HF loading, DCP and export see the model they always did; every parameter but the
+adapters is frozen, so the optimizer, gradient norm and clipping see only adapters.
+
+Applied after tensor parallelism and before FSDP: the adapters follow their base's placement
+(``ADAPTER_PLACEMENTS``). A column-parallel base (weight sharded on its output) keeps A
+replicated and B sharded on its output; a row-parallel base (sharded on its input) shards A
+on its input and keeps B replicated, so the adapter's partial sum joins the base's in the
+same reduction. FSDP then shards adapters as any other parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import zlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
+
+from autopar.config.errors import ConfigError
+from autopar.config.sections import JobConfig, LoRA
+from autopar.models.args import ModelArgs
+from autopar.models.dtypes import DTYPES
+from autopar.models.qwen import Qwen, canonical_name
+from autopar.parallel.materialize import FullValue
+from autopar.parallel.mixed_precision import compute_dtype
+from autopar.parallel.pipelining.schedule import stage_modules
+from autopar.parallel.pipelining.split import prune
+
+ADAPTER_PLACEMENTS: dict[Placement, tuple[Placement, Placement]] = {
+    Shard(0): (Replicate(), Shard(0)),  # column-parallel base: A whole, B on the output shards
+    Shard(1): (Shard(1), Replicate()),  # row-parallel base: A on the input shards, B whole
+    Replicate(): (Replicate(), Replicate()),
+}
+"""The base weight's tensor-parallel placement -> (A's, B's)."""
+
+ADAPTER_NAMES = ("lora_A", "lora_B")
+
+
+class LoRALinear(nn.Linear):
+    """An ``nn.Linear`` with a trainable low-rank update beside its frozen weight."""
+
+    lora_A: nn.Linear
+    lora_B: nn.Linear
+    lora_dropout: nn.Module
+    scaling: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
+        base = F.linear(x, weight, self.bias)
+        return base + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, lora_rank={self.lora_A.out_features}, lora_scaling={self.scaling:g}"
+
+
+def targeted(model: nn.Module, targets: list[str]) -> Iterator[tuple[str, nn.Linear]]:
+    """The linears named by ``targets``: an entry matches a module whose name ends with it
+    (``q_proj``, ``attention.q_proj``, ``layers.0.mlp.down_proj``), as peft matches."""
+    for name, module in model.named_modules():
+        path = canonical_name(name)
+        if type(module) is nn.Linear and any(path == t or path.endswith(f".{t}") for t in targets):
+            yield path, module
+
+
+def apply_lora(model: nn.Module, cfg: LoRA, compute_dtype: torch.dtype) -> int:
+    """Freeze ``model`` and give each targeted linear its adapters (on the model's device,
+    meta before materializing); the frozen weights take ``cfg.base_dtype``. Returns how many
+    linears got adapters."""
+    model.requires_grad_(False)
+    count = 0
+    for _, module in list(targeted(model, cfg.target_modules)):
+        _add_adapters(module, cfg)
+        count += 1
+    base_dtype = base_storage_dtype(cfg, compute_dtype)
+    for name, param in model.named_parameters():
+        if not param.requires_grad and param.dtype != base_dtype and not _is_adapter(name):
+            param.data = param.data.to(base_dtype)
+    return count
+
+
+def base_storage_dtype(cfg: LoRA, compute_dtype: torch.dtype) -> torch.dtype:
+    """The frozen base's dtype: ``auto`` stores it in the compute dtype (no fp32 master copy
+    where compute is bf16)."""
+    return compute_dtype if cfg.base_dtype == "auto" else DTYPES[cfg.base_dtype]
+
+
+def _add_adapters(module: nn.Linear, cfg: LoRA) -> None:
+    weight = module.weight
+    device = weight.device
+    lora_A = nn.Linear(module.in_features, cfg.rank, bias=False, device=device)
+    lora_B = nn.Linear(cfg.rank, module.out_features, bias=False, device=device)
+    if isinstance(weight, DTensor):
+        (placement,) = weight.placements
+        for adapter, place in zip((lora_A, lora_B), ADAPTER_PLACEMENTS[placement]):
+            local = distribute_tensor(
+                adapter.weight.detach(), weight.device_mesh, [place], src_data_rank=None
+            )
+            adapter.weight = nn.Parameter(local)
+    module.__class__ = LoRALinear
+    module.lora_A, module.lora_B = lora_A, lora_B
+    module.lora_dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+    module.scaling = cfg.alpha / cfg.rank
+
+
+def _is_adapter(name: str) -> bool:
+    return any(f".{a}." in f".{name}" for a in ADAPTER_NAMES)
+
+
+def adapter_values(base: FullValue, seed: int, device: torch.device) -> FullValue:
+    """``base``'s values, and peft's initial adapters: A uniform in +-1/sqrt(in) (Kaiming-
+    uniform with a = sqrt(5)) from a generator seeded by (seed, name), B zero."""
+
+    def value(name: str, shape: torch.Size) -> torch.Tensor:
+        name = canonical_name(name)
+        if name.endswith("lora_B.weight"):
+            return torch.zeros(shape, device=device)
+        if name.endswith("lora_A.weight"):
+            generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            bound = 1 / math.sqrt(shape[1])
+            return torch.empty(shape).uniform_(-bound, bound, generator=generator).to(device)
+        return base(name, shape)
+
+    return value
+
+
+def check_lora(job: JobConfig, args: ModelArgs, device_type: str) -> None:
+    """Refuse, before anything is built, a LoRA job that would train nothing somewhere or
+    pair LoRA with what it does not run with; one line naming the field and the fix."""
+    cfg = job.lora
+    if not cfg.enable:
+        return
+    if cfg.rank < 1:
+        raise ConfigError(f"lora.rank = {cfg.rank}: an adapter needs rank >= 1 (8 or 16 are usual)")
+    if cfg.alpha <= 0:
+        raise ConfigError(
+            f"lora.alpha = {cfg.alpha}: the update is scaled by alpha / rank, so give alpha > 0"
+        )
+    if not 0 <= cfg.dropout < 1:
+        raise ConfigError(f"lora.dropout = {cfg.dropout}: give a probability in [0, 1)")
+    with torch.device("meta"):
+        model = Qwen(args)
+    linears = sorted({path.rpartition(".")[2] for path, m in model.named_modules() if type(m) is nn.Linear})
+    for target in cfg.target_modules:
+        if not any(True for _ in targeted(model, [target])):
+            raise ConfigError(
+                f"lora.target_modules entry {target!r} matches no linear of {job.model.name}/{job.model.flavor}; "
+                f"its linears are {', '.join(linears)} (an entry matches names ending with it)"
+            )
+    if job.float8.enable:
+        raise ConfigError(
+            "lora.enable with float8.enable: LoRA's base linears run in high precision here; "
+            "set float8.enable = false (or train without LoRA)"
+        )
+    if cfg.dropout > 0 and job.parallelism.tensor_parallel_degree > 1:
+        raise ConfigError(
+            f"lora.dropout = {cfg.dropout} with tensor_parallel_degree > 1: the tensor-parallel ranks would "
+            "draw different dropout masks on the same replicated input; set lora.dropout = 0"
+        )
+    compute = compute_dtype(job, torch.device(device_type))
+    if base_storage_dtype(cfg, compute).itemsize < compute.itemsize:
+        raise ConfigError(
+            f"lora.base_dtype = {cfg.base_dtype} below the {compute} compute dtype "
+            "(training.mixed_precision_param): store the base in the compute dtype with lora.base_dtype = auto"
+        )
+    if job.parallelism.pipeline_parallel_degree > 1:
+        for stage, names in enumerate(stage_modules(job.parallelism, args)):
+            part = prune(copy.deepcopy(model), names)
+            if not any(True for _ in targeted(part, cfg.target_modules)):
+                raise ConfigError(
+                    f"pipeline stage {stage} holds {names}, where LoRA trains nothing (lora.target_modules "
+                    f"{cfg.target_modules}); give it a block with parallelism.module_fqns_per_model_part, "
+                    "add lm_head to lora.target_modules, or use fewer stages (pipeline_parallel_degree, or a "
+                    "schedule with one stage per rank)"
+                )
