@@ -43,8 +43,6 @@ ADAPTER_PLACEMENTS: dict[Placement, tuple[Placement, Placement]] = {
 }
 """The base weight's tensor-parallel placement -> (A's, B's)."""
 
-ADAPTER_NAMES = ("lora_A", "lora_B")
-
 
 class LoRALinear(nn.Linear):
     """An ``nn.Linear`` with a trainable low-rank update beside its frozen weight."""
@@ -82,8 +80,8 @@ def apply_lora(model: nn.Module, cfg: LoRA, compute_dtype: torch.dtype) -> int:
         _add_adapters(module, cfg)
         count += 1
     base_dtype = base_storage_dtype(cfg, compute_dtype)
-    for name, param in model.named_parameters():
-        if not param.requires_grad and param.dtype != base_dtype and not _is_adapter(name):
+    for param in model.parameters():
+        if not param.requires_grad and param.dtype != base_dtype:  # adapters require grad
             param.data = param.data.to(base_dtype)
     return count
 
@@ -110,10 +108,6 @@ def _add_adapters(module: nn.Linear, cfg: LoRA) -> None:
     module.lora_A, module.lora_B = lora_A, lora_B
     module.lora_dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
     module.scaling = cfg.alpha / cfg.rank
-
-
-def _is_adapter(name: str) -> bool:
-    return any(f".{a}." in f".{name}" for a in ADAPTER_NAMES)
 
 
 def adapter_values(base: FullValue, seed: int, device: torch.device) -> FullValue:
