@@ -88,6 +88,23 @@ def chat_job(folder, *flags: str) -> JobConfig:
     )
 
 
+def chat_hf_base(folder: Path) -> tuple[Qwen, Path]:
+    """The tiny chat model as an HF folder with the shipped ChatML tokenizer (what a
+    fine-tuning job starts from): (the model, its folder ``folder/Qwen3-tiny``)."""
+    import dataclasses
+    import shutil
+
+    from autopar.data.chat import CHATML_TOKENIZER
+
+    source = folder / "Qwen3-tiny"
+    base = Qwen(dataclasses.replace(model_args(chat_job(folder)), vocab_size=CHAT_VOCAB))
+    base.init_weights(seed=3)
+    to_hf(base, source)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(CHATML_TOKENIZER / name, source / name)
+    return base, source
+
+
 def moe_job(folder, *flags: str) -> JobConfig:
     """``tiny_job`` of a Qwen3-MoE: 4 experts of width 32, top-2, a dense layer between."""
     return tiny_job(

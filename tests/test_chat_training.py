@@ -3,8 +3,6 @@ the global batch, on one device and under every plan."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -167,20 +165,12 @@ def test_the_sft_walk_through_takes_an_hf_folder_and_gives_one_transformers_chat
     assistant-only loss with packed conversations masked, HF folder out that transformers
     loads, tokenizes conversations with and computes our logits with."""
     import json
-    import shutil
 
     transformers = pytest.importorskip("transformers")
-    from autopar.models import Qwen, to_hf
 
-    from jobs import CHAT_VOCAB, TINY_MODEL
+    from jobs import TINY_MODEL, chat_hf_base
 
-    source = tmp_path / "Qwen3-tiny"
-    job = chat_job(tmp_path)
-    base = Qwen(dataclasses.replace(model_args(job), vocab_size=CHAT_VOCAB))
-    base.init_weights(seed=3)
-    to_hf(base, source)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(CHATML_TOKENIZER / name, source / name)
+    base, source = chat_hf_base(tmp_path)
     job = chat_job(
         tmp_path / "run",
         "--model.hf_assets_path",

@@ -3,9 +3,7 @@ and the merged export in transformers. Parity under every plan: tests/test_paral
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import shutil
 
 import pytest
 import torch
@@ -14,16 +12,16 @@ from test_models import hf_model_for, tiny_args
 
 from autopar.config.errors import ConfigError
 from autopar.config.sections import LoRA
-from autopar.data.chat import CHAT_EXAMPLE, CHATML_TOKENIZER, encode
-from autopar.models import Qwen, from_hf, to_hf
-from autopar.models.hf_adapter import AdapterShape, load_adapter, our_name, save_adapter
+from autopar.data.chat import CHAT_EXAMPLE, encode
+from autopar.models import Qwen, from_hf
 from autopar.parallel.lora import LoRALinear, apply_lora
+from autopar.training.adapters import load_adapter, our_name, save_adapter
 from autopar.training.checkpoint import saved_keys
 from autopar.training.faults import TrainingStopped
 from autopar.training.preflight import check_job
 from autopar.training.resolve import model_args
 
-from jobs import CHAT_VOCAB, chat_job, debug_job, one_process_trainer, tiny_job
+from jobs import CHAT_VOCAB, chat_hf_base, chat_job, debug_job, one_process_trainer, tiny_job
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -75,8 +73,7 @@ def test_adapter_folder_loads_in_peft_with_our_logits(tmp_path):
             if isinstance(module, LoRALinear):
                 module.lora_B.weight.normal_(0, 0.02)
     adapters = {n: p for n, p in ours.named_parameters() if ".lora_" in n}
-    shape = AdapterShape(LORA.rank, LORA.alpha, LORA.dropout, LORA.target_modules)
-    save_adapter(adapters, shape, tmp_path / "adapter")
+    save_adapter(adapters, LORA, tmp_path / "adapter")
     assert load_adapter(tmp_path / "adapter").keys() == adapters.keys()
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
     loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
@@ -87,12 +84,7 @@ def test_adapter_folder_loads_in_peft_with_our_logits(tmp_path):
 
 def lora_chat_run(tmp_path, *flags: str):
     """A LoRA SFT run of the tiny model on the shipped conversations, from an HF base."""
-    source = tmp_path / "Qwen3-tiny"
-    base = Qwen(dataclasses.replace(model_args(chat_job(tmp_path)), vocab_size=CHAT_VOCAB))
-    base.init_weights(seed=3)
-    to_hf(base, source)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(CHATML_TOKENIZER / name, source / name)
+    base, source = chat_hf_base(tmp_path)
     job = chat_job(
         tmp_path / "run",
         *("--model.hf_assets_path", str(source), "--model.tokenizer_path", str(source)),
@@ -212,3 +204,22 @@ def targeted_adapters(args):
         model = Qwen(args)
     apply_lora(model, LORA, torch.float32)
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def test_lora_from_a_dcp_base_exports_the_merged_model_it_trained(tmp_path):
+    one_process_trainer(
+        tiny_job(tmp_path / "full", "--training.steps", "2", "--checkpoint.enable", "true")
+    ).train()
+    base = tmp_path / "full" / "checkpoint" / "step-2"
+    job = tiny_job(
+        tmp_path / "lora",
+        *LORA_FLAGS,
+        *("--training.steps", "3", "--checkpoint.initial_load_path", str(base)),
+        *("--checkpoint.last_save_in_hf", "true", "--lora.merge_on_export", "true"),
+    )
+    trainer = one_process_trainer(job)
+    trainer.train()
+    merged = from_hf(tmp_path / "lora" / "hf" / "step-3-merged", dtype=torch.float32)
+    tokens = torch.randint(0, 320, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens), trainer.parts[0](tokens), rtol=0, atol=1e-5)

@@ -283,8 +283,14 @@ def initial_value(
     std = args.initializer_range
     if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
         std /= math.sqrt(2 * args.num_hidden_layers)
+    out = torch.empty(shape, device=device, dtype=torch.float32)
+    out.normal_(0.0, std, generator=named_generator(seed, name, device))
+    return out.to(dtype)
+
+
+def named_generator(seed: int, name: str, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator seeded by (seed, parameter name): a value drawn from it depends on nothing
+    else (not on the plan, nor on which parameters a rank holds)."""
     generator = torch.Generator(device=device)
     generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-    out = torch.empty(shape, device=device, dtype=torch.float32)
-    out.normal_(0.0, std, generator=generator)
-    return out.to(dtype)
+    return generator

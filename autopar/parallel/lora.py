@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import copy
 import math
-import zlib
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
@@ -30,7 +28,7 @@ from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig, LoRA
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
-from autopar.models.qwen import Qwen, canonical_name
+from autopar.models.qwen import Qwen, canonical_name, named_generator
 from autopar.parallel.materialize import FullValue
 from autopar.parallel.mixed_precision import compute_dtype
 from autopar.parallel.pipelining.schedule import stage_modules
@@ -53,9 +51,7 @@ class LoRALinear(nn.Linear):
     scaling: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
-        base = F.linear(x, weight, self.bias)
-        return base + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        return super().forward(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, lora_rank={self.lora_A.out_features}, lora_scaling={self.scaling:g}"
@@ -119,9 +115,10 @@ def adapter_values(base: FullValue, seed: int, device: torch.device) -> FullValu
         if name.endswith("lora_B.weight"):
             return torch.zeros(shape, device=device)
         if name.endswith("lora_A.weight"):
-            generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
             bound = 1 / math.sqrt(shape[1])
-            return torch.empty(shape).uniform_(-bound, bound, generator=generator).to(device)
+            return (
+                torch.empty(shape).uniform_(-bound, bound, generator=named_generator(seed, name)).to(device)
+            )
         return base(name, shape)
 
     return value

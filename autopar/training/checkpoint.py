@@ -23,6 +23,7 @@ import re
 import shutil
 import warnings
 import zlib
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +50,6 @@ from autopar.models.args import ModelArgs
 from autopar.models.hf import HFCheckpointError, HFTensors, read_hf_config, save_hf_streaming
 from autopar.models.qwen import Qwen
 from autopar.parallel.lora import apply_lora
-from autopar.parallel.materialize import FullValue
 from autopar.parallel.world import background_save_group
 from autopar.training.faults import TrainingStopped, peer_gone
 
@@ -70,15 +70,14 @@ class ModelState(Stateful):
         self.which = which
 
     def state_dict(self) -> dict[str, Any]:
-        state = {k: v for part in self.parts for k, v in get_model_state_dict(part).items()}
-        if self.which == "all":
-            return state
-        trained = {
-            k
-            for part in self.parts
-            for k in get_model_state_dict(part, options=StateDictOptions(ignore_frozen_params=True))
+        frozen_too = StateDictOptions(ignore_frozen_params=self.which == "trained")
+        state = {
+            k: v for part in self.parts for k, v in get_model_state_dict(part, options=frozen_too).items()
         }
-        return {k: v for k, v in state.items() if (k in trained) == (self.which == "trained")}
+        if self.which != "frozen":
+            return state
+        trained = ModelState(self.parts, "trained").state_dict()
+        return {k: v for k, v in state.items() if k not in trained}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for part in self.parts:
@@ -476,72 +475,26 @@ class Checkpointer:
         return self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step)
 
 
-def export_hf(checkpoint_dir: str | Path, args: ModelArgs, out_dir: str | Path, dtype: torch.dtype) -> None:
-    """Write the model of a DCP checkpoint as an HF folder, one safetensors shard in memory
-    at a time. Runs in one process (no collectives), whatever plan saved it."""
-    with torch.device("meta"):
-        layout = {n: (p.shape, dtype) for n, p in Qwen(args).named_parameters()}
-
-    def load(names: list[str]) -> dict[str, torch.Tensor]:
-        state = {"model": {n: torch.empty(layout[n][0], dtype=dtype) for n in names}}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
-        return state["model"]
-
-    save_hf_streaming(layout, load, args, out_dir)
-
-
-def saved_adapters(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The LoRA adapters of a DCP checkpoint (full fp32 tensors under our names), in one process."""
-    metadata = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata().state_dict_metadata
-    names = [k.removeprefix("model.") for k in metadata if k.startswith("model.") and ".lora_" in k]
-    state = {"model": {n: torch.empty(tuple(metadata[f"model.{n}"].size)) for n in names}}
+def read_model_tensors(
+    checkpoint_dir: str | Path, shapes: Mapping[str, torch.Size], dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Full tensors of the model parameters named in ``shapes`` from a DCP checkpoint, read in
+    one process (no collectives), whatever plan saved it."""
+    state = {"model": {n: torch.empty(shape, dtype=dtype) for n, shape in shapes.items()}}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(checkpoint_dir), no_dist=True)
     return state["model"]
 
 
-def dcp_values(path: str | Path) -> FullValue:
-    """Full tensors of a DCP checkpoint's model by name (what a LoRA job's base came from)."""
-
-    def value(name: str, shape: torch.Size) -> torch.Tensor:
-        state = {"model": {name: torch.empty(shape)}}
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(path), no_dist=True)
-        return state["model"][name]
-
-    return value
-
-
-def export_merged(
-    adapters: dict[str, torch.Tensor],
-    base: FullValue,
-    args: ModelArgs,
-    lora: LoRA,
-    out_dir: str | Path,
-    dtype: torch.dtype,
-) -> None:
-    """Write base + alpha / rank * B @ A for every adapted linear as a plain HF folder, one
-    safetensors shard in memory at a time."""
+def export_hf(checkpoint_dir: str | Path, args: ModelArgs, out_dir: str | Path, dtype: torch.dtype) -> None:
+    """Write the model of a DCP checkpoint as an HF folder, one safetensors shard in memory
+    at a time."""
     with torch.device("meta"):
         layout = {n: (p.shape, dtype) for n, p in Qwen(args).named_parameters()}
-    scaling = lora.alpha / lora.rank
 
     def load(names: list[str]) -> dict[str, torch.Tensor]:
-        out = {}
-        for name in names:
-            tensor = base(name, layout[name][0]).float().cpu()
-            module = name.removesuffix(".weight")
-            if f"{module}.lora_A.weight" in adapters:
-                tensor = (
-                    tensor
-                    + scaling * adapters[f"{module}.lora_B.weight"] @ adapters[f"{module}.lora_A.weight"]
-                )
-            out[name] = tensor.to(dtype)
-        return out
+        return read_model_tensors(checkpoint_dir, {n: layout[n][0] for n in names}, dtype)
 
     save_hf_streaming(layout, load, args, out_dir)
 

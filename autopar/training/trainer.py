@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import shutil
@@ -21,21 +22,14 @@ from autopar.data.tokenizer import Tokenizer, build_tokenizer, tokenizer_file
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
 from autopar.models.hf import CONFIG_FILE, HFTensors, copy_assets
-from autopar.models.hf_adapter import AdapterShape, save_adapter
 from autopar.models.qwen import Qwen
 from autopar.parallel.lora import apply_lora
 from autopar.parallel.materialize import FullValue, seeded_values, tensor_values
 from autopar.parallel.mesh import ParallelDims, build_meshes
 from autopar.parallel.parallelize import build_parts
 from autopar.parallel.world import CollectiveTimeout, World
-from autopar.training.checkpoint import (
-    Checkpointer,
-    complete_steps,
-    dcp_values,
-    export_hf,
-    export_merged,
-    saved_adapters,
-)
+from autopar.training.adapters import BaseTensors, export_merged, save_adapter, saved_adapters
+from autopar.training.checkpoint import Checkpointer, complete_steps, export_hf, read_model_tensors
 from autopar.training.faults import (
     StopRequest,
     TrainingStopped,
@@ -491,24 +485,24 @@ class Trainer:
             self._write_export(ckpt, out, lambda folder: export_hf(ckpt, self.args, folder, dtype))
             return out
         adapters = saved_adapters(ckpt)
-        shape = AdapterShape(lora.rank, lora.alpha, lora.dropout, lora.target_modules)
         base_model = self.job.model.hf_assets_path or checkpoint.initial_load_path
         cast = {n: t.to(dtype) for n, t in adapters.items()}
-        self._write_export(ckpt, out, lambda folder: save_adapter(cast, shape, folder, base_model))
+        self._write_export(ckpt, out, lambda folder: save_adapter(cast, lora, folder, base_model))
         if lora.merge_on_export:
             merged = out.with_name(f"{out.name}-merged")
-            base = self._base_values()
+            base = self._base_tensors()
             self._write_export(
                 ckpt, merged, lambda folder: export_merged(adapters, base, self.args, lora, folder, dtype)
             )
         return out
 
-    def _base_values(self) -> FullValue:
+    def _base_tensors(self) -> BaseTensors:
         """The weights this run started from (a LoRA run's frozen base), by name."""
         checkpoint = self.job.checkpoint
         if checkpoint.initial_load_path is not None and not checkpoint.initial_load_in_hf:
-            return dcp_values(checkpoint.initial_load_path)
-        return self._initial_values()
+            return functools.partial(read_model_tensors, checkpoint.initial_load_path)
+        value = self._initial_values()
+        return lambda shapes: {n: value(n, shape) for n, shape in shapes.items()}
 
     def _write_export(self, ckpt: Path, out: Path, write: Callable[[Path], None]) -> None:
         """``write`` into a ``.partial`` folder renamed to ``out`` when complete, so a full disk
