@@ -105,19 +105,21 @@ def chat_hf_base(folder: Path) -> tuple[Qwen, Path]:
     return base, source
 
 
+MOE_FLAGS = [
+    "--model.num_experts=4",
+    "--model.num_experts_per_tok=2",
+    "--model.moe_intermediate_size=32",
+    "--model.norm_topk_prob=true",
+    "--model.router_aux_loss_coef=0.01",
+    "--model.num_hidden_layers=3",
+    "--model.mlp_only_layers=1",
+]
+"""The tiny model as a Qwen3-MoE: 4 experts of width 32, top-2, a dense layer between."""
+
+
 def moe_job(folder, *flags: str) -> JobConfig:
-    """``tiny_job`` of a Qwen3-MoE: 4 experts of width 32, top-2, a dense layer between."""
-    return tiny_job(
-        folder,
-        "--model.num_experts=4",
-        "--model.num_experts_per_tok=2",
-        "--model.moe_intermediate_size=32",
-        "--model.norm_topk_prob=true",
-        "--model.router_aux_loss_coef=0.01",
-        "--model.num_hidden_layers=3",
-        "--model.mlp_only_layers=1",
-        *flags,
-    )
+    """``tiny_job`` of the tiny Qwen3-MoE (``MOE_FLAGS``)."""
+    return tiny_job(folder, *MOE_FLAGS, *flags)
 
 
 def parity_runs(base: JobConfig, plans: list[str], steps: int = 5) -> dict:

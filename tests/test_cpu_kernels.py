@@ -20,18 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from jobs import TINY_FLAGS
+from jobs import MOE_FLAGS, TINY_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
-MOE_FLAGS = [
-    "--model.num_experts=4",
-    "--model.num_experts_per_tok=2",
-    "--model.moe_intermediate_size=32",
-    "--model.norm_topk_prob=true",
-    "--model.router_aux_loss_coef=0.01",
-    "--model.num_hidden_layers=3",
-    "--model.mlp_only_layers=1",
-]
 SUBSETS = {
     "dense": ([], ["dp_shard=2", "tp=2", "cp=2", "pp=2", "dp_shard=2,tp=2"]),
     "moe": (MOE_FLAGS, ["tp=2", "tp=2,sp=false", "dp_shard=2,tp=2,ep=2"]),
