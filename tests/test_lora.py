@@ -11,10 +11,13 @@ import torch.nn.functional as F
 from test_models import hf_model_for, tiny_args
 
 from autopar.config.errors import ConfigError
-from autopar.config.sections import LoRA
+from autopar.config.sections import ActivationCheckpoint, LoRA
 from autopar.data.chat import CHAT_EXAMPLE, encode
 from autopar.models import Qwen, from_hf
+from autopar.models.qwen import canonical_name
+from autopar.parallel.activation_checkpoint import apply_ac
 from autopar.parallel.lora import LoRALinear, apply_lora
+from autopar.parallel.materialize import materialize, seeded_values
 from autopar.training.adapters import load_adapter, our_name, save_adapter
 from autopar.training.checkpoint import saved_keys
 from autopar.training.faults import TrainingStopped
@@ -152,6 +155,10 @@ def test_lora_sft_trains_adapters_only_and_exports_what_peft_and_transformers_lo
         (["--float8.enable", "true"], "lora.enable with float8.enable"),
         (["--lora.dropout", "0.1", "--parallelism.tensor_parallel_degree", "2"], "different dropout masks"),
         (
+            ["--lora.dropout", "0.1", "--compile.enable", "true", "--activation_checkpoint.mode", "full"],
+            "replay the forward's dropout masks",
+        ),
+        (
             [
                 "--parallelism.pipeline_parallel_degree",
                 "2",
@@ -161,7 +168,7 @@ def test_lora_sft_trains_adapters_only_and_exports_what_peft_and_transformers_lo
             "pipeline stage 3 holds ['norm', 'lm_head'], where LoRA trains nothing",
         ),
     ],
-    ids=["rank", "target", "base-dtype", "float8", "dropout-tp", "pipeline-stage"],
+    ids=["rank", "target", "base-dtype", "float8", "dropout-tp", "dropout-compiled-ac", "pipeline-stage"],
 )
 def test_bad_lora_settings_are_refused_with_the_field_and_the_fix(flags, message):
     job = debug_job("--lora.enable", "true", "--training.mixed_precision_param", "float32", *flags)
@@ -223,3 +230,29 @@ def test_lora_from_a_dcp_base_exports_the_merged_model_it_trained(tmp_path):
     tokens = torch.randint(0, 320, (2, 9), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(merged(tokens), trainer.parts[0](tokens), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("option", ["1", "op"])
+def test_lora_dropout_is_replayed_by_activation_checkpointing(option):
+    """A checkpointed block recomputed in backward draws the forward's dropout masks."""
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        args = tiny_args("qwen3", 2, False)
+        model = Qwen(args)
+        materialize(model, torch.device("cpu"), seeded_values(args, 0, torch.device("cpu")))
+        apply_lora(model, LoRA(enable=True, rank=4, alpha=8.0, dropout=0.5), torch.float32)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.data.normal_()  # B starts at zero: make A's gradient depend on the masks
+        if checkpointed:
+            apply_ac(
+                model, ActivationCheckpoint(mode="selective", selective_ac_option=option), False, random=True
+            )
+        torch.manual_seed(1)
+        model(torch.arange(12).reshape(2, 6)).float().square().mean().backward()
+        grads.append({canonical_name(n): p.grad for n, p in model.named_parameters() if p.requires_grad})
+    plain, checkpointed = grads
+    assert plain.keys() == checkpointed.keys()
+    for name, grad in plain.items():
+        torch.testing.assert_close(checkpointed[name], grad, rtol=0, atol=0, msg=name)

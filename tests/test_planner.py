@@ -96,6 +96,19 @@ GRID = [
     (32, ("qwen3", "4B"), ["--parallelism.tensor_parallel_degree=2"]),
     (32, ("qwen3", "14B"), ["--parallelism.tensor_parallel_degree=4", "--activation_checkpoint.mode=full"]),
     (64, ("qwen2.5", "14B"), ["--parallelism.context_parallel_degree=2"]),
+    # CP under per-op AC: the whole-sequence k/v are gathered again in backward, not kept
+    (
+        16,
+        ("qwen3", "32B"),
+        [
+            SMALL_VOCAB,
+            "--model.num_hidden_layers=16",  # blocks' saves dominate the fixed backward temporaries
+            "--parallelism.context_parallel_degree=4",
+            "--activation_checkpoint.mode=selective",
+            "--activation_checkpoint.selective_ac_option=op",
+            "--training.local_batch_size=2",
+        ],
+    ),
     (64, ("qwen2.5", "14B"), ["--activation_checkpoint.mode=full"]),
     (64, ("qwen2.5", "32B"), ["--parallelism.tensor_parallel_degree=8"]),
     # the chunked loss: logits and their gradient, one chunk's fp32 at a time (vocab-parallel under TP)
@@ -111,6 +124,24 @@ GRID = [
     (1, ("qwen3", "8B"), ["--training.enable_cpu_offload=true"]),
     (2, ("qwen3", "8B"), ["--training.enable_cpu_offload=true", "--parallelism.tensor_parallel_degree=2"]),
     (8, ("qwen3", "8B"), ["--training.enable_cpu_offload=true", "--activation_checkpoint.mode=full"]),
+    # LoRA: the frozen base in bf16 (TP shards included), adapters' grads and Adam state, the
+    # saves frozen norms and heads skip; a pipeline whose stages train q/v and the head only
+    (1, ("qwen3", "8B"), ["--lora.enable=true", "--model.num_hidden_layers=8"]),
+    (
+        8,
+        ("qwen3", "32B"),
+        ["--lora.enable=true", "--model.num_hidden_layers=8", "--parallelism.tensor_parallel_degree=4"],
+    ),
+    (
+        16,
+        ("qwen3", "8B"),
+        [
+            *PIPELINE,
+            "--lora.enable=true",
+            "--lora.target_modules=q_proj,v_proj,lm_head",
+            "--lora.dropout=0.1",
+        ],
+    ),
     # mixtures of experts (routing taken as balanced by both): expert shards over EP x FSDP,
     # routed rows, EP's regrouping indices; beside TP (experts whole on each TP rank), CP, PP
     (8, ("qwen3", "30B-A3B"), [SMALL_VOCAB, "--training.local_batch_size=2"]),

@@ -137,7 +137,7 @@ def run_variant(name: str, job: JobConfig, nproc: int, warmup: int) -> list[dict
     args = model_args(job)
     for rank in ranks:  # what ours reports from its own trainer, for the same job
         rank["tokens_per_step"] = sequences * training.seq_len
-        rank["flops_per_token"] = flops_per_token(args, job.training.seq_len)
+        rank["flops_per_token"] = flops_per_token(args, job.training.seq_len, job.lora.enable)
     return ranks
 
 

@@ -49,12 +49,27 @@ SAVED_OPS = frozenset(
 """Ops whose outputs per-op selective checkpointing keeps instead of recomputing."""
 
 
-def _save_expensive_ops(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+_ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 
 
-def _op_context():
-    return create_selective_checkpoint_contexts(_save_expensive_ops)
+def _kept(op: object, args: tuple, recomputed_groups: frozenset[str]) -> bool:
+    """Whether per-op checkpointing keeps this op's output: an op of ``SAVED_OPS``, except an
+    all-gather over one of ``recomputed_groups`` (context parallel's: its k/v span the whole
+    sequence, so keeping them for every block would cost what CP saves; backward gathers
+    them again, as torch's ring attention does)."""
+    if op not in SAVED_OPS:
+        return False
+    return not (op is _ALL_GATHER and args[2] in recomputed_groups)
+
+
+def _save_expensive_ops(recomputed_groups: frozenset[str], ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if _kept(op, args, recomputed_groups):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_context(recomputed_groups: frozenset[str]):
+    return create_selective_checkpoint_contexts(functools.partial(_save_expensive_ops, recomputed_groups))
 
 
 class _SavedOutputs:
@@ -62,9 +77,10 @@ class _SavedOutputs:
     Each is released at its first reuse (so recompute holds no more than torch's own
     selective checkpointing) unless ``keep``: the block will be recomputed twice."""
 
-    def __init__(self, keep: bool) -> None:
+    def __init__(self, keep: bool, recomputed_groups: frozenset[str]) -> None:
         self.by_op: dict[object, list[object]] = {}
         self.keep = keep
+        self.recomputed_groups = recomputed_groups
 
 
 def _detached(value: object) -> object:
@@ -80,7 +96,7 @@ class _SaveExpensiveOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        if func in SAVED_OPS:
+        if _kept(func, args, self.saved.recomputed_groups):
             self.saved.by_op.setdefault(func, []).append(_detached(out))
         return out
 
@@ -99,7 +115,7 @@ class _ReuseExpensiveOps(TorchDispatchMode):
         self.calls: dict[object, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func not in SAVED_OPS:
+        if not _kept(func, args, self.saved.recomputed_groups):
             return func(*args, **(kwargs or {}))
         index = self.calls.get(func, 0)
         self.calls[func] = index + 1
@@ -143,11 +159,11 @@ class _Recompute:
 
 
 def _eager_contexts(
-    per_op: bool, recomputed_twice: bool
+    per_op: bool, recomputed_twice: bool, recomputed_groups: frozenset[str]
 ) -> tuple[contextlib.AbstractContextManager, _Recompute]:
     """(forward, recompute) contexts for an eager ``checkpoint``. (A compiled block
     recomputes inside its compiled backward, which needs neither.)"""
-    saved = _SavedOutputs(keep=recomputed_twice) if per_op else None
+    saved = _SavedOutputs(recomputed_twice, recomputed_groups) if per_op else None
     forward = _SaveExpensiveOps(saved) if saved is not None else contextlib.nullcontext()
     return forward, _Recompute(tuple(function_mode_stack()), saved)
 
@@ -173,21 +189,31 @@ def checkpointed_layers(cfg: ActivationCheckpoint, layer_ids: list[str]) -> list
 
 
 def apply_ac(
-    model: nn.Module, cfg: ActivationCheckpoint, compiled: bool, recomputed_twice: bool = False
+    model: nn.Module,
+    cfg: ActivationCheckpoint,
+    compiled: bool,
+    recomputed_twice: bool = False,
+    recomputed_groups: frozenset[str] = frozenset(),
+    random: bool = False,
 ) -> None:
     """Wrap the chosen blocks in place (parameter names gain a wrapper prefix that
     checkpoints and the init code strip). ``compiled``: the blocks will be compiled, and
     torch.compile accepts only dispatch-mode contexts. ``recomputed_twice``: backward runs
-    as two passes (zero-bubble schedules), each recomputing the blocks."""
+    as two passes (zero-bubble schedules), each recomputing the blocks. Per-op checkpointing
+    gathers again, rather than keeps, what it all-gathers over ``recomputed_groups``.
+    ``random``: the blocks draw random numbers (LoRA's dropout), so recompute replays the
+    forward's random state."""
     per_op = cfg.mode == "selective" and cfg.selective_ac_option == "op"
     if not compiled:
-        extra = {"context_fn": functools.partial(_eager_contexts, per_op, recomputed_twice)}
+        extra = {
+            "context_fn": functools.partial(_eager_contexts, per_op, recomputed_twice, recomputed_groups)
+        }
     else:
-        extra = {"context_fn": _op_context} if per_op else {}
+        extra = {"context_fn": functools.partial(_op_context, recomputed_groups)} if per_op else {}
     for i in checkpointed_layers(cfg, list(model.layers.keys())):
         model.layers[i] = checkpoint_wrapper(
             model.layers[i],
             checkpoint_fn=functools.partial(checkpoint, use_reentrant=False),
-            preserve_rng_state=False,  # the model draws no random numbers in forward
+            preserve_rng_state=random,
             **extra,
         )

@@ -75,11 +75,21 @@ def apply_lora(model: nn.Module, cfg: LoRA, compute_dtype: torch.dtype) -> int:
     for _, module in list(targeted(model, cfg.target_modules)):
         _add_adapters(module, cfg)
         count += 1
-    base_dtype = base_storage_dtype(cfg, compute_dtype)
-    for param in model.parameters():
-        if not param.requires_grad and param.dtype != base_dtype:  # adapters require grad
-            param.data = param.data.to(base_dtype)
+    _store_frozen(model, base_storage_dtype(cfg, compute_dtype))
     return count
+
+
+def _store_frozen(model: nn.Module, dtype: torch.dtype) -> None:
+    """Frozen weights (every one but the adapters) in ``dtype``, as new parameters: assigning
+    ``.data`` of a DTensor would leave its local shard in the old dtype. Tied weights stay tied."""
+    stored: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.requires_grad or param.dtype == dtype:
+                continue
+            if id(param) not in stored:
+                stored[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
+            setattr(module, name, stored[id(param)])
 
 
 def base_storage_dtype(cfg: LoRA, compute_dtype: torch.dtype) -> torch.dtype:
@@ -156,6 +166,12 @@ def check_lora(job: JobConfig, args: ModelArgs, device_type: str) -> None:
         raise ConfigError(
             f"lora.dropout = {cfg.dropout} with tensor_parallel_degree > 1: the tensor-parallel ranks would "
             "draw different dropout masks on the same replicated input; set lora.dropout = 0"
+        )
+    if cfg.dropout > 0 and job.compile.enable and job.activation_checkpoint.mode != "none":
+        raise ConfigError(
+            f"lora.dropout = {cfg.dropout} with compile.enable and activation_checkpoint.mode = "
+            f"{job.activation_checkpoint.mode}: the compiled recompute is not checked to replay the forward's "
+            "dropout masks; set lora.dropout = 0, --activation_checkpoint.mode none or --compile.enable false"
         )
     compute = compute_dtype(job, torch.device(device_type))
     if base_storage_dtype(cfg, compute).itemsize < compute.itemsize:

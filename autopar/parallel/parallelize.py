@@ -98,7 +98,10 @@ def parallelize(
     compiled = job.compile.enable and "model" in job.compile.components
     if job.activation_checkpoint.mode != "none":
         twice = pipelined and SCHEDULE_STYLES[schedule_name(parallelism)].splits_backward
-        apply_ac(model, job.activation_checkpoint, compiled, recomputed_twice=twice)
+        cp_mesh = meshes.get("cp")
+        cp_groups = frozenset() if cp_mesh is None else frozenset({cp_mesh.get_group().group_name})
+        dropout = job.lora.enable and job.lora.dropout > 0
+        apply_ac(model, job.activation_checkpoint, compiled, twice, cp_groups, random=dropout)
         logger.info(
             "applied activation checkpointing: %s (%s)",
             job.activation_checkpoint.mode,

@@ -47,6 +47,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from autopar.config.errors import ConfigError
@@ -54,6 +55,7 @@ from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.models.qwen import Qwen
 from autopar.parallel.activation_checkpoint import checkpointed_layers
+from autopar.parallel.lora import ADAPTER_PLACEMENTS, base_storage_dtype, targeted
 from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.mixed_precision import compute_dtype
 from autopar.parallel.parallelize import loss_parallel_enabled
@@ -152,11 +154,72 @@ def modules_numel(
     args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str], sharded: bool = True
 ) -> int:
     """Elements this rank keeps of ``modules`` (top-level paths such as ``layers.3``), FSDP
-    shards included when ``sharded``."""
+    shards included when ``sharded``; LoRA's adapters not included (``adapters_numel``)."""
     fsdp = dims.dp_shard * dims.cp if (sharded and dims.fsdp_enabled) else 1
     sequence_parallel = job.parallelism.enable_sequence_parallel
     numel = module_numel(args, dims.tp, fsdp, sequence_parallel, loss_parallel_enabled(job, dims), dims.ep)
     return sum(numel.get(module_key(args, m), 0) for m in modules)
+
+
+def _adapter_tp_dims(base_dim: int | None) -> tuple[int | None, ...]:
+    """The TP dims of (A, B) beside a base weight split along ``base_dim`` (``ADAPTER_PLACEMENTS``)."""
+    base = Replicate() if base_dim is None else Shard(base_dim)
+    return tuple(p.dim if isinstance(p, Shard) else None for p in ADAPTER_PLACEMENTS[base])
+
+
+@functools.lru_cache(maxsize=256)
+def adapter_numel(
+    args: ModelArgs,
+    targets: tuple[str, ...],
+    rank: int,
+    tp: int,
+    fsdp: int,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+) -> dict[str, int]:
+    """Elements one rank keeps of each top-level module's LoRA adapters (A: rank x in, B:
+    out x rank per targeted linear), split by TP as their base is and then by FSDP on dim 0."""
+    first = _first_blocks(args)
+    plan = tp_plan(args, list(first.values()), sequence_parallel, loss_parallel)
+    numel: dict[str, int] = {}
+    for path, linear in targeted(_meta_model(args), list(targets)):
+        top = ".".join(path.split(".")[:2]) if path.startswith("layers.") else path.split(".")[0]
+        key = module_key(args, top)
+        if path.startswith("layers.") and path.split(".")[1] != first[key]:
+            continue
+        a_dim, b_dim = _adapter_tp_dims(_tp_dim(plan.get(path), path, "weight"))
+        count = local_numel((rank, linear.in_features), a_dim, tp, fsdp)
+        count += local_numel((linear.out_features, rank), b_dim, tp, fsdp)
+        numel[key] = numel.get(key, 0) + count
+    return numel
+
+
+def adapters_numel(
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str], sharded: bool = True
+) -> int:
+    """``modules_numel`` of LoRA's adapters (0 without LoRA)."""
+    if not job.lora.enable:
+        return 0
+    fsdp = dims.dp_shard * dims.cp if (sharded and dims.fsdp_enabled) else 1
+    numel = adapter_numel(
+        args,
+        tuple(job.lora.target_modules),
+        job.lora.rank,
+        dims.tp,
+        fsdp,
+        job.parallelism.enable_sequence_parallel,
+        loss_parallel_enabled(job, dims),
+    )
+    return sum(numel.get(module_key(args, m), 0) for m in modules)
+
+
+def trained_numel(
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str], sharded: bool = True
+) -> int:
+    """Elements with gradients and optimizer state: the adapters under LoRA, else every one."""
+    if job.lora.enable:
+        return adapters_numel(args, job, dims, modules, sharded)
+    return modules_numel(args, job, dims, modules, sharded)
 
 
 @dataclass(frozen=True)
@@ -180,6 +243,44 @@ class _Sizes:
     moe_inter: int = 0
     norm_topk: bool = False
     ep: int = 1
+    frozen: bool = False  # LoRA: norm and head weights take no gradient, so save no input for one
+    rank: int = 0  # LoRA's adapters: rank, dropout, and per kind of block (MoE or not) the
+    dropout: bool = False  # (in, out) features per TP rank of each adapted linear
+    adapted: dict[bool, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    kept_inputs: dict[bool, frozenset[str]] = field(default_factory=dict)  # LoRA: see INPUTS
+    head_adapted: bool = False
+
+    def keeps(self, moe: bool, inputs: str) -> bool:
+        """Whether a block saves the input its linears named by ``inputs`` share: for their
+        weights' gradients, or under LoRA an adapter's (without dropout: dropout saves its own)."""
+        return not self.frozen or inputs in self.kept_inputs.get(moe, frozenset())
+
+
+INPUTS = {
+    "q_proj": "attention",
+    "k_proj": "attention",
+    "v_proj": "attention",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+}
+INPUTS |= {"down_proj": "down"}
+"""Which input a block linear takes: q/k/v share the normed hidden state, gate/up theirs, and
+down the SwiGLU product (o_proj's is attention's output, which attention saves anyway)."""
+
+
+def lora_bytes_no_ac(z: _Sizes, moe: bool = False) -> float:
+    """What LoRA adds to a block's saves: each adapted linear's A output (rank wide, for B's
+    gradient) and, with dropout, its mask and the dropped input A takes (the input the base
+    saves is otherwise A's too)."""
+    t, linears = z.tokens, z.adapted.get(moe, ())
+    dropped = sum((z.c + 1) * fan_in * t for fan_in, _ in linears) if z.dropout else 0.0
+    return z.c * z.rank * t * len(linears) + dropped
+
+
+def lora_bytes_op_ac(z: _Sizes, moe: bool = False) -> float:
+    """Per-op checkpointing keeps both adapter matmuls' outputs: A's (rank wide) and B's (as
+    wide as the base's)."""
+    return sum(z.c * (z.rank + fan_out) * z.tokens for _, fan_out in z.adapted.get(moe, ()))
 
 
 def moe_bytes_no_ac(z: _Sizes) -> float:
@@ -201,15 +302,17 @@ def block_bytes_no_ac(z: _Sizes, qk_norm: bool, moe: bool = False) -> float:
     """Bytes one block (``moe``: a mixture-of-experts one) saves for backward per micro-batch,
     without checkpointing."""
     t = z.tokens
-    norm = (FP32 + z.c) * z.h * t / z.sp + FP32 * t / z.sp
-    linear_inputs = 2 * z.c * z.h * t
+    normed = 0 if z.frozen else z.c  # the normalized copy the weight's gradient needs
+    norm = (FP32 + normed) * z.h * t / z.sp + FP32 * t / z.sp
+    linear_inputs = z.c * z.h * t * (z.keeps(moe, "attention") + (moe or z.keeps(moe, "mlp")))
     heads = z.nq * z.d * t
-    qk = (FP32 + z.c) * (z.nq + z.nkv) * z.d * t + FP32 * (z.nq + z.nkv) * t if qk_norm else 0
+    qk = (FP32 + normed) * (z.nq + z.nkv) * z.d * t + FP32 * (z.nq + z.nkv) * t if qk_norm else 0
     rope = 4 * z.c * z.seq * z.d
     attention = 2 * z.c * heads + 2 * z.c * z.kv_sdpa * z.d * t * z.kv_seq_factor + FP32 * z.nq * t
-    mlp = moe_bytes_no_ac(z) if moe else 4 * z.c * z.inter * t
+    # gate, silu(gate), up and (for down's weight) their product
+    mlp = moe_bytes_no_ac(z) if moe else (3 + z.keeps(moe, "down")) * z.c * z.inter * t
     mask = z.c * z.mask  # SDPA turns a boolean mask into an additive one and saves it
-    return 2 * norm + linear_inputs + qk + rope + attention + mlp + mask
+    return 2 * norm + linear_inputs + qk + rope + attention + mlp + mask + lora_bytes_no_ac(z, moe)
 
 
 def block_bytes_op_ac(z: _Sizes, tp: int, moe: bool = False) -> float:
@@ -236,7 +339,7 @@ def block_bytes_op_ac(z: _Sizes, tp: int, moe: bool = False) -> float:
             collectives = z.c * z.h * t * (2 + reduce_scatters / tp)
         else:
             collectives = z.c * z.h * t * reduce_scatters
-    return qkv + attention + out_proj + mlp + block_input + collectives
+    return qkv + attention + out_proj + mlp + block_input + collectives + lora_bytes_op_ac(z, moe)
 
 
 def block_weight_output_grad_bytes(z: _Sizes, qk_norm: bool, moe: bool = False) -> float:
@@ -282,8 +385,9 @@ def head_bytes(z: _Sizes, vocab: int, tp_loss_parallel: int, chunk_tokens: int =
     t = z.tokens
     logits = z.c * (vocab // tp_loss_parallel) * t
     fp32_logits = logits * FP32 // z.c
-    norm = (FP32 + z.c) * z.h * t / z.sp + FP32 * t / z.sp
-    kept = norm + z.c * z.h * t + logits
+    weighted = not z.frozen or z.head_adapted  # a frozen head needs no input for its gradient
+    norm = (FP32 + (0 if z.frozen else z.c)) * z.h * t / z.sp + FP32 * t / z.sp
+    kept = norm + (z.c * z.h * t if weighted else 0) + logits
     if chunk_tokens:
         chunk = (3 * FP32 + z.c) * (vocab // tp_loss_parallel) * min(chunk_tokens, t)
         return HeadBytes(kept + logits, chunk, logits)
@@ -327,7 +431,71 @@ def sizes(
         moe_inter=args.moe_intermediate_size,
         norm_topk=args.norm_topk_prob,
         ep=dims.ep,
+        **_lora_sizes(args, job, dims),
     )
+
+
+def _lora_sizes(args: ModelArgs, job: JobConfig, dims: ParallelDims) -> dict[str, object]:
+    """``_Sizes``' LoRA fields: the adapted linears of the first block of each kind."""
+    cfg = job.lora
+    if not cfg.enable:
+        return {}
+    return {
+        "frozen": True,
+        "rank": cfg.rank,
+        "dropout": cfg.dropout > 0,
+        "adapted": _adapted_linears(args, tuple(cfg.target_modules), dims.tp),
+        "kept_inputs": {} if cfg.dropout > 0 else _adapted_inputs(args, tuple(cfg.target_modules)),
+        "head_adapted": "lm_head" in dict(targeted(_meta_model(args), cfg.target_modules)),
+    }
+
+
+@functools.lru_cache(maxsize=16)
+def _meta_model(args: ModelArgs) -> Qwen:
+    """The model built on meta (no memory), for its module names and shapes. Cached per
+    model: callers must not modify it."""
+    with torch.device("meta"):
+        return Qwen(args)
+
+
+def _first_blocks(args: ModelArgs) -> dict[str, str]:
+    """The first block of each kind (``module_key``): its layer id."""
+    first: dict[str, str] = {}
+    for i in range(args.num_hidden_layers):
+        first.setdefault(module_key(args, f"layers.{i}"), str(i))
+    return first
+
+
+@functools.lru_cache(maxsize=64)
+def _adapted_inputs(args: ModelArgs, targets: tuple[str, ...]) -> dict[bool, frozenset[str]]:
+    """Per kind of block (MoE or not), the ``INPUTS`` some adapted linear takes."""
+    first = set(_first_blocks(args).values())
+    inputs: dict[bool, set[str]] = {}
+    for path, _ in targeted(_meta_model(args), list(targets)):
+        parts = path.split(".")
+        if parts[0] == "layers" and parts[1] in first and parts[-1] in INPUTS:
+            inputs.setdefault(args.is_moe_layer(int(parts[1])), set()).add(INPUTS[parts[-1]])
+    return {k: frozenset(v) for k, v in inputs.items()}
+
+
+@functools.lru_cache(maxsize=256)
+def _adapted_linears(
+    args: ModelArgs, targets: tuple[str, ...], tp: int
+) -> dict[bool, tuple[tuple[int, int], ...]]:
+    """Per kind of block (MoE or not), the (in, out) features per TP rank of each linear LoRA
+    adapts, as the TP plan splits them."""
+    first = _first_blocks(args)
+    plan = tp_plan(args, list(first.values()), False, False)
+    adapted: dict[bool, list[tuple[int, int]]] = {}
+    for path, linear in targeted(_meta_model(args), list(targets)):
+        layer = path.split(".")[1] if path.startswith("layers.") else None
+        if layer is None or layer not in first.values():
+            continue
+        dim = _tp_dim(plan.get(path), path, "weight")
+        fan_in = linear.in_features // (tp if dim == 1 else 1)
+        fan_out = linear.out_features // (tp if dim == 0 else 1)
+        adapted.setdefault(args.is_moe_layer(int(layer)), []).append((fan_in, fan_out))
+    return {k: tuple(v) for k, v in adapted.items()}
 
 
 def predict(
@@ -387,6 +555,8 @@ def _predict_stage_rank(
     ids = _rank_stage_ids(job, dims, len(stages), pp_rank) if dims.pp > 1 else [0]
     modules = [m for i in ids for m in stages[i]]
     numel = modules_numel(args, job, dims, modules)
+    trained = trained_numel(args, job, dims, modules)
+    stored = _stored_bytes(job, device_type)
     micro = (
         job.parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else job.training.local_batch_size
     )
@@ -423,19 +593,19 @@ def _predict_stage_rank(
     head = head_bytes(z, args.vocab_size, shards, job.training.loss_chunk_tokens)
 
     fsdp = uses_fsdp(job, dims)
-    gathered = _gathered_bytes(args, job, dims, modules, c)
+    gathered = _gathered_bytes(args, job, dims, modules, c, stored)
     # sharded gradients outlive a backward only when micro-steps accumulate into them, or
     # when a pipeline without FSDP keeps them whole across micro-batches
     accumulating = micro_steps(job, dims) > 1 or (dims.pp > 1 and not fsdp)
     static = {
-        "params": FP32 * numel,
-        "optimizer": 2 * FP32 * numel,
-        "grads": FP32 * numel if accumulating else 0.0,
+        "params": stored * numel + (FP32 * trained if job.lora.enable else 0.0),
+        "optimizer": 2 * FP32 * trained,
+        "grads": FP32 * trained if accumulating else 0.0,
     }
     # CPU offload: master weights, the step's gradients (each shard lands there as its
     # reduce-scatter ends) and the optimizer state live in host memory
     host, static = (
-        ({**static, "grads": FP32 * numel}, {}) if job.training.enable_cpu_offload else ({}, static)
+        ({**static, "grads": FP32 * trained}, {}) if job.training.enable_cpu_offload else ({}, static)
     )
     if fsdp and layers:
         block = {is_moe[m]: _gathered_numel(args, job, dims, [m], c) for m in is_moe}
@@ -460,7 +630,8 @@ def _predict_stage_rank(
         block_activations = {
             k: recompute[k] if full else (recompute[k] - per_block[k] if op else -per_block[k]) for k in kinds
         }
-        block_buffers = {k: FP32 * block[k] for k in kinds}
+        block_trained = {is_moe[m]: trained_numel(args, job, dims, [m], sharded=False) for m in is_moe}
+        block_buffers = {k: FP32 * block_trained[k] for k in kinds}
     else:
         block_gathered = dict.fromkeys(kinds, gathered)
         block_activations, block_buffers = recompute, dict.fromkeys(kinds, 0.0)
@@ -482,16 +653,15 @@ def _predict_stage_rank(
     }
     unsynced_grads = {}
     if unsynced:
-        whole = module_numel(args, dims.tp, 1, job.parallelism.enable_sequence_parallel, shards > 1, dims.ep)
         for i in ids:
-            sizes_ = [whole.get(module_key(args, m), 0) for m in stages[i]]
+            sizes_ = [trained_numel(args, job, dims, [m], sharded=False) for m in stages[i]]
             # the stage's largest gradient, in the compute dtype, beside its float32 copy
             unsynced_grads[i] = (FP32 * sum(sizes_), c * max(sizes_))
     heads = {i for i in ids if "lm_head" in stages[i]}
     embeds = {i for i in ids if "embed_tokens" in stages[i]}
     embedding_gathered, embedding_grads = _embedding_backward_bytes(args, job, dims, c, not unsynced)
     # without accumulation, the step's gradients all exist by its last backward
-    fresh_grads = 0.0 if accumulating or unsynced or host else FP32 * numel
+    fresh_grads = 0.0 if accumulating or unsynced or host else FP32 * trained
     alive, accumulated = 0.0, 0.0
     # (gathered_params, activations, gradient_buffers) of the largest moment so far
     peak, peak_total = (0.0, 0.0, 0.0), 0.0
@@ -532,6 +702,14 @@ def _predict_stage_rank(
     return Memory(role, {**static, **{k: v for k, v in moment.items() if v}}, host)
 
 
+def _stored_bytes(job: JobConfig, device_type: str) -> int:
+    """Bytes per element of a weight as stored: float32 masters, or LoRA's frozen base in its
+    own dtype."""
+    if not job.lora.enable:
+        return FP32
+    return base_storage_dtype(job.lora, compute_dtype(job, torch.device(device_type))).itemsize
+
+
 def uses_fsdp(job: JobConfig, dims: ParallelDims) -> bool:
     """Whether FSDP wraps the model: over data ranks, or over one for CPU offload."""
     return dims.fsdp_enabled or job.training.enable_cpu_offload
@@ -544,13 +722,15 @@ def micro_steps(job: JobConfig, dims: ParallelDims) -> int:
     return training.global_batch_size // (training.local_batch_size * dims.dp)
 
 
-def _gathered_bytes(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str], c: int) -> float:
+def _gathered_bytes(
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str], c: int, stored: int
+) -> float:
     """Compute-dtype copies of parameters alive at the peak: FSDP's unsharded head (its group
     is not resharded after forward), or every block when nothing reshards (pipelining);
-    without FSDP, the compute-dtype casts of the weights, which
-    autograd keeps for backward."""
+    without FSDP, the compute-dtype casts of weights ``stored`` wider, which autograd keeps
+    for backward."""
     if not uses_fsdp(job, dims):
-        return modules_numel(args, job, dims, modules, sharded=False) * c if c < FP32 else 0.0
+        return modules_numel(args, job, dims, modules, sharded=False) * c if c < stored else 0.0
     if _keeps_blocks(job, dims):
         return _gathered_numel(args, job, dims, modules, c) * c
     return _head_group_bytes(args, job, dims, modules, c)
@@ -582,8 +762,8 @@ def _embedding_backward_bytes(
     sum reduce-scattered afterwards, and under FSDP it is the unsharded weight's; when FSDP
     syncs, it copies its TP shard into a float32 reduce-scatter buffer (and gathers the
     embedding again, unless it is tied to the head, whose group stays gathered)."""
-    if dims.tp == 1 and not uses_fsdp(job, dims):
-        return 0.0, 0.0  # the gradient is the parameter's own .grad
+    if job.lora.enable or (dims.tp == 1 and not uses_fsdp(job, dims)):
+        return 0.0, 0.0  # frozen, or the gradient is the parameter's own .grad
     whole = args.vocab_size * args.hidden_size
     if not uses_fsdp(job, dims):
         return 0.0, FP32 * whole

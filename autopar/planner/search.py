@@ -194,7 +194,7 @@ def evaluate(
     if fits:
         time = predict_time(args, job, dims, device, gpus_per_node)
         tokens_per_s = tokens_per_step(job, dims) / time.total / dims.world_size
-        mfu = tokens_per_s * flops_per_token(args, job.training.seq_len) / device.bf16_flops
+        mfu = tokens_per_s * flops_per_token(args, job.training.seq_len, job.lora.enable) / device.bf16_flops
     return Plan(settings or job_settings(job), dims, memory, fits, time, tokens_per_s, mfu)
 
 

@@ -104,7 +104,7 @@ def predict_time(
     world = dims.world_size
     rate = compute_rate(job, device)
     tokens = tokens_per_step(job, dims)
-    compute = flops_per_token(args, seq) * tokens / world / rate
+    compute = flops_per_token(args, seq, job.lora.enable) * tokens / world / rate
 
     pipelined = dims.pp > 1
     micro = job.parallelism.pipeline_parallel_microbatch_size if pipelined else job.training.local_batch_size
@@ -173,9 +173,10 @@ def predict_time(
         experts = _rank_expert_params(args, dims)
         efsdp = fsdp // dims.ep
         moved = (fsdp - 1) / fsdp * (unsharded - experts) + (efsdp - 1) / efsdp * experts
-        moved *= c * gathers + 4 * micro_batches
+        # each gather, and each float32 gradient's reduce-scatter (LoRA's adapters': negligible)
+        moved *= c * gathers + (0 if job.lora.enable else 4 * micro_batches)
         comm["fsdp"] = moved / link_bytes_per_s(spans["fsdp"], gpus_per_node, device)
-    if dims.dp_replicate > 1:
+    if dims.dp_replicate > 1 and not job.lora.enable:
         r = dims.dp_replicate
         moved = 2 * (r - 1) / r * 4 * unsharded / fsdp * micro_batches
         comm["dp_replicate"] = moved / link_bytes_per_s(spans["dp_replicate"], gpus_per_node, device)

@@ -58,10 +58,12 @@ def matmul_params(args: ModelArgs) -> int:
     return blocks + args.hidden_size * args.vocab_size
 
 
-def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """Training FLOPs per token, 6N + 12*L*H*Q*T (PaLM; causal attention not halved)."""
+def flops_per_token(args: ModelArgs, seq_len: int, frozen: bool = False) -> float:
+    """Training FLOPs per token, 6N + 12*L*H*Q*T (PaLM; causal attention not halved). With the
+    weights ``frozen`` (LoRA) backward computes no weight gradients: 4N (rank-r adapters add
+    under 1%, left out)."""
     attention = 12 * args.num_hidden_layers * args.num_attention_heads * args.head_dim * seq_len
-    return 6 * matmul_params(args) + attention
+    return (4 if frozen else 6) * matmul_params(args) + attention
 
 
 def peak_flops(device: torch.device) -> float | None:

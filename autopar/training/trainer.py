@@ -111,7 +111,7 @@ class Trainer:
         )
         self.metrics = MetricsLogger(
             job.job.dump_folder,
-            flops_per_token(args, job.training.seq_len),
+            flops_per_token(args, job.training.seq_len, job.lora.enable),
             self.loader.global_batch * job.training.seq_len,
             job.training.steps,
             world.device,
