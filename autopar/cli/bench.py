@@ -56,6 +56,8 @@ NAMED_VARIANTS = {
     "attn_efficient": "compile.enable=true,float8.enable=false,training.sdpa_backend=efficient",
     "attn_cudnn": "compile.enable=true,float8.enable=false,training.sdpa_backend=cudnn",
     "attn_math": "compile.enable=true,float8.enable=false,training.sdpa_backend=math",
+    "lora": "compile.enable=true,float8.enable=false,lora.enable=true",
+    "lora_eager": "compile.enable=false,float8.enable=false,lora.enable=true",
 }
 """Each name is shorthand for its overrides; everything else comes from the job."""
 

@@ -22,8 +22,14 @@ per token of a block, with ``c`` the compute dtype's bytes and heads/intermediat
   the two kinds are sized separately, and experts are split over ``ep`` ranks before FSDP
   shards them over the data ranks left.
 
+Under LoRA the frozen base is stored in its own dtype and only the adapters have fp32
+weights, gradients and AdamW state; frozen norms and heads save no normalized copy or input
+for a weight gradient, a linear keeps its input only where an adapter takes it, and each
+adapter saves its rank-wide A output (``lora_bytes_no_ac``).
+
 Selective per-op checkpointing keeps the outputs of matmuls, attention and collectives
-(``plans.activation_checkpoint.SAVED_OPS``); full checkpointing keeps each block's input and
+(``plans.activation_checkpoint.SAVED_OPS``; context parallel's k/v all-gathers excepted:
+backward gathers again); full checkpointing keeps each block's input and
 recomputes one block at a time in backward. The peak is the largest of the moments met while
 walking this rank's step in the schedule's own order (``pipelining.schedule.rank_actions``,
 read off torch's schedule; without pipelining one forward then one backward): each forward
