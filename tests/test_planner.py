@@ -139,7 +139,6 @@ GRID = [
             *PIPELINE,
             "--lora.enable=true",
             "--lora.target_modules=q_proj,v_proj,lm_head",
-            "--lora.dropout=0.1",
         ],
     ),
     # mixtures of experts (routing taken as balanced by both): expert shards over EP x FSDP,

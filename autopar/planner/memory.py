@@ -91,12 +91,26 @@ class Memory:
 
 
 @functools.lru_cache(maxsize=16)
+def _meta_model(args: ModelArgs) -> Qwen:
+    """The model built on meta (no memory), for its module names and shapes. Cached per
+    model: callers must not modify it."""
+    with torch.device("meta"):
+        return Qwen(args)
+
+
+def _first_blocks(args: ModelArgs) -> dict[str, str]:
+    """The first block of each kind (``module_key``): its layer id."""
+    first: dict[str, str] = {}
+    for i in range(args.num_hidden_layers):
+        first.setdefault(module_key(args, f"layers.{i}"), str(i))
+    return first
+
+
+@functools.lru_cache(maxsize=16)
 def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every parameter's full shape (tied weights once), from the model built on meta.
     Cached per model: callers must not modify the result."""
-    with torch.device("meta"):
-        model = Qwen(args)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return {name: tuple(p.shape) for name, p in _meta_model(args).named_parameters()}
 
 
 def _tp_dim(style: object, module_path: str, param: str) -> int | None:
@@ -135,9 +149,7 @@ def module_numel(
     one block of each kind) under the TP plan's styles and FSDP2's dim-0 sharding over
     ``fsdp``. Experts are split over ``ep`` ranks first (``plans.expert_parallel``), and FSDP
     shards them over the ``fsdp / ep`` data ranks left."""
-    first = {}
-    for i in range(args.num_hidden_layers):
-        first.setdefault(module_key(args, f"layers.{i}"), str(i))
+    first = _first_blocks(args)
     plan = tp_plan(args, list(first.values()), sequence_parallel, loss_parallel)
     numel: dict[str, int] = {}
     for name, shape in param_shapes(args).items():
@@ -173,29 +185,32 @@ def _adapter_tp_dims(base_dim: int | None) -> tuple[int | None, ...]:
     return tuple(p.dim if isinstance(p, Shard) else None for p in ADAPTER_PLACEMENTS[base])
 
 
-@functools.lru_cache(maxsize=256)
-def adapter_numel(
-    args: ModelArgs,
-    targets: tuple[str, ...],
-    rank: int,
-    tp: int,
-    fsdp: int,
-    sequence_parallel: bool,
-    loss_parallel: bool,
-) -> dict[str, int]:
-    """Elements one rank keeps of each top-level module's LoRA adapters (A: rank x in, B:
-    out x rank per targeted linear), split by TP as their base is and then by FSDP on dim 0."""
+@functools.lru_cache(maxsize=64)
+def _adapted(args: ModelArgs, targets: tuple[str, ...]) -> tuple[tuple[str, str, int, int, int | None], ...]:
+    """Each linear LoRA adapts among the modules ``module_numel`` counts (the first block of
+    each kind, and the modules outside blocks): its ``module_key``, its own name (``q_proj``),
+    in and out features, and the dim the TP plan splits its weight along."""
     first = _first_blocks(args)
-    plan = tp_plan(args, list(first.values()), sequence_parallel, loss_parallel)
-    numel: dict[str, int] = {}
+    plan = tp_plan(args, list(first.values()), False, False)  # (the split dims do not depend on SP)
+    adapted = []
     for path, linear in targeted(_meta_model(args), list(targets)):
         top = ".".join(path.split(".")[:2]) if path.startswith("layers.") else path.split(".")[0]
         key = module_key(args, top)
         if path.startswith("layers.") and path.split(".")[1] != first[key]:
             continue
-        a_dim, b_dim = _adapter_tp_dims(_tp_dim(plan.get(path), path, "weight"))
-        count = local_numel((rank, linear.in_features), a_dim, tp, fsdp)
-        count += local_numel((linear.out_features, rank), b_dim, tp, fsdp)
+        dim = _tp_dim(plan.get(path), path, "weight")
+        adapted.append((key, path.rpartition(".")[2], linear.in_features, linear.out_features, dim))
+    return tuple(adapted)
+
+
+@functools.lru_cache(maxsize=256)
+def adapter_numel(args: ModelArgs, targets: tuple[str, ...], rank: int, tp: int, fsdp: int) -> dict[str, int]:
+    """Elements one rank keeps of each top-level module's LoRA adapters (A: rank x in, B:
+    out x rank per adapted linear), split by TP as their base is and then by FSDP on dim 0."""
+    numel: dict[str, int] = {}
+    for key, _, fan_in, fan_out, dim in _adapted(args, targets):
+        a_dim, b_dim = _adapter_tp_dims(dim)
+        count = local_numel((rank, fan_in), a_dim, tp, fsdp) + local_numel((fan_out, rank), b_dim, tp, fsdp)
         numel[key] = numel.get(key, 0) + count
     return numel
 
@@ -207,15 +222,7 @@ def adapters_numel(
     if not job.lora.enable:
         return 0
     fsdp = dims.dp_shard * dims.cp if (sharded and dims.fsdp_enabled) else 1
-    numel = adapter_numel(
-        args,
-        tuple(job.lora.target_modules),
-        job.lora.rank,
-        dims.tp,
-        fsdp,
-        job.parallelism.enable_sequence_parallel,
-        loss_parallel_enabled(job, dims),
-    )
+    numel = adapter_numel(args, tuple(job.lora.target_modules), job.lora.rank, dims.tp, fsdp)
     return sum(numel.get(module_key(args, m), 0) for m in modules)
 
 
@@ -262,14 +269,8 @@ class _Sizes:
         return not self.frozen or inputs in self.kept_inputs.get(moe, frozenset())
 
 
-INPUTS = {
-    "q_proj": "attention",
-    "k_proj": "attention",
-    "v_proj": "attention",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-}
-INPUTS |= {"down_proj": "down"}
+INPUTS = dict.fromkeys(("q_proj", "k_proj", "v_proj"), "attention")
+INPUTS |= dict.fromkeys(("gate_proj", "up_proj"), "mlp") | {"down_proj": "down"}
 """Which input a block linear takes: q/k/v share the normed hidden state, gate/up theirs, and
 down the SwiGLU product (o_proj's is attention's output, which attention saves anyway)."""
 
@@ -446,61 +447,35 @@ def _lora_sizes(args: ModelArgs, job: JobConfig, dims: ParallelDims) -> dict[str
     cfg = job.lora
     if not cfg.enable:
         return {}
+    targets = tuple(cfg.target_modules)
     return {
         "frozen": True,
         "rank": cfg.rank,
         "dropout": cfg.dropout > 0,
-        "adapted": _adapted_linears(args, tuple(cfg.target_modules), dims.tp),
-        "kept_inputs": {} if cfg.dropout > 0 else _adapted_inputs(args, tuple(cfg.target_modules)),
-        "head_adapted": "lm_head" in dict(targeted(_meta_model(args), cfg.target_modules)),
+        "adapted": _adapted_linears(args, targets, dims.tp),
+        "kept_inputs": {} if cfg.dropout > 0 else _adapted_inputs(args, targets),
+        "head_adapted": any(key == "lm_head" for key, *_ in _adapted(args, targets)),
     }
 
 
-@functools.lru_cache(maxsize=16)
-def _meta_model(args: ModelArgs) -> Qwen:
-    """The model built on meta (no memory), for its module names and shapes. Cached per
-    model: callers must not modify it."""
-    with torch.device("meta"):
-        return Qwen(args)
-
-
-def _first_blocks(args: ModelArgs) -> dict[str, str]:
-    """The first block of each kind (``module_key``): its layer id."""
-    first: dict[str, str] = {}
-    for i in range(args.num_hidden_layers):
-        first.setdefault(module_key(args, f"layers.{i}"), str(i))
-    return first
-
-
-@functools.lru_cache(maxsize=64)
 def _adapted_inputs(args: ModelArgs, targets: tuple[str, ...]) -> dict[bool, frozenset[str]]:
     """Per kind of block (MoE or not), the ``INPUTS`` some adapted linear takes."""
-    first = set(_first_blocks(args).values())
     inputs: dict[bool, set[str]] = {}
-    for path, _ in targeted(_meta_model(args), list(targets)):
-        parts = path.split(".")
-        if parts[0] == "layers" and parts[1] in first and parts[-1] in INPUTS:
-            inputs.setdefault(args.is_moe_layer(int(parts[1])), set()).add(INPUTS[parts[-1]])
+    for key, name, *_ in _adapted(args, targets):
+        if key in ("layer", "moe_layer") and name in INPUTS:
+            inputs.setdefault(key == "moe_layer", set()).add(INPUTS[name])
     return {k: frozenset(v) for k, v in inputs.items()}
 
 
-@functools.lru_cache(maxsize=256)
 def _adapted_linears(
     args: ModelArgs, targets: tuple[str, ...], tp: int
 ) -> dict[bool, tuple[tuple[int, int], ...]]:
-    """Per kind of block (MoE or not), the (in, out) features per TP rank of each linear LoRA
-    adapts, as the TP plan splits them."""
-    first = _first_blocks(args)
-    plan = tp_plan(args, list(first.values()), False, False)
+    """Per kind of block (MoE or not), the (in, out) features per TP rank of each adapted linear."""
     adapted: dict[bool, list[tuple[int, int]]] = {}
-    for path, linear in targeted(_meta_model(args), list(targets)):
-        layer = path.split(".")[1] if path.startswith("layers.") else None
-        if layer is None or layer not in first.values():
-            continue
-        dim = _tp_dim(plan.get(path), path, "weight")
-        fan_in = linear.in_features // (tp if dim == 1 else 1)
-        fan_out = linear.out_features // (tp if dim == 0 else 1)
-        adapted.setdefault(args.is_moe_layer(int(layer)), []).append((fan_in, fan_out))
+    for key, _, fan_in, fan_out, dim in _adapted(args, targets):
+        if key in ("layer", "moe_layer"):
+            local = (-(-fan_in // tp) if dim == 1 else fan_in, -(-fan_out // tp) if dim == 0 else fan_out)
+            adapted.setdefault(key == "moe_layer", []).append(local)
     return {k: tuple(v) for k, v in adapted.items()}
 
 
