@@ -36,10 +36,8 @@ PLANS = [
 # LoRA adapters follow their base's placement (A whole and B sharded on a column-parallel
 # linear, the other way on a row-parallel one); FSDP shards them beside the frozen base.
 LORA = ("--lora.enable", "true", "--lora.rank", "4")
-LORA_PLANS = [
-    "dp_shard=2",
+LORA_PLANS = [  # FSDP and TP+SP each run inside dp_shard=2,tp=2
     "dp_replicate=2,dp_shard=2",
-    "tp=2",
     "tp=2,sp=false",
     "dp_shard=2,tp=2",
     "cp=2",
