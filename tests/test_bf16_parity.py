@@ -44,10 +44,11 @@ SPLIT_COMPUTE = [
     "pp=2",
     "cp=2",
     "dp_shard=2,tp=2",
-    "dp_shard=2,tp=2,pp=2",
-    "dp_shard=2,cp=2,tp=2",
     "tp=2,training.loss_chunk_tokens=24",  # vocab-parallel chunks, bf16 logits' gradient
 ]
+THREE_D = ["dp_shard=2,tp=2,pp=2", "dp_shard=2,cp=2,tp=2"]
+"""Eight-rank mixes of the split-compute plans above: a minute of eight processes on two
+cores for what each two- and four-rank plan already shows; python -m pytest -m heavy."""
 LORA_PLANS = ["dp_shard=2", "tp=2", "pp=2"]
 """LoRA in bf16: the frozen base stored in bf16 beside fp32 adapters, under FSDP (one dtype
 mix in its all-gather), TP and PP (measured on the debug model, 5 steps: FSDP 1e-7; TP, PP 1e-5
@@ -91,20 +92,25 @@ def with_unsummed_input_gradients(jobs):
     return run_plans(jobs)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("bf16")
+def bf16_runs(tmp, plans: list[str], lora_plans: list[str]) -> tuple[dict, tuple[float, float]]:
+    """plan -> (one-device bf16, plan bf16) ("lora <plan>" for LoRA's), and the split-compute
+    tolerance: MULTIPLE_OF_BF16_GAP times one-device bf16's distance from one-device fp32."""
     base = tiny_job(tmp / "bf16", *BATCH, *BF16)
-    plans = DATA_PARALLEL + SPLIT_COMPUTE
     lora = tiny_job(tmp / "bf16-lora", *BATCH, *BF16, "--lora.enable", "true", "--lora.rank", "4")
-    cases = [Case(base, plan) for plan in plans] + [Case(lora, plan) for plan in LORA_PLANS]
-    pairs = dict(zip(plans + [f"lora {plan}" for plan in LORA_PLANS], run_cases(cases, STEPS)))
+    cases = [Case(base, plan) for plan in plans] + [Case(lora, plan) for plan in lora_plans]
+    pairs = dict(zip(plans + [f"lora {plan}" for plan in lora_plans], run_cases(cases, STEPS)))
     reference = pairs[plans[0]][0]
     fp32 = PlanRun(
         "fp32", 1, *run_job(plan_job(tiny_job(tmp / "fp32", *BATCH), "", STEPS, str(tmp / "fp32r")))
     )
-    tolerance = tuple(MULTIPLE_OF_BF16_GAP * g for g in gaps(fp32, reference))
-    broken_job = plan_job(base, "tp=2", STEPS, str(tmp / "broken"))
+    return pairs, tuple(MULTIPLE_OF_BF16_GAP * g for g in gaps(fp32, reference))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bf16")
+    pairs, tolerance = bf16_runs(tmp, DATA_PARALLEL + SPLIT_COMPUTE, LORA_PLANS)
+    broken_job = plan_job(tiny_job(tmp / "bf16", *BATCH, *BF16), "tp=2", STEPS, str(tmp / "broken"))
     broken = run_on_ranks(with_unsummed_input_gradients, 2, [("tp=2 broken", broken_job)])[0][0]
     return pairs, tolerance, broken
 
@@ -122,6 +128,14 @@ def test_split_compute_bf16_stays_within_bf16_rounding_of_single_device(runs, pl
     reference, run = pairs[plan]
     d_loss, d_norm = gaps(run, reference)
     assert d_loss <= loss_tol and d_norm <= norm_tol, (d_loss, loss_tol, d_norm, norm_tol)
+
+
+@pytest.mark.heavy
+def test_eight_rank_mixes_stay_within_bf16_rounding_of_single_device(tmp_path):
+    pairs, (loss_tol, norm_tol) = bf16_runs(tmp_path, THREE_D, [])
+    for plan, (reference, run) in pairs.items():
+        d_loss, d_norm = gaps(run, reference)
+        assert d_loss <= loss_tol and d_norm <= norm_tol, (plan, d_loss, loss_tol, d_norm, norm_tol)
 
 
 def test_lora_data_parallel_bf16_equals_single_device_lora_bf16(runs):

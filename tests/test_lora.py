@@ -256,3 +256,39 @@ def test_lora_dropout_is_replayed_by_activation_checkpointing(option):
     assert plain.keys() == checkpointed.keys()
     for name, grad in plain.items():
         torch.testing.assert_close(checkpointed[name], grad, rtol=0, atol=0, msg=name)
+
+
+def test_adapters_split_with_their_base_under_tensor_parallelism(tmp_path):
+    """Under TP 2 each rank keeps half of an adapter's larger factor: a column-parallel base
+    (q/k/v/gate/up, its output split) keeps A whole and splits B's rows; a row-parallel one
+    (o/down, its input split) splits A's columns and keeps B whole, so the adapter's partial
+    sum joins the base's in one reduction. (Parity cannot see a wrong placement: DTensor
+    redistributes a replicated adapter for free, at full size on every rank.)"""
+    import torch.distributed as dist
+
+    from autopar.parallel.mesh import ParallelDims, build_meshes
+    from autopar.parallel.parallelize import build_parts
+    from autopar.parallel.torch_internals import fake_store, forget_sharding_caches
+
+    tp2 = ("--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1")
+    job = tiny_job(tmp_path, *tp2, "--lora.enable", "true")
+    args, cpu, rank = model_args(job), torch.device("cpu"), job.lora.rank
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=2)
+    try:
+        meshes = build_meshes(ParallelDims.resolve(job.parallelism, 2), "cpu")
+        (model,) = build_parts(args, job, meshes, cpu, seeded_values(args, 0, cpu)).parts
+        local = {
+            canonical_name(n): tuple(p.to_local().shape) for n, p in model.named_parameters() if "lora_" in n
+        }
+    finally:
+        dist.destroy_process_group()
+        forget_sharding_caches()
+    hidden, q_out, ffn = args.hidden_size, args.num_attention_heads * args.head_dim, args.intermediate_size
+    block = "layers.1"
+    assert local[f"{block}.self_attn.q_proj.lora_A.weight"] == (rank, hidden)
+    assert local[f"{block}.self_attn.q_proj.lora_B.weight"] == (q_out // 2, rank)
+    assert local[f"{block}.mlp.up_proj.lora_B.weight"] == (ffn // 2, rank)
+    assert local[f"{block}.self_attn.o_proj.lora_A.weight"] == (rank, q_out // 2)
+    assert local[f"{block}.self_attn.o_proj.lora_B.weight"] == (hidden, rank)
+    assert local[f"{block}.mlp.down_proj.lora_A.weight"] == (rank, ffn // 2)
+    assert local[f"{block}.mlp.down_proj.lora_B.weight"] == (hidden, rank)

@@ -1,7 +1,8 @@
 """FSDP2, HSDP, TP and TP+SP give the single-device losses and gradient norms (CPU, gloo).
 
-Every plan runs 5 optimizer steps of an fp32 two-layer model from the same weights on the
-same data; all plans of one world size share one process group.
+Every plan runs 3 optimizer steps of an fp32 two-layer model from the same weights on the
+same data (a wrong gradient shows in step 2's loss and in every gradient norm); all plans of
+one world size share one process group.
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ PLANS = [
     "dp_shard=2,tp=2",
     "dp_shard=2,tp=2,loss_parallel=false",
 ]
+VARIANT_PLANS = ["dp_shard=2", "tp=2", "tp=2,sp=false,loss_parallel=false", "dp_shard=2,tp=2"]
+"""The plans a model variant meets differently: FSDP and TP with a tied head (one weight for
+the embedding and a vocab-parallel or replicated head) and TP with Qwen2.5's q/k/v biases
+(sharded with their columns). The first model runs every plan."""
+KEYS = [("qwen3-untied", plan) for plan in PLANS] + [
+    (model, plan) for model in list(MODELS)[1:] for plan in VARIANT_PLANS
+]
+STEPS = 3
 # LoRA adapters follow their base's placement (A whole and B sharded on a column-parallel
 # linear, the other way on a row-parallel one); FSDP shards them beside the frozen base.
 LORA = ("--lora.enable", "true", "--lora.rank", "4")
@@ -50,18 +59,16 @@ RTOL = 1e-5
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("parity")
-    keys = [(model, plan) for model in MODELS for plan in PLANS]
-    cases = [Case(tiny_job(tmp, **MODELS[model]), plan) for model, plan in keys]
-    keys += [("qwen3-lora", plan) for plan in LORA_PLANS]
+    cases = [Case(tiny_job(tmp, **MODELS[model]), plan) for model, plan in KEYS]
+    keys = KEYS + [("qwen3-lora", plan) for plan in LORA_PLANS]
     cases += [Case(tiny_job(tmp, *LORA, **MODELS["qwen3-untied"]), plan) for plan in LORA_PLANS]
-    return dict(zip(keys, run_cases(cases, steps=5)))
+    return dict(zip(keys, run_cases(cases, steps=STEPS)))
 
 
-@pytest.mark.parametrize("plan", PLANS)
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize(("model", "plan"), KEYS, ids=[f"{model}-{plan}" for model, plan in KEYS])
 def test_plan_matches_single_device_loss_and_grad_norm(parity, model, plan):
     reference, run = parity[(model, plan)]
-    assert len(reference.losses) == 5
+    assert len(reference.losses) == STEPS
     assert_same_training(run, reference, loss_rtol=RTOL, norm_rtol=RTOL)
 
 
@@ -108,12 +115,18 @@ def resharded(tmp_path_factory):
         ("fsdp->tp", _resume_job(tmp / "a", TP2, load_step=3)),
         ("tp", _resume_job(tmp / "b", TP2)),
         ("tp->fsdp", _resume_job(tmp / "b", FSDP2, load_step=3)),
+        # adapters saved as TP shards (B split on q/k/v/gate/up, A on o/down) come back whole
+        # under FSDP, beside the same frozen base
+        ("lora tp", _resume_job(tmp / "c", [*TP2, *LORA])),
+        ("lora tp->fsdp", _resume_job(tmp / "c", [*FSDP2, *LORA], load_step=3)),
     ]
     runs = {r.plan: r for r in run_on_ranks(run_plans, 2, copy.deepcopy(jobs))[0]}
     return runs
 
 
-@pytest.mark.parametrize("saved, resumed", [("fsdp", "fsdp->tp"), ("tp", "tp->fsdp")])
+@pytest.mark.parametrize(
+    "saved, resumed", [("fsdp", "fsdp->tp"), ("tp", "tp->fsdp"), ("lora tp", "lora tp->fsdp")]
+)
 def test_checkpoint_saved_under_one_plan_resumes_under_another(resharded, saved, resumed):
     uninterrupted, after = resharded[saved], resharded[resumed]
     assert len(after.losses) == 3  # steps 4, 5, 6

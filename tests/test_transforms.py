@@ -73,6 +73,10 @@ def test_checkpointed_blocks_backpropagate_in_two_passes_like_plain_ones(mode, o
         torch.testing.assert_close(checkpointed_grad, plain_grad)  # recompute replays the same fp32 ops
 
 
+STEPS = 3
+"""A wrong gradient shows in step 2's loss and in every gradient norm."""
+
+
 AC_PLANS = [
     "activation_checkpoint.mode=full",
     "activation_checkpoint.mode=selective,activation_checkpoint.selective_ac_option=op",
@@ -83,7 +87,7 @@ AC_PLANS = [
 
 @pytest.fixture(scope="module")
 def ac_runs(tmp_path_factory):
-    return parity_runs(tiny_job(tmp_path_factory.mktemp("ac"), num_hidden_layers=4), AC_PLANS)
+    return parity_runs(tiny_job(tmp_path_factory.mktemp("ac"), num_hidden_layers=4), AC_PLANS, steps=STEPS)
 
 
 @pytest.mark.slow
@@ -100,21 +104,31 @@ COMPILE_PLANS = [
     "compile.enable=true,tp=2",
     "compile.enable=true,pp=2",
     "compile.enable=true,cp=2",
-    "compile.enable=true,dp_shard=2,tp=2,pp=2",
 ]
+COMPILED_3D = "compile.enable=true,dp_shard=2,tp=2,pp=2"
+"""Every part of this mix compiles above, and compiled pipelines run in ``test_pipeline.py``;
+together on eight processes it compiles for over a minute on two cores: python -m pytest -m heavy."""
 
 
 @pytest.fixture(scope="module")
 def compile_runs(tmp_path_factory):
-    return parity_runs(tiny_job(tmp_path_factory.mktemp("compile")), COMPILE_PLANS)
+    return parity_runs(tiny_job(tmp_path_factory.mktemp("compile")), COMPILE_PLANS, steps=STEPS)
+
+
+def assert_compiled_matches(reference, run) -> None:
+    # inductor fuses and reorders fp32 reductions; 1e-4 relative
+    assert_same_training(run, reference, loss_rtol=1e-4, norm_rtol=1e-4)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("plan", COMPILE_PLANS)
 def test_compiled_matches_eager_single_device(compile_runs, plan):
-    reference, run = compile_runs[plan]
-    # inductor fuses and reorders fp32 reductions; 1e-4 relative over 5 steps
-    assert_same_training(run, reference, loss_rtol=1e-4, norm_rtol=1e-4)
+    assert_compiled_matches(*compile_runs[plan])
+
+
+@pytest.mark.heavy
+def test_compiled_fsdp_tp_pp_matches_eager_single_device(tmp_path):
+    assert_compiled_matches(*parity_runs(tiny_job(tmp_path), [COMPILED_3D], steps=STEPS)[COMPILED_3D])
 
 
 def test_torchtitans_output_filter_keeps_our_head_in_high_precision():

@@ -10,8 +10,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
+from queue import Empty
 from typing import Any
 
 _PRELOAD = ["torch", "autopar.training.trainer"]
@@ -60,8 +62,10 @@ def run_on_ranks(
     """``fn(*args)`` on ``world_size`` ranks; returns every rank's result, by rank.
 
     ``fn`` must be importable (module level) and its results picklable. A failure on any
-    rank raises RuntimeError carrying that rank's traceback. ``backend`` overrides the
-    default (NCCL on GPUs, gloo on CPU), e.g. gloo for several ranks sharing one GPU.
+    rank raises RuntimeError carrying that rank's traceback, and naming every other rank
+    that failed or died without one (a crash or a kill, which its peers see only as a broken
+    connection). ``backend`` overrides the default (NCCL on GPUs, gloo on CPU), e.g. gloo for
+    several ranks sharing one GPU.
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
@@ -74,13 +78,10 @@ def run_on_ranks(
         ]
         for p in procs:
             p.start()
-        results: dict[int, Any] = {}
         try:
-            while len(results) < world_size:
-                rank, status, payload = queue.get(timeout=timeout_s)
-                if status != "ok":
-                    raise RuntimeError(f"rank {rank} of {world_size} failed:\n{payload}")
-                results[rank] = payload
+            results, errors = _collect(procs, queue, timeout_s)
+            if errors:
+                raise RuntimeError(_failure_text(errors, world_size))
         except BaseException:
             for p in procs:
                 p.kill()
@@ -89,3 +90,43 @@ def run_on_ranks(
             for p in procs:
                 p.join(timeout=60)
     return [results[r] for r in range(world_size)]
+
+
+_GRACE_S = 10.0
+"""How long the other ranks get, after the first failure, to report theirs."""
+
+
+def _collect(procs: list[Any], queue: Any, timeout_s: float) -> tuple[dict[int, Any], dict[int, str]]:
+    """Every rank's result, or the failures: those reported in order, then ranks that exited
+    without reporting. Stops ``_GRACE_S`` after the first failure."""
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(results) + len(errors) < len(procs) and time.monotonic() < deadline:
+        try:
+            rank, status, payload = queue.get(timeout=1.0)
+        except Empty:
+            for rank, p in enumerate(procs):
+                if p.exitcode not in (None, 0) and rank not in results and rank not in errors:
+                    errors[rank] = (
+                        f"exited with code {p.exitcode} without a traceback (a negative code is the signal)"
+                    )
+                    deadline = min(deadline, time.monotonic() + _GRACE_S)
+            continue
+        if status == "ok":
+            results[rank] = payload
+        else:
+            errors[rank] = payload
+            deadline = min(deadline, time.monotonic() + _GRACE_S)
+    if len(results) + len(errors) < len(procs) and not errors:
+        missing = sorted(set(range(len(procs))) - set(results))
+        raise TimeoutError(f"ranks {missing} reported nothing within {timeout_s:g} s")
+    return results, errors
+
+
+def _failure_text(errors: dict[int, str], world_size: int) -> str:
+    """The first failure in full, then the last line of each other one."""
+    (first, text), *others = errors.items()
+    lines = [f"rank {first} of {world_size} failed:\n{text}"]
+    lines += [f"rank {rank} also failed: {text.strip().splitlines()[-1]}" for rank, text in others]
+    return "\n".join(lines)

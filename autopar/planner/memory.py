@@ -141,6 +141,22 @@ def module_key(args: ModelArgs, module: str) -> str:
     return "moe_layer" if args.is_moe_layer(int(module.split(".")[1])) else "layer"
 
 
+@functools.lru_cache(maxsize=4096)
+def _key_counts(args: ModelArgs, modules: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
+    """How many of ``modules`` are of each ``module_key``: the search sums the same stages'
+    modules for thousands of plans, so each list is walked once."""
+    counts: dict[str, int] = {}
+    for module in modules:
+        key = module_key(args, module)
+        counts[key] = counts.get(key, 0) + 1
+    return tuple(counts.items())
+
+
+def _total(numel: dict[str, int], args: ModelArgs, modules: list[str]) -> int:
+    """Elements of ``modules`` given the elements of one module of each kind."""
+    return sum(numel.get(key, 0) * count for key, count in _key_counts(args, tuple(modules)))
+
+
 @functools.lru_cache(maxsize=1024)
 def module_numel(
     args: ModelArgs, tp: int, fsdp: int, sequence_parallel: bool, loss_parallel: bool, ep: int = 1
@@ -176,7 +192,7 @@ def modules_numel(
     fsdp = dims.dp_shard * dims.cp if (sharded and dims.fsdp_enabled) else 1
     sequence_parallel = job.parallelism.enable_sequence_parallel
     numel = module_numel(args, dims.tp, fsdp, sequence_parallel, loss_parallel_enabled(job, dims), dims.ep)
-    return sum(numel.get(module_key(args, m), 0) for m in modules)
+    return _total(numel, args, modules)
 
 
 def _adapter_tp_dims(base_dim: int | None) -> tuple[int | None, ...]:
@@ -223,7 +239,7 @@ def adapters_numel(
         return 0
     fsdp = dims.dp_shard * dims.cp if (sharded and dims.fsdp_enabled) else 1
     numel = adapter_numel(args, tuple(job.lora.target_modules), job.lora.rank, dims.tp, fsdp)
-    return sum(numel.get(module_key(args, m), 0) for m in modules)
+    return _total(numel, args, modules)
 
 
 def trained_numel(
@@ -588,8 +604,9 @@ def _predict_stage_rank(
     host, static = (
         ({**static, "grads": FP32 * trained}, {}) if job.training.enable_cpu_offload else ({}, static)
     )
+    one_of_kind = {k: m for m, k in is_moe.items()}  # every block of a kind is the same size
     if fsdp and layers:
-        block = {is_moe[m]: _gathered_numel(args, job, dims, [m], c) for m in is_moe}
+        block = {k: _gathered_numel(args, job, dims, [m], c) for k, m in one_of_kind.items()}
         # backward prefetches the block before: the largest that precedes each kind (its own
         # size where the kind comes only first)
         order = list(is_moe)
@@ -611,8 +628,9 @@ def _predict_stage_rank(
         block_activations = {
             k: recompute[k] if full else (recompute[k] - per_block[k] if op else -per_block[k]) for k in kinds
         }
-        block_trained = {is_moe[m]: trained_numel(args, job, dims, [m], sharded=False) for m in is_moe}
-        block_buffers = {k: FP32 * block_trained[k] for k in kinds}
+        block_buffers = {
+            k: FP32 * trained_numel(args, job, dims, [m], sharded=False) for k, m in one_of_kind.items()
+        }
     else:
         block_gathered = dict.fromkeys(kinds, gathered)
         block_activations, block_buffers = recompute, dict.fromkeys(kinds, 0.0)
@@ -635,9 +653,10 @@ def _predict_stage_rank(
     unsynced_grads = {}
     if unsynced:
         for i in ids:
-            sizes_ = [trained_numel(args, job, dims, [m], sharded=False) for m in stages[i]]
-            # the stage's largest gradient, in the compute dtype, beside its float32 copy
-            unsynced_grads[i] = (FP32 * sum(sizes_), c * max(sizes_))
+            kinds_here = {module_key(args, m): m for m in stages[i]}.values()
+            largest = max(trained_numel(args, job, dims, [m], sharded=False) for m in kinds_here)
+            # the stage's gradients in float32, beside its largest in the compute dtype
+            unsynced_grads[i] = (FP32 * trained_numel(args, job, dims, stages[i], sharded=False), c * largest)
     heads = {i for i in ids if "lm_head" in stages[i]}
     embeds = {i for i in ids if "embed_tokens" in stages[i]}
     embedding_gathered, embedding_grads = _embedding_backward_bytes(args, job, dims, c, not unsynced)
@@ -730,7 +749,7 @@ def _gathered_numel(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules
     numel = modules_numel(args, job, dims, modules, sharded=False)
     in_place = c == FP32 and not job.training.enable_cpu_offload
     if in_place and dims.ep > 1 and dims.ep == dims.dp_shard * dims.cp:
-        moe_layers = sum(1 for m in modules if module_key(args, m) == "moe_layer")
+        moe_layers = dict(_key_counts(args, tuple(modules))).get("moe_layer", 0)
         numel -= moe_layers * layer_expert_numel(args, dims.ep)
     return numel
 

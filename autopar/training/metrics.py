@@ -8,6 +8,7 @@ peak is known, e.g. on CPU), ``memory_gib`` the peak so far (CUDA allocator, or 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -51,6 +52,7 @@ def block_matmul_params(args: ModelArgs, layer: int = 0) -> int:
     return attention + 3 * args.hidden_size * args.intermediate_size
 
 
+@functools.lru_cache(maxsize=64)
 def matmul_params(args: ModelArgs) -> int:
     """Active parameters used in matmuls: every block projection (a token's experts only)
     and the output head (not the lookup)."""
