@@ -22,6 +22,42 @@ TINY_MODEL = {
     "intermediate_size": 128,
     "vocab_size": 320,
 }
+"""The tiny dense model every test builds, as a job's ``--model.*`` overrides (``TINY_FLAGS``)
+or as ``tiny_args``."""
+
+TINY_MOE = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+    "router_aux_loss_coef": 0.01,
+    "num_hidden_layers": 3,
+    "mlp_only_layers": (1,),
+}
+"""The tiny model as a Qwen3-MoE: 4 experts of width 32, top-2, a dense layer between."""
+
+
+def tiny_args(family: str = "qwen3", **fields: object) -> ModelArgs:
+    """``TINY_MODEL`` of a family (``qwen3``: QK-norm; ``qwen2``: q/k/v biases), ``fields``
+    overriding it (a test says what it needs different)."""
+    return ModelArgs(
+        **{
+            **TINY_MODEL,
+            "rope_theta": 1e6,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+            "attention_bias": family == "qwen2",
+            "qk_norm": family == "qwen3",
+            "max_position_embeddings": 128,
+            **fields,
+        }
+    )
+
+
+def tiny_moe_args(**fields: object) -> ModelArgs:
+    """``tiny_args`` of the Qwen3-MoE (``TINY_MOE``), ``fields`` overriding it."""
+    return tiny_args("qwen3", **{**TINY_MOE, **fields})
+
 
 VALID_FLAGS = ["--training.steps", "10", "--lr_scheduler.warmup_steps", "2", "--training.seq_len", "64"]
 """Flags that make the default (debug-flavor) job validate; tests of one rule add theirs."""
@@ -105,16 +141,14 @@ def chat_hf_base(folder: Path) -> tuple[Qwen, Path]:
     return base, source
 
 
-MOE_FLAGS = [
-    "--model.num_experts=4",
-    "--model.num_experts_per_tok=2",
-    "--model.moe_intermediate_size=32",
-    "--model.norm_topk_prob=true",
-    "--model.router_aux_loss_coef=0.01",
-    "--model.num_hidden_layers=3",
-    "--model.mlp_only_layers=1",
-]
-"""The tiny model as a Qwen3-MoE: 4 experts of width 32, top-2, a dense layer between."""
+def _flag_value(value: object) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+MOE_FLAGS = [f"--model.{key}={_flag_value(value)}" for key, value in TINY_MOE.items()]
+"""``TINY_MOE`` as a job's flags."""
 
 
 def moe_job(folder, *flags: str) -> JobConfig:

@@ -24,7 +24,7 @@ from jobs import MOE_FLAGS, TINY_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBSETS = {
-    "dense": ([], ["dp_shard=2", "tp=2", "cp=2", "pp=2", "dp_shard=2,tp=2"]),
+    "dense": ([], ["dp_shard=2", "tp=2", "cp=2", "pp=2"]),
     "moe": (MOE_FLAGS, ["tp=2", "tp=2,sp=false", "dp_shard=2,tp=2,ep=2"]),
 }
 

@@ -13,11 +13,11 @@ from autopar.data.chat import CHAT_EXAMPLE, CHATML_TOKENIZER, ChatFormat, encode
 from autopar.data.dataset import PackedWindows
 from autopar.data.loader import IGNORE_INDEX, StepLoader, build_samples
 from autopar.data.tokenizer import ByteTokenizer, build_tokenizer
-from autopar.models import ModelArgs, Qwen
+from autopar.models import Qwen
 from autopar.models.qwen import document_positions
 from autopar.training.preflight import check_job
 
-from jobs import assert_same_training, chat_job, one_process_trainer, parity_runs, tiny_job
+from jobs import assert_same_training, chat_job, one_process_trainer, parity_runs, tiny_args, tiny_job
 
 LENGTHS = (5, 11, 1, 7)
 """A packed row's documents: one of a single token, and the row ends mid-document."""
@@ -25,19 +25,12 @@ LENGTHS = (5, 11, 1, 7)
 
 def tiny_model(qwen3: bool) -> Qwen:
     torch.manual_seed(0)
-    args = ModelArgs(
+    args = tiny_args(
+        "qwen3" if qwen3 else "qwen2",
         vocab_size=64,
         hidden_size=32,
         intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=8,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        attention_bias=not qwen3,
-        qk_norm=qwen3,
         max_position_embeddings=64,
     )
     model = Qwen(args)

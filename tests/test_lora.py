@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from test_models import hf_model_for, tiny_args
+from test_models import hf_model_for, parity_args
 
 from autopar.config.errors import ConfigError
 from autopar.config.sections import ActivationCheckpoint, LoRA
@@ -35,7 +35,7 @@ LORA = LoRA(enable=True, rank=4, alpha=8.0)
 def peft_pair(tmp_path, family: str, tied: bool):
     """An HF model with peft adapters (B random, not zero, so every gradient flows) and our
     model from the same HF folder carrying the same adapters."""
-    args = tiny_args(family, 2, tied)
+    args = parity_args(family, 2, tied)
     hf = hf_model_for(args)
     hf.save_pretrained(tmp_path)
     ours = from_hf(tmp_path, dtype=torch.float32)
@@ -238,7 +238,7 @@ def test_lora_dropout_is_replayed_by_activation_checkpointing(option):
     grads = []
     for checkpointed in (False, True):
         torch.manual_seed(0)
-        args = tiny_args("qwen3", 2, False)
+        args = parity_args("qwen3", 2, False)
         model = Qwen(args)
         materialize(model, torch.device("cpu"), seeded_values(args, 0, torch.device("cpu")))
         apply_lora(model, LoRA(enable=True, rank=4, alpha=8.0, dropout=0.5), torch.float32)

@@ -13,28 +13,24 @@ from autopar.models import ModelArgs, Qwen, from_hf, get_flavor, to_hf
 from autopar.models.moe import load_balancing_loss
 from autopar.parallel.expert_parallel import apply_expert_kernel
 
+from jobs import tiny_moe_args
+
 transformers = pytest.importorskip("transformers")
 
 
 def moe_args(tied: bool = False, norm_topk_prob: bool = True, **fields: object) -> ModelArgs:
-    return ModelArgs(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        tie_word_embeddings=tied,
-        qk_norm=True,
-        max_position_embeddings=128,
-        num_experts=6,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        norm_topk_prob=norm_topk_prob,
-        router_aux_loss_coef=0.01,
-        **fields,
-    )
+    """``tiny_moe_args`` at sizes of its own for HF parity: 6 experts of width 16 in every block."""
+    own = {
+        "vocab_size": 97,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 4,
+        "head_dim": 8,
+        "num_experts": 6,
+        "moe_intermediate_size": 16,
+        "mlp_only_layers": (),
+    }
+    return tiny_moe_args(**{**own, "tie_word_embeddings": tied, "norm_topk_prob": norm_topk_prob, **fields})
 
 
 def hf_moe_for(args: ModelArgs):

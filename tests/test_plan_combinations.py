@@ -24,6 +24,7 @@ CASES = {
     "HSDP x TP": ("dp_replicate=2,dp_shard=2,tp=2", {}),
     "PP with accumulation": ("pp=2", {}),
     "PP x TP with accumulation": ("pp=2,tp=2", {}),
+    "PP x FSDP x TP with accumulation": ("pp=2,dp_shard=2,tp=2", {}),  # eight ranks, beside HSDP x TP
     "TP degree 4": ("tp=4", {"num_key_value_heads": 4}),
     "full AC x TP": ("tp=2,activation_checkpoint.mode=full", {}),
     "per-op AC x PP": (

@@ -145,3 +145,20 @@ def test_the_import_graph_has_no_cycles():
     for module in MODULES:
         visit(module, [module])
     assert cycles == []
+
+
+LONGEST_FUNCTION = 60
+"""Lines, signature and docstring included: a longer function is split into named steps."""
+
+
+def test_no_function_is_longer_than_sixty_lines():
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > LONGEST_FUNCTION:
+                    long.append(
+                        f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}: {lines} lines"
+                    )
+    assert not long, "\n".join(long)

@@ -201,25 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging(0)
     try:
-        for flag, value, least in (
-            ("--steps", known.steps, 1),
-            ("--warmup", known.warmup, 0),
-            ("--nproc", known.nproc, 1),
-        ):
-            if value < least:
-                raise ConfigError(f"{flag} {value} must be >= {least}")
-        base = parse_job(job_argv)
-        jobs = [variant_job(base, spec, known.warmup + known.steps) for spec in known.variants]
-        names = [name for name, _, _ in jobs]
-        if len(set(names)) < len(names):
-            raise ConfigError(f"variants {names} repeat a name; give each its own (name:key=value,...)")
-        for name, _, job in jobs:
-            try:
-                check_job(job, known.nproc)
-                if name == TORCHTITAN_VARIANT:
-                    check_torchtitan_job(job)
-            except ConfigError as err:
-                raise ConfigError(f"variant {name!r}: {err}") from None
+        base, jobs = _checked_variants(known, job_argv)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
@@ -228,12 +210,11 @@ def main(argv: list[str] | None = None) -> int:
         ranks = run_variant(name, job, known.nproc, known.warmup)
         device = ranks[0]["device"]
         results.append(summarize(name, overrides, ranks, known.nproc))
-    text = table(results)
     print(
         f"device: {device} x {known.nproc}, torch {torch.__version__}, "
         f"seq_len {base.training.seq_len}, timed steps {known.steps} after {known.warmup} warm-up"
     )
-    print(text)
+    print(table(results))
     curves = [str(Path(job.job.dump_folder) / "metrics.jsonl") for _, _, job in jobs]
     needs = "" if importlib.util.find_spec("matplotlib") else " (needs matplotlib: pip install matplotlib)"
     print(f"loss curves: python -m autopar.plot {' '.join(curves)} -o bench_loss.png{needs}")
@@ -250,6 +231,32 @@ def main(argv: list[str] | None = None) -> int:
         with open(known.json, "w") as f:
             json.dump(payload, f, indent=2)
     return 0
+
+
+def _checked_variants(
+    known: argparse.Namespace, job_argv: list[str]
+) -> tuple[JobConfig, list[tuple[str, str, JobConfig]]]:
+    """The base job and every variant's (name, overrides, job), each checked before any runs."""
+    for flag, value, least in (
+        ("--steps", known.steps, 1),
+        ("--warmup", known.warmup, 0),
+        ("--nproc", known.nproc, 1),
+    ):
+        if value < least:
+            raise ConfigError(f"{flag} {value} must be >= {least}")
+    base = parse_job(job_argv)
+    jobs = [variant_job(base, spec, known.warmup + known.steps) for spec in known.variants]
+    names = [name for name, _, _ in jobs]
+    if len(set(names)) < len(names):
+        raise ConfigError(f"variants {names} repeat a name; give each its own (name:key=value,...)")
+    for name, _, job in jobs:
+        try:
+            check_job(job, known.nproc)
+            if name == TORCHTITAN_VARIANT:
+                check_torchtitan_job(job)
+        except ConfigError as err:
+            raise ConfigError(f"variant {name!r}: {err}") from None
+    return base, jobs
 
 
 def cli() -> None:

@@ -23,14 +23,20 @@ from torch.distributed.fsdp import (
 ReshardPolicy = Literal["default", "always", "never"]
 
 
+def reshards_blocks(policy: str, pipelined: bool) -> bool:
+    """Whether FSDP frees each block's gathered weights after its forward (and gathers them
+    again for backward): ``default`` does except under pipelining, where every micro-batch
+    would gather them again."""
+    return {"always": True, "never": False, "default": not pipelined}[policy]
+
+
 def fsdp_groups(model: nn.Module, policy: ReshardPolicy, pipelined: bool) -> list[tuple[list[str], bool]]:
     """[(module paths sharded together, reshard_after_forward)], root excluded.
 
-    ``default`` reshards blocks after forward except under pipelining (where each micro-batch
-    would gather them again); the last group is never resharded by default because backward
-    needs it first.
+    Blocks reshard as ``reshards_blocks`` says; the last group is never resharded by default
+    because backward needs it first.
     """
-    reshard = {"always": True, "never": False, "default": not pipelined}[policy]
+    reshard = reshards_blocks(policy, pipelined)
     tied = (
         model.embed_tokens is not None
         and model.lm_head is not None

@@ -47,24 +47,10 @@ def parallelize(
     device: torch.device,
     pipelined: bool = False,
 ) -> nn.Module:
-    """Apply every transformation the job asks for to one (meta-device) model part."""
-    parallelism, dims = job.parallelism, meshes.dims
-    tp_mesh = meshes.get("tp")
-    if tp_mesh is not None:
-        apply_tp(
-            model,
-            tp_mesh,
-            args,
-            parallelism.enable_sequence_parallel,
-            loss_parallel_enabled(job, dims),
-            float8=job.float8.enable and resolve_backend(job.float8, device.type) == "torchao",
-        )
-        logger.info(
-            "applied tensor parallel: degree %d, sequence parallel %s, loss parallel %s",
-            dims.tp,
-            parallelism.enable_sequence_parallel,
-            loss_parallel_enabled(job, dims),
-        )
+    """Apply every transformation the job asks for to one (meta-device) model part, in the
+    order they compose: TP, LoRA (following TP's placements), kernels, EP, the compute dtype,
+    activation checkpointing, compile, then FSDP around it all."""
+    _tensor_parallel(model, args, job, meshes, device)
     dtype = compute_dtype(job, device)
     if job.lora.enable:
         count = apply_lora(model, job.lora, dtype)
@@ -75,7 +61,56 @@ def parallelize(
             count,
             base_storage_dtype(job.lora, dtype),
         )
-    gqa = native_gqa(job, device.type, resolve_impl(parallelism, device.type))
+    _kernels(model, args, job, device)
+    ep_mesh = meshes.get("ep")
+    if ep_mesh is not None:
+        apply_ep(model, ep_mesh, args)
+        logger.info(
+            "applied expert parallel: degree %d (%d experts per rank)",
+            meshes.dims.ep,
+            args.num_experts // meshes.dims.ep,
+        )
+    if meshes.get("fsdp") is None and dtype != torch.float32:
+        apply_compute_dtype(model, dtype)
+        logger.info("weights cast to %s in each block's forward (fp32 master weights)", dtype)
+    compiled = job.compile.enable and "model" in job.compile.components
+    if job.activation_checkpoint.mode != "none":
+        _checkpointing(model, job, meshes, compiled, pipelined)
+    if compiled:
+        apply_compile(model, job.compile)
+        logger.info("compiled each block with torch.compile (backend %s)", job.compile.backend)
+    if meshes.get("fsdp") is not None:
+        _fully_shard(model, job, meshes, device, pipelined)
+    return model
+
+
+def _tensor_parallel(
+    model: nn.Module, args: ModelArgs, job: JobConfig, meshes: Meshes, device: torch.device
+) -> None:
+    tp_mesh = meshes.get("tp")
+    if tp_mesh is None:
+        return
+    parallelism = job.parallelism
+    loss_parallel = loss_parallel_enabled(job, meshes.dims)
+    apply_tp(
+        model,
+        tp_mesh,
+        args,
+        parallelism.enable_sequence_parallel,
+        loss_parallel,
+        float8=job.float8.enable and resolve_backend(job.float8, device.type) == "torchao",
+    )
+    logger.info(
+        "applied tensor parallel: degree %d, sequence parallel %s, loss parallel %s",
+        meshes.dims.tp,
+        parallelism.enable_sequence_parallel,
+        loss_parallel,
+    )
+
+
+def _kernels(model: nn.Module, args: ModelArgs, job: JobConfig, device: torch.device) -> None:
+    """The attention kernel (and how it gets grouped k/v heads) and the experts' kernel."""
+    gqa = native_gqa(job, device.type, resolve_impl(job.parallelism, device.type))
     apply_attention_kernel(model, gqa, job.training.sdpa_backend)
     if job.training.sdpa_backend != "auto":
         logger.info("attention pinned to the %s SDPA backend", job.training.sdpa_backend)
@@ -85,54 +120,46 @@ def parallelize(
             "passed to SDPA ungrouped (enable_gqa)" if gqa else "repeated to every query head",
         )
     apply_expert_kernel(model, job.training.expert_kernel)
-    ep_mesh = meshes.get("ep")
-    if ep_mesh is not None:
-        apply_ep(model, ep_mesh, args)
-        logger.info(
-            "applied expert parallel: degree %d (%d experts per rank)", dims.ep, args.num_experts // dims.ep
-        )
-    fsdp_mesh = meshes.get("fsdp")
-    if fsdp_mesh is None and dtype != torch.float32:
-        apply_compute_dtype(model, dtype)
-        logger.info("weights cast to %s in each block's forward (fp32 master weights)", dtype)
-    compiled = job.compile.enable and "model" in job.compile.components
-    if job.activation_checkpoint.mode != "none":
-        twice = pipelined and SCHEDULE_STYLES[schedule_name(parallelism)].splits_backward
-        cp_mesh = meshes.get("cp")
-        cp_groups = frozenset() if cp_mesh is None else frozenset({cp_mesh.get_group().group_name})
-        dropout = job.lora.enable and job.lora.dropout > 0
-        apply_ac(model, job.activation_checkpoint, compiled, twice, cp_groups, random=dropout)
-        logger.info(
-            "applied activation checkpointing: %s (%s)",
-            job.activation_checkpoint.mode,
-            job.activation_checkpoint.selective_ac_option,
-        )
-    if compiled:
-        apply_compile(model, job.compile)
-        logger.info("compiled each block with torch.compile (backend %s)", job.compile.backend)
-    if fsdp_mesh is not None:
-        apply_fsdp(
-            model,
-            fsdp_mesh,
-            fsdp_policy(job, device),
-            policy=parallelism.fsdp_reshard_after_forward,
-            pipelined=pipelined,
-            expert_mesh=meshes.get("efsdp"),
-            offload=job.training.enable_cpu_offload,
-            pin_memory=device.type == "cuda",
-        )
-        kind = "HSDP" if dims.dp_replicate > 1 and dims.dp_shard * dims.cp > 1 else "FSDP2"
-        logger.info(
-            "applied %s: replicate %d x shard %d (cp %d)%s",
-            kind,
-            dims.dp_replicate,
-            dims.dp_shard,
-            dims.cp,
-            ", weights, gradients and optimizer state in host memory"
-            if job.training.enable_cpu_offload
-            else "",
-        )
-    return model
+
+
+def _checkpointing(model: nn.Module, job: JobConfig, meshes: Meshes, compiled: bool, pipelined: bool) -> None:
+    """Activation checkpointing that recomputes twice under zero-bubble schedules, gathers
+    CP's k/v again rather than keeping them, and replays LoRA's dropout masks."""
+    twice = pipelined and SCHEDULE_STYLES[schedule_name(job.parallelism)].splits_backward
+    cp_mesh = meshes.get("cp")
+    cp_groups = frozenset() if cp_mesh is None else frozenset({cp_mesh.get_group().group_name})
+    dropout = job.lora.enable and job.lora.dropout > 0
+    apply_ac(model, job.activation_checkpoint, compiled, twice, cp_groups, random=dropout)
+    logger.info(
+        "applied activation checkpointing: %s (%s)",
+        job.activation_checkpoint.mode,
+        job.activation_checkpoint.selective_ac_option,
+    )
+
+
+def _fully_shard(
+    model: nn.Module, job: JobConfig, meshes: Meshes, device: torch.device, pipelined: bool
+) -> None:
+    dims = meshes.dims
+    apply_fsdp(
+        model,
+        meshes.get("fsdp"),
+        fsdp_policy(job, device),
+        policy=job.parallelism.fsdp_reshard_after_forward,
+        pipelined=pipelined,
+        expert_mesh=meshes.get("efsdp"),
+        offload=job.training.enable_cpu_offload,
+        pin_memory=device.type == "cuda",
+    )
+    kind = "HSDP" if dims.dp_replicate > 1 and dims.dp_shard * dims.cp > 1 else "FSDP2"
+    logger.info(
+        "applied %s: replicate %d x shard %d (cp %d)%s",
+        kind,
+        dims.dp_replicate,
+        dims.dp_shard,
+        dims.cp,
+        ", weights, gradients and optimizer state in host memory" if job.training.enable_cpu_offload else "",
+    )
 
 
 @dataclass

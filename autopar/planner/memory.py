@@ -61,6 +61,7 @@ from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.models.qwen import Qwen
 from autopar.parallel.activation_checkpoint import checkpointed_layers
+from autopar.parallel.fsdp import reshards_blocks
 from autopar.parallel.lora import ADAPTER_PLACEMENTS, base_storage_dtype, targeted
 from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.mixed_precision import compute_dtype
@@ -252,7 +253,7 @@ def trained_numel(
 
 
 @dataclass(frozen=True)
-class _Sizes:
+class Sizes:
     """Per-rank sizes that the activation formulas need."""
 
     tokens: int  # tokens of one micro-batch on this rank (after the CP split)
@@ -291,7 +292,7 @@ INPUTS |= dict.fromkeys(("gate_proj", "up_proj"), "mlp") | {"down_proj": "down"}
 down the SwiGLU product (o_proj's is attention's output, which attention saves anyway)."""
 
 
-def lora_bytes_no_ac(z: _Sizes, moe: bool = False) -> float:
+def lora_bytes_no_ac(z: Sizes, moe: bool = False) -> float:
     """What LoRA adds to a block's saves: each adapted linear's A output (rank wide, for B's
     gradient) and, with dropout, its mask and the dropped input A takes (the input the base
     saves is otherwise A's too)."""
@@ -300,13 +301,13 @@ def lora_bytes_no_ac(z: _Sizes, moe: bool = False) -> float:
     return z.c * z.rank * t * len(linears) + dropped
 
 
-def lora_bytes_op_ac(z: _Sizes, moe: bool = False) -> float:
+def lora_bytes_op_ac(z: Sizes, moe: bool = False) -> float:
     """Per-op checkpointing keeps both adapter matmuls' outputs: A's (rank wide) and B's (as
     wide as the base's)."""
     return sum(z.c * (z.rank + fan_out) * z.tokens for _, fan_out in z.adapted.get(moe, ()))
 
 
-def moe_bytes_no_ac(z: _Sizes) -> float:
+def moe_bytes_no_ac(z: Sizes) -> float:
     """What a mixture of experts saves beyond its input (``moe.MoE``; every TP rank routes the
     whole sequence): the router's float32 probabilities and top-k indices (and the top-k
     weights and their sum when renormalized), each routed row's token index, copy of its
@@ -321,7 +322,7 @@ def moe_bytes_no_ac(z: _Sizes) -> float:
     return router + indices + experts
 
 
-def block_bytes_no_ac(z: _Sizes, qk_norm: bool, moe: bool = False) -> float:
+def block_bytes_no_ac(z: Sizes, qk_norm: bool, moe: bool = False) -> float:
     """Bytes one block (``moe``: a mixture-of-experts one) saves for backward per micro-batch,
     without checkpointing."""
     t = z.tokens
@@ -338,7 +339,7 @@ def block_bytes_no_ac(z: _Sizes, qk_norm: bool, moe: bool = False) -> float:
     return 2 * norm + linear_inputs + qk + rope + attention + mlp + mask + lora_bytes_no_ac(z, moe)
 
 
-def block_bytes_op_ac(z: _Sizes, tp: int, moe: bool = False) -> float:
+def block_bytes_op_ac(z: Sizes, tp: int, moe: bool = False) -> float:
     """Bytes one block keeps under per-op selective checkpointing (matmul, attention and
     collective outputs, and the block input)."""
     t = z.tokens
@@ -365,7 +366,7 @@ def block_bytes_op_ac(z: _Sizes, tp: int, moe: bool = False) -> float:
     return qkv + attention + out_proj + mlp + block_input + collectives + lora_bytes_op_ac(z, moe)
 
 
-def block_weight_output_grad_bytes(z: _Sizes, qk_norm: bool, moe: bool = False) -> float:
+def block_weight_output_grad_bytes(z: Sizes, qk_norm: bool, moe: bool = False) -> float:
     """The gradients at the outputs of one block's weighted ops (projections and norms), which
     a zero-bubble schedule keeps from a micro-batch's input step to its weight step."""
     t = z.tokens
@@ -376,7 +377,7 @@ def block_weight_output_grad_bytes(z: _Sizes, qk_norm: bool, moe: bool = False) 
     return z.c * t * (projections + norms)
 
 
-def block_backward_transient_bytes(z: _Sizes, moe: bool = False) -> float:
+def block_backward_transient_bytes(z: Sizes, moe: bool = False) -> float:
     """The gradients alive inside one block's backward beside its saves: at SwiGLU's product,
     the gradient arriving at it and the two it sends to silu(gate) and up (per routed row in
     a mixture of experts)."""
@@ -396,7 +397,7 @@ class HeadBytes:
     backward: float
 
 
-def head_bytes(z: _Sizes, vocab: int, tp_loss_parallel: int, chunk_tokens: int = 0) -> HeadBytes:
+def head_bytes(z: Sizes, vocab: int, tp_loss_parallel: int, chunk_tokens: int = 0) -> HeadBytes:
     """Saved: the final norm's saves, the head's gathered input, the logits (c, alive until
     the loss's backward) and the loss's float32 log-softmax output. Backward: the float32
     gradients of nll and log-softmax (under loss parallel, vocab-sharded, and three: torch's
@@ -426,14 +427,14 @@ def sizes(
     cp_impl: str,
     c: int,
     device_type: str = "cuda",
-) -> _Sizes:
+) -> Sizes:
     seq = job.training.seq_len // dims.cp
     sequence_parallel = dims.tp > 1 and job.parallelism.enable_sequence_parallel
     kv_seq_factor = dims.cp if (dims.cp > 1 and cp_impl == "allgather") else 1
     # a query row per local token over every key: per sequence under document masking, one
     # shared causal one under all-gather CP
     mask = seq * seq * kv_seq_factor * (micro_batch if job.training.document_masking else kv_seq_factor > 1)
-    return _Sizes(
+    return Sizes(
         tokens=micro_batch * seq,
         seq=seq,
         c=c,
@@ -459,7 +460,7 @@ def sizes(
 
 
 def _lora_sizes(args: ModelArgs, job: JobConfig, dims: ParallelDims) -> dict[str, object]:
-    """``_Sizes``' LoRA fields: the adapted linears of the first block of each kind."""
+    """``Sizes``' LoRA fields: the adapted linears of the first block of each kind."""
     cfg = job.lora
     if not cfg.enable:
         return {}
@@ -549,30 +550,154 @@ def _predict_stage_rank(
     c: int,
     device_type: str,
 ) -> Memory:
+    """One pipeline rank's peak: its weights and optimizer state, then the largest moment of
+    its step, walked in the schedule's own order."""
     ids = _rank_stage_ids(job, dims, len(stages), pp_rank) if dims.pp > 1 else [0]
     modules = [m for i in ids for m in stages[i]]
-    numel = modules_numel(args, job, dims, modules)
-    trained = trained_numel(args, job, dims, modules)
     stored = _stored_bytes(job, device_type)
     micro = (
         job.parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else job.training.local_batch_size
     )
     z = sizes(args, job, dims, micro, cp_impl, c, device_type)
+    # sharded gradients outlive a backward only when micro-steps accumulate into them, or
+    # when a pipeline without FSDP keeps them whole across micro-batches
+    accumulating = micro_steps(job, dims) > 1 or (dims.pp > 1 and not uses_fsdp(job, dims))
+    static, host = _weights_and_optimizer(args, job, dims, modules, stored, accumulating)
+    costs = _stage_costs(args, job, dims, stages, ids, z, c, stored, micro, accumulating or bool(host))
+    actions = (
+        rank_actions(schedule_name(job.parallelism), dims.pp, len(stages), costs.n_micro, pp_rank)
+        if dims.pp > 1
+        else (("F", 0, 0), ("B", 0, 0))
+    )
+    peak = _walk_schedule(actions, costs)
+    moment = dict(zip(("gathered_params", "activations", "gradient_buffers"), peak, strict=True))
+    return Memory(role, {**static, **{k: v for k, v in moment.items() if v}}, host)
 
+
+def _weights_and_optimizer(
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str], stored: int, accumulating: bool
+) -> tuple[dict[str, float], dict[str, float]]:
+    """(device bytes, host bytes) of the rank's weights, optimizer state and the gradients
+    that outlive a backward. CPU offload keeps the master weights, the step's gradients
+    (each shard lands there as its reduce-scatter ends) and the optimizer state in host memory."""
+    numel = modules_numel(args, job, dims, modules)
+    trained = trained_numel(args, job, dims, modules)
+    static = {
+        "params": stored * numel + (FP32 * trained if job.lora.enable else 0.0),
+        "optimizer": 2 * FP32 * trained,
+        "grads": FP32 * trained if accumulating else 0.0,
+    }
+    if job.training.enable_cpu_offload:
+        return {}, {**static, "grads": FP32 * trained}
+    return static, {}
+
+
+@dataclass
+class _StageCosts:
+    """What one rank's step allocates and frees, by stage id (``int`` keys) and by kind of
+    block (``bool`` keys: dense False, mixture of experts True)."""
+
+    n_micro: int
+    gathered: float  # weights gathered (or cast) for the whole step
+    saved: dict[int, float]  # what a micro-batch's forward leaves saved in the stage
+    pending: dict[int, float]  # a zero-bubble input step's gradients awaiting its weight step
+    stage_kinds: dict[int, set[bool]]
+    heads: set[int]  # stages computing the loss
+    embeds: set[int]  # stages ending with the embedding's backward
+    head: HeadBytes
+    recompute: dict[bool, float]  # what a block's backward rebuilds
+    transient: dict[bool, float]  # a block backward's own temporaries
+    block_gathered: dict[bool, float]  # weights alive during a block's backward
+    block_activations: dict[bool, float]  # activations alive at the end of a block's backward
+    block_buffers: dict[bool, float]  # the float32 gradient a block's reduce-scatter takes
+    unsynced_grads: dict[int, tuple[float, float]]  # (unsharded float32 gradients, largest in c)
+    embedding_gathered: float
+    embedding_grads: float
+    fresh_grads: float  # the step's gradients, all alive by its last backward
+
+
+def _stage_costs(
+    args: ModelArgs,
+    job: JobConfig,
+    dims: ParallelDims,
+    stages: list[list[str]],
+    ids: list[int],
+    z: Sizes,
+    c: int,
+    stored: int,
+    micro: int,
+    grads_held: bool,
+) -> _StageCosts:
+    """The sizes the schedule walk adds and removes on this rank (``grads_held``: the
+    gradients are counted with the weights, accumulating or in host memory)."""
+    modules = [m for i in ids for m in stages[i]]
+    is_moe = {m: args.is_moe_layer(int(m.split(".")[1])) for m in modules if m.startswith("layers.")}
+    kinds = set(is_moe.values())
+    saved, recompute, ended = _checkpointing_saves(args, job, dims, stages, ids, z, is_moe)
+    gathered = _gathered_bytes(args, job, dims, modules, c, stored)
+    if uses_fsdp(job, dims) and is_moe:
+        block_gathered, block_buffers = _fsdp_block_bytes(args, job, dims, modules, is_moe, gathered, c)
+        block_activations = ended
+    else:
+        block_gathered = dict.fromkeys(kinds, gathered)
+        block_activations, block_buffers = recompute, dict.fromkeys(kinds, 0.0)
+    # torch's pipeline stage turns FSDP's gradient sync off for every micro-batch but the
+    # last: from a stage's first backward on, its gradients stay unsharded in float32
+    n_micro = job.training.local_batch_size // micro
+    unsynced = dims.pp > 1 and uses_fsdp(job, dims) and n_micro > 1
+    embedding_gathered, embedding_grads = _embedding_backward_bytes(args, job, dims, c, not unsynced)
+    shards = dims.tp if loss_parallel_enabled(job, dims) else 1
+    return _StageCosts(
+        n_micro=n_micro,
+        gathered=gathered,
+        saved=saved,
+        pending={
+            i: sum(
+                block_weight_output_grad_bytes(z, args.qk_norm, is_moe[m]) for m in stages[i] if m in is_moe
+            )
+            for i in ids
+        },
+        stage_kinds={i: {is_moe[m] for m in stages[i] if m in is_moe} for i in ids},
+        heads={i for i in ids if "lm_head" in stages[i]},
+        embeds={i for i in ids if "embed_tokens" in stages[i]},
+        head=head_bytes(z, args.vocab_size, shards, job.training.loss_chunk_tokens),
+        recompute=recompute,
+        transient={k: block_backward_transient_bytes(z, k) for k in kinds},
+        block_gathered=block_gathered,
+        block_activations=block_activations,
+        block_buffers=block_buffers,
+        unsynced_grads=_unsynced_grads(args, job, dims, stages, ids, c) if unsynced else {},
+        embedding_gathered=embedding_gathered,
+        embedding_grads=embedding_grads,
+        fresh_grads=0.0 if grads_held or unsynced else FP32 * trained_numel(args, job, dims, modules),
+    )
+
+
+def _checkpointing_saves(
+    args: ModelArgs,
+    job: JobConfig,
+    dims: ParallelDims,
+    stages: list[list[str]],
+    ids: list[int],
+    z: Sizes,
+    is_moe: dict[str, bool],
+) -> tuple[dict[int, float], dict[bool, float], dict[bool, float]]:
+    """Under the job's activation checkpointing: what a micro-batch's forward leaves saved in
+    each stage, what a block's backward rebuilds, and (per kind of block) the activations
+    that block's backward leaves changed at its end: the rebuilt ones still alive (full AC),
+    those per-op AC rebuilt alive and those it kept used up, or its own freed (no AC)."""
     ac = job.activation_checkpoint
     op = ac.mode == "selective" and ac.selective_ac_option == "op"
-    layers = [m.split(".")[1] for m in modules if m.startswith("layers.")]
+    layers = [m.split(".")[1] for m in is_moe]
     full = set() if op else set(checkpointed_layers(ac, layers))
-    # per kind of block (dense False, mixture of experts True)
-    is_moe = {m: args.is_moe_layer(int(m.split(".")[1])) for m in modules if m.startswith("layers.")}
     kinds = set(is_moe.values())
     no_ac = {k: block_bytes_no_ac(z, args.qk_norm, k) for k in kinds}
     per_block = {k: block_bytes_op_ac(z, dims.tp, k) if op else no_ac[k] for k in kinds}
     # a checkpointed block's inputs stay alive: the hidden states, and the boolean mask
     block_input = z.c * z.h * z.tokens / z.sp
     held_mask = z.mask if (op or full) else 0.0
-    # what one micro-batch leaves saved in each of this rank's stages: its blocks' saves, and
-    # under pipelining the activation a stage received and the one it sent (kept for backward)
+    # a stage keeps its blocks' saves, and under pipelining the activation it received and
+    # the one it sent (kept for backward)
     saved = {
         i: sum(
             block_input if m.split(".")[1] in full else per_block[is_moe[m]]
@@ -585,121 +710,105 @@ def _predict_stage_rank(
     }
     # what a block's backward rebuilds: all of it (full/every-k) or what per-op AC dropped
     recompute = {k: no_ac[k] - per_block[k] if op else (no_ac[k] if full else 0.0) for k in kinds}
-    transient = {k: block_backward_transient_bytes(z, k) for k in kinds}
-    shards = dims.tp if loss_parallel_enabled(job, dims) else 1
-    head = head_bytes(z, args.vocab_size, shards, job.training.loss_chunk_tokens)
-
-    fsdp = uses_fsdp(job, dims)
-    gathered = _gathered_bytes(args, job, dims, modules, c, stored)
-    # sharded gradients outlive a backward only when micro-steps accumulate into them, or
-    # when a pipeline without FSDP keeps them whole across micro-batches
-    accumulating = micro_steps(job, dims) > 1 or (dims.pp > 1 and not fsdp)
-    static = {
-        "params": stored * numel + (FP32 * trained if job.lora.enable else 0.0),
-        "optimizer": 2 * FP32 * trained,
-        "grads": FP32 * trained if accumulating else 0.0,
+    ended = {
+        k: recompute[k] if full else (recompute[k] - per_block[k] if op else -per_block[k]) for k in kinds
     }
-    # CPU offload: master weights, the step's gradients (each shard lands there as its
-    # reduce-scatter ends) and the optimizer state live in host memory
-    host, static = (
-        ({**static, "grads": FP32 * trained}, {}) if job.training.enable_cpu_offload else ({}, static)
-    )
+    return saved, recompute, ended
+
+
+def _fsdp_block_bytes(
+    args: ModelArgs,
+    job: JobConfig,
+    dims: ParallelDims,
+    modules: list[str],
+    is_moe: dict[str, bool],
+    gathered: float,
+    c: int,
+) -> tuple[dict[bool, float], dict[bool, float]]:
+    """Per kind of block under FSDP, at the end of its backward: the weights alive (its own
+    gathered copy and the block before it, which backward prefetches, unless every block
+    stays gathered) and the float32 gradient its reduce-scatter takes."""
     one_of_kind = {k: m for m, k in is_moe.items()}  # every block of a kind is the same size
-    if fsdp and layers:
-        block = {k: _gathered_numel(args, job, dims, [m], c) for k, m in one_of_kind.items()}
-        # backward prefetches the block before: the largest that precedes each kind (its own
-        # size where the kind comes only first)
-        order = list(is_moe)
-        prefetched = {
-            k: max(
-                (block[is_moe[a]] for a, b in itertools.pairwise(order) if is_moe[b] == k), default=block[k]
-            )
-            for k in kinds
-        }
-        kept = _keeps_blocks(job, dims)
-        # the end of a block's backward: its gradient cast to float32 for FSDP's
-        # reduce-scatter, its gathered weights and the next block's prefetched ones, and
-        # its activations freed (no AC), the rebuilt ones still alive (full AC), or those
-        # per-op AC rebuilt alive and those it kept used up
-        head_group = _head_group_bytes(args, job, dims, modules, c)
-        block_gathered = {
-            k: gathered if kept else gathered - head_group + c * (block[k] + prefetched[k]) for k in kinds
-        }
-        block_activations = {
-            k: recompute[k] if full else (recompute[k] - per_block[k] if op else -per_block[k]) for k in kinds
-        }
-        block_buffers = {
-            k: FP32 * trained_numel(args, job, dims, [m], sharded=False) for k, m in one_of_kind.items()
-        }
-    else:
-        block_gathered = dict.fromkeys(kinds, gathered)
-        block_activations, block_buffers = recompute, dict.fromkeys(kinds, 0.0)
-    # torch's pipeline stage turns FSDP's gradient sync off for every micro-batch but the
-    # last: from a stage's first backward on, its gradients stay unsharded in float32
-    n_micro = job.training.local_batch_size // micro
-    unsynced = dims.pp > 1 and fsdp and n_micro > 1
-
-    # walk this rank's step in the schedule's own order; the peak is the largest moment
-    actions = (
-        rank_actions(schedule_name(job.parallelism), dims.pp, len(stages), n_micro, pp_rank)
-        if dims.pp > 1
-        else (("F", 0, 0), ("B", 0, 0))
-    )
-    stage_kinds = {i: {is_moe[m] for m in stages[i] if m in is_moe} for i in ids}
-    pending = {
-        i: sum(block_weight_output_grad_bytes(z, args.qk_norm, is_moe[m]) for m in stages[i] if m in is_moe)
-        for i in ids
+    block = {k: _gathered_numel(args, job, dims, [m], c) for k, m in one_of_kind.items()}
+    # the largest block preceding each kind (its own size where the kind comes only first)
+    order = list(is_moe)
+    prefetched = {
+        k: max((block[is_moe[a]] for a, b in itertools.pairwise(order) if is_moe[b] == k), default=block[k])
+        for k in one_of_kind
     }
-    unsynced_grads = {}
-    if unsynced:
-        for i in ids:
-            kinds_here = {module_key(args, m): m for m in stages[i]}.values()
-            largest = max(trained_numel(args, job, dims, [m], sharded=False) for m in kinds_here)
-            # the stage's gradients in float32, beside its largest in the compute dtype
-            unsynced_grads[i] = (FP32 * trained_numel(args, job, dims, stages[i], sharded=False), c * largest)
-    heads = {i for i in ids if "lm_head" in stages[i]}
-    embeds = {i for i in ids if "embed_tokens" in stages[i]}
-    embedding_gathered, embedding_grads = _embedding_backward_bytes(args, job, dims, c, not unsynced)
-    # without accumulation, the step's gradients all exist by its last backward
-    fresh_grads = 0.0 if accumulating or unsynced or host else FP32 * trained
+    kept = _keeps_blocks(job, dims)
+    head_group = _head_group_bytes(args, job, dims, modules, c)
+    block_gathered = {
+        k: gathered if kept else gathered - head_group + c * (block[k] + prefetched[k]) for k in one_of_kind
+    }
+    block_buffers = {
+        k: FP32 * trained_numel(args, job, dims, [m], sharded=False) for k, m in one_of_kind.items()
+    }
+    return block_gathered, block_buffers
+
+
+def _unsynced_grads(
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, stages: list[list[str]], ids: list[int], c: int
+) -> dict[int, tuple[float, float]]:
+    """Per stage, its gradients held unsharded in float32 across micro-batches, and beside
+    them its largest gradient in the compute dtype."""
+    out = {}
+    for i in ids:
+        kinds_here = {module_key(args, m): m for m in stages[i]}.values()
+        largest = max(trained_numel(args, job, dims, [m], sharded=False) for m in kinds_here)
+        out[i] = (FP32 * trained_numel(args, job, dims, stages[i], sharded=False), c * largest)
+    return out
+
+
+class _Peak:
+    """The largest moment seen: (gathered params, activations, gradient buffers)."""
+
+    def __init__(self) -> None:
+        self.moment, self.total = (0.0, 0.0, 0.0), 0.0
+
+    def consider(self, gathered: float, activations: float, buffers: float) -> None:
+        total = gathered + activations + buffers
+        if total > self.total:
+            self.moment, self.total = (gathered, activations, buffers), total
+
+
+def _walk_schedule(actions: tuple[tuple[str, int, int], ...], k: _StageCosts) -> tuple[float, float, float]:
+    """The peak moment of a rank's step: its forwards (F), backwards (B), or zero-bubble
+    input (I) and weight (W) steps, in the schedule's order."""
+    peak = _Peak()
     alive, accumulated = 0.0, 0.0
-    # (gathered_params, activations, gradient_buffers) of the largest moment so far
-    peak, peak_total = (0.0, 0.0, 0.0), 0.0
-
-    def consider(moment: tuple[float, float, float]) -> None:
-        nonlocal peak, peak_total
-        total = moment[0] + moment[1] + moment[2]
-        if total > peak_total:
-            peak, peak_total = moment, total
-
+    unsynced = dict(k.unsynced_grads)
     for kind, stage, _ in actions:
         if kind == "F":
-            alive += saved[stage]
-            if stage in heads:  # the loss runs at the end of the forward, its saves kept
-                alive += head.saved
-                consider((gathered, alive + head.forward, accumulated))
+            alive += k.saved[stage]
+            if stage in k.heads:  # the loss runs at the end of the forward, its saves kept
+                alive += k.head.saved
+                peak.consider(k.gathered, alive + k.head.forward, accumulated)
         elif kind == "I":
             # a zero-bubble input step keeps the gradient at every weight's output until
             # the stage's weight step uses it
-            alive += pending[stage]
+            alive += k.pending[stage]
         if kind in ("B", "I"):  # the loss's backward, then each block's
-            if stage in heads:
-                consider((gathered, alive + head.backward, accumulated))
-                alive -= head.saved
-            for k in stage_kinds[stage]:
-                consider((block_gathered[k], alive + recompute[k] + transient[k], accumulated))
-                consider((block_gathered[k], alive + block_activations[k], accumulated + block_buffers[k]))
+            if stage in k.heads:
+                peak.consider(k.gathered, alive + k.head.backward, accumulated)
+                alive -= k.head.saved
+            for b in k.stage_kinds[stage]:
+                peak.consider(k.block_gathered[b], alive + k.recompute[b] + k.transient[b], accumulated)
+                peak.consider(
+                    k.block_gathered[b], alive + k.block_activations[b], accumulated + k.block_buffers[b]
+                )
         if kind in ("B", "W"):
-            alive -= saved[stage] + (pending[stage] if kind == "W" else 0.0)
-            if stage in unsynced_grads:
-                grads, largest_grad = unsynced_grads.pop(stage)
+            alive -= k.saved[stage] + (k.pending[stage] if kind == "W" else 0.0)
+            if stage in unsynced:
+                grads, largest_grad = unsynced.pop(stage)
                 accumulated += grads
-                consider((gathered, alive, accumulated + largest_grad))
-            if stage in embeds:  # the embedding's backward ends the stage's
-                consider((gathered + embedding_gathered, alive, accumulated + fresh_grads + embedding_grads))
-        consider((gathered, alive, accumulated))
-    moment = dict(zip(("gathered_params", "activations", "gradient_buffers"), peak, strict=True))
-    return Memory(role, {**static, **{k: v for k, v in moment.items() if v}}, host)
+                peak.consider(k.gathered, alive, accumulated + largest_grad)
+            if stage in k.embeds:  # the embedding's backward ends the stage's
+                peak.consider(
+                    k.gathered + k.embedding_gathered, alive, accumulated + k.fresh_grads + k.embedding_grads
+                )
+        peak.consider(k.gathered, alive, accumulated)
+    return peak.moment
 
 
 def _stored_bytes(job: JobConfig, device_type: str) -> int:
@@ -774,8 +883,7 @@ def _embedding_backward_bytes(
 
 def _keeps_blocks(job: JobConfig, dims: ParallelDims) -> bool:
     """Whether FSDP keeps every block gathered between forward and backward."""
-    policy = job.parallelism.fsdp_reshard_after_forward
-    return policy == "never" or (policy == "default" and dims.pp > 1)
+    return not reshards_blocks(job.parallelism.fsdp_reshard_after_forward, dims.pp > 1)
 
 
 def _head_group_bytes(

@@ -230,6 +230,9 @@ def candidates(
                 )
 
 
+REPLICATE, SHARD = "parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree"
+
+
 def _data_parallel(
     own: dict[str, str],
     pinned: set[str],
@@ -242,60 +245,15 @@ def _data_parallel(
     gpus_per_node: int,
     global_batch: int,
 ) -> Iterator[dict[str, str]]:
-    replicate_key, shard_key = (
-        "parallelism.data_parallel_replicate_degree",
-        "parallelism.data_parallel_shard_degree",
-    )
-    # FSDP over every data-parallel rank, or HSDP with each shard group filling one node
-    replicates = {1}
-    in_node = gpus_per_node // (tp * cp) if gpus_per_node % (tp * cp) == 0 else 0
-    if in_node and dp % in_node == 0 and dp // in_node > 1:
-        replicates.add(dp // in_node)
-    if replicate_key in pinned:
-        replicates = {int(own[replicate_key])}
-    if shard_key in pinned and own[shard_key] != "-1":
-        replicates = {r for r in replicates if r * int(own[shard_key]) == dp}
-    if global_batch > 0:
-        locals_ = [b for b in _divisors(global_batch // dp) if b <= 64] if global_batch % dp == 0 else []
-    else:
-        locals_ = list(LOCAL_BATCHES)
-    if "training.local_batch_size" in pinned:
-        locals_ = [int(own["training.local_batch_size"])]
-    schedules = (
-        [own["parallelism.pipeline_parallel_schedule"]]
-        if "parallelism.pipeline_parallel_schedule" in pinned
-        else list(SCHEDULES)
-    )
-    micros = (
-        [int(own["parallelism.pipeline_parallel_microbatch_size"])]
-        if "parallelism.pipeline_parallel_microbatch_size" in pinned
-        else list(MICRO_BATCHES)
-    )
+    """Every plan of these model-parallel degrees: its data-parallel split, local batch,
+    schedule, checkpointing, resharding and expert degree."""
+    replicates = _replicate_degrees(own, pinned, dp, tp * cp, gpus_per_node)
+    locals_ = _local_batches(own, pinned, dp, global_batch)
     reshards = reshard_options(pp)
     if "parallelism.fsdp_reshard_after_forward" in pinned:
         reshards = [own["parallelism.fsdp_reshard_after_forward"]]
-    acs = [
-        (mode, option)
-        for mode, option in AC_MODES
-        if own["activation_checkpoint.mode"] == mode or "activation_checkpoint.mode" not in pinned
-        if mode != "selective"
-        or "activation_checkpoint.selective_ac_option" not in pinned
-        or own["activation_checkpoint.selective_ac_option"] == option
-    ]
-    if "activation_checkpoint.mode" in pinned and not acs:  # a pinned every-k other than 2
-        acs = [(own["activation_checkpoint.mode"], own["activation_checkpoint.selective_ac_option"])]
-    pipe = (
-        list(itertools.product(schedules, micros))
-        if pp > 1
-        else [
-            (
-                own["parallelism.pipeline_parallel_schedule"],
-                int(own["parallelism.pipeline_parallel_microbatch_size"]),
-            )
-        ]
-    )
     for replicate, local, (schedule, micro), (mode, option), reshard in itertools.product(
-        sorted(replicates), locals_, pipe, acs, reshards
+        sorted(replicates), locals_, _pipeline_choices(own, pinned, pp), _ac_choices(own, pinned), reshards
     ):
         if pp > 1 and local % micro:
             continue
@@ -304,8 +262,8 @@ def _data_parallel(
         for ep in _expert_degrees(own, pinned, args, dp // replicate * cp):
             yield {
                 **({"parallelism.expert_parallel_degree": ep} if ep else {}),
-                replicate_key: str(replicate),
-                shard_key: str(dp // replicate),
+                REPLICATE: str(replicate),
+                SHARD: str(dp // replicate),
                 "parallelism.context_parallel_degree": str(cp),
                 "parallelism.tensor_parallel_degree": str(tp),
                 "parallelism.pipeline_parallel_degree": str(pp),
@@ -316,6 +274,57 @@ def _data_parallel(
                 "activation_checkpoint.selective_ac_option": option,
                 "training.local_batch_size": str(local),
             }
+
+
+def _replicate_degrees(
+    own: dict[str, str], pinned: set[str], dp: int, model_parallel: int, gpus_per_node: int
+) -> set[int]:
+    """FSDP over every data-parallel rank (1), or HSDP with each shard group filling a node."""
+    replicates = {1}
+    in_node = gpus_per_node // model_parallel if gpus_per_node % model_parallel == 0 else 0
+    if in_node and dp % in_node == 0 and dp // in_node > 1:
+        replicates.add(dp // in_node)
+    if REPLICATE in pinned:
+        replicates = {int(own[REPLICATE])}
+    if SHARD in pinned and own[SHARD] != "-1":
+        replicates = {r for r in replicates if r * int(own[SHARD]) == dp}
+    return replicates
+
+
+def _local_batches(own: dict[str, str], pinned: set[str], dp: int, global_batch: int) -> list[int]:
+    """Local batches that make the global batch (up to 64), or ``LOCAL_BATCHES`` when it is free."""
+    if "training.local_batch_size" in pinned:
+        return [int(own["training.local_batch_size"])]
+    if global_batch <= 0:
+        return list(LOCAL_BATCHES)
+    return [b for b in _divisors(global_batch // dp) if b <= 64] if global_batch % dp == 0 else []
+
+
+def _pipeline_choices(own: dict[str, str], pinned: set[str], pp: int) -> list[tuple[str, int]]:
+    """(schedule, micro-batch size) pairs: every searched one under pipelining, else the job's."""
+    schedule, micro = (
+        "parallelism.pipeline_parallel_schedule",
+        "parallelism.pipeline_parallel_microbatch_size",
+    )
+    if pp == 1:
+        return [(own[schedule], int(own[micro]))]
+    schedules = [own[schedule]] if schedule in pinned else list(SCHEDULES)
+    micros = [int(own[micro])] if micro in pinned else list(MICRO_BATCHES)
+    return list(itertools.product(schedules, micros))
+
+
+def _ac_choices(own: dict[str, str], pinned: set[str]) -> list[tuple[str, str]]:
+    """(mode, selective option) pairs of ``AC_MODES`` the pins allow, or the pinned pair."""
+    mode_key, option_key = "activation_checkpoint.mode", "activation_checkpoint.selective_ac_option"
+    acs = [
+        (mode, option)
+        for mode, option in AC_MODES
+        if own[mode_key] == mode or mode_key not in pinned
+        if mode != "selective" or option_key not in pinned or own[option_key] == option
+    ]
+    if mode_key in pinned and not acs:  # a pinned every-k other than 2
+        acs = [(own[mode_key], own[option_key])]
+    return acs
 
 
 def reshard_options(pp: int) -> list[str]:

@@ -25,11 +25,13 @@ from dataclasses import dataclass, field
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.parallel.activation_checkpoint import checkpointed_layers
+from autopar.parallel.fsdp import reshards_blocks
 from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, schedule_name
 from autopar.planner.devices import DeviceSpec
 from autopar.planner.memory import (
     FP32,
+    Sizes,
     block_bytes_no_ac,
     block_bytes_op_ac,
     layer_expert_numel,
@@ -98,103 +100,30 @@ def compute_rate(job: JobConfig, device: DeviceSpec) -> float:
 def predict_time(
     args: ModelArgs, job: JobConfig, dims: ParallelDims, device: DeviceSpec, gpus_per_node: int
 ) -> StepTime:
-    """Predicted step time of ``job`` under ``dims`` on ``device``."""
+    """Predicted step time of ``job`` under ``dims`` on ``device``: compute and recompute,
+    the communication left exposed beside them, and the pipeline's bubble."""
     c = 2
-    seq = job.training.seq_len
-    world = dims.world_size
-    rate = compute_rate(job, device)
-    tokens = tokens_per_step(job, dims)
-    compute = flops_per_token(args, seq, job.lora.enable) * tokens / world / rate
-
     pipelined = dims.pp > 1
     micro = job.parallelism.pipeline_parallel_microbatch_size if pipelined else job.training.local_batch_size
     n_micro = job.training.local_batch_size // micro if pipelined else 1
-    micro_batches = n_micro * micro_steps(job, dims)  # micro-batches this rank runs per step
-    z = sizes(args, job, dims, micro, "ring", c)
-    layers = args.num_hidden_layers / dims.pp
-
-    # recompute: full blocks rerun their forward; per-op AC rereads and rewrites what it dropped
-    ac = job.activation_checkpoint
-    op = ac.mode == "selective" and ac.selective_ac_option == "op"
-    moe_layers = sum(args.is_moe_layer(i) for i in range(args.num_hidden_layers))
-    recompute = 0.0
-    ids = [str(i) for i in range(args.num_hidden_layers)]
-    share = len(checkpointed_layers(ac, ids)) / len(ids) if ac.mode != "none" and not op else 0.0
-    if op:
-        dropped = sum(
-            block_bytes_no_ac(z, args.qk_norm, args.is_moe_layer(i))
-            - block_bytes_op_ac(z, dims.tp, args.is_moe_layer(i))
-            for i in range(args.num_hidden_layers)
-        )
-        recompute = 2 * dropped / dims.pp * micro_batches / device.hbm_bytes_per_s
-    elif share:
-        attention = 4 * args.num_attention_heads * args.head_dim * seq * args.num_hidden_layers
-        block_fwd = 2 * sum(block_matmul_params(args, i) for i in range(args.num_hidden_layers)) + attention
-        recompute = share * block_fwd * tokens / world / rate
-    if dims.tp > 1 and moe_layers:
-        # every TP rank runs a mixture of experts on the whole sequence: tp times its FLOPs
-        moe_fwd = 2 * (args.hidden_size * args.num_experts + 3 * z.top_k * args.hidden_size * z.moe_inter)
-        compute += (dims.tp - 1) * 3 * moe_fwd * moe_layers * tokens / world / rate
-        recompute += (dims.tp - 1) * share * moe_fwd * moe_layers * tokens / world / rate
-
-    spans = _spans(dims)
-    comm: dict[str, float] = {}
-    if dims.tp > 1:
-        # SP: all-gather + reduce-scatter around attention and MLP, forward and backward (all-reduces
-        # without SP move the same bytes); plus the embedding's and the head's
-        per_collective = (dims.tp - 1) / dims.tp * c * z.h * z.tokens
-        collectives = 8 * layers + 4
-        comm["tp"] = (
-            collectives
-            * micro_batches
-            * per_collective
-            / link_bytes_per_s(spans["tp"], gpus_per_node, device)
-        )
-    cp_exposed = 0.0
-    if dims.cp > 1:
-        kv = 2 * c * z.kv_sdpa * z.d * z.tokens  # ring attention passes k/v as SDPA gets them
-        cp_bytes = 3 * (dims.cp - 1) * kv * layers * micro_batches
-        comm["cp"] = cp_bytes / link_bytes_per_s(spans["cp"], gpus_per_node, device)
-        attention = 12 * z.nq * z.d * seq * z.tokens * layers * micro_batches / rate
-        cp_exposed = max(0.0, comm["cp"] - attention)
-    if dims.ep > 1 and moe_layers:
-        # all-to-all of every routed row out and back, in forward, backward and recompute
-        rows = z.top_k * z.tokens
-        transfers = (4 + 2 * share) * moe_layers / dims.pp * micro_batches  # this rank's stage
-        moved = transfers * (dims.ep - 1) / dims.ep * c * rows * z.h
-        comm["ep"] = moved / link_bytes_per_s(spans["ep"], gpus_per_node, device)
-    fsdp = dims.dp_shard * dims.cp
-    unsharded = _rank_params(args, job, dims)
-    if fsdp > 1:
-        policy = job.parallelism.fsdp_reshard_after_forward
-        reshard = policy == "always" or (policy == "default" and not pipelined)
-        gathers = micro_batches * (2 if reshard else 1)
-        # each weight moves over its own FSDP group: experts' over the data ranks EP left
-        experts = _rank_expert_params(args, dims)
-        efsdp = fsdp // dims.ep
-        moved = (fsdp - 1) / fsdp * (unsharded - experts) + (efsdp - 1) / efsdp * experts
-        # each gather, and each float32 gradient's reduce-scatter (LoRA's adapters': negligible)
-        moved *= c * gathers + (0 if job.lora.enable else 4 * micro_batches)
-        comm["fsdp"] = moved / link_bytes_per_s(spans["fsdp"], gpus_per_node, device)
-    if dims.dp_replicate > 1 and not job.lora.enable:
-        r = dims.dp_replicate
-        moved = 2 * (r - 1) / r * 4 * unsharded / fsdp * micro_batches
-        comm["dp_replicate"] = moved / link_bytes_per_s(spans["dp_replicate"], gpus_per_node, device)
-    host_optimizer = 0.0
-    if job.training.enable_cpu_offload:
-        # each gather first copies the float32 shard to the GPU, each gradient shard comes
-        # back (on FSDP's streams, beside compute); AdamW then steps on the host
-        shard = unsharded / fsdp
-        policy = job.parallelism.fsdp_reshard_after_forward
-        gathers = micro_batches * (2 if policy == "always" or (policy == "default" and not pipelined) else 1)
-        comm["host"] = FP32 * shard * (gathers + micro_batches) / (device.host_bytes_per_s * COMM_EFFICIENCY)
-        host_optimizer = shard / HOST_ADAM_PARAMS_PER_S
+    step = _Step(
+        tokens=tokens_per_step(job, dims),
+        micro_batches=n_micro * micro_steps(job, dims),  # micro-batches this rank runs per step
+        layers=args.num_hidden_layers / dims.pp,
+        moe_layers=sum(args.is_moe_layer(i) for i in range(args.num_hidden_layers)),
+        rate=compute_rate(job, device),
+        z=sizes(args, job, dims, micro, "ring", c),
+    )
+    compute, recompute, share = _compute_seconds(args, job, dims, device, step)
+    comm, cp_exposed = _model_parallel_comm(args, job, dims, device, gpus_per_node, step, share)
+    data_comm, host_optimizer = _data_parallel_comm(args, job, dims, device, gpus_per_node, step)
+    comm |= data_comm
     background = comm.get("fsdp", 0.0) + comm.get("dp_replicate", 0.0) + comm.get("host", 0.0)
-    first_gather = comm.get("fsdp", 0.0) / max(1.0, layers * micro_batches * 3)
+    first_gather = comm.get("fsdp", 0.0) / max(1.0, step.layers * step.micro_batches * 3)
     if pipelined:
         stages_per_rank = SCHEDULE_STYLES[schedule_name(job.parallelism)].stages_per_rank or 2
-        p2p = 2 * c * z.h * z.tokens * micro_batches * stages_per_rank
-        comm["pp"] = p2p / link_bytes_per_s(spans["pp"], gpus_per_node, device)
+        p2p = 2 * c * step.z.h * step.z.tokens * step.micro_batches * stages_per_rank
+        comm["pp"] = p2p / link_bytes_per_s(_spans(dims)["pp"], gpus_per_node, device)
     exposed = (
         comm.get("tp", 0.0)
         + comm.get("ep", 0.0)
@@ -208,6 +137,123 @@ def predict_time(
         bubble = bubble_fraction(schedule_name(job.parallelism), dims.pp, n_micro, stages_per_rank)
         bubble *= compute + recompute
     return StepTime(compute, recompute, exposed, bubble, comm, host_optimizer)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What every part of ``predict_time`` reads of one rank's step."""
+
+    tokens: int  # of the whole step, all ranks
+    micro_batches: int  # this rank runs
+    layers: float  # blocks per pipeline rank
+    moe_layers: int  # of the whole model
+    rate: float  # FLOP/s
+    z: Sizes
+
+
+def _compute_seconds(
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, device: DeviceSpec, step: _Step
+) -> tuple[float, float, float]:
+    """(compute, recompute, share of blocks fully recomputed). Full blocks rerun their
+    forward; per-op AC rereads and rewrites what it dropped."""
+    seq, world, rate, z = job.training.seq_len, dims.world_size, step.rate, step.z
+    compute = flops_per_token(args, seq, job.lora.enable) * step.tokens / world / rate
+    ac = job.activation_checkpoint
+    op = ac.mode == "selective" and ac.selective_ac_option == "op"
+    recompute = 0.0
+    ids = [str(i) for i in range(args.num_hidden_layers)]
+    share = len(checkpointed_layers(ac, ids)) / len(ids) if ac.mode != "none" and not op else 0.0
+    if op:
+        dropped = sum(
+            block_bytes_no_ac(z, args.qk_norm, args.is_moe_layer(i))
+            - block_bytes_op_ac(z, dims.tp, args.is_moe_layer(i))
+            for i in range(args.num_hidden_layers)
+        )
+        recompute = 2 * dropped / dims.pp * step.micro_batches / device.hbm_bytes_per_s
+    elif share:
+        attention = 4 * args.num_attention_heads * args.head_dim * seq * args.num_hidden_layers
+        block_fwd = 2 * sum(block_matmul_params(args, i) for i in range(args.num_hidden_layers)) + attention
+        recompute = share * block_fwd * step.tokens / world / rate
+    if dims.tp > 1 and step.moe_layers:
+        # every TP rank runs a mixture of experts on the whole sequence: tp times its FLOPs
+        moe_fwd = 2 * (args.hidden_size * args.num_experts + 3 * z.top_k * args.hidden_size * z.moe_inter)
+        compute += (dims.tp - 1) * 3 * moe_fwd * step.moe_layers * step.tokens / world / rate
+        recompute += (dims.tp - 1) * share * moe_fwd * step.moe_layers * step.tokens / world / rate
+    return compute, recompute, share
+
+
+def _model_parallel_comm(
+    args: ModelArgs,
+    job: JobConfig,
+    dims: ParallelDims,
+    device: DeviceSpec,
+    gpus_per_node: int,
+    step: _Step,
+    share: float,
+) -> tuple[dict[str, float], float]:
+    """Seconds of TP's, CP's and EP's collectives, and how much of CP's attention does not hide."""
+    c, z, spans = 2, step.z, _spans(dims)
+    comm: dict[str, float] = {}
+    if dims.tp > 1:
+        # SP: all-gather + reduce-scatter around attention and MLP, forward and backward (all-reduces
+        # without SP move the same bytes); plus the embedding's and the head's
+        per_collective = (dims.tp - 1) / dims.tp * c * z.h * z.tokens
+        collectives = 8 * step.layers + 4
+        comm["tp"] = (
+            collectives
+            * step.micro_batches
+            * per_collective
+            / link_bytes_per_s(spans["tp"], gpus_per_node, device)
+        )
+    cp_exposed = 0.0
+    if dims.cp > 1:
+        kv = 2 * c * z.kv_sdpa * z.d * z.tokens  # ring attention passes k/v as SDPA gets them
+        cp_bytes = 3 * (dims.cp - 1) * kv * step.layers * step.micro_batches
+        comm["cp"] = cp_bytes / link_bytes_per_s(spans["cp"], gpus_per_node, device)
+        seq = job.training.seq_len
+        attention = 12 * z.nq * z.d * seq * z.tokens * step.layers * step.micro_batches / step.rate
+        cp_exposed = max(0.0, comm["cp"] - attention)
+    if dims.ep > 1 and step.moe_layers:
+        # all-to-all of every routed row out and back, in forward, backward and recompute
+        rows = z.top_k * z.tokens
+        transfers = (4 + 2 * share) * step.moe_layers / dims.pp * step.micro_batches  # this rank's stage
+        moved = transfers * (dims.ep - 1) / dims.ep * c * rows * z.h
+        comm["ep"] = moved / link_bytes_per_s(spans["ep"], gpus_per_node, device)
+    return comm, cp_exposed
+
+
+def _data_parallel_comm(
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, device: DeviceSpec, gpus_per_node: int, step: _Step
+) -> tuple[dict[str, float], float]:
+    """Seconds of FSDP's gathers and reduce-scatters, the replicas' all-reduce and CPU
+    offload's copies, and of AdamW on the host."""
+    c, spans = 2, _spans(dims)
+    comm: dict[str, float] = {}
+    fsdp = dims.dp_shard * dims.cp
+    unsharded = _rank_params(args, job, dims)
+    policy = job.parallelism.fsdp_reshard_after_forward
+    gathers = step.micro_batches * (2 if reshards_blocks(policy, dims.pp > 1) else 1)
+    if fsdp > 1:
+        # each weight moves over its own FSDP group: experts' over the data ranks EP left
+        experts = _rank_expert_params(args, dims)
+        efsdp = fsdp // dims.ep
+        moved = (fsdp - 1) / fsdp * (unsharded - experts) + (efsdp - 1) / efsdp * experts
+        # each gather, and each float32 gradient's reduce-scatter (LoRA's adapters': negligible)
+        moved *= c * gathers + (0 if job.lora.enable else 4 * step.micro_batches)
+        comm["fsdp"] = moved / link_bytes_per_s(spans["fsdp"], gpus_per_node, device)
+    if dims.dp_replicate > 1 and not job.lora.enable:
+        r = dims.dp_replicate
+        moved = 2 * (r - 1) / r * 4 * unsharded / fsdp * step.micro_batches
+        comm["dp_replicate"] = moved / link_bytes_per_s(spans["dp_replicate"], gpus_per_node, device)
+    host_optimizer = 0.0
+    if job.training.enable_cpu_offload:
+        # each gather first copies the float32 shard to the GPU, each gradient shard comes
+        # back (on FSDP's streams, beside compute); AdamW then steps on the host
+        shard = unsharded / fsdp
+        copies = gathers + step.micro_batches
+        comm["host"] = FP32 * shard * copies / (device.host_bytes_per_s * COMM_EFFICIENCY)
+        host_optimizer = shard / HOST_ADAM_PARAMS_PER_S
+    return comm, host_optimizer
 
 
 def bubble_fraction(schedule: str, pp: int, n_micro: int, stages_per_rank: int) -> float:
