@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autopar.cli.parity import PlanRun, plan_job, relative_deltas, run_job, run_plans
+from autopar.cli.parity import Case, PlanRun, plan_job, relative_deltas, run_cases, run_job, run_plans
 from autopar.cli.spawn import run_on_ranks
 from autopar.data.loader import IGNORE_INDEX, StepLoader
 from autopar.models import get_flavor
@@ -84,10 +84,20 @@ PLANS = [
 ]
 
 
+LORA_PLANS = ["dp_shard=2,ep=2", "tp=2"]
+"""LoRA on the attention and dense-block linears beside frozen experts (experts are not
+``nn.Linear``s, so no target matches them): EP still exchanges tokens, now to train only the
+adapters before and after the experts."""
+
+
 @pytest.fixture(scope="module")
 def moe_parity(tmp_path_factory):
-    base = moe_job(tmp_path_factory.mktemp("moe"), "--training.local_batch_size", "2")
-    return parity_runs(base, PLANS, steps=4)
+    folder = tmp_path_factory.mktemp("moe")
+    base = moe_job(folder, "--training.local_batch_size", "2")
+    lora = moe_job(folder, "--training.local_batch_size", "2", "--lora.enable", "true", "--lora.rank", "4")
+    cases = [Case(base, plan) for plan in PLANS] + [Case(lora, plan) for plan in LORA_PLANS]
+    keys = PLANS + [f"lora {plan}" for plan in LORA_PLANS]
+    return dict(zip(keys, run_cases(cases, steps=4), strict=True))
 
 
 @pytest.mark.slow
@@ -100,6 +110,13 @@ def test_moe_training_under_a_plan_matches_one_device(moe_parity, plan):
     # Inductor also fuses and reorders fp32 reductions.
     loss_rtol = 1e-4 if "compile" in plan else 1e-5
     assert_same_training(run, reference, loss_rtol=loss_rtol, norm_rtol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", LORA_PLANS)
+def test_lora_on_a_mixture_of_experts_under_a_plan_matches_one_device(moe_parity, plan):
+    reference, run = moe_parity[f"lora {plan}"]
+    assert_same_training(run, reference, loss_rtol=1e-5, norm_rtol=1e-4)  # as the full model's
 
 
 @pytest.mark.parametrize(

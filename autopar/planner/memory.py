@@ -258,14 +258,14 @@ class Sizes:
 
     tokens: int  # tokens of one micro-batch on this rank (after the CP split)
     seq: int  # this rank's tokens per sequence
-    c: int  # compute dtype bytes
-    h: int
-    nq: int  # query heads per TP rank
-    nkv: int
-    kv_sdpa: int  # k/v heads SDPA is given: nkv, or nq where they are expanded before it
-    d: int
-    inter: int  # intermediate size per TP rank
-    sp: int  # sequence-parallel shard factor of norms and residuals
+    dtype_bytes: int  # of the compute dtype
+    hidden: int
+    q_heads: int  # per TP rank
+    kv_heads: int  # per TP rank
+    sdpa_kv_heads: int  # k/v heads SDPA is given: kv_heads, or q_heads where expanded before it
+    head_dim: int
+    ffn: int  # intermediate size per TP rank
+    sp_shards: int  # sequence-parallel shard factor of norms and residuals
     kv_seq_factor: int  # how many times the local sequence k/v span (all-gather CP)
     mask: int  # elements of the explicit attention mask (0: SDPA's built-in causal one)
     experts: int = 0  # a mixture of experts': experts, top-k, intermediate size per expert
@@ -297,14 +297,14 @@ def lora_bytes_no_ac(z: Sizes, moe: bool = False) -> float:
     gradient) and, with dropout, its mask and the dropped input A takes (the input the base
     saves is otherwise A's too)."""
     t, linears = z.tokens, z.adapted.get(moe, ())
-    dropped = sum((z.c + 1) * fan_in * t for fan_in, _ in linears) if z.dropout else 0.0
-    return z.c * z.rank * t * len(linears) + dropped
+    dropped = sum((z.dtype_bytes + 1) * fan_in * t for fan_in, _ in linears) if z.dropout else 0.0
+    return z.dtype_bytes * z.rank * t * len(linears) + dropped
 
 
 def lora_bytes_op_ac(z: Sizes, moe: bool = False) -> float:
     """Per-op checkpointing keeps both adapter matmuls' outputs: A's (rank wide) and B's (as
     wide as the base's)."""
-    return sum(z.c * (z.rank + fan_out) * z.tokens for _, fan_out in z.adapted.get(moe, ()))
+    return sum(z.dtype_bytes * (z.rank + fan_out) * z.tokens for _, fan_out in z.adapted.get(moe, ()))
 
 
 def moe_bytes_no_ac(z: Sizes) -> float:
@@ -318,7 +318,9 @@ def moe_bytes_no_ac(z: Sizes) -> float:
     rows = z.top_k * t
     router = FP32 * z.experts * t + 8 * rows + ((FP32 * (rows + t)) if z.norm_topk else 0)
     indices = 16 * rows + (16 * rows if z.ep > 1 else 0)
-    experts = 2 * z.c * rows * z.h + 4 * z.c * rows * z.moe_inter + z.c * rows
+    experts = (
+        2 * z.dtype_bytes * rows * z.hidden + 4 * z.dtype_bytes * rows * z.moe_inter + z.dtype_bytes * rows
+    )
     return router + indices + experts
 
 
@@ -326,16 +328,24 @@ def block_bytes_no_ac(z: Sizes, qk_norm: bool, moe: bool = False) -> float:
     """Bytes one block (``moe``: a mixture-of-experts one) saves for backward per micro-batch,
     without checkpointing."""
     t = z.tokens
-    normed = 0 if z.frozen else z.c  # the normalized copy the weight's gradient needs
-    norm = (FP32 + normed) * z.h * t / z.sp + FP32 * t / z.sp
-    linear_inputs = z.c * z.h * t * (z.keeps(moe, "attention") + (moe or z.keeps(moe, "mlp")))
-    heads = z.nq * z.d * t
-    qk = (FP32 + normed) * (z.nq + z.nkv) * z.d * t + FP32 * (z.nq + z.nkv) * t if qk_norm else 0
-    rope = 4 * z.c * z.seq * z.d
-    attention = 2 * z.c * heads + 2 * z.c * z.kv_sdpa * z.d * t * z.kv_seq_factor + FP32 * z.nq * t
+    normed = 0 if z.frozen else z.dtype_bytes  # the normalized copy the weight's gradient needs
+    norm = (FP32 + normed) * z.hidden * t / z.sp_shards + FP32 * t / z.sp_shards
+    linear_inputs = z.dtype_bytes * z.hidden * t * (z.keeps(moe, "attention") + (moe or z.keeps(moe, "mlp")))
+    heads = z.q_heads * z.head_dim * t
+    qk = (
+        (FP32 + normed) * (z.q_heads + z.kv_heads) * z.head_dim * t + FP32 * (z.q_heads + z.kv_heads) * t
+        if qk_norm
+        else 0
+    )
+    rope = 4 * z.dtype_bytes * z.seq * z.head_dim
+    attention = (
+        2 * z.dtype_bytes * heads
+        + 2 * z.dtype_bytes * z.sdpa_kv_heads * z.head_dim * t * z.kv_seq_factor
+        + FP32 * z.q_heads * t
+    )
     # gate, silu(gate), up and (for down's weight) their product
-    mlp = moe_bytes_no_ac(z) if moe else (3 + z.keeps(moe, "down")) * z.c * z.inter * t
-    mask = z.c * z.mask  # SDPA turns a boolean mask into an additive one and saves it
+    mlp = moe_bytes_no_ac(z) if moe else (3 + z.keeps(moe, "down")) * z.dtype_bytes * z.ffn * t
+    mask = z.dtype_bytes * z.mask  # SDPA turns a boolean mask into an additive one and saves it
     return 2 * norm + linear_inputs + qk + rope + attention + mlp + mask + lora_bytes_no_ac(z, moe)
 
 
@@ -343,26 +353,30 @@ def block_bytes_op_ac(z: Sizes, tp: int, moe: bool = False) -> float:
     """Bytes one block keeps under per-op selective checkpointing (matmul, attention and
     collective outputs, and the block input)."""
     t = z.tokens
-    qkv = z.c * (z.nq + 2 * z.nkv) * z.d * t
-    attention = z.c * z.nq * z.d * t + FP32 * z.nq * t
-    out_proj = 2 * z.c * z.h * t  # o_proj and down_proj (or the experts' weighted sum) outputs
+    qkv = z.dtype_bytes * (z.q_heads + 2 * z.kv_heads) * z.head_dim * t
+    attention = z.dtype_bytes * z.q_heads * z.head_dim * t + FP32 * z.q_heads * t
+    out_proj = 2 * z.dtype_bytes * z.hidden * t  # o_proj and down_proj (or the experts' weighted sum) outputs
     if moe:  # router logits, the experts' three grouped GEMMs (and EP's two all-to-alls)
         rows = z.top_k * t
-        mlp = z.c * z.experts * t + 2 * z.c * rows * z.moe_inter + z.c * rows * z.h
-        mlp += 2 * z.c * rows * z.h if z.ep > 1 else 0.0
+        mlp = (
+            z.dtype_bytes * z.experts * t
+            + 2 * z.dtype_bytes * rows * z.moe_inter
+            + z.dtype_bytes * rows * z.hidden
+        )
+        mlp += 2 * z.dtype_bytes * rows * z.hidden if z.ep > 1 else 0.0
     else:
-        mlp = 2 * z.c * z.inter * t
-    block_input = z.c * z.h * t / z.sp
+        mlp = 2 * z.dtype_bytes * z.ffn * t
+    block_input = z.dtype_bytes * z.hidden * t / z.sp_shards
     collectives = 0.0
     if tp > 1:
         # under SP, an all-gather (c*h) before each sublayer and a reduce-scatter (c*h/tp) after
         # attention and a dense MLP (a mixture of experts' output is split without one);
         # otherwise an all-reduce after each (only attention's before a mixture of experts)
         reduce_scatters = 1 if moe else 2
-        if z.sp > 1:
-            collectives = z.c * z.h * t * (2 + reduce_scatters / tp)
+        if z.sp_shards > 1:
+            collectives = z.dtype_bytes * z.hidden * t * (2 + reduce_scatters / tp)
         else:
-            collectives = z.c * z.h * t * reduce_scatters
+            collectives = z.dtype_bytes * z.hidden * t * reduce_scatters
     return qkv + attention + out_proj + mlp + block_input + collectives + lora_bytes_op_ac(z, moe)
 
 
@@ -371,10 +385,10 @@ def block_weight_output_grad_bytes(z: Sizes, qk_norm: bool, moe: bool = False) -
     a zero-bubble schedule keeps from a micro-batch's input step to its weight step."""
     t = z.tokens
     # qkv, o, and gate/up, down (a mixture of experts: router, and per routed row)
-    mlp = z.experts + z.top_k * (2 * z.moe_inter + z.h) if moe else 2 * z.inter + z.h
-    projections = (z.nq + 2 * z.nkv) * z.d + z.h + mlp
-    norms = 2 * z.h / z.sp + ((z.nq + z.nkv) * z.d if qk_norm else 0)
-    return z.c * t * (projections + norms)
+    mlp = z.experts + z.top_k * (2 * z.moe_inter + z.hidden) if moe else 2 * z.ffn + z.hidden
+    projections = (z.q_heads + 2 * z.kv_heads) * z.head_dim + z.hidden + mlp
+    norms = 2 * z.hidden / z.sp_shards + ((z.q_heads + z.kv_heads) * z.head_dim if qk_norm else 0)
+    return z.dtype_bytes * t * (projections + norms)
 
 
 def block_backward_transient_bytes(z: Sizes, moe: bool = False) -> float:
@@ -382,9 +396,9 @@ def block_backward_transient_bytes(z: Sizes, moe: bool = False) -> float:
     the gradient arriving at it and the two it sends to silu(gate) and up (per routed row in
     a mixture of experts)."""
     if not moe:
-        return 3 * z.c * z.inter * z.tokens
+        return 3 * z.dtype_bytes * z.ffn * z.tokens
     rows = z.top_k * z.tokens
-    return 3 * z.c * rows * z.moe_inter + 2 * z.c * rows * z.h
+    return 3 * z.dtype_bytes * rows * z.moe_inter + 2 * z.dtype_bytes * rows * z.hidden
 
 
 @dataclass(frozen=True)
@@ -407,13 +421,13 @@ def head_bytes(z: Sizes, vocab: int, tp_loss_parallel: int, chunk_tokens: int = 
     exponent and the masked gradient;
     its backward scales the gradient into a third c copy."""
     t = z.tokens
-    logits = z.c * (vocab // tp_loss_parallel) * t
-    fp32_logits = logits * FP32 // z.c
+    logits = z.dtype_bytes * (vocab // tp_loss_parallel) * t
+    fp32_logits = logits * FP32 // z.dtype_bytes
     weighted = not z.frozen or z.head_adapted  # a frozen head needs no input for its gradient
-    norm = (FP32 + (0 if z.frozen else z.c)) * z.h * t / z.sp + FP32 * t / z.sp
-    kept = norm + (z.c * z.h * t if weighted else 0) + logits
+    norm = (FP32 + (0 if z.frozen else z.dtype_bytes)) * z.hidden * t / z.sp_shards + FP32 * t / z.sp_shards
+    kept = norm + (z.dtype_bytes * z.hidden * t if weighted else 0) + logits
     if chunk_tokens:
-        chunk = (3 * FP32 + z.c) * (vocab // tp_loss_parallel) * min(chunk_tokens, t)
+        chunk = (3 * FP32 + z.dtype_bytes) * (vocab // tp_loss_parallel) * min(chunk_tokens, t)
         return HeadBytes(kept + logits, chunk, logits)
     gradients = 3 if tp_loss_parallel > 1 else 2
     return HeadBytes(kept + fp32_logits, 0.0, gradients * fp32_logits)
@@ -437,17 +451,17 @@ def sizes(
     return Sizes(
         tokens=micro_batch * seq,
         seq=seq,
-        c=c,
-        h=args.hidden_size,
-        nq=args.num_attention_heads // dims.tp,
-        nkv=args.num_key_value_heads // dims.tp,
-        kv_sdpa=(
+        dtype_bytes=c,
+        hidden=args.hidden_size,
+        q_heads=args.num_attention_heads // dims.tp,
+        kv_heads=args.num_key_value_heads // dims.tp,
+        sdpa_kv_heads=(
             args.num_key_value_heads if native_gqa(job, device_type, cp_impl) else args.num_attention_heads
         )
         // dims.tp,
-        d=args.head_dim,
-        inter=args.intermediate_size // dims.tp,
-        sp=dims.tp if sequence_parallel else 1,
+        head_dim=args.head_dim,
+        ffn=args.intermediate_size // dims.tp,
+        sp_shards=dims.tp if sequence_parallel else 1,
         kv_seq_factor=kv_seq_factor,
         mask=mask,
         experts=args.num_experts,
@@ -694,7 +708,7 @@ def _checkpointing_saves(
     no_ac = {k: block_bytes_no_ac(z, args.qk_norm, k) for k in kinds}
     per_block = {k: block_bytes_op_ac(z, dims.tp, k) if op else no_ac[k] for k in kinds}
     # a checkpointed block's inputs stay alive: the hidden states, and the boolean mask
-    block_input = z.c * z.h * z.tokens / z.sp
+    block_input = z.dtype_bytes * z.hidden * z.tokens / z.sp_shards
     held_mask = z.mask if (op or full) else 0.0
     # a stage keeps its blocks' saves, and under pipelining the activation it received and
     # the one it sent (kept for backward)

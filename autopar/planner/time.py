@@ -122,7 +122,7 @@ def predict_time(
     first_gather = comm.get("fsdp", 0.0) / max(1.0, step.layers * step.micro_batches * 3)
     if pipelined:
         stages_per_rank = SCHEDULE_STYLES[schedule_name(job.parallelism)].stages_per_rank or 2
-        p2p = 2 * c * step.z.h * step.z.tokens * step.micro_batches * stages_per_rank
+        p2p = 2 * c * step.z.hidden * step.z.tokens * step.micro_batches * stages_per_rank
         comm["pp"] = p2p / link_bytes_per_s(_spans(dims)["pp"], gpus_per_node, device)
     exposed = (
         comm.get("tp", 0.0)
@@ -197,7 +197,7 @@ def _model_parallel_comm(
     if dims.tp > 1:
         # SP: all-gather + reduce-scatter around attention and MLP, forward and backward (all-reduces
         # without SP move the same bytes); plus the embedding's and the head's
-        per_collective = (dims.tp - 1) / dims.tp * c * z.h * z.tokens
+        per_collective = (dims.tp - 1) / dims.tp * c * z.hidden * z.tokens
         collectives = 8 * step.layers + 4
         comm["tp"] = (
             collectives
@@ -207,17 +207,19 @@ def _model_parallel_comm(
         )
     cp_exposed = 0.0
     if dims.cp > 1:
-        kv = 2 * c * z.kv_sdpa * z.d * z.tokens  # ring attention passes k/v as SDPA gets them
+        kv = 2 * c * z.sdpa_kv_heads * z.head_dim * z.tokens  # ring attention passes k/v as SDPA gets them
         cp_bytes = 3 * (dims.cp - 1) * kv * step.layers * step.micro_batches
         comm["cp"] = cp_bytes / link_bytes_per_s(spans["cp"], gpus_per_node, device)
         seq = job.training.seq_len
-        attention = 12 * z.nq * z.d * seq * z.tokens * step.layers * step.micro_batches / step.rate
+        attention = (
+            12 * z.q_heads * z.head_dim * seq * z.tokens * step.layers * step.micro_batches / step.rate
+        )
         cp_exposed = max(0.0, comm["cp"] - attention)
     if dims.ep > 1 and step.moe_layers:
         # all-to-all of every routed row out and back, in forward, backward and recompute
         rows = z.top_k * z.tokens
         transfers = (4 + 2 * share) * step.moe_layers / dims.pp * step.micro_batches  # this rank's stage
-        moved = transfers * (dims.ep - 1) / dims.ep * c * rows * z.h
+        moved = transfers * (dims.ep - 1) / dims.ep * c * rows * z.hidden
         comm["ep"] = moved / link_bytes_per_s(spans["ep"], gpus_per_node, device)
     return comm, cp_exposed
 
