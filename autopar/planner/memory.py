@@ -313,13 +313,18 @@ def moe_bytes_no_ac(z: Sizes) -> float:
     weights and their sum when renormalized), each routed row's token index, copy of its
     token, SwiGLU saves and output, the weights, and the index that restores choice order;
     under EP, the index that regroups the rows received. Routing is taken as balanced: each
-    rank's experts receive ``top_k`` rows per token (the load-balancing loss's aim)."""
+    rank's experts receive ``top_k`` rows per token (the load-balancing loss's aim). Under
+    LoRA the router and experts (not ``nn.Linear``s, so never adapted) are frozen: the token
+    copies and the SwiGLU product only their weight gradients read are not saved."""
     t = z.tokens
     rows = z.top_k * t
     router = FP32 * z.experts * t + 8 * rows + ((FP32 * (rows + t)) if z.norm_topk else 0)
     indices = 16 * rows + (16 * rows if z.ep > 1 else 0)
+    copies, swiglu = (1, 3) if z.frozen else (2, 4)  # (T*k, H) copies; (T*k, I) saves
     experts = (
-        2 * z.dtype_bytes * rows * z.hidden + 4 * z.dtype_bytes * rows * z.moe_inter + z.dtype_bytes * rows
+        copies * z.dtype_bytes * rows * z.hidden
+        + swiglu * z.dtype_bytes * rows * z.moe_inter
+        + z.dtype_bytes * rows
     )
     return router + indices + experts
 
@@ -330,7 +335,9 @@ def block_bytes_no_ac(z: Sizes, qk_norm: bool, moe: bool = False) -> float:
     t = z.tokens
     normed = 0 if z.frozen else z.dtype_bytes  # the normalized copy the weight's gradient needs
     norm = (FP32 + normed) * z.hidden * t / z.sp_shards + FP32 * t / z.sp_shards
-    linear_inputs = z.dtype_bytes * z.hidden * t * (z.keeps(moe, "attention") + (moe or z.keeps(moe, "mlp")))
+    # a mixture of experts' input is the frozen router's under LoRA: not saved
+    mlp_input = (not z.frozen) if moe else z.keeps(moe, "mlp")
+    linear_inputs = z.dtype_bytes * z.hidden * t * (z.keeps(moe, "attention") + mlp_input)
     heads = z.q_heads * z.head_dim * t
     qk = (
         (FP32 + normed) * (z.q_heads + z.kv_heads) * z.head_dim * t + FP32 * (z.q_heads + z.kv_heads) * t
