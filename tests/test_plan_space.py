@@ -20,7 +20,9 @@ import pytest
 from autopar.cli.parity import Case, plan_job, plan_overrides, run_cases, world_size
 from autopar.config.errors import ConfigError
 from autopar.planner import search
+from autopar.planner.dry_run import compare
 from autopar.training.preflight import check_job
+from autopar.training.resolve import derive_job, parse_job
 
 from jobs import assert_same_training, moe_job, tiny_job
 
@@ -166,3 +168,73 @@ def test_every_setting_the_search_chooses_is_varied_by_a_parity_plan(tmp_path):
     )
     varied.add("training.local_batch_size")  # every base job sets it (4, and 1 for FP8)
     assert set(search.PLAN_FIELDS) <= varied, set(search.PLAN_FIELDS) - varied
+
+
+AT_SCALE = {
+    "dense": ("--model.name=qwen3", "--model.flavor=0.6B", "--model.tie_word_embeddings=false"),
+    MOE: ("--model.name=qwen3", "--model.flavor=30B-A3B", "--model.vocab_size=2048"),
+    "--training.loss_chunk_tokens": ("--training.loss_chunk_tokens=1024",),
+    "--float8.enable": ("--float8.enable=true", "--float8.backend=torchao"),
+}
+"""A family's base job at a real model's layer shapes: Qwen3-0.6B's (untied: a pipeline splits
+it), 30B-A3B's experts for EP (a small vocabulary, so the experts dominate), the chunked loss
+in 1024-token chunks, FP8 through torchao (CPU's; the dry run measures FP8 linears as bf16)."""
+
+
+SCALE_BATCH = ("--training.local_batch_size=2", "--training.global_batch_size=4")
+"""Two micro-steps at dp 1, two micro-batches in a pipeline: each fake step costs seconds per
+micro-batch."""
+
+
+def scale_job(family: str, pipeline: str, ac: str):
+    """The combination at real layer shapes, 4 layers, 4096 tokens: what the dry run builds
+    under the fake process group and the planner predicts."""
+    flags = FAMILIES[family][0]
+    model = AT_SCALE[MOE] if MOE in flags else AT_SCALE["dense"]
+    extra = [f for flag in flags if flag in AT_SCALE and flag != MOE for f in AT_SCALE[flag]]
+    job = parse_job([*model, "--model.num_hidden_layers=4", "--training.seq_len=4096", *SCALE_BATCH, *extra])
+    return derive_job(job, plan_overrides(plan_text(family, pipeline, ac)))
+
+
+def prediction_misses(combos: list[tuple[str, str, str]]) -> list[str]:
+    """Each combination's rank roles whose predicted peak is not within 10% of the dry run's."""
+    misses = []
+    for combo in combos:
+        job = scale_job(*combo)
+        world = world_size(job)
+        for rank in compare(job, check_job(job, world, "cuda"), world):
+            if rank.predicted_peak_gib != pytest.approx(rank.measured_peak_gib, rel=0.10):
+                misses.append(f"{' x '.join(combo)}: {rank}")
+    return misses
+
+
+def cheapest_cover(combos: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """Every family, pipeline and AC mode of ``combos`` at least once, preferring combinations
+    without a pipeline (one rank role to build, not two or three)."""
+
+    def values(c: tuple[str, str, str]) -> set[str]:
+        return {"family:" + c[0], "pp:" + c[1], "ac:" + c[2]}
+
+    uncovered = set().union(*(values(c) for c in combos))
+    chosen = []
+    while uncovered:
+        best = max(combos, key=lambda c: len(values(c) & uncovered) / (1 if c[1] == "none" else 3))
+        chosen.append(best)
+        uncovered -= values(best)
+    return chosen
+
+
+@pytest.mark.slow
+def test_every_family_schedule_and_ac_mode_is_predicted_within_ten_percent_of_its_dry_run(tmp_path):
+    """The memory model on the space it searches, at real layer shapes: each family, schedule
+    and AC mode of the design at least once (the full design: the heavy test below)."""
+    chosen, _ = design(tmp_path)
+    misses = prediction_misses(cheapest_cover(chosen))
+    assert not misses, "\n".join(misses)
+
+
+@pytest.mark.heavy
+def test_every_combination_of_the_design_is_predicted_within_ten_percent_of_its_dry_run(tmp_path):
+    chosen, _ = design(tmp_path)
+    misses = prediction_misses(chosen)
+    assert not misses, "\n".join(misses)

@@ -199,6 +199,25 @@ GRID = [
             "--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
         ],
     ),
+    (
+        # full AC leaves little to free: the peak is the last block's backward, beside every
+        # later block's gradients (was -17%)
+        2,
+        ("qwen3", "30B-A3B"),
+        [SMALL_VOCAB, "--parallelism.expert_parallel_degree=2", "--activation_checkpoint.mode=full"],
+    ),
+    (
+        # TP without FSDP: every rank keeps the whole vocabulary's embedding gradient (was -40%)
+        16,
+        ("qwen3", "32B"),
+        [
+            "--parallelism.data_parallel_shard_degree=1",
+            "--parallelism.tensor_parallel_degree=8",
+            "--parallelism.pipeline_parallel_degree=2",
+            "--training.local_batch_size=2",
+            "--training.global_batch_size=4",
+        ],
+    ),
 ]
 
 

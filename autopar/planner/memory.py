@@ -606,7 +606,7 @@ def _weights_and_optimizer(
     static = {
         "params": stored * numel + (FP32 * trained if job.lora.enable else 0.0),
         "optimizer": 2 * FP32 * trained,
-        "grads": FP32 * trained if accumulating else 0.0,
+        "grads": _landing_grads(args, job, dims, modules) if accumulating else 0.0,
     }
     if job.training.enable_cpu_offload:
         return {}, {**static, "grads": FP32 * trained}
@@ -631,10 +631,15 @@ class _StageCosts:
     block_gathered: dict[bool, float]  # weights alive during a block's backward
     block_activations: dict[bool, float]  # activations alive at the end of a block's backward
     block_buffers: dict[bool, float]  # the float32 gradient a block's reduce-scatter takes
-    unsynced_grads: dict[int, tuple[float, float]]  # (unsharded float32 gradients, largest in c)
+    unsynced_grads: dict[int, _Unsynced]
+    syncs_at_end: bool  # a multi-stage schedule syncs them after its last backward
     embedding_gathered: float
     embedding_grads: float
-    fresh_grads: float  # the step's gradients, all alive by its last backward
+    # gradients that land sharded as each block's backward ends (no accumulation, no offload)
+    stage_grads: dict[int, float]
+    block_grads: dict[bool, float]
+    first_block: dict[int, bool | None]  # kind of each stage's first block: its backward's last
+    before_first: dict[int, float]  # what the stage's later blocks save, freed by then
 
 
 def _stage_costs(
@@ -654,44 +659,57 @@ def _stage_costs(
     modules = [m for i in ids for m in stages[i]]
     is_moe = {m: args.is_moe_layer(int(m.split(".")[1])) for m in modules if m.startswith("layers.")}
     kinds = set(is_moe.values())
-    saved, recompute, ended = _checkpointing_saves(args, job, dims, stages, ids, z, is_moe)
+    blocks = {i: [is_moe[m] for m in stages[i] if m in is_moe] for i in ids}  # their kinds, in order
+    saves = _checkpointing_saves(args, job, dims, stages, ids, z, is_moe)
     gathered = _gathered_bytes(args, job, dims, modules, c, stored)
     if uses_fsdp(job, dims) and is_moe:
         block_gathered, block_buffers = _fsdp_block_bytes(args, job, dims, modules, is_moe, gathered, c)
-        block_activations = ended
+        block_activations = saves.ended
     else:
         block_gathered = dict.fromkeys(kinds, gathered)
-        block_activations, block_buffers = recompute, dict.fromkeys(kinds, 0.0)
+        block_activations, block_buffers = saves.recompute, dict.fromkeys(kinds, 0.0)
     # torch's pipeline stage turns FSDP's gradient sync off for every micro-batch but the
     # last: from a stage's first backward on, its gradients stay unsharded in float32
     n_micro = job.training.local_batch_size // micro
     unsynced = dims.pp > 1 and uses_fsdp(job, dims) and n_micro > 1
-    embedding_gathered, embedding_grads = _embedding_backward_bytes(args, job, dims, c, not unsynced)
+    embedding_gathered, embedding_grads = _embedding_backward_bytes(
+        args, job, dims, c, stored, not unsynced, grads_held
+    )
     shards = dims.tp if loss_parallel_enabled(job, dims) else 1
+    fresh = not (grads_held or unsynced)  # each backward's gradients land as they are kept
     return _StageCosts(
         n_micro=n_micro,
         gathered=gathered,
-        saved=saved,
-        pending={
-            i: sum(
-                block_weight_output_grad_bytes(z, args.qk_norm, is_moe[m]) for m in stages[i] if m in is_moe
-            )
-            for i in ids
-        },
-        stage_kinds={i: {is_moe[m] for m in stages[i] if m in is_moe} for i in ids},
+        saved=saves.saved,
+        pending={i: sum(block_weight_output_grad_bytes(z, args.qk_norm, k) for k in blocks[i]) for i in ids},
+        stage_kinds={i: set(blocks[i]) for i in ids},
         heads={i for i in ids if "lm_head" in stages[i]},
         embeds={i for i in ids if "embed_tokens" in stages[i]},
         head=head_bytes(z, args.vocab_size, shards, job.training.loss_chunk_tokens),
-        recompute=recompute,
+        recompute=saves.recompute,
         transient={k: block_backward_transient_bytes(z, k) for k in kinds},
         block_gathered=block_gathered,
         block_activations=block_activations,
         block_buffers=block_buffers,
         unsynced_grads=_unsynced_grads(args, job, dims, stages, ids, c) if unsynced else {},
+        syncs_at_end=unsynced and SCHEDULE_STYLES[schedule_name(job.parallelism)].stages_per_rank != 1,
         embedding_gathered=embedding_gathered,
         embedding_grads=embedding_grads,
-        fresh_grads=0.0 if grads_held or unsynced else FP32 * trained_numel(args, job, dims, modules),
+        stage_grads={i: _landing_grads(args, job, dims, stages[i]) if fresh else 0.0 for i in ids},
+        block_grads={is_moe[m]: _landing_grads(args, job, dims, [m]) for m in is_moe},
+        first_block={i: next(iter(blocks[i]), None) for i in ids},
+        before_first=saves.before_first,
     )
+
+
+@dataclass
+class _Saves:
+    """What activation checkpointing leaves saved and rebuilds (see ``_checkpointing_saves``)."""
+
+    saved: dict[int, float]  # by stage: a micro-batch's forward
+    recompute: dict[bool, float]  # by kind of block: what its backward rebuilds
+    ended: dict[bool, float]  # by kind of block: activations its backward leaves changed
+    before_first: dict[int, float]  # by stage: its blocks' saves but the first block's
 
 
 def _checkpointing_saves(
@@ -702,7 +720,7 @@ def _checkpointing_saves(
     ids: list[int],
     z: Sizes,
     is_moe: dict[str, bool],
-) -> tuple[dict[int, float], dict[bool, float], dict[bool, float]]:
+) -> _Saves:
     """Under the job's activation checkpointing: what a micro-batch's forward leaves saved in
     each stage, what a block's backward rebuilds, and (per kind of block) the activations
     that block's backward leaves changed at its end: the rebuilt ones still alive (full AC),
@@ -717,24 +735,21 @@ def _checkpointing_saves(
     # a checkpointed block's inputs stay alive: the hidden states, and the boolean mask
     block_input = z.dtype_bytes * z.hidden * z.tokens / z.sp_shards
     held_mask = z.mask if (op or full) else 0.0
-    # a stage keeps its blocks' saves, and under pipelining the activation it received and
-    # the one it sent (kept for backward)
-    saved = {
-        i: sum(
-            block_input if m.split(".")[1] in full else per_block[is_moe[m]]
-            for m in stages[i]
-            if m.startswith("layers.")
-        )
-        + block_input * ((i > 0) + (i < len(stages) - 1))
-        + held_mask
+    blocks = {
+        i: [
+            block_input if m.split(".")[1] in full else per_block[is_moe[m]] for m in stages[i] if m in is_moe
+        ]
         for i in ids
     }
+    # a stage keeps its blocks' saves, and under pipelining the activation it received and
+    # the one it sent (kept for backward)
+    saved = {i: sum(blocks[i]) + block_input * ((i > 0) + (i < len(stages) - 1)) + held_mask for i in ids}
     # what a block's backward rebuilds: all of it (full/every-k) or what per-op AC dropped
     recompute = {k: no_ac[k] - per_block[k] if op else (no_ac[k] if full else 0.0) for k in kinds}
     ended = {
         k: recompute[k] if full else (recompute[k] - per_block[k] if op else -per_block[k]) for k in kinds
     }
-    return saved, recompute, ended
+    return _Saves(saved, recompute, ended, {i: sum(blocks[i][1:]) for i in ids})
 
 
 def _fsdp_block_bytes(
@@ -768,16 +783,28 @@ def _fsdp_block_bytes(
     return block_gathered, block_buffers
 
 
+@dataclass(frozen=True)
+class _Unsynced:
+    """A stage's gradients held unsharded across micro-batches, until its last syncs them."""
+
+    grads: float  # all of them, in float32
+    largest: float  # its largest module's, in the compute dtype, before it joins them
+    sync: float  # the largest group's reduce-scatter: float32 input, output and its division
+
+
 def _unsynced_grads(
     args: ModelArgs, job: JobConfig, dims: ParallelDims, stages: list[list[str]], ids: list[int], c: int
-) -> dict[int, tuple[float, float]]:
-    """Per stage, its gradients held unsharded in float32 across micro-batches, and beside
-    them its largest gradient in the compute dtype."""
+) -> dict[int, _Unsynced]:
     out = {}
     for i in ids:
         kinds_here = {module_key(args, m): m for m in stages[i]}.values()
-        largest = max(trained_numel(args, job, dims, [m], sharded=False) for m in kinds_here)
-        out[i] = (FP32 * trained_numel(args, job, dims, stages[i], sharded=False), c * largest)
+        largest = max(kinds_here, key=lambda m: trained_numel(args, job, dims, [m], sharded=False))
+        whole = trained_numel(args, job, dims, [largest], sharded=False)
+        out[i] = _Unsynced(
+            grads=FP32 * trained_numel(args, job, dims, stages[i], sharded=False),
+            largest=c * whole,
+            sync=FP32 * (whole + 2 * trained_numel(args, job, dims, [largest])),
+        )
     return out
 
 
@@ -791,6 +818,14 @@ class _Peak:
         total = gathered + activations + buffers
         if total > self.total:
             self.moment, self.total = (gathered, activations, buffers), total
+
+
+def _consider_block(peak: _Peak, k: _StageCosts, kind: bool, alive: float, accumulated: float) -> None:
+    """A block's backward: while it rebuilds and computes, then at its end (its reduce-scatter)."""
+    peak.consider(k.block_gathered[kind], alive + k.recompute[kind] + k.transient[kind], accumulated)
+    peak.consider(
+        k.block_gathered[kind], alive + k.block_activations[kind], accumulated + k.block_buffers[kind]
+    )
 
 
 def _walk_schedule(actions: tuple[tuple[str, int, int], ...], k: _StageCosts) -> tuple[float, float, float]:
@@ -814,21 +849,24 @@ def _walk_schedule(actions: tuple[tuple[str, int, int], ...], k: _StageCosts) ->
                 peak.consider(k.gathered, alive + k.head.backward, accumulated)
                 alive -= k.head.saved
             for b in k.stage_kinds[stage]:
-                peak.consider(k.block_gathered[b], alive + k.recompute[b] + k.transient[b], accumulated)
-                peak.consider(
-                    k.block_gathered[b], alive + k.block_activations[b], accumulated + k.block_buffers[b]
-                )
+                _consider_block(peak, k, b, alive, accumulated)
+            first = k.first_block[stage]
+            if kind == "B" and k.stage_grads[stage] and first is not None:
+                # its first block's backward, last: the later blocks' gradients have landed
+                landed = accumulated + k.stage_grads[stage] - k.block_grads[first]
+                _consider_block(peak, k, first, alive - k.before_first[stage], landed)
         if kind in ("B", "W"):
             alive -= k.saved[stage] + (k.pending[stage] if kind == "W" else 0.0)
+            accumulated += k.stage_grads[stage]
             if stage in unsynced:
-                grads, largest_grad = unsynced.pop(stage)
-                accumulated += grads
-                peak.consider(k.gathered, alive, accumulated + largest_grad)
+                held = unsynced.pop(stage)
+                accumulated += held.grads
+                peak.consider(k.gathered, alive, accumulated + held.largest)
             if stage in k.embeds:  # the embedding's backward ends the stage's
-                peak.consider(
-                    k.gathered + k.embedding_gathered, alive, accumulated + k.fresh_grads + k.embedding_grads
-                )
+                peak.consider(k.gathered + k.embedding_gathered, alive, accumulated + k.embedding_grads)
         peak.consider(k.gathered, alive, accumulated)
+    if k.syncs_at_end:  # weights resharded, each group reduce-scattered in turn
+        peak.consider(0.0, alive, accumulated + max(held.sync for held in k.unsynced_grads.values()))
     return peak.moment
 
 
@@ -858,8 +896,10 @@ def _gathered_bytes(
     """Compute-dtype copies of parameters alive at the peak: FSDP's unsharded head (its group
     is not resharded after forward), or every block when nothing reshards (pipelining);
     without FSDP, the compute-dtype casts of weights ``stored`` wider, which autograd keeps
-    for backward."""
+    for backward (not an untied embedding's: the lookup's backward needs only the tokens)."""
     if not uses_fsdp(job, dims):
+        if not args.tie_word_embeddings:
+            modules = [m for m in modules if m != "embed_tokens"]
         return modules_numel(args, job, dims, modules, sharded=False) * c if c < stored else 0.0
     if _keeps_blocks(job, dims):
         return _gathered_numel(args, job, dims, modules, c) * c
@@ -885,21 +925,41 @@ def _gathered_numel(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules
 
 
 def _embedding_backward_bytes(
-    args: ModelArgs, job: JobConfig, dims: ParallelDims, c: int, synced: bool
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, c: int, stored: int, synced: bool, held: bool
 ) -> tuple[float, float]:
     """(gathered weights, gradient temporaries) the embedding's backward adds. Its gradient
-    covers the whole vocabulary: under TP the vocabulary-sharded lookup's gradient is a partial
-    sum reduce-scattered afterwards, and under FSDP it is the unsharded weight's; when FSDP
-    syncs, it copies its TP shard into a float32 reduce-scatter buffer (and gathers the
-    embedding again, unless it is tied to the head, whose group stays gathered)."""
-    if job.lora.enable or (dims.tp == 1 and not uses_fsdp(job, dims)):
-        return 0.0, 0.0  # frozen, or the gradient is the parameter's own .grad
+    covers the whole vocabulary: under TP every rank sees every token's output gradient, so
+    the vocabulary-sharded lookup computes the whole (replicated) gradient, and under FSDP it
+    is the unsharded weight's. Without FSDP it is computed in the compute dtype, cast to the
+    stored float32 (a temporary where ``held`` gradients accumulate it, else the ``.grad``
+    itself); when FSDP syncs, it copies its TP shard into a float32 reduce-scatter buffer (and
+    gathers the embedding again, unless it is tied to the head, whose group stays gathered)."""
+    if job.lora.enable:
+        return 0.0, 0.0  # frozen
     whole = args.vocab_size * args.hidden_size
     if not uses_fsdp(job, dims):
-        return 0.0, FP32 * whole
+        return 0.0, (c * whole if c < stored else 0.0) + (FP32 * whole if held else 0.0)
     shard = modules_numel(args, job, dims, ["embed_tokens"], sharded=False)
     regathered = 0.0 if (args.tie_word_embeddings or _keeps_blocks(job, dims)) else c * shard
     return regathered, c * whole + (FP32 * shard if synced else 0.0)
+
+
+def _landing_grads(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str]) -> float:
+    """The float32 gradients ``modules`` keep once their backward ends: sharded as stored, but
+    a TP embedding's without FSDP whole."""
+    return FP32 * trained_numel(args, job, dims, modules) + _replicated_embedding_grad(
+        args, job, dims, modules
+    )
+
+
+def _replicated_embedding_grad(
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str]
+) -> float:
+    """Bytes by which the embedding's gradient outgrows its TP shard without FSDP: it lands
+    replicated (``_embedding_backward_bytes``) and is kept whole as the weight's ``.grad``."""
+    if job.lora.enable or dims.tp == 1 or uses_fsdp(job, dims) or "embed_tokens" not in modules:
+        return 0.0
+    return FP32 * (args.vocab_size * args.hidden_size - modules_numel(args, job, dims, ["embed_tokens"]))
 
 
 def _keeps_blocks(job: JobConfig, dims: ParallelDims) -> bool:
