@@ -14,6 +14,7 @@ never emit (it validates every plan), so it is left out, and said.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import pytest
 
@@ -40,6 +41,7 @@ FAMILIES: dict[str, tuple[tuple[str, ...], str]] = {
     "FP8 (torchao)": (("--float8.enable", "true"), ""),
 }
 PIPELINES = ["none", *search.SCHEDULES]
+Combo = tuple[str, str, str]  # (family, pipeline, AC mode)
 AC = [f"{mode}/{option}" for mode, option in search.AC_MODES]
 
 
@@ -81,23 +83,27 @@ def base_job(folder, family: str):
     return tiny_job(folder, *batch, *flags, num_hidden_layers=4, tie_word_embeddings=False)
 
 
-def all_pairs(candidates: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
-    """Greedy all-pairs: few combinations covering every (family, pipeline) and (family, AC)
-    pair among the candidates."""
-
-    def pairs(c: tuple[str, str, str]) -> set[tuple[str, str]]:
-        return {(c[0], "pp:" + c[1]), (c[0], "ac:" + c[2])}
-
-    uncovered = set().union(*(pairs(c) for c in candidates))
+def greedy_cover(
+    candidates: list[Combo], values: Callable[[Combo], set[str]], prefer=lambda c: 0
+) -> list[Combo]:
+    """Few candidates whose ``values`` cover all of theirs: each time the one adding the most
+    (ties by ``prefer``, then the first)."""
+    uncovered = set().union(*(values(c) for c in candidates))
     chosen = []
     while uncovered:
-        best = max(candidates, key=lambda c: len(pairs(c) & uncovered))
+        best = max(candidates, key=lambda c: (len(values(c) & uncovered), prefer(c)))
         chosen.append(best)
-        uncovered -= pairs(best)
+        uncovered -= values(best)
     return chosen
 
 
-def design(folder) -> tuple[list[tuple[str, str, str]], dict[tuple[str, str, str], str]]:
+def all_pairs(candidates: list[Combo]) -> list[Combo]:
+    """Few combinations covering every (family, pipeline) and (family, AC) pair among the
+    candidates."""
+    return greedy_cover(candidates, lambda c: {f"{c[0]}|pp:{c[1]}", f"{c[0]}|ac:{c[2]}"})
+
+
+def design(folder) -> tuple[list[Combo], dict[Combo, str]]:
     """The combinations to run, and those ``check_job`` refuses with its reason."""
     runnable, refused = [], {}
     for combo in itertools.product(FAMILIES, PIPELINES, AC):
@@ -170,15 +176,18 @@ def test_every_setting_the_search_chooses_is_varied_by_a_parity_plan(tmp_path):
     assert set(search.PLAN_FIELDS) <= varied, set(search.PLAN_FIELDS) - varied
 
 
-AT_SCALE = {
+SCALE_MODELS = {
     "dense": ("--model.name=qwen3", "--model.flavor=0.6B", "--model.tie_word_embeddings=false"),
     MOE: ("--model.name=qwen3", "--model.flavor=30B-A3B", "--model.vocab_size=2048"),
+}
+"""Real layer shapes: Qwen3-0.6B's (untied: a pipeline splits it), and 30B-A3B's experts for EP
+(a small vocabulary, so the experts dominate)."""
+SCALE_FLAGS = {
     "--training.loss_chunk_tokens": ("--training.loss_chunk_tokens=1024",),
     "--float8.enable": ("--float8.enable=true", "--float8.backend=torchao"),
 }
-"""A family's base job at a real model's layer shapes: Qwen3-0.6B's (untied: a pipeline splits
-it), 30B-A3B's experts for EP (a small vocabulary, so the experts dominate), the chunked loss
-in 1024-token chunks, FP8 through torchao (CPU's; the dry run measures FP8 linears as bf16)."""
+"""A family's own flags at that scale: 1024-token loss chunks, FP8 through torchao (CPU's; the
+dry run measures FP8 linears as bf16)."""
 
 
 SCALE_BATCH = ("--training.local_batch_size=2", "--training.global_batch_size=4")
@@ -191,8 +200,8 @@ def scale_job(family: str, pipeline: str, ac: str):
     two stages per rank): what the dry run builds under the fake process group and the
     planner predicts. Per-layer sizes are exact, so few layers test the same formulas."""
     flags = FAMILIES[family][0]
-    model = AT_SCALE[MOE] if MOE in flags else AT_SCALE["dense"]
-    extra = [f for flag in flags if flag in AT_SCALE and flag != MOE for f in AT_SCALE[flag]]
+    model = SCALE_MODELS[MOE if MOE in flags else "dense"]
+    extra = [f for flag in flags if flag in SCALE_FLAGS for f in SCALE_FLAGS[flag]]
     layers = 2 if pipeline == "none" else 4
     job = parse_job(
         [*model, f"--model.num_hidden_layers={layers}", "--training.seq_len=4096", *SCALE_BATCH, *extra]
@@ -200,7 +209,7 @@ def scale_job(family: str, pipeline: str, ac: str):
     return derive_job(job, plan_overrides(plan_text(family, pipeline, ac)))
 
 
-def prediction_misses(combos: list[tuple[str, str, str]]) -> list[str]:
+def prediction_misses(combos: list[Combo]) -> list[str]:
     """Each combination's rank roles whose predicted peak is not within 10% of the dry run's."""
     misses = []
     for combo in combos:
@@ -212,21 +221,14 @@ def prediction_misses(combos: list[tuple[str, str, str]]) -> list[str]:
     return misses
 
 
-def cover_without_pipelines(combos: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+def cover_without_pipelines(combos: list[Combo]) -> list[Combo]:
     """Every family and AC mode of ``combos`` at least once, from those without a pipeline (one
-    rank role to build; the grid in ``test_planner.py`` holds every schedule at real scale)."""
-
-    def values(c: tuple[str, str, str]) -> set[str]:
-        return {"family:" + c[0], "ac:" + c[2]}
-
+    rank role to build; the grid in ``test_planner.py`` holds every schedule at real scale),
+    checkpointed ones first: their peak comes late in backward, beside the landed gradients."""
     flat = [c for c in combos if c[1] == "none"]
-    uncovered = set().union(*(values(c) for c in flat))
-    chosen = []
-    while uncovered:  # checkpointing first: its peak comes late in backward, beside gradients
-        best = max(flat, key=lambda c: (len(values(c) & uncovered), not c[2].startswith("none")))
-        chosen.append(best)
-        uncovered -= values(best)
-    return chosen
+    return greedy_cover(
+        flat, lambda c: {"family:" + c[0], "ac:" + c[2]}, lambda c: not c[2].startswith("none")
+    )
 
 
 @pytest.mark.slow
