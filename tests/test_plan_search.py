@@ -70,7 +70,7 @@ def test_pinned_settings_hold_in_every_plan():
     pinned = {"parallelism.tensor_parallel_degree", "activation_checkpoint.mode"}
     plans = search(job, model_args(job), 16, 8, H100, pinned)
     assert {p.dims.tp for p in plans} == {2}
-    assert {p.settings["activation_checkpoint.mode"] for p in plans} == {"full"}
+    assert {p.settings.ac_mode for p in plans} == {"full"}
 
 
 def test_the_naive_32b_plan_on_64_h100s_does_not_fit_but_the_chosen_one_does():
@@ -86,12 +86,8 @@ def test_zero_bubble_schedules_are_searched_without_activation_checkpointing():
     # the split backward keeps what checkpointing would free (memory.py's walk and the dry run)
     job = preset("qwen3_32b")
     plans = search(job, model_args(job), 64, 8, H100)
-    zero_bubble = [
-        p
-        for p in plans
-        if p.dims.pp > 1 and p.settings["parallelism.pipeline_parallel_schedule"] == "ZBVZeroBubble"
-    ]
-    assert zero_bubble and all(p.settings["activation_checkpoint.mode"] == "none" for p in zero_bubble)
+    zero_bubble = [p for p in plans if p.dims.pp > 1 and p.settings.schedule == "ZBVZeroBubble"]
+    assert zero_bubble and all(p.settings.ac_mode == "none" for p in zero_bubble)
 
 
 def test_a_zero_bubble_schedule_with_checkpointing_is_kept_when_the_job_pins_both():
@@ -107,7 +103,7 @@ def test_a_zero_bubble_schedule_with_checkpointing_is_kept_when_the_job_pins_bot
         "activation_checkpoint.mode",
     }
     plans = search(job, model_args(job), 64, 8, H100, pinned)
-    assert plans and all(p.settings["activation_checkpoint.mode"] == "full" for p in plans)
+    assert plans and all(p.settings.ac_mode == "full" for p in plans)
 
 
 def test_pinned_degrees_that_cannot_multiply_to_the_world_are_one_error():

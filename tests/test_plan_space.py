@@ -22,6 +22,7 @@ from autopar.cli.parity import Case, plan_job, plan_overrides, run_cases, world_
 from autopar.config.errors import ConfigError
 from autopar.planner import search
 from autopar.planner.dry_run import compare
+from autopar.planner.settings import PLAN_FIELDS
 from autopar.training.preflight import check_job
 from autopar.training.resolve import derive_job, parse_job
 
@@ -165,7 +166,7 @@ def varied_fields(plans: list[str]) -> set[str]:
 
 
 def test_every_setting_the_search_chooses_is_varied_by_a_parity_plan(tmp_path):
-    """A setting added to ``search.PLAN_FIELDS`` fails here until a parity plan varies it."""
+    """A setting added to ``PlanSettings`` fails here until a parity plan varies it."""
     from test_pipeline import PLANS as PIPELINE_PLANS
 
     chosen, _ = design(tmp_path)
@@ -173,7 +174,7 @@ def test_every_setting_the_search_chooses_is_varied_by_a_parity_plan(tmp_path):
         [p for p, _ in PIPELINE_PLANS.values()]
     )
     varied.add("training.local_batch_size")  # every base job sets it (4, and 1 for FP8)
-    assert set(search.PLAN_FIELDS) <= varied, set(search.PLAN_FIELDS) - varied
+    assert set(PLAN_FIELDS) <= varied, set(PLAN_FIELDS) - varied
 
 
 SCALE_MODELS = {

@@ -22,7 +22,7 @@ from autopar.config.parse import explicit_keys
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.planner.devices import DeviceSpec, device_spec
-from autopar.planner.search import Plan, ac_text, evaluate, no_fit_message, pinned_fields, search
+from autopar.planner.search import Plan, evaluate, no_fit_message, pinned_fields, search
 from autopar.planner.verify import verify
 from autopar.training.preflight import check_plan
 from autopar.training.resolve import model_args, parse_job
@@ -91,11 +91,7 @@ def table(plans: list[Plan]) -> str:
     rows = [head, "|" + "---|" * (14 + experts)]
     for i, p in enumerate(plans, 1):
         d, s = p.dims, p.settings
-        pipe = (
-            f"{s['parallelism.pipeline_parallel_schedule']}/{s['parallelism.pipeline_parallel_microbatch_size']}"
-            if d.pp > 1
-            else "-"
-        )
+        pipe = f"{s.schedule}/{s.microbatch}" if d.pp > 1 else "-"
         largest = sorted(p.memory.gib().items(), key=lambda kv: -kv[1])[:2]
         parts = ", ".join(f"{k} {v:.1f}" for k, v in largest)
         split = p.time.split() if p.time else {}
@@ -106,8 +102,8 @@ def table(plans: list[Plan]) -> str:
         rows.append(
             f"| {i} | {d.dp_replicate} | {d.dp_shard} | {d.tp} | {d.cp} | {d.pp} | "
             + (f"{d.ep} | " if experts else "")
-            + f"{pipe} | {ac_text(s)} | "
-            f"{s['parallelism.fsdp_reshard_after_forward']} | {s['training.local_batch_size']} | {p.peak_gib:.1f} ({parts}) | {p.tokens_per_s:,.0f} | "
+            + f"{pipe} | {s.ac} | "
+            f"{s.reshard} | {s.local_batch} | {p.peak_gib:.1f} ({parts}) | {p.tokens_per_s:,.0f} | "
             f"{100 * p.mfu:.1f}% | {shares} |"
         )
     return "\n".join(rows)

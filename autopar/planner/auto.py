@@ -14,7 +14,7 @@ from autopar.config.errors import ConfigError
 from autopar.config.parse import explicit_keys
 from autopar.config.sections import JobConfig
 from autopar.planner.devices import DeviceSpec, this_machine
-from autopar.planner.search import Plan, no_fit_message, pinned_fields, search, with_settings
+from autopar.planner.search import Plan, no_fit_message, pinned_fields, search
 from autopar.planner.verify import Verified, first_built
 from autopar.training.metrics import read_metrics
 from autopar.training.resolve import model_args
@@ -46,7 +46,7 @@ def auto_job(
             f"parallelism.auto: none of the {len(made)} best plans built by its dry run ({reasons}); "
             "pin plan settings, or set --parallelism.auto_verify false to train the predicted best"
         )
-    return copy.deepcopy(with_settings(job, best.settings)), best, device, made
+    return copy.deepcopy(best.settings.apply(job)), best, device, made
 
 
 def write_plan(path: Path, plan: Plan, device: DeviceSpec, world_size: int) -> None:

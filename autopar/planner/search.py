@@ -1,8 +1,8 @@
 """Every valid plan of a job on a cluster, ranked by predicted throughput among those that fit.
 
-A plan is the settings in ``PLAN_FIELDS``: the five parallel degrees (and the expert-parallel
-one of a mixture of experts), the pipeline schedule and micro-batch size, the activation
-checkpointing mode, the local batch and FSDP's reshard policy.
+A plan is a ``PlanSettings``: the five parallel degrees (and the expert-parallel one of a
+mixture of experts), the pipeline schedule and micro-batch size, the activation checkpointing
+mode, the local batch and FSDP's reshard policy.
 Settings the job pins are held; the rest are enumerated. Whether a plan can run at all is
 decided by ``training.preflight.check_plan``, the rules the trainer itself enforces; its memory by
 ``planner.memory`` plus a runtime reserve, its speed by ``planner.time``.
@@ -14,7 +14,6 @@ local x data-parallel degree, as in the trainer.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,25 +26,10 @@ from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES
 from autopar.planner.devices import DeviceSpec
 from autopar.planner.memory import GIB, Memory, predict_dims
+from autopar.planner.settings import PLAN_FIELDS, PlanSettings, setting_names
 from autopar.planner.time import StepTime, predict_time, tokens_per_step
 from autopar.training.metrics import flops_per_token
 from autopar.training.preflight import check_plan
-
-PLAN_FIELDS = (
-    "parallelism.data_parallel_replicate_degree",
-    "parallelism.data_parallel_shard_degree",
-    "parallelism.context_parallel_degree",
-    "parallelism.tensor_parallel_degree",
-    "parallelism.pipeline_parallel_degree",
-    "parallelism.expert_parallel_degree",
-    "parallelism.pipeline_parallel_schedule",
-    "parallelism.pipeline_parallel_microbatch_size",
-    "parallelism.fsdp_reshard_after_forward",
-    "activation_checkpoint.mode",
-    "activation_checkpoint.selective_ac_option",
-    "training.local_batch_size",
-)
-"""The settings a plan consists of, as ``section.field``."""
 
 SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
 AC_MODES = (("none", "op"), ("selective", "op"), ("selective", "2"), ("full", "op"))
@@ -63,7 +47,7 @@ ALLOCATOR_SLACK = 0.05
 class Plan:
     """One evaluated plan: its settings, the worst rank's memory and (if it fits) its speed."""
 
-    settings: dict[str, str]
+    settings: PlanSettings
     dims: ParallelDims
     memory: Memory
     fits: bool
@@ -81,27 +65,23 @@ class Plan:
         s = self.settings
         unused = set()
         if self.dims.pp == 1:
-            unused |= {
-                "parallelism.pipeline_parallel_schedule",
-                "parallelism.pipeline_parallel_microbatch_size",
-            }
-        if s["activation_checkpoint.mode"] != "selective":
-            unused.add("activation_checkpoint.selective_ac_option")
-        return [f"--{key}={value}" for key, value in s.items() if key not in unused]
+            unused |= {"schedule", "microbatch"}
+        if s.ac_mode != "selective":
+            unused.add("ac_option")
+        return [f"--{key}={value}" for key, value in s.config(leave_out=unused).items()]
 
     @property
     def complexity(self) -> int:
         """How many non-default mechanisms the plan uses (fewer wins a tie)."""
         d = self.dims
-        s = self.settings
         return (
             (d.tp > 1)
             + (d.cp > 1)
             + (d.pp > 1)
             + (d.dp_replicate > 1)
             + (d.ep > 1)
-            + (s["activation_checkpoint.mode"] != "none")
-            + (s["parallelism.fsdp_reshard_after_forward"] != "default")
+            + (self.settings.ac_mode != "none")
+            + (self.settings.reshard != "default")
         )
 
     def describe(self) -> str:
@@ -110,10 +90,9 @@ class Plan:
         if d.ep > 1:
             text += f" ep={d.ep}"
         if d.pp > 1:
-            text += f" {s['parallelism.pipeline_parallel_schedule']} mbs={s['parallelism.pipeline_parallel_microbatch_size']}"
-        text += f" ac={ac_text(s)} local_batch={s['training.local_batch_size']}"
-        reshard = s["parallelism.fsdp_reshard_after_forward"]
-        return text if reshard == "default" else f"{text} reshard={reshard}"
+            text += f" {s.schedule} mbs={s.microbatch}"
+        text += f" ac={s.ac} local_batch={s.local_batch}"
+        return text if s.reshard == "default" else f"{text} reshard={s.reshard}"
 
     def to_json(self) -> dict:
         d = self.dims
@@ -126,7 +105,7 @@ class Plan:
                 "pp": d.pp,
                 "ep": d.ep,
             },
-            "settings": self.settings,
+            "settings": self.settings.config(),
             "overrides": self.overrides,
             "fits": self.fits,
             "predicted_peak_gib": self.peak_gib,
@@ -137,35 +116,6 @@ class Plan:
             "predicted_step_s": self.time.total if self.time else None,
             "time_split": self.time.split() if self.time else None,
         }
-
-
-def ac_text(settings: dict[str, str]) -> str:
-    mode = settings["activation_checkpoint.mode"]
-    if mode != "selective":
-        return mode
-    option = settings["activation_checkpoint.selective_ac_option"]
-    return "op" if option == "op" else f"every-{option}"
-
-
-def job_settings(job: JobConfig) -> dict[str, str]:
-    """The job's own values of ``PLAN_FIELDS``, as strings."""
-    out = {}
-    for key in PLAN_FIELDS:
-        section, name = key.split(".")
-        out[key] = str(getattr(getattr(job, section), name))
-    return out
-
-
-def with_settings(job: JobConfig, settings: dict[str, str]) -> JobConfig:
-    """A shallow copy of ``job`` with ``settings`` (typed as the fields are) applied."""
-    changes: dict[str, dict[str, object]] = {}
-    for key, value in settings.items():
-        section, name = key.split(".")
-        current = getattr(getattr(job, section), name)
-        changes.setdefault(section, {})[name] = type(current)(value)
-    return dataclasses.replace(
-        job, **{section: dataclasses.replace(getattr(job, section), **c) for section, c in changes.items()}
-    )
 
 
 def runtime_reserve(allocated: float, dims: ParallelDims) -> float:
@@ -181,7 +131,7 @@ def evaluate(
     dims: ParallelDims,
     device: DeviceSpec,
     gpus_per_node: int,
-    settings: dict[str, str] | None = None,
+    settings: PlanSettings | None = None,
     device_type: str = "cuda",
 ) -> Plan:
     """Memory of the most loaded rank and, when it fits, the step time of ``job``."""
@@ -195,135 +145,115 @@ def evaluate(
         time = predict_time(args, job, dims, device, gpus_per_node)
         tokens_per_s = tokens_per_step(job, dims) / time.total / dims.world_size
         mfu = tokens_per_s * flops_per_token(args, job.training.seq_len, job.lora.enable) / device.bf16_flops
-    return Plan(settings or job_settings(job), dims, memory, fits, time, tokens_per_s, mfu)
+    return Plan(settings or PlanSettings.of(job), dims, memory, fits, time, tokens_per_s, mfu)
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+@dataclass(frozen=True)
+class _Space:
+    """What the search may vary: the job's own plan, and which of its settings are pinned."""
+
+    own: PlanSettings
+    pins: set[str]  # PlanSettings field names
+
+    def options(self, name: str, values: list) -> list:
+        """``values``, or the job's own value of a pinned setting."""
+        return [getattr(self.own, name)] if name in self.pins else list(values)
+
+
 def candidates(
     job: JobConfig, args: ModelArgs, world_size: int, gpus_per_node: int, pinned: set[str]
-) -> Iterator[dict[str, str]]:
-    """Settings of every plan to try (validity not yet checked); pinned fields keep the job's value."""
-    own = job_settings(job)
-
-    def options(key: str, values: list) -> list[str]:
-        return [own[key]] if key in pinned else [str(v) for v in values]
-
+) -> Iterator[PlanSettings]:
+    """Settings of every plan to try (validity not yet checked); the settings whose
+    ``section.field`` is in ``pinned`` keep the job's value."""
+    space = _Space(PlanSettings.of(job), setting_names(pinned))
     global_batch = job.training.global_batch_size
-    for tp in options(
-        "parallelism.tensor_parallel_degree", [d for d in _divisors(world_size) if d <= gpus_per_node]
-    ):
-        rest = world_size // int(tp) if world_size % int(tp) == 0 else 0
-        for cp in options(
-            "parallelism.context_parallel_degree", [d for d in _divisors(rest) if d <= 16] if rest else []
-        ):
-            rest_cp = rest // int(cp) if rest % int(cp) == 0 else 0
+    for tp in space.options("tp", [d for d in _divisors(world_size) if d <= gpus_per_node]):
+        rest = world_size // tp if world_size % tp == 0 else 0
+        for cp in space.options("cp", [d for d in _divisors(rest) if d <= 16] if rest else []):
+            rest_cp = rest // cp if rest % cp == 0 else 0
             pps = [d for d in _divisors(rest_cp) if d <= args.num_hidden_layers] if rest_cp else []
-            for pp in options("parallelism.pipeline_parallel_degree", pps):
-                if not rest_cp or rest_cp % int(pp):
+            for pp in space.options("pp", pps):
+                if not rest_cp or rest_cp % pp:
                     continue
-                dp = rest_cp // int(pp)
-                yield from _data_parallel(
-                    own, pinned, job, args, dp, int(tp), int(cp), int(pp), gpus_per_node, global_batch
-                )
-
-
-REPLICATE, SHARD = "parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree"
+                yield from _data_parallel(space, args, rest_cp // pp, tp, cp, pp, gpus_per_node, global_batch)
 
 
 def _data_parallel(
-    own: dict[str, str],
-    pinned: set[str],
-    job: JobConfig,
-    args: ModelArgs,
-    dp: int,
-    tp: int,
-    cp: int,
-    pp: int,
-    gpus_per_node: int,
-    global_batch: int,
-) -> Iterator[dict[str, str]]:
+    space: _Space, args: ModelArgs, dp: int, tp: int, cp: int, pp: int, gpus_per_node: int, global_batch: int
+) -> Iterator[PlanSettings]:
     """Every plan of these model-parallel degrees: its data-parallel split, local batch,
     schedule, checkpointing, resharding and expert degree."""
-    replicates = _replicate_degrees(own, pinned, dp, tp * cp, gpus_per_node)
-    locals_ = _local_batches(own, pinned, dp, global_batch)
-    reshards = reshard_options(pp)
-    if "parallelism.fsdp_reshard_after_forward" in pinned:
-        reshards = [own["parallelism.fsdp_reshard_after_forward"]]
+    replicates = _replicate_degrees(space, dp, tp * cp, gpus_per_node)
+    locals_ = _local_batches(space, dp, global_batch)
+    reshards = space.options("reshard", reshard_options(pp))
     for replicate, local, (schedule, micro), (mode, option), reshard in itertools.product(
-        sorted(replicates), locals_, _pipeline_choices(own, pinned, pp), _ac_choices(own, pinned), reshards
+        sorted(replicates), locals_, _pipeline_choices(space, pp), _ac_choices(space), reshards
     ):
         if pp > 1 and local % micro:
             continue
-        if pp > 1 and checkpointing_saves_nothing(schedule, mode, pinned):
+        if pp > 1 and checkpointing_saves_nothing(schedule, mode, space.pins):
             continue
-        for ep in _expert_degrees(own, pinned, args, dp // replicate * cp):
-            yield {
-                **({"parallelism.expert_parallel_degree": ep} if ep else {}),
-                REPLICATE: str(replicate),
-                SHARD: str(dp // replicate),
-                "parallelism.context_parallel_degree": str(cp),
-                "parallelism.tensor_parallel_degree": str(tp),
-                "parallelism.pipeline_parallel_degree": str(pp),
-                "parallelism.pipeline_parallel_schedule": schedule,
-                "parallelism.pipeline_parallel_microbatch_size": str(micro),
-                "parallelism.fsdp_reshard_after_forward": reshard,
-                "activation_checkpoint.mode": mode,
-                "activation_checkpoint.selective_ac_option": option,
-                "training.local_batch_size": str(local),
-            }
+        for ep in _expert_degrees(space, args, dp // replicate * cp):
+            yield PlanSettings(
+                dp_replicate=replicate,
+                dp_shard=dp // replicate,
+                cp=cp,
+                tp=tp,
+                pp=pp,
+                ep=ep,
+                schedule=schedule,
+                microbatch=micro,
+                reshard=reshard,
+                ac_mode=mode,
+                ac_option=option,
+                local_batch=local,
+            )
 
 
-def _replicate_degrees(
-    own: dict[str, str], pinned: set[str], dp: int, model_parallel: int, gpus_per_node: int
-) -> set[int]:
+def _replicate_degrees(space: _Space, dp: int, model_parallel: int, gpus_per_node: int) -> set[int]:
     """FSDP over every data-parallel rank (1), or HSDP with each shard group filling a node."""
     replicates = {1}
     in_node = gpus_per_node // model_parallel if gpus_per_node % model_parallel == 0 else 0
     if in_node and dp % in_node == 0 and dp // in_node > 1:
         replicates.add(dp // in_node)
-    if REPLICATE in pinned:
-        replicates = {int(own[REPLICATE])}
-    if SHARD in pinned and own[SHARD] != "-1":
-        replicates = {r for r in replicates if r * int(own[SHARD]) == dp}
+    replicates = set(space.options("dp_replicate", replicates))
+    if "dp_shard" in space.pins and space.own.dp_shard != -1:
+        replicates = {r for r in replicates if r * space.own.dp_shard == dp}
     return replicates
 
 
-def _local_batches(own: dict[str, str], pinned: set[str], dp: int, global_batch: int) -> list[int]:
+def _local_batches(space: _Space, dp: int, global_batch: int) -> list[int]:
     """Local batches that make the global batch (up to 64), or ``LOCAL_BATCHES`` when it is free."""
-    if "training.local_batch_size" in pinned:
-        return [int(own["training.local_batch_size"])]
     if global_batch <= 0:
-        return list(LOCAL_BATCHES)
-    return [b for b in _divisors(global_batch // dp) if b <= 64] if global_batch % dp == 0 else []
+        return space.options("local_batch", LOCAL_BATCHES)
+    fill = [b for b in _divisors(global_batch // dp) if b <= 64] if global_batch % dp == 0 else []
+    return space.options("local_batch", fill)
 
 
-def _pipeline_choices(own: dict[str, str], pinned: set[str], pp: int) -> list[tuple[str, int]]:
+def _pipeline_choices(space: _Space, pp: int) -> list[tuple[str, int]]:
     """(schedule, micro-batch size) pairs: every searched one under pipelining, else the job's."""
-    schedule, micro = (
-        "parallelism.pipeline_parallel_schedule",
-        "parallelism.pipeline_parallel_microbatch_size",
-    )
     if pp == 1:
-        return [(own[schedule], int(own[micro]))]
-    schedules = [own[schedule]] if schedule in pinned else list(SCHEDULES)
-    micros = [int(own[micro])] if micro in pinned else list(MICRO_BATCHES)
-    return list(itertools.product(schedules, micros))
+        return [(space.own.schedule, space.own.microbatch)]
+    return list(
+        itertools.product(space.options("schedule", SCHEDULES), space.options("microbatch", MICRO_BATCHES))
+    )
 
 
-def _ac_choices(own: dict[str, str], pinned: set[str]) -> list[tuple[str, str]]:
+def _ac_choices(space: _Space) -> list[tuple[str, str]]:
     """(mode, selective option) pairs of ``AC_MODES`` the pins allow, or the pinned pair."""
-    mode_key, option_key = "activation_checkpoint.mode", "activation_checkpoint.selective_ac_option"
+    own, pins = space.own, space.pins
     acs = [
         (mode, option)
         for mode, option in AC_MODES
-        if own[mode_key] == mode or mode_key not in pinned
-        if mode != "selective" or option_key not in pinned or own[option_key] == option
+        if own.ac_mode == mode or "ac_mode" not in pins
+        if mode != "selective" or "ac_option" not in pins or own.ac_option == option
     ]
-    if mode_key in pinned and not acs:  # a pinned every-k other than 2
-        acs = [(own[mode_key], own[option_key])]
+    if "ac_mode" in pins and not acs:  # a pinned every-k other than 2
+        acs = [(own.ac_mode, own.ac_option)]
     return acs
 
 
@@ -333,29 +263,24 @@ def reshard_options(pp: int) -> list[str]:
     return ["default", "never"] if pp == 1 else ["default"]
 
 
-def checkpointing_saves_nothing(schedule: str, mode: str, pinned: set[str]) -> bool:
-    """Zero-bubble schedules with activation checkpointing, unless the job pins both: they train
-    (and equal one device), but torch's split backward keeps every weight's output gradient
-    from the input pass to the weight pass, which recomputes the blocks again, so
-    checkpointing buys no memory and costs two recomputes (dry run, Qwen3-8B ZBV stage of
-    one layer: 12.0 GiB with full AC, 9.3 GiB without)."""
-    both_pinned = {"parallelism.pipeline_parallel_schedule", "activation_checkpoint.mode"} <= pinned
+def checkpointing_saves_nothing(schedule: str, mode: str, pins: set[str]) -> bool:
+    """Zero-bubble schedules with activation checkpointing, unless the job pins both (``pins``:
+    the pinned ``PlanSettings`` fields): they train (and equal one device), but torch's split
+    backward keeps every weight's output gradient from the input pass to the weight pass, which
+    recomputes the blocks again, so checkpointing buys no memory and costs two recomputes (dry
+    run, Qwen3-8B ZBV stage of one layer: 12.0 GiB with full AC, 9.3 GiB without)."""
     styles = {name.lower(): style for name, style in SCHEDULE_STYLES.items()}
     style = styles.get(schedule.lower())
+    both_pinned = {"schedule", "ac_mode"} <= pins
     return style is not None and style.splits_backward and mode != "none" and not both_pinned
 
 
-def _expert_degrees(
-    own: dict[str, str], pinned: set[str], args: ModelArgs, borrowable: int
-) -> list[str | None]:
+def _expert_degrees(space: _Space, args: ModelArgs, borrowable: int) -> list[int | None]:
     """Expert-parallel degrees to try: those dividing both the experts and the data x context
     ranks EP borrows from; for a dense model none (the setting stays out of its plans)."""
-    key = "parallelism.expert_parallel_degree"
     if not args.moe:
         return [None]
-    if key in pinned:
-        return [own[key]]
-    return [str(d) for d in _divisors(borrowable) if args.num_experts % d == 0]
+    return space.options("ep", [d for d in _divisors(borrowable) if args.num_experts % d == 0])
 
 
 def search(
@@ -370,9 +295,9 @@ def search(
     """Every valid plan, best first (see ``rank``); ConfigError when none can run."""
     evaluated: list[Plan] = []
     first_error: ConfigError | None = None
-    pins = ", ".join(f"{k}={v}" for k, v in job_settings(job).items() if k in pinned) or "none"
+    pins = ", ".join(f"{k}={v}" for k, v in PlanSettings.of(job).config().items() if k in pinned) or "none"
     for settings in candidates(job, args, world_size, gpus_per_node, pinned):
-        candidate = with_settings(job, settings)
+        candidate = settings.apply(job)
         try:
             dims = check_plan(candidate, args, world_size, device_type)
         except ConfigError as err:

@@ -13,7 +13,7 @@ from autopar.models.args import ModelArgs
 from autopar.planner.devices import DeviceSpec
 from autopar.planner.dry_run import RankMemory, compare
 from autopar.planner.memory import GIB
-from autopar.planner.search import Plan, runtime_reserve, with_settings
+from autopar.planner.search import Plan, runtime_reserve
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def verify_plan(plan: Plan, job: JobConfig, args: ModelArgs, world_size: int, de
     reserve (CUDA context, NCCL buffers, allocator slack) the prediction carries."""
     start = time.perf_counter()
     try:
-        ranks = compare(with_settings(job, plan.settings), args, world_size)
+        ranks = compare(plan.settings.apply(job), args, world_size)
     except Exception as err:  # any failure of the real code path drops the plan
         return Verified(plan, [], _root_cause(err), False, time.perf_counter() - start)
     worst = max(rank.measured_peak_gib for rank in ranks) * GIB

@@ -1,0 +1,92 @@
+"""A plan's settings, typed: what the planner chooses for a job, and the config field each one is.
+
+The search enumerates ``PlanSettings``; ``apply`` makes the job that runs one, ``config`` the
+``section.field`` values that its JSON and command-line overrides show.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from autopar.config.sections import JobConfig
+
+CONFIG_FIELDS = {
+    "dp_replicate": "parallelism.data_parallel_replicate_degree",
+    "dp_shard": "parallelism.data_parallel_shard_degree",
+    "cp": "parallelism.context_parallel_degree",
+    "tp": "parallelism.tensor_parallel_degree",
+    "pp": "parallelism.pipeline_parallel_degree",
+    "ep": "parallelism.expert_parallel_degree",
+    "schedule": "parallelism.pipeline_parallel_schedule",
+    "microbatch": "parallelism.pipeline_parallel_microbatch_size",
+    "reshard": "parallelism.fsdp_reshard_after_forward",
+    "ac_mode": "activation_checkpoint.mode",
+    "ac_option": "activation_checkpoint.selective_ac_option",
+    "local_batch": "training.local_batch_size",
+}
+"""Each setting's job field, as ``section.field`` (the spelling of the command-line flags)."""
+
+PLAN_FIELDS = tuple(CONFIG_FIELDS.values())
+"""The job fields a plan consists of."""
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """One plan's choices. ``ep`` is None where there is no expert degree to choose (a dense
+    model): the job's value then stands, and the setting stays out of the plan's flags."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    ep: int | None
+    schedule: str
+    microbatch: int
+    reshard: str
+    ac_mode: str
+    ac_option: str
+    local_batch: int
+
+    @classmethod
+    def of(cls, job: JobConfig) -> PlanSettings:
+        """The job's own plan."""
+        return cls(**{name: _field(job, path) for name, path in CONFIG_FIELDS.items()})
+
+    def apply(self, job: JobConfig) -> JobConfig:
+        """A shallow copy of ``job`` that runs this plan."""
+        changes: dict[str, dict[str, object]] = {}
+        for name, path in CONFIG_FIELDS.items():
+            value = getattr(self, name)
+            if value is not None:
+                section, field = path.split(".")
+                changes.setdefault(section, {})[field] = value
+        return dataclasses.replace(
+            job, **{s: dataclasses.replace(getattr(job, s), **c) for s, c in changes.items()}
+        )
+
+    def config(self, leave_out: set[str] = frozenset()) -> dict[str, str]:
+        """``section.field`` to value, as the command line spells them, but for the settings
+        named in ``leave_out``."""
+        values = (
+            (path, getattr(self, name)) for name, path in CONFIG_FIELDS.items() if name not in leave_out
+        )
+        return {path: str(value) for path, value in values if value is not None}
+
+    @property
+    def ac(self) -> str:
+        """The checkpointing mode in one word: none, full, op or every-k."""
+        if self.ac_mode != "selective":
+            return self.ac_mode
+        return "op" if self.ac_option == "op" else f"every-{self.ac_option}"
+
+
+def _field(job: JobConfig, path: str) -> object:
+    section, name = path.split(".")
+    return getattr(getattr(job, section), name)
+
+
+def setting_names(paths: set[str]) -> set[str]:
+    """The settings that these ``section.field`` paths name (others ignored)."""
+    return {name for name, path in CONFIG_FIELDS.items() if path in paths}
