@@ -233,9 +233,8 @@ class Qwen(nn.Module):
             if positions is None:
                 positions = document_positions(documents)
         for layer in self.layers.values():
-            h = layer(h, positions, mask)
-            if isinstance(h, tuple):
-                h, stats = h
+            h, stats = split_output(layer(h, positions, mask))
+            if stats is not None:
                 routing = stats if routing is None else routing + stats
         if self.norm is not None:
             h = self.norm(h)
@@ -251,6 +250,17 @@ class Qwen(nn.Module):
         """Fill every parameter with its deterministic initial value (see ``initial_value``)."""
         for name, param in self.named_parameters():
             param.copy_(initial_value(self.args, name, param.shape, seed, param.device, param.dtype))
+
+
+def split_output(
+    output: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A ``Qwen`` output as (logits or hidden states, routing statistics or None).
+
+    The return type follows the architecture because a pipeline stage sends exactly what its
+    module returns: a dense stage sends one activation, a mixture of experts' stage also the
+    routing statistics the last stage's load-balancing loss needs."""
+    return output if isinstance(output, tuple) else (output, None)
 
 
 def canonical_name(name: str) -> str:

@@ -23,6 +23,7 @@ from autopar.config.sections import JobConfig
 from autopar.data.loader import Batch
 from autopar.models.args import ModelArgs
 from autopar.models.moe import load_balancing_loss
+from autopar.models.qwen import split_output
 from autopar.parallel.context_parallel import ContextParallel
 from autopar.parallel.float8 import after_optimizer_step, resolve_backend, te_autocast
 from autopar.parallel.mesh import Meshes
@@ -151,7 +152,7 @@ def microbatches_forward_backward(
         with context.sequence(full_batch) as (batch, positions), context.loss_parallel_context():
             with context.forward_precision():
                 out = model(batch.inputs, positions=positions, documents=batch.documents)
-            logits, routing = out if isinstance(out, tuple) else (out, None)
+            logits, routing = split_output(out)
             loss = context.loss_fn(logits, batch.labels) / global_targets
             if isinstance(loss, DTensor):
                 loss = loss.full_tensor()

@@ -29,6 +29,7 @@ from autopar.config.errors import ConfigError
 from autopar.config.sections import Parallelism
 from autopar.data.loader import Batch
 from autopar.models.args import ModelArgs
+from autopar.models.qwen import split_output
 from autopar.parallel.pipelining.split import StageStyle, check_split, even_split, stage_ids
 from autopar.parallel.torch_internals import keep_donated_buffers
 from autopar.parallel.world import by_mesh
@@ -215,7 +216,7 @@ class StageLoss:
     def __call__(
         self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor
     ) -> torch.Tensor:
-        logits, routing = output if isinstance(output, tuple) else (output, None)
+        logits, routing = split_output(output)
         value = self.loss_fn(logits, labels)
         value = value.full_tensor() if isinstance(value, DTensor) else value
         balance = torch.zeros((), device=value.device)
