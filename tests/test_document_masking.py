@@ -182,4 +182,7 @@ def masked_parity(tmp_path_factory):
 @pytest.mark.parametrize("plan", PLANS)
 def test_document_masking_under_a_plan_matches_one_device(masked_parity, plan):
     reference, run = masked_parity[plan]
-    assert_same_training(run, reference, loss_rtol=1e-5, norm_rtol=1e-5)
+    # Measured on AMD EPYC over AVX2 and scalar kernels with 1 and 2 threads: at most 3.1e-7 in
+    # loss, and 1.6e-5 in grad norm (pp=2 on scalar kernels, which order sums otherwise; Adam
+    # carries a step's difference into the next), hence 1e-5 and 1e-4.
+    assert_same_training(run, reference, loss_rtol=1e-5, norm_rtol=1e-4)

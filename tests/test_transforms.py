@@ -174,9 +174,11 @@ def fp8_runs(tmp_path_factory):
 @pytest.mark.parametrize("plan", FP8_PLANS)
 def test_torchao_fp8_composes_with_fsdp_and_tp(fp8_runs, plan):
     reference, run = fp8_runs[plan]  # reference: FP8 on one device
-    # same FP8 scales (amax over the whole tensor under every plan), but a one-ulp fp32
-    # difference from sum order can flip an FP8 rounding, so 1e-4 rather than fp32's 1e-5
-    assert_same_training(run, reference, loss_rtol=1e-4, norm_rtol=1e-4)
+    # Same FP8 scales (amax over the whole tensor under every plan), but a one-ulp fp32
+    # difference from sum order can flip an FP8 rounding, a step of 1/8 in that element. Under
+    # TP, measured on AMD EPYC over AVX2 and scalar kernels with 1 and 2 threads: at most
+    # 2.1e-5 in loss and 1.3e-4 in grad norm (scalar kernels), hence 1e-4 and 1e-3.
+    assert_same_training(run, reference, loss_rtol=1e-4, norm_rtol=1e-3)
 
 
 FP8 = ("--float8.enable", "true", "--float8.backend", "torchao")
