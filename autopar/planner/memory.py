@@ -583,8 +583,13 @@ def _predict_stage_rank(
     # sharded gradients outlive a backward only when micro-steps accumulate into them, or
     # when a pipeline without FSDP keeps them whole across micro-batches
     accumulating = micro_steps(job, dims) > 1 or (dims.pp > 1 and not uses_fsdp(job, dims))
-    static, host = _weights_and_optimizer(args, job, dims, modules, stored, accumulating)
-    costs = _stage_costs(args, job, dims, stages, ids, z, c, stored, micro, accumulating or bool(host))
+    # without micro-steps, the walk is the whole step: a stage's gradients land at its first
+    # backward and are held from there
+    in_walk = accumulating and micro_steps(job, dims) == 1
+    static, host = _weights_and_optimizer(args, job, dims, modules, stored, accumulating and not in_walk)
+    costs = _stage_costs(
+        args, job, dims, stages, ids, z, c, stored, micro, accumulating or bool(host), in_walk
+    )
     actions = (
         rank_actions(schedule_name(job.parallelism), dims.pp, len(stages), costs.n_micro, pp_rank)
         if dims.pp > 1
@@ -635,6 +640,7 @@ class _StageCosts:
     syncs_at_end: bool  # a multi-stage schedule syncs them after its last backward
     embedding_gathered: float
     embedding_grads: float
+    embedding_first_grads: float  # the same in the step's first backward (no ``.grad`` yet)
     # gradients that land sharded as each block's backward ends (no accumulation, no offload)
     stage_grads: dict[int, float]
     block_grads: dict[bool, float]
@@ -653,15 +659,18 @@ def _stage_costs(
     stored: int,
     micro: int,
     grads_held: bool,
+    held_in_walk: bool,
 ) -> _StageCosts:
     """The sizes the schedule walk adds and removes on this rank (``grads_held``: the
-    gradients are counted with the weights, accumulating or in host memory)."""
+    gradients are kept across backwards, accumulating or in host memory; ``held_in_walk``:
+    they land in the walk, at each stage's first backward, rather than with the weights)."""
     modules = [m for i in ids for m in stages[i]]
     is_moe = {m: args.is_moe_layer(int(m.split(".")[1])) for m in modules if m.startswith("layers.")}
     kinds = set(is_moe.values())
     blocks = {i: [is_moe[m] for m in stages[i] if m in is_moe] for i in ids}  # their kinds, in order
     saves = _checkpointing_saves(args, job, dims, stages, ids, z, is_moe)
-    gathered = _gathered_bytes(args, job, dims, modules, c, stored)
+    casts = _casts_per_micro_batch(args, job, dims, stages, ids, c, stored)
+    gathered = _gathered_bytes(args, job, dims, modules, c, stored) - sum(casts.values())
     if uses_fsdp(job, dims) and is_moe:
         block_gathered, block_buffers = _fsdp_block_bytes(args, job, dims, modules, is_moe, gathered, c)
         block_activations = saves.ended
@@ -676,11 +685,11 @@ def _stage_costs(
         args, job, dims, c, stored, not unsynced, grads_held
     )
     shards = dims.tp if loss_parallel_enabled(job, dims) else 1
-    fresh = not (grads_held or unsynced)  # each backward's gradients land as they are kept
+    fresh = held_in_walk or not (grads_held or unsynced)  # gradients land as they are kept
     return _StageCosts(
         n_micro=n_micro,
         gathered=gathered,
-        saved=saves.saved,
+        saved={i: saves.saved[i] + casts[i] for i in ids},
         pending={i: sum(block_weight_output_grad_bytes(z, args.qk_norm, k) for k in blocks[i]) for i in ids},
         stage_kinds={i: set(blocks[i]) for i in ids},
         heads={i for i in ids if "lm_head" in stages[i]},
@@ -695,6 +704,7 @@ def _stage_costs(
         syncs_at_end=unsynced and SCHEDULE_STYLES[schedule_name(job.parallelism)].stages_per_rank != 1,
         embedding_gathered=embedding_gathered,
         embedding_grads=embedding_grads,
+        embedding_first_grads=embedding_grads - (_embedding_grad(args, job) if held_in_walk else 0.0),
         stage_grads={i: _landing_grads(args, job, dims, stages[i]) if fresh else 0.0 for i in ids},
         block_grads={is_moe[m]: _landing_grads(args, job, dims, [m]) for m in is_moe},
         first_block={i: next(iter(blocks[i]), None) for i in ids},
@@ -750,6 +760,38 @@ def _checkpointing_saves(
         k: recompute[k] if full else (recompute[k] - per_block[k] if op else -per_block[k]) for k in kinds
     }
     return _Saves(saved, recompute, ended, {i: sum(blocks[i][1:]) for i in ids})
+
+
+def _casts_per_micro_batch(
+    args: ModelArgs,
+    job: JobConfig,
+    dims: ParallelDims,
+    stages: list[list[str]],
+    ids: list[int],
+    c: int,
+    stored: int,
+) -> dict[int, float]:
+    """By stage: the compute-dtype weight casts each micro-batch's forward leaves saved, when
+    a pipeline without FSDP casts its weights anew in every forward. Autograd keeps a cast
+    until that micro-batch's backward (a zero-bubble weight step: the input step keeps the
+    graph), unless the block is checkpointed, whose backward casts again (an untied
+    embedding's lookup needs no weight in backward). Dry run, Qwen3-0.6B ZBV, last stage:
+    six micro-batches' casts of each weight alive at its peak."""
+    if dims.pp == 1 or uses_fsdp(job, dims) or c >= stored:
+        return dict.fromkeys(ids, 0.0)
+    checkpointed = {f"layers.{i}" for i in checkpointed_layers(job.activation_checkpoint, _layer_ids(stages))}
+    untied_embedding = set() if args.tie_word_embeddings else {"embed_tokens"}
+    return {
+        i: c
+        * modules_numel(
+            args, job, dims, [m for m in stages[i] if m not in checkpointed | untied_embedding], sharded=False
+        )
+        for i in ids
+    }
+
+
+def _layer_ids(stages: list[list[str]]) -> list[str]:
+    return [m.split(".")[1] for stage in stages for m in stage if m.startswith("layers.")]
 
 
 def _fsdp_block_bytes(
@@ -834,6 +876,7 @@ def _walk_schedule(actions: tuple[tuple[str, int, int], ...], k: _StageCosts) ->
     peak = _Peak()
     alive, accumulated = 0.0, 0.0
     unsynced = dict(k.unsynced_grads)
+    backward_done: set[int] = set()
     for kind, stage, _ in actions:
         if kind == "F":
             alive += k.saved[stage]
@@ -851,19 +894,22 @@ def _walk_schedule(actions: tuple[tuple[str, int, int], ...], k: _StageCosts) ->
             for b in k.stage_kinds[stage]:
                 _consider_block(peak, k, b, alive, accumulated)
             first = k.first_block[stage]
-            if kind == "B" and k.stage_grads[stage] and first is not None:
+            if kind == "B" and k.stage_grads[stage] and first is not None and stage not in backward_done:
                 # its first block's backward, last: the later blocks' gradients have landed
                 landed = accumulated + k.stage_grads[stage] - k.block_grads[first]
                 _consider_block(peak, k, first, alive - k.before_first[stage], landed)
         if kind in ("B", "W"):
             alive -= k.saved[stage] + (k.pending[stage] if kind == "W" else 0.0)
-            accumulated += k.stage_grads[stage]
+            if stage not in backward_done:
+                accumulated += k.stage_grads[stage]
             if stage in unsynced:
                 held = unsynced.pop(stage)
                 accumulated += held.grads
                 peak.consider(k.gathered, alive, accumulated + held.largest)
             if stage in k.embeds:  # the embedding's backward ends the stage's
-                peak.consider(k.gathered + k.embedding_gathered, alive, accumulated + k.embedding_grads)
+                grads = k.embedding_grads if stage in backward_done else k.embedding_first_grads
+                peak.consider(k.gathered + k.embedding_gathered, alive, accumulated + grads)
+            backward_done.add(stage)
         peak.consider(k.gathered, alive, accumulated)
     if k.syncs_at_end:  # weights resharded, each group reduce-scattered in turn
         peak.consider(0.0, alive, accumulated + max(held.sync for held in k.unsynced_grads.values()))
@@ -942,6 +988,15 @@ def _embedding_backward_bytes(
     shard = modules_numel(args, job, dims, ["embed_tokens"], sharded=False)
     regathered = 0.0 if (args.tie_word_embeddings or _keeps_blocks(job, dims)) else c * shard
     return regathered, c * whole + (FP32 * shard if synced else 0.0)
+
+
+def _embedding_grad(args: ModelArgs, job: JobConfig) -> float:
+    """The whole embedding's float32 gradient. Where gradients are held, the embedding's
+    backward casts its gradient to float32 and adds it in; in a step's first backward that
+    cast becomes the ``.grad`` itself, so it is no temporary beside it (dry run, Qwen3-8B
+    1F1B pp 4 without FSDP, first stage: the peak is the first micro-batch's embedding
+    backward)."""
+    return 0.0 if job.lora.enable else FP32 * args.vocab_size * args.hidden_size
 
 
 def _landing_grads(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str]) -> float:
