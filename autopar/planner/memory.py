@@ -641,7 +641,8 @@ class _StageCosts:
     embedding_gathered: float
     embedding_grads: float
     embedding_first_grads: float  # the same in the step's first backward (no ``.grad`` yet)
-    # gradients that land sharded as each block's backward ends (no accumulation, no offload)
+    # gradients that land as each stage's (first) backward ends: sharded without accumulation
+    # or offload, or held from then on by a pipeline without FSDP
     stage_grads: dict[int, float]
     block_grads: dict[bool, float]
     first_block: dict[int, bool | None]  # kind of each stage's first block: its backward's last
@@ -677,10 +678,7 @@ def _stage_costs(
     else:
         block_gathered = dict.fromkeys(kinds, gathered)
         block_activations, block_buffers = saves.recompute, dict.fromkeys(kinds, 0.0)
-    # torch's pipeline stage turns FSDP's gradient sync off for every micro-batch but the
-    # last: from a stage's first backward on, its gradients stay unsharded in float32
-    n_micro = job.training.local_batch_size // micro
-    unsynced = dims.pp > 1 and uses_fsdp(job, dims) and n_micro > 1
+    n_micro, unsynced = job.training.local_batch_size // micro, _syncs_last(job, dims, micro)
     embedding_gathered, embedding_grads = _embedding_backward_bytes(
         args, job, dims, c, stored, not unsynced, grads_held
     )
@@ -762,6 +760,12 @@ def _checkpointing_saves(
     return _Saves(saved, recompute, ended, {i: sum(blocks[i][1:]) for i in ids})
 
 
+def _syncs_last(job: JobConfig, dims: ParallelDims, micro: int) -> bool:
+    """Whether gradients stay unsharded in float32 from a stage's first backward on: torch's
+    pipeline stage turns FSDP's gradient sync off for every micro-batch but the last."""
+    return dims.pp > 1 and uses_fsdp(job, dims) and job.training.local_batch_size // micro > 1
+
+
 def _casts_per_micro_batch(
     args: ModelArgs,
     job: JobConfig,
@@ -775,8 +779,8 @@ def _casts_per_micro_batch(
     a pipeline without FSDP casts its weights anew in every forward. Autograd keeps a cast
     until that micro-batch's backward (a zero-bubble weight step: the input step keeps the
     graph), unless the block is checkpointed, whose backward casts again (an untied
-    embedding's lookup needs no weight in backward). Dry run, Qwen3-0.6B ZBV, last stage:
-    six micro-batches' casts of each weight alive at its peak."""
+    embedding's lookup needs no weight in backward). Dry run, Qwen3-8B TP 4 x Interleaved1F1B
+    pp 2 without FSDP: +33% before these were counted (as one copy) with the gradients below."""
     if dims.pp == 1 or uses_fsdp(job, dims) or c >= stored:
         return dict.fromkeys(ids, 0.0)
     checkpointed = {f"layers.{i}" for i in checkpointed_layers(job.activation_checkpoint, _layer_ids(stages))}
