@@ -255,11 +255,9 @@ class Qwen(nn.Module):
 def split_output(
     output: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A ``Qwen`` output as (logits or hidden states, routing statistics or None).
-
-    The return type follows the architecture because a pipeline stage sends exactly what its
-    module returns: a dense stage sends one activation, a mixture of experts' stage also the
-    routing statistics the last stage's load-balancing loss needs."""
+    """A ``Qwen`` (or ``Block``) output as (logits or hidden states, routing statistics or
+    None): a mixture of experts also returns its routing statistics, a dense model only its
+    output (see ``Qwen.forward``)."""
     return output if isinstance(output, tuple) else (output, None)
 
 

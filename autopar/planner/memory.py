@@ -670,7 +670,8 @@ def _stage_costs(
     kinds = set(is_moe.values())
     blocks = {i: [is_moe[m] for m in stages[i] if m in is_moe] for i in ids}  # their kinds, in order
     saves = _checkpointing_saves(args, job, dims, stages, ids, z, is_moe)
-    casts = _casts_per_micro_batch(args, job, dims, stages, ids, c, stored)
+    casts = _casts_per_micro_batch(args, job, dims, stages, ids, is_moe, c, stored)
+    # casts saved per micro-batch leave the step's one copy for each forward's saves
     gathered = _gathered_bytes(args, job, dims, modules, c, stored) - sum(casts.values())
     if uses_fsdp(job, dims) and is_moe:
         block_gathered, block_buffers = _fsdp_block_bytes(args, job, dims, modules, is_moe, gathered, c)
@@ -772,6 +773,7 @@ def _casts_per_micro_batch(
     dims: ParallelDims,
     stages: list[list[str]],
     ids: list[int],
+    is_moe: dict[str, bool],
     c: int,
     stored: int,
 ) -> dict[int, float]:
@@ -783,7 +785,8 @@ def _casts_per_micro_batch(
     pp 2 without FSDP: +33% before these were counted (as one copy) with the gradients below."""
     if dims.pp == 1 or uses_fsdp(job, dims) or c >= stored:
         return dict.fromkeys(ids, 0.0)
-    checkpointed = {f"layers.{i}" for i in checkpointed_layers(job.activation_checkpoint, _layer_ids(stages))}
+    layers = [m.split(".")[1] for m in is_moe]
+    checkpointed = {f"layers.{i}" for i in checkpointed_layers(job.activation_checkpoint, layers)}
     untied_embedding = set() if args.tie_word_embeddings else {"embed_tokens"}
     return {
         i: c
@@ -792,10 +795,6 @@ def _casts_per_micro_batch(
         )
         for i in ids
     }
-
-
-def _layer_ids(stages: list[list[str]]) -> list[str]:
-    return [m.split(".")[1] for stage in stages for m in stage if m.startswith("layers.")]
 
 
 def _fsdp_block_bytes(

@@ -7,6 +7,7 @@ The search enumerates ``PlanSettings``; ``apply`` makes the job that runs one, `
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Container
 from dataclasses import dataclass
 
 from autopar.config.sections import JobConfig
@@ -66,7 +67,7 @@ class PlanSettings:
             job, **{s: dataclasses.replace(getattr(job, s), **c) for s, c in changes.items()}
         )
 
-    def config(self, leave_out: set[str] = frozenset()) -> dict[str, str]:
+    def config(self, leave_out: Container[str] = ()) -> dict[str, str]:
         """``section.field`` to value, as the command line spells them, but for the settings
         named in ``leave_out``."""
         values = (
