@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_models import hf_model_for, parity_args
+from test_moe import hf_moe_for, moe_args
 
 from autopar.config.errors import ConfigError
 from autopar.config.sections import ActivationCheckpoint, LoRA
@@ -16,9 +17,17 @@ from autopar.data.chat import CHAT_EXAMPLE, encode
 from autopar.models import Qwen, from_hf
 from autopar.models.qwen import canonical_name
 from autopar.parallel.activation_checkpoint import apply_ac
+from autopar.parallel.expert_parallel import apply_expert_kernel
 from autopar.parallel.lora import LoRALinear, apply_lora
 from autopar.parallel.materialize import materialize, seeded_values
-from autopar.training.adapters import load_adapter, our_name, save_adapter
+from autopar.training.adapters import (
+    adapter_config,
+    from_peft_layout,
+    load_adapter,
+    low_rank_update,
+    our_name,
+    save_adapter,
+)
 from autopar.training.checkpoint import saved_keys
 from autopar.training.faults import TrainingStopped
 from autopar.training.preflight import check_job
@@ -292,3 +301,95 @@ def test_adapters_split_with_their_base_under_tensor_parallelism(tmp_path):
     assert local[f"{block}.self_attn.o_proj.lora_B.weight"] == (hidden, rank)
     assert local[f"{block}.mlp.down_proj.lora_A.weight"] == (rank, ffn // 2)
     assert local[f"{block}.mlp.down_proj.lora_B.weight"] == (hidden, rank)
+
+
+EXPERT_LORA = LoRA(enable=True, rank=4, alpha=8.0, target_modules=["q_proj", "experts"])
+
+
+def expert_peft_pair(tmp_path):
+    """A transformers Qwen3-MoE with peft adapters on q_proj and on its fused experts
+    (``target_parameters``, as our adapter_config names them; B random), and ours from the
+    same folder carrying the same adapters."""
+    args = moe_args()
+    hf = hf_moe_for(args)
+    hf.save_pretrained(tmp_path)
+    ours = from_hf(tmp_path, dtype=torch.float32)
+    spelled = adapter_config(EXPERT_LORA, None)
+    fields = ("r", "lora_alpha", "target_modules", "target_parameters")
+    config = peft.LoraConfig(**{k: spelled[k] for k in fields}, init_lora_weights=False)
+    theirs = peft.get_peft_model(hf, config)
+    apply_lora(ours, EXPERT_LORA, torch.float32)
+    adapters = {our_name(k): v for k, v in peft.get_peft_model_state_dict(theirs).items()}
+    adapters = {k: from_peft_layout(k, v, EXPERT_LORA.rank) for k, v in adapters.items()}
+    missing, unexpected = ours.load_state_dict(adapters, strict=False)
+    assert not unexpected and all(".lora_" not in k for k in missing)
+    return ours, theirs, args
+
+
+@pytest.mark.parametrize("kernel", ["grouped", "loop"])
+def test_expert_adapters_match_peft_on_transformers_fused_experts(tmp_path, kernel):
+    ours, theirs, args = expert_peft_pair(tmp_path)
+    apply_expert_kernel(ours, kernel)
+    tokens = torch.randint(0, args.vocab_size, (2, 13), generator=torch.Generator().manual_seed(1))
+    their_logits, (our_logits, _) = theirs(tokens).logits, ours(tokens)
+    assert (our_logits - their_logits).abs().max().item() <= 1e-5
+    for logits in (their_logits, our_logits):
+        F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    down = theirs.base_model.model.model.layers[1].mlp.experts  # peft nests gate_up's wrapper inside
+    theirs_by_name = {
+        "lora_gate_up_A": down.base_layer.lora_A["default"],
+        "lora_gate_up_B": down.base_layer.lora_B["default"],
+        "lora_down_A": down.lora_A["default"],
+        "lora_down_B": down.lora_B["default"],
+    }
+    experts = ours.layers["1"].mlp.experts
+    for name, linear in theirs_by_name.items():
+        expected = from_peft_layout(f"experts.{name}", linear.weight.grad, EXPERT_LORA.rank)
+        torch.testing.assert_close(getattr(experts, name).grad, expected, rtol=1e-5, atol=1e-8, msg=name)
+    assert all(p.grad is None for n, p in ours.named_parameters() if ".lora_" not in n)  # base frozen
+
+
+def test_expert_adapter_folder_loads_in_peft_with_our_logits(tmp_path):
+    ours, _, args = expert_peft_pair(tmp_path / "base")
+    with torch.no_grad():  # our own adapters, not the ones peft drew
+        for name, param in ours.named_parameters():
+            if ".lora_" in name:
+                param.normal_(0, 0.05)
+    adapters = {n: p.detach() for n, p in ours.named_parameters() if ".lora_" in n}
+    save_adapter(adapters, EXPERT_LORA, tmp_path / "adapter")
+    loaded = load_adapter(tmp_path / "adapter")
+    assert loaded.keys() == adapters.keys() and all(torch.equal(loaded[n], t) for n, t in adapters.items())
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    theirs = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    tokens = torch.randint(0, args.vocab_size, (2, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, ours(tokens)[0], rtol=0, atol=1e-5)
+
+
+def test_merged_expert_adapters_give_the_adapted_model():
+    args = moe_args()
+    adapted = Qwen(args)
+    materialize(adapted, torch.device("cpu"), seeded_values(args, 0, torch.device("cpu")))
+    plain = Qwen(args)
+    plain.load_state_dict(adapted.state_dict())
+    apply_lora(adapted, EXPERT_LORA, torch.float32)
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if ".lora_" in name:
+                param.normal_(0, 0.05)
+        adapters = {canonical_name(n): p for n, p in adapted.named_parameters() if ".lora_" in n}
+        for name, param in plain.named_parameters():
+            update = low_rank_update(canonical_name(name), adapters)
+            if update is not None:
+                param += EXPERT_LORA.alpha / EXPERT_LORA.rank * update
+        tokens = torch.randint(0, args.vocab_size, (2, 11), generator=torch.Generator().manual_seed(3))
+        torch.testing.assert_close(plain(tokens)[0], adapted(tokens)[0], rtol=0, atol=1e-5)
+
+
+def test_expert_adapters_with_dropout_are_refused():
+    job = debug_job(
+        *("--model.flavor", "debug-moe", "--training.mixed_precision_param", "float32"),
+        *("--lora.enable", "true", "--lora.target_modules", "q_proj,experts", "--lora.dropout", "0.1"),
+    )
+    with pytest.raises(ConfigError, match=r"lora.dropout = 0.1 with experts in lora.target_modules"):
+        check_job(job, 1, "cpu")

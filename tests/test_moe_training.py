@@ -85,9 +85,20 @@ PLANS = [
 
 
 LORA_PLANS = ["dp_shard=2,ep=2", "tp=2"]
-"""LoRA on the attention and dense-block linears beside frozen experts (experts are not
-``nn.Linear``s, so no target matches them): EP still exchanges tokens, now to train only the
-adapters before and after the experts."""
+"""LoRA on the attention and dense-block linears beside frozen experts (the default targets
+leave experts out): EP still exchanges tokens, now to train only the adapters before and
+after the experts."""
+
+EXPERT_LORA_PLANS = [
+    "dp_shard=2,ep=2",
+    "tp=2",
+    "dp_shard=2,pp=2,ep=2,schedule=ZBVZeroBubble,activation_checkpoint.mode=selective",
+]
+"""LoRA on the experts too: their adapters split over the experts under EP and sharded by
+FSDP with them, whole on every TP rank (experts are not split by TP), recomputed twice by
+a zero-bubble schedule's checkpointed blocks."""
+
+EXPERT_TARGETS = ("--lora.target_modules", "q_proj,k_proj,v_proj,o_proj,experts,lm_head")
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +106,23 @@ def moe_parity(tmp_path_factory):
     folder = tmp_path_factory.mktemp("moe")
     base = moe_job(folder, "--training.local_batch_size", "2")
     lora = moe_job(folder, "--training.local_batch_size", "2", "--lora.enable", "true", "--lora.rank", "4")
+    experts = moe_job(
+        folder,
+        "--training.local_batch_size",
+        "2",
+        "--lora.enable",
+        "true",
+        "--lora.rank",
+        "4",
+        *EXPERT_TARGETS,
+    )
     cases = [Case(base, plan) for plan in PLANS] + [Case(lora, plan) for plan in LORA_PLANS]
-    keys = PLANS + [f"lora {plan}" for plan in LORA_PLANS]
+    cases += [Case(experts, plan) for plan in EXPERT_LORA_PLANS]
+    keys = (
+        PLANS
+        + [f"lora {plan}" for plan in LORA_PLANS]
+        + [f"expert lora {plan}" for plan in EXPERT_LORA_PLANS]
+    )
     return dict(zip(keys, run_cases(cases, steps=4), strict=True))
 
 
@@ -116,6 +142,13 @@ def test_moe_training_under_a_plan_matches_one_device(moe_parity, plan):
 @pytest.mark.parametrize("plan", LORA_PLANS)
 def test_lora_on_a_mixture_of_experts_under_a_plan_matches_one_device(moe_parity, plan):
     reference, run = moe_parity[f"lora {plan}"]
+    assert_same_training(run, reference, loss_rtol=1e-5, norm_rtol=1e-4)  # as the full model's
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", EXPERT_LORA_PLANS)
+def test_lora_on_the_experts_under_a_plan_matches_one_device(moe_parity, plan):
+    reference, run = moe_parity[f"expert lora {plan}"]
     assert_same_training(run, reference, loss_rtol=1e-5, norm_rtol=1e-4)  # as the full model's
 
 

@@ -157,6 +157,18 @@ GRID = [
             "--lora.target_modules=q_proj,k_proj,v_proj,o_proj",
         ],
     ),
+    # LoRA on the experts too: their token copies, SwiGLU saves and A outputs kept again, the
+    # adapters split over EP then FSDP
+    (
+        8,
+        ("qwen3", "30B-A3B"),
+        [
+            SMALL_VOCAB,
+            "--parallelism.expert_parallel_degree=2",
+            "--lora.enable=true",
+            "--lora.target_modules=q_proj,k_proj,v_proj,o_proj,experts",
+        ],
+    ),
     (
         8,
         ("qwen3", "30B-A3B"),

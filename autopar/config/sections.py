@@ -264,7 +264,8 @@ class LoRA:
     target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
-    """Linears that get adapters: an entry matches module names ending with it (peft's rule)."""
+    """Linears that get adapters: an entry matches module names ending with it (peft's rule);
+    ``experts`` adapts a mixture's experts too (peft's target_parameters on the fused experts)."""
     base_dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Storage dtype of the frozen weights; auto: the compute dtype (bf16 on CUDA: no fp32 copy)."""
     merge_on_export: bool = False

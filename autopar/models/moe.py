@@ -15,6 +15,7 @@ batches, data-parallel ranks, context-parallel shards) adds up to the loss of th
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import torch
@@ -44,16 +45,66 @@ class Router(nn.Module):
 
 
 def grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` runs these operands here: on CUDA in bf16 on Hopper or
-    newer; on CPU when every row is a multiple of 16 bytes (its backward's requirement), and
-    in bf16 when compiled."""
+    """Whether ``torch._grouped_mm`` runs these operands here: every row a multiple of 16
+    bytes (its strides' requirement, and its CPU backward's); on CUDA in bf16 on Hopper or
+    newer; on CPU in bf16 when compiled."""
     if not hasattr(torch, "_grouped_mm"):
+        return False
+    if not all(n * x.element_size() % 16 == 0 for n in (*weight.shape[1:], x.shape[-1])):
         return False
     if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:
         return False  # the kernel's shape function (what compile traces) takes bf16 only
     if x.is_cuda:
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
-    return all(n * x.element_size() % 16 == 0 for n in (*weight.shape[1:], x.shape[-1]))
+    return True
+
+
+ExpertMatmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""(rows grouped by expert, a stacked (E, out, in) weight) -> each expert's rows times its
+(out, in) slice, transposed: one grouped GEMM, or one matmul per expert."""
+
+
+def on_expert_rows(
+    body: Callable[[ExpertMatmul], torch.Tensor],
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    kernel: ExpertKernel = "auto",
+) -> torch.Tensor:
+    """``body`` given the kernel's ``ExpertMatmul`` for rows grouped by expert, ``counts[e]``
+    of them for expert e; ``weights`` are every stacked weight it multiplies by (grouped only
+    where all of them allow it)."""
+    if kernel == "grouped" or (kernel == "auto" and all(grouped_mm_usable(x, w) for w in weights)):
+        offsets = counts.cumsum(0).to(torch.int32)
+        return body(lambda rows, weight: torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offsets))
+    return _per_expert(body, counts)
+
+
+@torch.compiler.disable  # row counts known only at run time: compile traces around it
+def _per_expert(body: Callable[[ExpertMatmul], torch.Tensor], counts: torch.Tensor) -> torch.Tensor:
+    sizes = counts.tolist()  # one host sync per layer
+
+    def matmul(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part @ weight[e].T for e, part in enumerate(rows.split(sizes))])
+
+    return body(matmul)
+
+
+def run_experts(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    gate_proj: torch.Tensor,
+    up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    kernel: ExpertKernel = "auto",
+) -> torch.Tensor:
+    """SwiGLU expert e on its ``counts[e]`` rows of ``x`` (rows grouped by expert), for the
+    (E, out, in) weights given: a plan running a slice of the experts passes its slice."""
+
+    def swiglu(matmul: ExpertMatmul) -> torch.Tensor:
+        return matmul(F.silu(matmul(x, gate_proj)) * matmul(x, up_proj), down_proj)
+
+    return on_expert_rows(swiglu, x, counts, (gate_proj, up_proj, down_proj), kernel)
 
 
 class Experts(nn.Module):
@@ -77,40 +128,6 @@ class Experts(nn.Module):
 
     def extra_repr(self) -> str:
         return f"kernel={self.kernel}"
-
-
-def run_experts(
-    x: torch.Tensor,
-    counts: torch.Tensor,
-    gate_proj: torch.Tensor,
-    up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    kernel: ExpertKernel = "auto",
-) -> torch.Tensor:
-    """SwiGLU expert e on its ``counts[e]`` rows of ``x`` (rows grouped by expert), for the
-    (E, out, in) weights given: a plan running a slice of the experts passes its slice."""
-    grouped = kernel == "grouped" or (kernel == "auto" and grouped_mm_usable(x, gate_proj))
-    if grouped:
-        offsets = counts.cumsum(0).to(torch.int32)
-        gate = torch._grouped_mm(x, gate_proj.transpose(-2, -1), offs=offsets)
-        up = torch._grouped_mm(x, up_proj.transpose(-2, -1), offs=offsets)
-        return torch._grouped_mm(F.silu(gate) * up, down_proj.transpose(-2, -1), offs=offsets)
-    return _per_expert(x, counts, gate_proj, up_proj, down_proj)
-
-
-@torch.compiler.disable  # row counts known only at run time: compile traces around it
-def _per_expert(
-    x: torch.Tensor,
-    counts: torch.Tensor,
-    gate_proj: torch.Tensor,
-    up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-) -> torch.Tensor:
-    outputs = []
-    for e, rows in enumerate(x.split(counts.tolist())):  # one host sync per layer
-        hidden = F.silu(rows @ gate_proj[e].T) * (rows @ up_proj[e].T)
-        outputs.append(hidden @ down_proj[e].T)
-    return torch.cat(outputs)
 
 
 class MoE(nn.Module):

@@ -9,7 +9,8 @@ experts' call, which receives this rank's token copies grouped by global expert:
    rows every peer sends to each of its experts; the rows follow (autograd-aware all-to-all
    with those split sizes) and are regrouped from (source rank, expert) order to (expert,
    source rank) order;
-2. compute: ``models.moe.run_experts`` with the module's kernel on this rank's weight shards;
+2. compute: ``RoutedExperts.local_experts``, ``models.moe.run_experts`` with the module's kernel
+   on this rank's weight shards (LoRA's routed experts add their adapters' shards);
 3. combine: the inverse regrouping and the reverse all-to-all bring every row home, in the
    order it left, so the router's weighting and the sum over top-k run as on one device.
 
@@ -67,6 +68,11 @@ class RoutedExperts(Experts):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return _routed_forward(self, self.mesh, x, counts)
 
+    def local_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on the rows it received, grouped by local expert."""
+        weights = (local(self.gate_proj), local(self.up_proj), local(self.down_proj))
+        return run_experts(x, counts, *weights, self.kernel)
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, ep={self.mesh.size()}"
 
@@ -87,12 +93,15 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh, args: ModelArgs) -> None:
     parallelize_module(model, mesh, expert_plan(args, list(model.layers.keys())))
 
 
-def _local(weight: torch.Tensor) -> torch.Tensor:
+def local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an expert-parallel weight (FSDP gathers it to a ``Shard(0)`` DTensor)."""
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 @torch.compiler.disable  # split sizes known only at run time: compile traces around it
-def _routed_forward(module: Experts, mesh: DeviceMesh, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def _routed_forward(
+    module: RoutedExperts, mesh: DeviceMesh, x: torch.Tensor, counts: torch.Tensor
+) -> torch.Tensor:
     """Rows ``x`` grouped by global expert (``counts[e]`` for expert e) through their experts,
     wherever those live; the result in the rows' order."""
     group, ranks = mesh.get_group(), mesh.size()
@@ -109,8 +118,7 @@ def _routed_forward(module: Experts, mesh: DeviceMesh, x: torch.Tensor, counts: 
     )
     source, expert = block // local_experts, block % local_experts
     order = (expert * ranks + source).argsort(stable=True)
-    weights = (_local(module.gate_proj), _local(module.up_proj), _local(module.down_proj))
-    out = run_experts(rows[order], recv_counts.sum(0), *weights, module.kernel)
+    out = module.local_experts(rows[order], recv_counts.sum(0))
     home = out[order.argsort()]  # back to (source, expert) order; a gather saves no rows
     return funcol.all_to_all_single_autograd(home, send_sizes, recv_sizes, group)
 

@@ -7,11 +7,18 @@ Kaiming-uniform, B zero, so training starts from the base model). The base weigh
 name, so HF loading, DCP and export see the model they always did; every parameter but the
 adapters is frozen, so the optimizer, gradient norm and clipping see only adapters.
 
-Applied after tensor parallelism and before FSDP: the adapters follow their base's placement
-(``ADAPTER_PLACEMENTS``). A column-parallel base (weight sharded on its output) keeps A
-replicated and B sharded on its output; a row-parallel base (sharded on its input) shards A
-on its input and keeps B replicated, so the adapter's partial sum joins the base's in the
-same reduction. FSDP then shards adapters as any other parameter.
+A mixture of experts' stacked weights are adapted when ``target_modules`` names ``experts``
+(opt in: they multiply the adapters by the expert count): ``LoRAExperts`` adds, per expert,
+one A shared by gate and up (E, r, H) with its B (E, 2I, r), gate's rows first, and down's A
+(E, r, I) and B (E, H, r): peft's adapters on the fused ``gate_up_proj`` and ``down_proj`` of
+transformers' experts, run as grouped GEMMs on the routed rows beside the base's.
+
+Applied after tensor and expert parallelism and before FSDP: the adapters follow their base's
+placement (``ADAPTER_PLACEMENTS``). A column-parallel base (weight sharded on its output)
+keeps A replicated and B sharded on its output; a row-parallel base (sharded on its input)
+shards A on its input and keeps B replicated, so the adapter's partial sum joins the base's
+in the same reduction. Expert adapters are split over the experts as the experts are. FSDP
+then shards adapters as any other parameter.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import math
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 
@@ -28,7 +36,9 @@ from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig, LoRA
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
+from autopar.models.moe import ExpertKernel, ExpertMatmul, Experts, on_expert_rows
 from autopar.models.qwen import Qwen, canonical_name, named_generator
+from autopar.parallel.expert_parallel import RoutedExperts, local
 from autopar.parallel.materialize import FullValue
 from autopar.parallel.mixed_precision import compute_dtype
 from autopar.parallel.pipelining.schedule import stage_modules
@@ -57,23 +67,77 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, lora_rank={self.lora_A.out_features}, lora_scaling={self.scaling:g}"
 
 
-def targeted(model: nn.Module, targets: list[str]) -> Iterator[tuple[str, nn.Linear]]:
-    """The linears named by ``targets``: an entry matches a module whose name ends with it
-    (``q_proj``, ``attention.q_proj``, ``layers.0.mlp.down_proj``), as peft matches."""
-    for name, module in model.named_modules():
-        path = canonical_name(name)
-        if type(module) is nn.Linear and any(path == t or path.endswith(f".{t}") for t in targets):
+EXPERT_ADAPTERS = ("lora_gate_up_A", "lora_gate_up_B", "lora_down_A", "lora_down_B")
+"""A ``LoRAExperts``' adapter parameters, each stacked along the expert dim."""
+
+
+class LoRAExperts(Experts):
+    """``Experts`` with trainable low-rank updates of every expert's projections."""
+
+    scaling: float
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return run_lora_experts(x, counts, self._tensors(), self.scaling, self.kernel)
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.named_parameters(recurse=False))
+
+
+class RoutedLoRAExperts(RoutedExperts):
+    """Expert-parallel ``LoRAExperts``: this rank's experts with their adapters' shards."""
+
+    scaling: float
+
+    def local_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        tensors = {name: local(p) for name, p in self.named_parameters(recurse=False)}
+        return run_lora_experts(x, counts, tensors, self.scaling, self.kernel)
+
+
+def run_lora_experts(
+    x: torch.Tensor, counts: torch.Tensor, w: dict[str, torch.Tensor], scaling: float, kernel: ExpertKernel
+) -> torch.Tensor:
+    """``models.moe.run_experts`` plus each projection's ``scaling * B_e A_e`` on expert e's
+    rows, as (rows @ A_e.T) @ B_e.T: rank-wide, never the (E, out, in) update."""
+    inter = w["gate_proj"].shape[1]
+
+    def swiglu(matmul: ExpertMatmul) -> torch.Tensor:
+        update = matmul(matmul(x, w["lora_gate_up_A"]), w["lora_gate_up_B"]) * scaling  # (N, 2I)
+        gate = matmul(x, w["gate_proj"]) + update[:, :inter]
+        up = matmul(x, w["up_proj"]) + update[:, inter:]
+        hidden = F.silu(gate) * up
+        down = matmul(matmul(hidden, w["lora_down_A"]), w["lora_down_B"]) * scaling
+        return matmul(hidden, w["down_proj"]) + down
+
+    return on_expert_rows(swiglu, x, counts, list(w.values()), kernel)
+
+
+def targeted(model: nn.Module, targets: list[str]) -> Iterator[tuple[str, nn.Module]]:
+    """The linears (and, for an ``experts`` entry, the experts) named by ``targets``: an entry
+    matches a module whose name ends with it (``q_proj``, ``attention.q_proj``,
+    ``layers.0.mlp.down_proj``), as peft matches."""
+    for path, module in adaptable(model):
+        if any(path == t or path.endswith(f".{t}") for t in targets):
             yield path, module
 
 
+def adaptable(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Every module LoRA can adapt: the linears and the mixtures' experts."""
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear or isinstance(module, Experts):
+            yield canonical_name(name), module
+
+
 def apply_lora(model: nn.Module, cfg: LoRA, compute_dtype: torch.dtype) -> int:
-    """Freeze ``model`` and give each targeted linear its adapters (on the model's device,
-    meta before materializing); the frozen weights take ``cfg.base_dtype``. Returns how many
-    linears got adapters."""
+    """Freeze ``model`` and give each targeted linear (or experts) its adapters (on the
+    model's device, meta before materializing); the frozen weights take ``cfg.base_dtype``.
+    Returns how many modules got adapters."""
     model.requires_grad_(False)
     count = 0
     for _, module in list(targeted(model, cfg.target_modules)):
-        _add_adapters(module, cfg)
+        if isinstance(module, Experts):
+            _add_expert_adapters(module, cfg)
+        else:
+            _add_adapters(module, cfg)
         count += 1
     _store_frozen(model, base_storage_dtype(cfg, compute_dtype))
     return count
@@ -116,16 +180,33 @@ def _add_adapters(module: nn.Linear, cfg: LoRA) -> None:
     module.scaling = cfg.alpha / cfg.rank
 
 
+def _add_expert_adapters(module: Experts, cfg: LoRA) -> None:
+    experts, inter, hidden = module.gate_proj.shape
+    shapes = {
+        "lora_gate_up_A": (experts, cfg.rank, hidden),
+        "lora_gate_up_B": (experts, 2 * inter, cfg.rank),
+        "lora_down_A": (experts, cfg.rank, inter),
+        "lora_down_B": (experts, hidden, cfg.rank),
+    }
+    for name, shape in shapes.items():
+        value = torch.empty(shape, device=module.gate_proj.device)
+        if isinstance(module, RoutedExperts):  # split over the experts as the weights are
+            value = distribute_tensor(value, module.mesh, [Shard(0)], src_data_rank=None)
+        module.register_parameter(name, nn.Parameter(value))
+    module.__class__ = RoutedLoRAExperts if isinstance(module, RoutedExperts) else LoRAExperts
+    module.scaling = cfg.alpha / cfg.rank
+
+
 def adapter_values(base: FullValue, seed: int, device: torch.device) -> FullValue:
     """``base``'s values, and peft's initial adapters: A uniform in +-1/sqrt(in) (Kaiming-
     uniform with a = sqrt(5)) from a generator seeded by (seed, name), B zero."""
 
     def value(name: str, shape: torch.Size) -> torch.Tensor:
         name = canonical_name(name)
-        if name.endswith("lora_B.weight"):
+        if name.endswith(("lora_B.weight", "_B")) and ".lora_" in name:
             return torch.zeros(shape, device=device)
-        if name.endswith("lora_A.weight"):
-            bound = 1 / math.sqrt(shape[1])
+        if name.endswith(("lora_A.weight", "_A")) and ".lora_" in name:
+            bound = 1 / math.sqrt(shape[-1])
             return (
                 torch.empty(shape).uniform_(-bound, bound, generator=named_generator(seed, name)).to(device)
             )
@@ -150,13 +231,18 @@ def check_lora(job: JobConfig, args: ModelArgs, device_type: str) -> None:
         raise ConfigError(f"lora.dropout = {cfg.dropout}: give a probability in [0, 1)")
     with torch.device("meta"):
         model = Qwen(args)
-    linears = sorted({path.rpartition(".")[2] for path, m in model.named_modules() if type(m) is nn.Linear})
+    names = sorted({path.rpartition(".")[2] for path, _ in adaptable(model)})
     for target in cfg.target_modules:
         if not any(True for _ in targeted(model, [target])):
             raise ConfigError(
                 f"lora.target_modules entry {target!r} matches no linear of {job.model.name}/{job.model.flavor}; "
-                f"its linears are {', '.join(linears)} (an entry matches names ending with it)"
+                f"what it can adapt is {', '.join(names)} (an entry matches names ending with it)"
             )
+    if cfg.dropout > 0 and any(isinstance(m, Experts) for _, m in targeted(model, cfg.target_modules)):
+        raise ConfigError(
+            f"lora.dropout = {cfg.dropout} with experts in lora.target_modules: an expert's adapter "
+            "shares its input with the base (peft refuses dropout there too); set lora.dropout = 0"
+        )
     if job.float8.enable:
         raise ConfigError(
             "lora.enable with float8.enable: LoRA's base linears run in high precision here; "

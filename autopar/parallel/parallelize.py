@@ -48,19 +48,10 @@ def parallelize(
     pipelined: bool = False,
 ) -> nn.Module:
     """Apply every transformation the job asks for to one (meta-device) model part, in the
-    order they compose: TP, LoRA (following TP's placements), kernels, EP, the compute dtype,
+    order they compose: TP, kernels, EP, LoRA (following TP's and EP's placements), the compute dtype,
     activation checkpointing, compile, then FSDP around it all."""
     _tensor_parallel(model, args, job, meshes, device)
     dtype = compute_dtype(job, device)
-    if job.lora.enable:
-        count = apply_lora(model, job.lora, dtype)
-        logger.info(
-            "applied LoRA: rank %d, alpha %g on %d linears; frozen weights in %s",
-            job.lora.rank,
-            job.lora.alpha,
-            count,
-            base_storage_dtype(job.lora, dtype),
-        )
     _kernels(model, args, job, device)
     ep_mesh = meshes.get("ep")
     if ep_mesh is not None:
@@ -69,6 +60,15 @@ def parallelize(
             "applied expert parallel: degree %d (%d experts per rank)",
             meshes.dims.ep,
             args.num_experts // meshes.dims.ep,
+        )
+    if job.lora.enable:
+        count = apply_lora(model, job.lora, dtype)
+        logger.info(
+            "applied LoRA: rank %d, alpha %g on %d modules; frozen weights in %s",
+            job.lora.rank,
+            job.lora.alpha,
+            count,
+            base_storage_dtype(job.lora, dtype),
         )
     if meshes.get("fsdp") is None and dtype != torch.float32:
         apply_compute_dtype(model, dtype)

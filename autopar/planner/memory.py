@@ -53,12 +53,14 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
+from autopar.models.moe import Experts
 from autopar.models.qwen import Qwen
 from autopar.parallel.activation_checkpoint import checkpointed_layers
 from autopar.parallel.fsdp import reshards_blocks
@@ -211,6 +213,8 @@ def _adapted(args: ModelArgs, targets: tuple[str, ...]) -> tuple[tuple[str, str,
     plan = tp_plan(args, list(first.values()), False, False)  # (the split dims do not depend on SP)
     adapted = []
     for path, linear in targeted(_meta_model(args), list(targets)):
+        if not isinstance(linear, nn.Linear):
+            continue  # experts: _expert_adapter_numel
         top = ".".join(path.split(".")[:2]) if path.startswith("layers.") else path.split(".")[0]
         key = module_key(args, top)
         if path.startswith("layers.") and path.split(".")[1] != first[key]:
@@ -221,15 +225,35 @@ def _adapted(args: ModelArgs, targets: tuple[str, ...]) -> tuple[tuple[str, str,
 
 
 @functools.lru_cache(maxsize=256)
-def adapter_numel(args: ModelArgs, targets: tuple[str, ...], rank: int, tp: int, fsdp: int) -> dict[str, int]:
+def adapter_numel(
+    args: ModelArgs, targets: tuple[str, ...], rank: int, tp: int, fsdp: int, ep: int = 1
+) -> dict[str, int]:
     """Elements one rank keeps of each top-level module's LoRA adapters (A: rank x in, B:
-    out x rank per adapted linear), split by TP as their base is and then by FSDP on dim 0."""
+    out x rank per adapted linear), split by TP as their base is and then by FSDP on dim 0;
+    adapted experts' as the experts are (``_expert_adapter_numel``)."""
     numel: dict[str, int] = {}
     for key, _, fan_in, fan_out, dim in _adapted(args, targets):
         a_dim, b_dim = _adapter_tp_dims(dim)
         count = local_numel((rank, fan_in), a_dim, tp, fsdp) + local_numel((fan_out, rank), b_dim, tp, fsdp)
         numel[key] = numel.get(key, 0) + count
+    if experts_adapted(args, targets):
+        numel["moe_layer"] = numel.get("moe_layer", 0) + _expert_adapter_numel(args, rank, fsdp, ep)
     return numel
+
+
+@functools.lru_cache(maxsize=64)
+def experts_adapted(args: ModelArgs, targets: tuple[str, ...]) -> bool:
+    """Whether LoRA adapts the mixtures' experts (``targets`` names ``experts``)."""
+    return any(isinstance(m, Experts) for _, m in targeted(_meta_model(args), list(targets)))
+
+
+def _expert_adapter_numel(args: ModelArgs, rank: int, fsdp: int, ep: int) -> int:
+    """One MoE layer's expert adapters on one rank (``lora.LoRAExperts``: gate/up's A and B,
+    down's A and B, stacked over experts), split over ``ep`` and then FSDP as experts are."""
+    hidden, inter = args.hidden_size, args.moe_intermediate_size
+    shapes = ((rank, hidden), (2 * inter, rank), (rank, inter), (hidden, rank))
+    experts = -(-args.num_experts // ep)
+    return sum(local_numel((experts, *shape), None, 1, max(1, fsdp // ep)) for shape in shapes)
 
 
 def adapters_numel(
@@ -239,7 +263,7 @@ def adapters_numel(
     if not job.lora.enable:
         return 0
     fsdp = dims.dp_shard * dims.cp if (sharded and dims.fsdp_enabled) else 1
-    numel = adapter_numel(args, tuple(job.lora.target_modules), job.lora.rank, dims.tp, fsdp)
+    numel = adapter_numel(args, tuple(job.lora.target_modules), job.lora.rank, dims.tp, fsdp, dims.ep)
     return _total(numel, args, modules)
 
 
@@ -279,6 +303,7 @@ class Sizes:
     adapted: dict[bool, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     kept_inputs: dict[bool, frozenset[str]] = field(default_factory=dict)  # LoRA: see INPUTS
     head_adapted: bool = False
+    experts_adapted: bool = False  # LoRA on the experts: they save what their adapters' gradients read
 
     def keeps(self, moe: bool, inputs: str) -> bool:
         """Whether a block saves the input its linears named by ``inputs`` share: for their
@@ -314,16 +339,19 @@ def moe_bytes_no_ac(z: Sizes) -> float:
     token, SwiGLU saves and output, the weights, and the index that restores choice order;
     under EP, the index that regroups the rows received. Routing is taken as balanced: each
     rank's experts receive ``top_k`` rows per token (the load-balancing loss's aim). Under
-    LoRA the router and experts (not ``nn.Linear``s, so never adapted) are frozen: the token
-    copies and the SwiGLU product only their weight gradients read are not saved."""
+    LoRA the router and experts are frozen: the token copies and the SwiGLU product only
+    their weight gradients read are not saved, unless the experts are adapted, whose adapters'
+    gradients read them too and save each row's two rank-wide A outputs."""
     t = z.tokens
     rows = z.top_k * t
     router = FP32 * z.experts * t + 8 * rows + ((FP32 * (rows + t)) if z.norm_topk else 0)
     indices = 16 * rows + (16 * rows if z.ep > 1 else 0)
-    copies, swiglu = (1, 3) if z.frozen else (2, 4)  # (T*k, H) copies; (T*k, I) saves
+    frozen = z.frozen and not z.experts_adapted
+    copies, swiglu = (1, 3) if frozen else (2, 4)  # (T*k, H) copies; (T*k, I) saves
+    adapters = 2 * z.rank if z.experts_adapted else 0
     experts = (
         copies * z.dtype_bytes * rows * z.hidden
-        + swiglu * z.dtype_bytes * rows * z.moe_inter
+        + (swiglu * z.moe_inter + adapters) * z.dtype_bytes * rows
         + z.dtype_bytes * rows
     )
     return router + indices + experts
@@ -371,6 +399,8 @@ def block_bytes_op_ac(z: Sizes, tp: int, moe: bool = False) -> float:
             + z.dtype_bytes * rows * z.hidden
         )
         mlp += 2 * z.dtype_bytes * rows * z.hidden if z.ep > 1 else 0.0
+        # adapted experts: both A outputs (rank wide) and both B outputs (as wide as the base's)
+        mlp += z.dtype_bytes * rows * (2 * z.rank + 2 * z.moe_inter + z.hidden) if z.experts_adapted else 0.0
     else:
         mlp = 2 * z.dtype_bytes * z.ffn * t
     block_input = z.dtype_bytes * z.hidden * t / z.sp_shards
@@ -493,6 +523,7 @@ def _lora_sizes(args: ModelArgs, job: JobConfig, dims: ParallelDims) -> dict[str
         "adapted": _adapted_linears(args, targets, dims.tp),
         "kept_inputs": {} if cfg.dropout > 0 else _adapted_inputs(args, targets),
         "head_adapted": any(key == "lm_head" for key, *_ in _adapted(args, targets)),
+        "experts_adapted": experts_adapted(args, targets),
     }
 
 

@@ -3,7 +3,11 @@
 folder)`` loads), and the merged model.
 
 Our adapter names are the model's (``layers.0.self_attn.q_proj.lora_A.weight``); peft prefixes
-the HF name with ``base_model.model.`` and drops the adapter's name.
+the HF name with ``base_model.model.`` and drops the adapter's name. Expert adapters are peft's
+``target_parameters`` on transformers' fused experts, ``gate_up_proj`` then ``down_proj``: peft
+nests one wrapper per parameter, so gate/up's adapters sit one ``base_layer.`` deeper, and it
+lays each expert's adapters side by side in one linear (A: (E*r, in) expert-major, B: (out,
+r*E) expert-minor), where ours are stacked (E, r, in) and (E, out, r).
 """
 
 from __future__ import annotations
@@ -30,16 +34,52 @@ BaseTensors = Callable[[Mapping[str, torch.Size]], Mapping[str, torch.Tensor]]
 """{name: shape} -> the base model's full tensors of those names."""
 
 
+EXPERT_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+"""peft's ``target_parameters`` for our expert adapters, in the order that nests them as
+``_EXPERT_NAMES`` says."""
+_EXPERT_NAMES = {
+    "lora_gate_up_A": "base_layer.lora_A.weight",
+    "lora_gate_up_B": "base_layer.lora_B.weight",
+    "lora_down_A": "lora_A.weight",
+    "lora_down_B": "lora_B.weight",
+}
+"""Our expert adapter -> its peft name under the experts module."""
+
+
 def peft_name(name: str) -> str:
-    return _PEFT_PREFIX + to_hf_name(name)
+    module, _, leaf = name.rpartition(".")
+    return _PEFT_PREFIX + to_hf_name(f"{module}.{_EXPERT_NAMES[leaf]}" if leaf in _EXPERT_NAMES else name)
 
 
 def our_name(peft: str) -> str:
-    return peft.removeprefix(_PEFT_PREFIX).removeprefix("model.")
+    name = peft.removeprefix(_PEFT_PREFIX).removeprefix("model.")
+    for ours, theirs in _EXPERT_NAMES.items():
+        if name.endswith(f".mlp.experts.{theirs}"):
+            return f"{name.removesuffix(theirs)}{ours}"
+    return name
+
+
+def to_peft_layout(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Our adapter as peft stores it (expert adapters side by side in one linear)."""
+    if name.endswith("_A") and tensor.dim() == 3:  # (E, r, in) -> (E*r, in)
+        return tensor.flatten(0, 1)
+    if name.endswith("_B") and tensor.dim() == 3:  # (E, out, r) -> (out, r*E), expert fastest
+        return tensor.permute(1, 2, 0).flatten(1)
+    return tensor
+
+
+def from_peft_layout(name: str, tensor: torch.Tensor, rank: int) -> torch.Tensor:
+    """``to_peft_layout``'s inverse, for adapters of rank ``rank``."""
+    if name.endswith("_A") and ".lora_" in name:
+        return tensor.unflatten(0, (-1, rank))
+    if name.endswith("_B") and ".lora_" in name:
+        return tensor.unflatten(1, (rank, -1)).permute(2, 0, 1)
+    return tensor
 
 
 def adapter_config(cfg: LoRA, base_model: str | None) -> dict[str, object]:
     """peft's ``LoraConfig`` for our adapters (its matching rule for ``target_modules`` is ours)."""
+    experts = "experts" in cfg.target_modules
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -47,7 +87,8 @@ def adapter_config(cfg: LoRA, base_model: str | None) -> dict[str, object]:
         "r": cfg.rank,
         "lora_alpha": cfg.alpha,
         "lora_dropout": cfg.dropout,
-        "target_modules": sorted(cfg.target_modules),
+        "target_modules": sorted(t for t in cfg.target_modules if t != "experts"),
+        "target_parameters": EXPERT_PARAMETERS if experts else None,
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -61,14 +102,16 @@ def save_adapter(
     """Write ``adapters`` (full tensors under our names) as a peft adapter folder."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {peft_name(n): t.detach().contiguous().cpu() for n, t in adapters.items()}
+    tensors = {peft_name(n): to_peft_layout(n, t.detach()).contiguous().cpu() for n, t in adapters.items()}
     save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (path / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg, base_model), indent=2) + "\n")
 
 
 def load_adapter(path: str | Path) -> dict[str, torch.Tensor]:
-    """The adapters of a peft folder under our names."""
-    return {our_name(n): t for n, t in load_file(str(Path(path) / ADAPTER_WEIGHTS)).items()}
+    """The adapters of a peft folder under our names, in our layout."""
+    rank = json.loads((Path(path) / ADAPTER_CONFIG).read_text())["r"]
+    tensors = load_file(str(Path(path) / ADAPTER_WEIGHTS))
+    return {our_name(n): from_peft_layout(our_name(n), t, rank) for n, t in tensors.items()}
 
 
 def saved_adapters(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -100,13 +143,22 @@ def export_merged(
         merged = {}
         for name, tensor in base({n: layout[n][0] for n in names}).items():
             tensor = tensor.float().cpu()
-            module = name.removesuffix(".weight")
-            if f"{module}.lora_A.weight" in adapters:
-                tensor = (
-                    tensor
-                    + scaling * adapters[f"{module}.lora_B.weight"] @ adapters[f"{module}.lora_A.weight"]
-                )
-            merged[name] = tensor.to(dtype)
+            update = low_rank_update(name, adapters)
+            merged[name] = (tensor if update is None else tensor + scaling * update).to(dtype)
         return merged
 
     save_hf_streaming(layout, load, args, out_dir)
+
+
+def low_rank_update(name: str, adapters: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """B @ A (unscaled) of the base parameter ``name``, or None if it has no adapters; for a
+    stacked expert weight, one per expert (gate and up share A, each taking its rows of B)."""
+    module, _, leaf = name.rpartition(".")
+    if leaf == "weight" and f"{module}.lora_A.weight" in adapters:
+        return adapters[f"{module}.lora_B.weight"] @ adapters[f"{module}.lora_A.weight"]
+    if f"{module}.lora_gate_up_A" not in adapters:
+        return None
+    if leaf == "down_proj":
+        return adapters[f"{module}.lora_down_B"] @ adapters[f"{module}.lora_down_A"]
+    gate_b, up_b = adapters[f"{module}.lora_gate_up_B"].chunk(2, dim=1)
+    return (gate_b if leaf == "gate_proj" else up_b) @ adapters[f"{module}.lora_gate_up_A"]
