@@ -33,7 +33,7 @@ from autopar.training.faults import TrainingStopped
 from autopar.training.preflight import check_job
 from autopar.training.resolve import model_args
 
-from jobs import CHAT_VOCAB, chat_hf_base, chat_job, debug_job, one_process_trainer, tiny_job
+from jobs import CHAT_VOCAB, chat_hf_base, chat_job, debug_job, moe_job, one_process_trainer, tiny_job
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -393,3 +393,20 @@ def test_expert_adapters_with_dropout_are_refused():
     )
     with pytest.raises(ConfigError, match=r"lora.dropout = 0.1 with experts in lora.target_modules"):
         check_job(job, 1, "cpu")
+
+
+def test_lora_on_experts_exports_the_merged_model_it_trained(tmp_path):
+    job = moe_job(
+        tmp_path,
+        *("--training.steps", "3", "--lora.enable", "true", "--lora.rank", "4"),
+        *("--lora.target_modules", "q_proj,experts", "--checkpoint.last_save_in_hf", "true"),
+        *("--lora.merge_on_export", "true"),
+    )
+    trainer = one_process_trainer(job)
+    trainer.train()
+    adapters = load_adapter(tmp_path / "hf" / "step-3")
+    assert adapters["layers.0.mlp.experts.lora_down_B"].abs().max() > 0  # the experts' adapters trained
+    merged = from_hf(tmp_path / "hf" / "step-3-merged", dtype=torch.float32)
+    tokens = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens)[0], trainer.parts[0](tokens)[0], rtol=0, atol=1e-5)
