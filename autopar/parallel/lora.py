@@ -67,20 +67,15 @@ class LoRALinear(nn.Linear):
         return f"{super().extra_repr()}, lora_rank={self.lora_A.out_features}, lora_scaling={self.scaling:g}"
 
 
-EXPERT_ADAPTERS = ("lora_gate_up_A", "lora_gate_up_B", "lora_down_A", "lora_down_B")
-"""A ``LoRAExperts``' adapter parameters, each stacked along the expert dim."""
-
-
 class LoRAExperts(Experts):
     """``Experts`` with trainable low-rank updates of every expert's projections."""
 
     scaling: float
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return run_lora_experts(x, counts, self._tensors(), self.scaling, self.kernel)
-
-    def _tensors(self) -> dict[str, torch.Tensor]:
-        return dict(self.named_parameters(recurse=False))
+        return run_lora_experts(
+            x, counts, dict(self.named_parameters(recurse=False)), self.scaling, self.kernel
+        )
 
 
 class RoutedLoRAExperts(RoutedExperts):
@@ -97,7 +92,8 @@ def run_lora_experts(
     x: torch.Tensor, counts: torch.Tensor, w: dict[str, torch.Tensor], scaling: float, kernel: ExpertKernel
 ) -> torch.Tensor:
     """``models.moe.run_experts`` plus each projection's ``scaling * B_e A_e`` on expert e's
-    rows, as (rows @ A_e.T) @ B_e.T: rank-wide, never the (E, out, in) update."""
+    rows, as (rows @ A_e.T) @ B_e.T: rank-wide, never the (E, out, in) update. ``w``: the
+    experts' weights and adapters by parameter name (this rank's slice under EP)."""
     inter = w["gate_proj"].shape[1]
 
     def swiglu(matmul: ExpertMatmul) -> torch.Tensor:
