@@ -400,7 +400,8 @@ def block_bytes_op_ac(z: Sizes, tp: int, moe: bool = False) -> float:
         )
         mlp += 2 * z.dtype_bytes * rows * z.hidden if z.ep > 1 else 0.0
         # adapted experts: both A outputs (rank wide) and both B outputs (as wide as the base's)
-        mlp += z.dtype_bytes * rows * (2 * z.rank + 2 * z.moe_inter + z.hidden) if z.experts_adapted else 0.0
+        if z.experts_adapted:
+            mlp += z.dtype_bytes * rows * 2 * z.rank + op_only_bytes(z, moe)
     else:
         mlp = 2 * z.dtype_bytes * z.ffn * t
     block_input = z.dtype_bytes * z.hidden * t / z.sp_shards
@@ -415,6 +416,14 @@ def block_bytes_op_ac(z: Sizes, tp: int, moe: bool = False) -> float:
         else:
             collectives = z.dtype_bytes * z.hidden * t * reduce_scatters
     return qkv + attention + out_proj + mlp + block_input + collectives + lora_bytes_op_ac(z, moe)
+
+
+def op_only_bytes(z: Sizes, moe: bool) -> float:
+    """What per-op checkpointing keeps that a block without checkpointing does not save, so
+    its backward rebuilds no less for it: adapted experts' B outputs, as wide as the base's."""
+    if not (moe and z.experts_adapted):
+        return 0.0
+    return z.dtype_bytes * z.top_k * z.tokens * (2 * z.moe_inter + z.hidden)
 
 
 def block_weight_output_grad_bytes(z: Sizes, qk_norm: bool, moe: bool = False) -> float:
@@ -785,7 +794,9 @@ def _checkpointing_saves(
     # the one it sent (kept for backward)
     saved = {i: sum(blocks[i]) + block_input * ((i > 0) + (i < len(stages) - 1)) + held_mask for i in ids}
     # what a block's backward rebuilds: all of it (full/every-k) or what per-op AC dropped
-    recompute = {k: no_ac[k] - per_block[k] if op else (no_ac[k] if full else 0.0) for k in kinds}
+    recompute = {
+        k: no_ac[k] - per_block[k] + op_only_bytes(z, k) if op else (no_ac[k] if full else 0.0) for k in kinds
+    }
     ended = {
         k: recompute[k] if full else (recompute[k] - per_block[k] if op else -per_block[k]) for k in kinds
     }
