@@ -163,6 +163,18 @@ def parity_runs(base: JobConfig, plans: list[str], steps: int = 5) -> dict:
     return dict(zip(plans, run_cases([Case(base, plan) for plan in plans], steps=steps)))
 
 
+FP32_LOSS_RTOL, FP32_NORM_RTOL = 1e-5, 5e-5
+"""fp32 plans on CPU differ from one device only in the order of sums. The tiny job's third
+step follows its largest update (the gradient norm grows 5x), which amplifies that order in
+the norm: measured at most 6.7e-7 in loss and 1.04e-5 in grad norm (PP x TP+SP on an Intel
+Xeon; AMD EPYC stayed under 1e-5), hence 1e-5 and 5x that for the norm."""
+
+
+def assert_fp32_parity(run, reference) -> None:
+    """``run`` trained as one device did, up to fp32's order of sums."""
+    assert_same_training(run, reference, loss_rtol=FP32_LOSS_RTOL, norm_rtol=FP32_NORM_RTOL)
+
+
 def assert_same_training(run, reference, loss_rtol: float, norm_rtol: float) -> None:
     """Every step's loss and gradient norm within the given relative tolerances."""
     from autopar.cli.parity import relative_deltas
