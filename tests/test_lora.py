@@ -18,7 +18,7 @@ from autopar.models import Qwen, from_hf
 from autopar.models.qwen import canonical_name
 from autopar.parallel.activation_checkpoint import apply_ac
 from autopar.parallel.expert_parallel import apply_expert_kernel
-from autopar.parallel.lora import LoRALinear, apply_lora
+from autopar.parallel.lora import LoRALinear, apply_lora, check_lora
 from autopar.parallel.materialize import materialize, seeded_values
 from autopar.training.adapters import (
     adapter_config,
@@ -161,7 +161,6 @@ def test_lora_sft_trains_adapters_only_and_exports_what_peft_and_transformers_lo
         (["--lora.rank", "0"], "lora.rank = 0"),
         (["--lora.target_modules", "q_proj,qkv"], "entry 'qkv' matches no linear"),
         (["--lora.base_dtype", "bfloat16"], "lora.base_dtype = bfloat16 below"),
-        (["--float8.enable", "true"], "lora.enable with float8.enable"),
         (["--lora.dropout", "0.1", "--parallelism.tensor_parallel_degree", "2"], "different dropout masks"),
         (
             ["--lora.dropout", "0.1", "--compile.enable", "true", "--activation_checkpoint.mode", "full"],
@@ -177,13 +176,19 @@ def test_lora_sft_trains_adapters_only_and_exports_what_peft_and_transformers_lo
             "pipeline stage 3 holds ['norm', 'lm_head'], where LoRA trains nothing",
         ),
     ],
-    ids=["rank", "target", "base-dtype", "float8", "dropout-tp", "dropout-compiled-ac", "pipeline-stage"],
+    ids=["rank", "target", "base-dtype", "dropout-tp", "dropout-compiled-ac", "pipeline-stage"],
 )
 def test_bad_lora_settings_are_refused_with_the_field_and_the_fix(flags, message):
     job = debug_job("--lora.enable", "true", "--training.mixed_precision_param", "float32", *flags)
     with pytest.raises(ConfigError) as err:
         check_job(job, 2, "cpu")
     assert message in str(err.value)
+
+
+def test_lora_over_transformer_engine_fp8_is_refused_with_the_backend_that_works():
+    job = debug_job("--lora.enable", "true", "--float8.enable", "true")  # auto: TE on CUDA
+    with pytest.raises(ConfigError, match=r"set --float8\.backend torchao"):
+        check_lora(job, model_args(job), "cuda")
 
 
 def lora_job(folder, steps: int, *flags: str):

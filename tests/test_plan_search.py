@@ -17,7 +17,8 @@ from autopar.config import ConfigError
 from autopar.parallel.mesh import ParallelDims
 from autopar.planner.devices import PRESETS, device_spec
 from autopar.planner.search import evaluate, rank, search
-from autopar.planner.time import bubble_fraction, predict_time
+from autopar.planner.time import bubble_fraction, compute_rate, predict_time, tokens_per_step
+from autopar.training.metrics import block_matmul_params, flops_per_token
 from autopar.training.preflight import check_plan
 from autopar.training.resolve import derive_job, model_args, parse_job
 
@@ -133,6 +134,22 @@ def test_one_gpu_compiled_throughput_matches_the_measured_benchmarks():
         time = predict_time(args, job, ParallelDims(1, 1, 1, 1, 1), H100, 8)
         predicted = 2 * 4096 / time.total
         assert predicted == pytest.approx(measured, rel=0.20), flavor
+
+
+def test_eager_fp8_lora_pays_the_frozen_weight_gradients_torchao_forms_and_compiled_does_not():
+    def job_and_compute(compiled: bool) -> tuple:
+        job = preset(
+            "qwen3_1.7b", "--lora.enable=true", "--float8.enable=true", f"--compile.enable={compiled}"
+        )
+        dims = ParallelDims(1, 1, 1, 1, 1)
+        return job, predict_time(model_args(job), job, dims, H100, 8).compute * compute_rate(job, H100)
+
+    job, compiled = job_and_compute(True)
+    _, eager = job_and_compute(False)
+    args, tokens = model_args(job), tokens_per_step(job, ParallelDims(1, 1, 1, 1, 1))
+    blocks = sum(block_matmul_params(args, i) for i in range(args.num_hidden_layers))  # FP8: not the head
+    assert compiled == pytest.approx(flops_per_token(args, job.training.seq_len, frozen=True) * tokens)
+    assert eager == pytest.approx(compiled + 2 * blocks * tokens)
 
 
 def test_tensor_parallel_across_nodes_is_slower_than_within_one():

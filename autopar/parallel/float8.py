@@ -13,7 +13,9 @@ What each backend composes with:
 | torchao (rowwise, rowwise_with_gw_hp) | yes | yes | no | yes |
 | te (delayed / current) | yes | yes | no (TE has its own TP; DTensor TP is refused) | no (refused) |
 
-Transformer Engine and torchao are optional and imported only when asked for.
+LoRA adapts torchao's FP8 linears (the adapters stay in high precision beside them), not
+Transformer Engine's. Transformer Engine and torchao are optional and imported only when
+asked for.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ then shards adapters as any other parameter.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Iterator
 
@@ -39,6 +40,7 @@ from autopar.models.dtypes import DTYPES
 from autopar.models.moe import ExpertKernel, ExpertMatmul, Experts, on_expert_rows
 from autopar.models.qwen import Qwen, canonical_name, named_generator
 from autopar.parallel.expert_parallel import RoutedExperts, local
+from autopar.parallel.float8 import resolve_backend
 from autopar.parallel.materialize import FullValue
 from autopar.parallel.mixed_precision import compute_dtype
 from autopar.parallel.pipelining.schedule import stage_modules
@@ -53,7 +55,9 @@ ADAPTER_PLACEMENTS: dict[Placement, tuple[Placement, Placement]] = {
 
 
 class LoRALinear(nn.Linear):
-    """An ``nn.Linear`` with a trainable low-rank update beside its frozen weight."""
+    """An ``nn.Linear`` with a trainable low-rank update beside its frozen weight. Over
+    another linear class (torchao's FP8 one), ``lora_class`` puts it first in a subclass, so
+    the base's own forward runs under the adapters."""
 
     lora_A: nn.Linear
     lora_B: nn.Linear
@@ -107,6 +111,15 @@ def run_lora_experts(
     return on_expert_rows(swiglu, x, counts, list(w.values()), kernel)
 
 
+@functools.cache
+def lora_class(base: type[nn.Linear]) -> type[LoRALinear]:
+    """The adapted class of a ``base`` linear class: one per class, not per module, so
+    compiled blocks share their guards."""
+    if base is nn.Linear:
+        return LoRALinear
+    return type(f"LoRA{base.__name__}", (LoRALinear, base), {})
+
+
 def targeted(model: nn.Module, targets: list[str]) -> Iterator[tuple[str, nn.Module]]:
     """The linears (and, for an ``experts`` entry, the experts) named by ``targets``: an entry
     matches a module whose name ends with it (``q_proj``, ``attention.q_proj``,
@@ -117,9 +130,11 @@ def targeted(model: nn.Module, targets: list[str]) -> Iterator[tuple[str, nn.Mod
 
 
 def adaptable(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    """Every module LoRA can adapt: the linears and the mixtures' experts."""
+    """Every module LoRA can adapt: the linears (FP8 ones too) and the mixtures' experts;
+    not adapters, and not a linear adapted already."""
     for name, module in model.named_modules():
-        if type(module) is nn.Linear or isinstance(module, Experts):
+        linear = isinstance(module, nn.Linear) and not isinstance(module, LoRALinear)
+        if (linear and ".lora_" not in f".{name}") or isinstance(module, Experts):
             yield canonical_name(name), module
 
 
@@ -170,7 +185,7 @@ def _add_adapters(module: nn.Linear, cfg: LoRA) -> None:
                 adapter.weight.detach(), weight.device_mesh, [place], src_data_rank=None
             )
             adapter.weight = nn.Parameter(local)
-    module.__class__ = LoRALinear
+    module.__class__ = lora_class(type(module))
     module.lora_A, module.lora_B = lora_A, lora_B
     module.lora_dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
     module.scaling = cfg.alpha / cfg.rank
@@ -239,10 +254,10 @@ def check_lora(job: JobConfig, args: ModelArgs, device_type: str) -> None:
             f"lora.dropout = {cfg.dropout} with experts in lora.target_modules: an expert's adapter "
             "shares its input with the base (peft refuses dropout there too); set lora.dropout = 0"
         )
-    if job.float8.enable:
+    if job.float8.enable and resolve_backend(job.float8, device_type) == "te":
         raise ConfigError(
-            "lora.enable with float8.enable: LoRA's base linears run in high precision here; "
-            "set float8.enable = false (or train without LoRA)"
+            "lora.enable with float8.backend te (auto's choice on CUDA): LoRA adapts torchao's FP8 "
+            "linears, not Transformer Engine's; set --float8.backend torchao (or float8.enable = false)"
         )
     if cfg.dropout > 0 and job.parallelism.tensor_parallel_degree > 1:
         raise ConfigError(

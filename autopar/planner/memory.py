@@ -94,7 +94,7 @@ class Memory:
 
 
 @functools.lru_cache(maxsize=16)
-def _meta_model(args: ModelArgs) -> Qwen:
+def meta_model(args: ModelArgs) -> Qwen:
     """The model built on meta (no memory), for its module names and shapes. Cached per
     model: callers must not modify it."""
     with torch.device("meta"):
@@ -113,7 +113,7 @@ def _first_blocks(args: ModelArgs) -> dict[str, str]:
 def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every parameter's full shape (tied weights once), from the model built on meta.
     Cached per model: callers must not modify the result."""
-    return {name: tuple(p.shape) for name, p in _meta_model(args).named_parameters()}
+    return {name: tuple(p.shape) for name, p in meta_model(args).named_parameters()}
 
 
 def _tp_dim(style: object, module_path: str, param: str) -> int | None:
@@ -212,7 +212,7 @@ def _adapted(args: ModelArgs, targets: tuple[str, ...]) -> tuple[tuple[str, str,
     first = _first_blocks(args)
     plan = tp_plan(args, list(first.values()), False, False)  # (the split dims do not depend on SP)
     adapted = []
-    for path, linear in targeted(_meta_model(args), list(targets)):
+    for path, linear in targeted(meta_model(args), list(targets)):
         if not isinstance(linear, nn.Linear):
             continue  # experts: _expert_adapter_numel
         top = ".".join(path.split(".")[:2]) if path.startswith("layers.") else path.split(".")[0]
@@ -244,7 +244,7 @@ def adapter_numel(
 @functools.lru_cache(maxsize=64)
 def experts_adapted(args: ModelArgs, targets: tuple[str, ...]) -> bool:
     """Whether LoRA adapts the mixtures' experts (``targets`` names ``experts``)."""
-    return any(isinstance(m, Experts) for _, m in targeted(_meta_model(args), list(targets)))
+    return any(isinstance(m, Experts) for _, m in targeted(meta_model(args), list(targets)))
 
 
 def _expert_adapter_numel(args: ModelArgs, rank: int, fsdp: int, ep: int) -> int:

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autopar.config.sections import JobConfig
+from autopar.config.sections import Float8, JobConfig
 from autopar.models.args import ModelArgs
 from autopar.parallel.activation_checkpoint import checkpointed_layers
+from autopar.parallel.float8 import eligible
 from autopar.parallel.fsdp import reshards_blocks
 from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, schedule_name
@@ -35,6 +36,7 @@ from autopar.planner.memory import (
     block_bytes_no_ac,
     block_bytes_op_ac,
     layer_expert_numel,
+    meta_model,
     micro_steps,
     modules_numel,
     sizes,
@@ -151,6 +153,12 @@ class _Step:
     z: Sizes
 
 
+def _fp8_numel(args: ModelArgs, cfg: Float8) -> int:
+    """Weights of the linears FP8 converts (``parallel.float8.eligible``)."""
+    keep = eligible(cfg.filter_fqns)
+    return sum(m.weight.numel() for fqn, m in meta_model(args).named_modules() if keep(m, fqn))
+
+
 def _compute_seconds(
     args: ModelArgs, job: JobConfig, dims: ParallelDims, device: DeviceSpec, step: _Step
 ) -> tuple[float, float, float]:
@@ -158,6 +166,10 @@ def _compute_seconds(
     forward; per-op AC rereads and rewrites what it dropped."""
     seq, world, rate, z = job.training.seq_len, dims.world_size, step.rate, step.z
     compute = flops_per_token(args, seq, job.lora.enable) * step.tokens / world / rate
+    if job.lora.enable and job.float8.enable and not job.compile.enable:
+        # torchao's eager backward forms the frozen FP8 weights' gradients and drops them
+        # (a compiled graph drops the GEMM itself)
+        compute += 2 * _fp8_numel(args, job.float8) * step.tokens / world / rate
     ac = job.activation_checkpoint
     op = ac.mode == "selective" and ac.selective_ac_option == "op"
     recompute = 0.0
