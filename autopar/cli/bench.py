@@ -58,6 +58,7 @@ NAMED_VARIANTS = {
     "attn_math": "compile.enable=true,float8.enable=false,training.sdpa_backend=math",
     "lora": "compile.enable=true,float8.enable=false,lora.enable=true",
     "lora_eager": "compile.enable=false,float8.enable=false,lora.enable=true",
+    "lora_fp8": "compile.enable=true,float8.enable=true,float8.backend=torchao,lora.enable=true",
 }
 """Each name is shorthand for its overrides; everything else comes from the job."""
 
