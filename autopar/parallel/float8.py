@@ -94,11 +94,16 @@ def check_float8_filter(cfg: Float8, args: ModelArgs) -> None:
         )
 
 
-def check_float8(cfg: Float8, device_type: str, tp_degree: int, compiled: bool) -> None:
+def check_float8(cfg: Float8, device_type: str, tp_degree: int, compiled: bool, lora: bool) -> None:
     """Refuse a float8 setup that cannot run, naming the field and the fix."""
     if not cfg.enable:
         return
     backend = resolve_backend(cfg, device_type)
+    if lora and backend == "te":
+        raise ConfigError(
+            "lora.enable with float8.backend te (auto's choice on CUDA): LoRA adapts torchao's FP8 "
+            "linears, not Transformer Engine's; set --float8.backend torchao (or float8.enable = false)"
+        )
     recipe = resolve_recipe(cfg, backend)
     recipes = {"te": ("delayed", "current"), "torchao": ("tensorwise", "rowwise", "rowwise_with_gw_hp")}
     allowed = recipes[backend]

@@ -40,7 +40,6 @@ from autopar.models.dtypes import DTYPES
 from autopar.models.moe import ExpertKernel, ExpertMatmul, Experts, on_expert_rows
 from autopar.models.qwen import Qwen, canonical_name, named_generator
 from autopar.parallel.expert_parallel import RoutedExperts, local
-from autopar.parallel.float8 import resolve_backend
 from autopar.parallel.materialize import FullValue
 from autopar.parallel.mixed_precision import compute_dtype
 from autopar.parallel.pipelining.schedule import stage_modules
@@ -253,11 +252,6 @@ def check_lora(job: JobConfig, args: ModelArgs, device_type: str) -> None:
         raise ConfigError(
             f"lora.dropout = {cfg.dropout} with experts in lora.target_modules: an expert's adapter "
             "shares its input with the base (peft refuses dropout there too); set lora.dropout = 0"
-        )
-    if job.float8.enable and resolve_backend(job.float8, device_type) == "te":
-        raise ConfigError(
-            "lora.enable with float8.backend te (auto's choice on CUDA): LoRA adapts torchao's FP8 "
-            "linears, not Transformer Engine's; set --float8.backend torchao (or float8.enable = false)"
         )
     if cfg.dropout > 0 and job.parallelism.tensor_parallel_degree > 1:
         raise ConfigError(

@@ -67,7 +67,7 @@ def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: st
     check_ac(job.activation_checkpoint)
     check_ep(dims.ep, job.activation_checkpoint, job.compile.enable and "model" in job.compile.components)
     check_compile(job.compile)
-    check_float8(job.float8, device_type, dims.tp, job.compile.enable)
+    check_float8(job.float8, device_type, dims.tp, job.compile.enable, job.lora.enable)
     check_cp(
         parallelism,
         device_type,
