@@ -268,6 +268,21 @@ def test_predicted_peak_is_within_ten_percent_of_the_dry_run(world, model, flags
         assert rank.predicted_peak_gib == pytest.approx(rank.measured_peak_gib, rel=0.10), rank
 
 
+def test_a_tp_embedding_without_fsdp_keeps_only_its_rows_of_the_gradient():
+    # TP 8 without FSDP, two micro-steps: gradients are held between backwards. DTensor
+    # computes the vocabulary-parallel embedding's gradient whole; kept whole, it would add the
+    # whole vocabulary in float32 (2.9 GiB at 32B) where the rows add an eighth of it
+    def measured(*flags: str) -> float:
+        tp8 = ["--parallelism.tensor_parallel_degree=8", "--parallelism.data_parallel_shard_degree=1"]
+        job = real_scale_job("qwen3", "32B", *tp8, *flags)
+        (rank,) = compare(job, check_job(job, 8, "cuda"), 8)
+        return rank.measured_peak_gib
+
+    args = model_args(real_scale_job("qwen3", "32B"))
+    whole = 4 * args.vocab_size * args.hidden_size / GIB
+    assert measured("--training.global_batch_size=2") - measured() < whole / 4
+
+
 def test_fsdp_shards_pad_dim_zero_after_the_tp_split():
     # (151936, 4096) row-sharded by TP 4 -> 37984 rows; FSDP 3 pads to ceil(37984 / 3) rows
     assert local_numel((151936, 4096), 0, 4, 3) == 12662 * 4096

@@ -30,7 +30,7 @@ from autopar.parallel.mixed_precision import apply_compute_dtype, compute_dtype,
 from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, schedule_name, stage_modules
 from autopar.parallel.pipelining.split import prune, stage_ids
 from autopar.parallel.sdpa_backend import apply_attention_kernel, native_gqa
-from autopar.parallel.tensor_parallel import apply_tp
+from autopar.parallel.tensor_parallel import apply_tp, keep_embedding_grad_sharded
 
 logger = logging.getLogger("autopar")
 
@@ -198,6 +198,7 @@ def materialize_parts(built: ModelParts, device: torch.device, values: FullValue
     """Allocate every part on ``device``, filled with ``values``, in training mode."""
     for part in built.parts:
         materialize(part, device, values)
+        keep_embedding_grad_sharded(part)
         part.train()
     return built
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -173,3 +174,27 @@ def _resolves(model: nn.Module, path: str) -> bool:
         return model.get_submodule(path) is not None
     except AttributeError:
         return False
+
+
+def keep_embedding_grad_sharded(model: nn.Module) -> None:
+    """Store a TP-sharded embedding's gradient in the weight's own placement, where no FSDP
+    owns it. The vocabulary-parallel lookup's backward sees every token's output gradient,
+    so DTensor computes the gradient replicated, whole on every rank; kept so, the ``.grad``
+    alone would hold the whole vocabulary in float32 on each TP rank (2.9 GiB at Qwen3-32B)
+    wherever gradients outlive the backward (accumulation, pipelines). The hook keeps a copy
+    of the rank's rows, not a view, so the whole gradient is freed. Called once the weights
+    are allocated: allocating replaces the meta parameters, and their hooks with them."""
+    embedding = getattr(model, "embed_tokens", None)
+    weight = getattr(embedding, "weight", None)
+    if isinstance(model, FSDPModule) or not isinstance(weight, DTensor) or not weight.requires_grad:
+        return  # FSDP reduce-scatters it; frozen under LoRA
+    if all(isinstance(p, Replicate) for p in weight.placements):
+        return
+
+    def to_placement(grad: DTensor) -> DTensor:
+        if grad.placements == weight.placements:
+            return grad
+        rows = grad.redistribute(weight.device_mesh, weight.placements).to_local().clone()
+        return DTensor.from_local(rows, weight.device_mesh, weight.placements, run_check=False)
+
+    weight.register_hook(to_placement)

@@ -743,7 +743,7 @@ def _stage_costs(
         syncs_at_end=unsynced and SCHEDULE_STYLES[schedule_name(job.parallelism)].stages_per_rank != 1,
         embedding_gathered=embedding_gathered,
         embedding_grads=embedding_grads,
-        embedding_first_grads=embedding_grads - (_embedding_grad(args, job) if held_in_walk else 0.0),
+        embedding_first_grads=embedding_grads - (_embedding_grad(args, job, dims) if held_in_walk else 0.0),
         stage_grads={i: _landing_grads(args, job, dims, stages[i]) if fresh else 0.0 for i in ids},
         block_grads={is_moe[m]: _landing_grads(args, job, dims, [m]) for m in is_moe},
         first_block={i: next(iter(blocks[i]), None) for i in ids},
@@ -1024,42 +1024,42 @@ def _embedding_backward_bytes(
     is the unsharded weight's. Without FSDP it is computed in the compute dtype, cast to the
     stored float32 (a temporary where ``held`` gradients accumulate it, else the ``.grad``
     itself); when FSDP syncs, it copies its TP shard into a float32 reduce-scatter buffer (and
-    gathers the embedding again, unless it is tied to the head, whose group stays gathered)."""
+    gathers the embedding again, unless it is tied to the head, whose group stays gathered).
+    Under TP without FSDP the float32 cast is always a temporary: the ``.grad`` keeps a copy of
+    the rank's rows (``parallel.tensor_parallel.keep_embedding_grad_sharded``)."""
     if job.lora.enable:
         return 0.0, 0.0  # frozen
     whole = args.vocab_size * args.hidden_size
     if not uses_fsdp(job, dims):
-        return 0.0, (c * whole if c < stored else 0.0) + (FP32 * whole if held else 0.0)
+        cast = c * whole if c < stored else 0.0
+        if dims.tp == 1:
+            return 0.0, cast + (FP32 * whole if held else 0.0)
+        # the rows are copied out once the compute-dtype gradient is freed: counted with the
+        # landed gradients, they are not there yet where nothing was held before
+        rows = FP32 * modules_numel(args, job, dims, ["embed_tokens"])
+        return 0.0, cast + FP32 * whole - (0.0 if held else rows)
     shard = modules_numel(args, job, dims, ["embed_tokens"], sharded=False)
     regathered = 0.0 if (args.tie_word_embeddings or _keeps_blocks(job, dims)) else c * shard
     return regathered, c * whole + (FP32 * shard if synced else 0.0)
 
 
-def _embedding_grad(args: ModelArgs, job: JobConfig) -> float:
-    """The whole embedding's float32 gradient. Where gradients are held, the embedding's
-    backward casts its gradient to float32 and adds it in; in a step's first backward that
-    cast becomes the ``.grad`` itself, so it is no temporary beside it (dry run, Qwen3-8B
-    1F1B pp 4 without FSDP, first stage: the peak is the first micro-batch's embedding
-    backward)."""
-    return 0.0 if job.lora.enable else FP32 * args.vocab_size * args.hidden_size
+def _embedding_grad(args: ModelArgs, job: JobConfig, dims: ParallelDims) -> float:
+    """The whole embedding's float32 gradient, where it becomes the ``.grad``. Where gradients
+    are held, the embedding's backward casts its gradient to float32 and adds it in; in a
+    step's first backward that cast becomes the ``.grad`` itself, so it is no temporary beside
+    it (dry run, Qwen3-8B 1F1B pp 4 without FSDP, first stage: the peak is the first
+    micro-batch's embedding backward). Under TP the ``.grad`` is a copy of the rank's rows,
+    made once the cast is done with."""
+    if job.lora.enable:
+        return 0.0
+    if dims.tp > 1:
+        return FP32 * modules_numel(args, job, dims, ["embed_tokens"])
+    return FP32 * args.vocab_size * args.hidden_size
 
 
 def _landing_grads(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str]) -> float:
-    """The float32 gradients ``modules`` keep once their backward ends: sharded as stored, but
-    a TP embedding's without FSDP whole."""
-    return FP32 * trained_numel(args, job, dims, modules) + _replicated_embedding_grad(
-        args, job, dims, modules
-    )
-
-
-def _replicated_embedding_grad(
-    args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str]
-) -> float:
-    """Bytes by which the embedding's gradient outgrows its TP shard without FSDP: it lands
-    replicated (``_embedding_backward_bytes``) and is kept whole as the weight's ``.grad``."""
-    if job.lora.enable or dims.tp == 1 or uses_fsdp(job, dims) or "embed_tokens" not in modules:
-        return 0.0
-    return FP32 * (args.vocab_size * args.hidden_size - modules_numel(args, job, dims, ["embed_tokens"]))
+    """The float32 gradients ``modules`` keep once their backward ends, sharded as stored."""
+    return FP32 * trained_numel(args, job, dims, modules)
 
 
 def _keeps_blocks(job: JobConfig, dims: ParallelDims) -> bool:
