@@ -89,6 +89,17 @@ GRID = [
     (16, ("qwen3", "8B"), PIPELINE),
     (16, ("qwen3", "8B"), [*PIPELINE, "--parallelism.pipeline_parallel_schedule=Interleaved1F1B"]),
     (16, ("qwen3", "8B"), [*PIPELINE, "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble"]),
+    # one micro-batch over two stages per rank: FSDP still holds the gradients to the end
+    (
+        8,
+        ("qwen3", "8B"),
+        [
+            "--model.num_hidden_layers=4",
+            "--parallelism.pipeline_parallel_degree=2",
+            "--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
+            "--activation_checkpoint.mode=none",
+        ],
+    ),
     # GPipe: the last stage holds every micro-batch's loss saves and output logits at once
     (16, ("qwen3", "8B"), [*PIPELINE, "--parallelism.pipeline_parallel_schedule=GPipe"]),
     # the other sizes

@@ -805,8 +805,14 @@ def _checkpointing_saves(
 
 def _syncs_last(job: JobConfig, dims: ParallelDims, micro: int) -> bool:
     """Whether gradients stay unsharded in float32 from a stage's first backward on: torch's
-    pipeline stage turns FSDP's gradient sync off for every micro-batch but the last."""
-    return dims.pp > 1 and uses_fsdp(job, dims) and job.training.local_batch_size // micro > 1
+    pipeline stage turns FSDP's gradient sync off for every micro-batch but the last, and a
+    schedule with several stages per rank reduces them all after its last backward, even for
+    one micro-batch (dry run, Qwen3-8B FSDP 4 x Interleaved1F1B pp 2, one micro-batch, first
+    stage: -16% before)."""
+    if dims.pp == 1 or not uses_fsdp(job, dims):
+        return False
+    several_stages = SCHEDULE_STYLES[schedule_name(job.parallelism)].stages_per_rank != 1
+    return several_stages or job.training.local_batch_size // micro > 1
 
 
 def _casts_per_micro_batch(
