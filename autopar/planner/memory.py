@@ -1041,9 +1041,12 @@ def _embedding_backward_bytes(
         if dims.tp == 1:
             return 0.0, cast + (FP32 * whole if held else 0.0)
         # the rows are copied out once the compute-dtype gradient is freed: counted with the
-        # landed gradients, they are not there yet where nothing was held before
+        # landed gradients, they are not there yet where nothing was held before; where they
+        # were, the copy and its sum with them (out of place) sit beside the whole float32 cast
         rows = FP32 * modules_numel(args, job, dims, ["embed_tokens"])
-        return 0.0, cast + FP32 * whole - (0.0 if held else rows)
+        if held:
+            return 0.0, FP32 * whole + max(cast, 2 * rows)
+        return 0.0, cast + FP32 * whole - rows
     shard = modules_numel(args, job, dims, ["embed_tokens"], sharded=False)
     regathered = 0.0 if (args.tie_word_embeddings or _keeps_blocks(job, dims)) else c * shard
     return regathered, c * whole + (FP32 * shard if synced else 0.0)
