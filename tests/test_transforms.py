@@ -184,19 +184,25 @@ def test_torchao_fp8_composes_with_fsdp_and_tp(fp8_runs, plan):
 FP8 = ("--float8.enable", "true", "--float8.backend", "torchao")
 
 
+def fp8_pipeline_case(tmp, *flags: str) -> Case:
+    """FP8 under a 2-stage pipeline, one sample per micro-batch on both sides (two pipeline
+    micro-batches; two accumulation steps on one device), so every GEMM scales by the same amax."""
+    per_sample = tiny_job(
+        tmp, *FP8, *flags, "--training.local_batch_size", "1", "--training.global_batch_size", "2"
+    )
+    return Case(per_sample, "pp=2,training.local_batch_size=2")
+
+
 @pytest.fixture(scope="module")
 def fp8_split_runs(tmp_path_factory):
     """FP8 under PP and CP, rowwise FP8 under FSDP, and the one-device fp32 run that sizes
     FP8's own rounding."""
     pytest.importorskip("torchao")
     tmp = tmp_path_factory.mktemp("fp8-split")
-    # one sample per micro-batch on both sides (two pipeline micro-batches; two accumulation
-    # steps on one device), so every GEMM scales by the same amax
-    per_sample = tiny_job(tmp, *FP8, "--training.local_batch_size", "1", "--training.global_batch_size", "2")
     base = tiny_job(tmp, *FP8)
     rowwise = tiny_job(tmp, *FP8, "--float8.recipe", "rowwise")
     cases = [
-        Case(per_sample, "pp=2,training.local_batch_size=2"),
+        fp8_pipeline_case(tmp),
         Case(base, "cp=2"),
         Case(tiny_job(tmp), "cp=2"),
         Case(rowwise, "dp_shard=2"),
@@ -268,11 +274,8 @@ def fp8_lora_runs(tmp_path_factory):
     pytest.importorskip("torchao")
     tmp = tmp_path_factory.mktemp("fp8-lora")
     fp8_lora = tiny_job(tmp, *FP8, *LORA)
-    per_sample = tiny_job(
-        tmp, *FP8, *LORA, "--training.local_batch_size", "1", "--training.global_batch_size", "2"
-    )
     cases = [Case(fp8_lora, plan) for plan in FP8_LORA_PLANS]
-    cases += [Case(per_sample, "pp=2,training.local_batch_size=2"), Case(tiny_job(tmp, *LORA), "dp_shard=2")]
+    cases += [fp8_pipeline_case(tmp, *LORA), Case(tiny_job(tmp, *LORA), "dp_shard=2")]
     runs = run_cases(cases, steps=STEPS)
     return dict(zip([*FP8_LORA_PLANS, "pp=2"], runs)) | {"fp32": runs[-1][0]}
 

@@ -20,9 +20,10 @@ count tp times. The bubble is the schedule's idle fraction of the compute.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
-from autopar.config.sections import Float8, JobConfig
+from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.parallel.activation_checkpoint import checkpointed_layers
 from autopar.parallel.float8 import eligible
@@ -153,9 +154,11 @@ class _Step:
     z: Sizes
 
 
-def _fp8_numel(args: ModelArgs, cfg: Float8) -> int:
-    """Weights of the linears FP8 converts (``parallel.float8.eligible``)."""
-    keep = eligible(cfg.filter_fqns)
+@functools.lru_cache(maxsize=16)
+def _fp8_numel(args: ModelArgs, filter_fqns: tuple[str, ...]) -> int:
+    """Weights of the linears FP8 converts (``parallel.float8.eligible``); cached, as the
+    planner asks once per candidate plan."""
+    keep = eligible(list(filter_fqns))
     return sum(m.weight.numel() for fqn, m in meta_model(args).named_modules() if keep(m, fqn))
 
 
@@ -169,7 +172,7 @@ def _compute_seconds(
     if job.lora.enable and job.float8.enable and not job.compile.enable:
         # torchao's eager backward forms the frozen FP8 weights' gradients and drops them
         # (a compiled graph drops the GEMM itself)
-        compute += 2 * _fp8_numel(args, job.float8) * step.tokens / world / rate
+        compute += 2 * _fp8_numel(args, tuple(job.float8.filter_fqns)) * step.tokens / world / rate
     ac = job.activation_checkpoint
     op = ac.mode == "selective" and ac.selective_ac_option == "op"
     recompute = 0.0
