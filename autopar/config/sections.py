@@ -24,10 +24,10 @@ class Job:
 
 @dataclass
 class Model:
-    name: Literal["qwen3", "qwen2.5"] = "qwen3"
-    """Model family."""
+    name: Literal["qwen3", "qwen2.5", "qwen3.5"] = "qwen3"
+    """Model family (qwen3.5 also trains Qwen3.6 and Qwen3.8-27B: the same architecture)."""
     flavor: str = "debug"
-    """Size within the family: qwen3 debug/0.6B/1.7B/4B/8B/14B/32B (MoE: debug-moe/30B-A3B/235B-A22B), qwen2.5 debug/0.5B/1.5B/3B/7B/14B/32B/72B."""
+    """Size within the family: qwen3 debug/0.6B/1.7B/4B/8B/14B/32B (MoE: debug-moe/30B-A3B/235B-A22B), qwen2.5 debug/0.5B/1.5B/3B/7B/14B/32B/72B, qwen3.5 debug/0.8B/2B/4B/9B/27B (MoE: debug-moe/35B-A3B/122B-A10B/397B-A17B)."""
     hf_assets_path: str | None = None
     """HF model folder (torchtitan's name): its config.json gives the model's shape instead of
     the flavor (the [model] overrides still win), its tokenizer.json the tokenizer."""

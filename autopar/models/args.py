@@ -4,14 +4,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
+
+Mixer = Literal["attention", "gated_attention", "linear_attention"]
+"""How a layer mixes tokens: softmax attention (Qwen2.5/3), gated attention (Qwen3.5's
+``full_attention`` layers) or a Gated DeltaNet (Qwen3.5's ``linear_attention`` layers)."""
+FeedForward = Literal["mlp", "moe"]
+"""A layer's feed-forward: a dense SwiGLU or a routed mixture of experts."""
+LayerKind = tuple[Mixer, FeedForward]
+HF_LAYER_TYPES = {"full_attention": "gated_attention", "linear_attention": "linear_attention"}
+"""Qwen3.5 ``config.json`` ``layer_types`` values -> our mixers."""
 
 
 @dataclass(frozen=True)
 class ModelArgs:
-    """Shape and numerics of one Qwen2.5 / Qwen3 model, dense or mixture of experts.
+    """Shape and numerics of one Qwen2.5 / Qwen3 / Qwen3.5 model, dense or mixture of experts.
 
     Field names match HF ``config.json`` so a config maps 1:1; ``qk_norm`` is the one
     addition (it is what distinguishes the ``qwen3`` architecture from ``qwen2``).
+    ``linear_num_value_heads > 0`` makes it the hybrid Qwen3.5: Gated DeltaNet layers with
+    a gated attention layer every ``full_attention_interval``-th (or as ``layer_types`` say).
     ``num_experts > 0`` makes it Qwen3-MoE: layer ``i`` has a routed mixture of experts
     unless ``i`` is in ``mlp_only_layers`` or ``i + 1`` is not a multiple of
     ``decoder_sparse_step`` (then a dense SwiGLU of ``intermediate_size``).
@@ -48,18 +60,67 @@ class ModelArgs:
     """Layers kept dense."""
     router_aux_loss_coef: float = 0.001
     """Weight of the load-balancing loss in the training loss."""
+    shared_expert_intermediate_size: int = 0
+    """Qwen3.5-MoE: width of the shared expert every token also runs (0: none)."""
+    layer_types: tuple[str, ...] = ()
+    """Qwen3.5: ``full_attention`` or ``linear_attention`` per layer; empty: every
+    ``full_attention_interval``-th layer is full attention."""
+    full_attention_interval: int = 4
+    """Qwen3.5, without ``layer_types``: layer i is full attention when (i + 1) is a multiple."""
+    partial_rotary_factor: float = 1.0
+    """Share of each head's dims that RoPE rotates (the first ones); Qwen3.5: 0.25."""
+    linear_num_key_heads: int = 0
+    """Gated DeltaNet query/key heads; 0: not a hybrid model."""
+    linear_num_value_heads: int = 0
+    """Gated DeltaNet value heads (a multiple of the key heads; each group reads one key head)."""
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    """Width of the causal depthwise convolution before the delta rule."""
 
     @property
     def moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def hybrid(self) -> bool:
+        """Qwen3.5: Gated DeltaNet layers beside gated attention ones."""
+        return self.linear_num_value_heads > 0
+
+    @property
+    def family(self) -> str:
+        """The model family (``model.name``) these args belong to."""
+        if self.hybrid:
+            return "qwen3.5"
+        return "qwen3" if self.qk_norm else "qwen2.5"
+
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer`` routes to experts (HF's rule)."""
         return self.moe and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
 
+    def mixer(self, layer: int) -> Mixer:
+        """How layer ``layer`` mixes tokens."""
+        if not self.hybrid:
+            return "attention"
+        if self.layer_types:
+            return HF_LAYER_TYPES[self.layer_types[layer]]
+        full = (layer + 1) % self.full_attention_interval == 0
+        return "gated_attention" if full else "linear_attention"
+
+    def layer_kind(self, layer: int) -> LayerKind:
+        """(mixer, feed-forward) of layer ``layer``: what plans, the planner and HF I/O key on."""
+        return self.mixer(layer), "moe" if self.is_moe_layer(layer) else "mlp"
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
     @property
     def model_type(self) -> str:
         """The HF ``model_type`` this architecture is saved as."""
+        if self.hybrid:
+            return "qwen3_5_moe" if self.moe else "qwen3_5"
         if self.moe:
             return "qwen3_moe"
         return "qwen3" if self.qk_norm else "qwen2"
@@ -69,7 +130,7 @@ class ModelArgs:
         positive = (
             "vocab_size",
             "hidden_size",
-            "intermediate_size",
+            *(("intermediate_size",) if self.has_dense_layers else ()),
             "num_hidden_layers",
             "num_attention_heads",
             "num_key_value_heads",
@@ -92,10 +153,52 @@ class ModelArgs:
             raise ValueError(f"model.head_dim={self.head_dim} must be even for rotary embeddings")
         if self.moe:
             self._check_moe()
+        if self.hybrid:
+            self._check_hybrid()
+
+    @property
+    def has_dense_layers(self) -> bool:
+        return not all(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    def _check_hybrid(self) -> None:
+        for name in ("linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name}={getattr(self, name)} must be positive")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"model.linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                f"model.linear_num_key_heads={self.linear_num_key_heads}; each key head serves whole groups"
+            )
+        if self.linear_conv_kernel_dim < 1:
+            raise ValueError(f"model.linear_conv_kernel_dim={self.linear_conv_kernel_dim} must be >= 1")
+        unknown = [t for t in self.layer_types if t not in HF_LAYER_TYPES]
+        if unknown:
+            raise ValueError(
+                f"model.layer_types has {unknown[0]!r}; each layer is one of {sorted(HF_LAYER_TYPES)}"
+            )
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"model.layer_types lists {len(self.layer_types)} layers but num_hidden_layers="
+                f"{self.num_hidden_layers}; give one type per layer, or none (every "
+                f"full_attention_interval-th layer is full attention)"
+            )
+        if not self.layer_types and self.full_attention_interval < 1:
+            raise ValueError(f"model.full_attention_interval={self.full_attention_interval} must be >= 1")
+        if not self.qk_norm:
+            raise ValueError("Qwen3.5 (linear_num_value_heads > 0) has q/k norms: set model.qk_norm=true")
+        if self.rotary_dim % 2 or not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(
+                f"model.partial_rotary_factor={self.partial_rotary_factor} must give an even number of "
+                f"rotated dims in (0, head_dim={self.head_dim}]"
+            )
 
     def _check_moe(self) -> None:
         if not self.qk_norm:
             raise ValueError("model.num_experts > 0 is Qwen3-MoE, which has qk_norm; use model.name qwen3")
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(
+                f"model.shared_expert_intermediate_size={self.shared_expert_intermediate_size} must be >= 0"
+            )
         if not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
                 f"model.num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 from autopar.models.args import ModelArgs
+from autopar.models.qwen3_5.flavors import FLAVORS as QWEN3_5_FLAVORS
 
 
 def _qwen3(hidden: int, layers: int, heads: int, inter: int, tied: bool) -> ModelArgs:
@@ -110,6 +111,7 @@ FLAVORS: dict[str, dict[str, ModelArgs]] = {
         "32B": _qwen25(5120, 64, 40, 8, 27648, 152064, tied=False),
         "72B": _qwen25(8192, 80, 64, 8, 29568, 152064, tied=False),
     },
+    "qwen3.5": QWEN3_5_FLAVORS,
 }
 
 

@@ -1,9 +1,5 @@
-"""HF safetensors in and out: a name-mapping adapter between HF Qwen checkpoints and ``Qwen``.
-
-Our parameter names are HF's without the ``model.`` prefix, so the mapping is a prefix, except
-for Qwen3-MoE's experts: our stacked ``layers.N.mlp.experts.gate_proj`` (E, I, H) is HF's
-``model.layers.N.mlp.experts.{e}.gate_proj.weight`` for every expert e (what transformers
-writes, v4 and v5 alike; v5 stacks them only in memory).
+"""HF safetensors in and out: reading and writing checkpoint folders, one file and one shard at
+a time, with the names of ``hf_names`` and the config of ``hf_config``.
 Tied embeddings: HF writes no ``lm_head.weight`` when ``tie_word_embeddings`` is true, and we
 do the same; on load a tied checkpoint that does carry one is accepted only if it equals the
 embedding, so a silently untied checkpoint cannot load as tied.
@@ -15,7 +11,7 @@ import contextlib
 import json
 import math
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,159 +20,21 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from autopar.models.args import ModelArgs
-from autopar.models.dtypes import dtype_name
-from autopar.models.qwen import Qwen, canonical_name
+from autopar.models.family import build_model
+from autopar.models.hf_config import CONFIG_FILE, HFCheckpointError, hf_config_from_args, read_hf_config
+from autopar.models.hf_layout import HFLayout, Piece
+from autopar.models.hf_names import (
+    PASSED_THROUGH,
+    detect_layout,
+    hf_pieces,
+    hf_tensors,
+    join_parts,
+    to_hf_name,
+)
+from autopar.models.qwen import Qwen
 
-CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_ARCHITECTURES = {
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-}
-_EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
-
-
-class HFCheckpointError(ValueError):
-    """An HF checkpoint directory that does not describe a model autopar can load."""
-
-
-def to_hf_name(name: str) -> str:
-    name = canonical_name(name)
-    return name if name == "lm_head.weight" else f"model.{name}"
-
-
-def hf_pieces(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
-    """(HF name, shape) of the tensors that hold our parameter ``name``: itself, or one per
-    expert of a stacked expert weight."""
-    name = canonical_name(name)
-    module, _, leaf = name.rpartition(".")
-    if module.endswith("mlp.experts") and leaf in _EXPERT_WEIGHTS:
-        return [(f"model.{module}.{e}.{leaf}.weight", tuple(shape[1:])) for e in range(shape[0])]
-    return [(to_hf_name(name), tuple(shape))]
-
-
-def hf_tensors(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Our parameter ``name`` as the HF tensors that hold it."""
-    pieces = hf_pieces(name, tuple(tensor.shape))
-    if len(pieces) == 1:
-        return {pieces[0][0]: tensor}
-    return {hf_name: part for (hf_name, _), part in zip(pieces, tensor.unbind(0), strict=True)}
-
-
-def args_from_hf_config(config: Mapping[str, Any], source: str = CONFIG_FILE) -> ModelArgs:
-    """ModelArgs from an HF config dict; raises HFCheckpointError on what we cannot model."""
-    model_type = config.get("model_type")
-    if model_type not in _ARCHITECTURES:
-        raise HFCheckpointError(
-            f"{source}: model_type={model_type!r} is not supported; autopar loads "
-            f"{sorted(_ARCHITECTURES)} (Qwen2.5, Qwen3 and Qwen3-MoE)"
-        )
-    rope = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type != "default":
-        raise HFCheckpointError(f"{source}: rope type {rope_type!r} is not supported; only 'default'")
-    if config.get("use_sliding_window"):
-        raise HFCheckpointError(f"{source}: use_sliding_window=true is not supported")
-    if config.get("hidden_act", "silu") != "silu":
-        raise HFCheckpointError(f"{source}: hidden_act={config['hidden_act']!r}; Qwen uses 'silu'")
-    is_qwen3 = model_type in ("qwen3", "qwen3_moe")
-    if is_qwen3 and config.get("attention_bias"):
-        raise HFCheckpointError(
-            f"{source}: attention_bias=true for qwen3 would put a bias on o_proj, "
-            "which no released Qwen3 has and autopar does not model"
-        )
-    try:
-        heads = config["num_attention_heads"]
-        return ModelArgs(
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_hidden_layers=config["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=config.get("num_key_value_heads", heads),
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=not is_qwen3,
-            qk_norm=is_qwen3,
-            max_position_embeddings=config.get("max_position_embeddings", 32768),
-            initializer_range=config.get("initializer_range", 0.02),
-            **(_moe_args(config) if model_type == "qwen3_moe" else {}),
-        )
-    except KeyError as missing:
-        raise HFCheckpointError(f"{source}: required field {missing} is missing") from None
-
-
-def _moe_args(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The Qwen3-MoE fields of an HF config (v5 spells num_experts num_local_experts)."""
-    return {
-        "num_experts": config.get("num_experts", config.get("num_local_experts")),
-        "num_experts_per_tok": config["num_experts_per_tok"],
-        "moe_intermediate_size": config["moe_intermediate_size"],
-        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
-        "decoder_sparse_step": config.get("decoder_sparse_step", 1),
-        "mlp_only_layers": tuple(config.get("mlp_only_layers") or ()),
-        "router_aux_loss_coef": float(config.get("router_aux_loss_coef", 0.001)),
-    }
-
-
-def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
-    """The config.json transformers needs to rebuild ``args`` (v4 and v5 field spellings)."""
-    moe = {
-        "num_experts": args.num_experts,
-        "num_local_experts": args.num_experts,
-        "num_experts_per_tok": args.num_experts_per_tok,
-        "moe_intermediate_size": args.moe_intermediate_size,
-        "norm_topk_prob": args.norm_topk_prob,
-        "decoder_sparse_step": args.decoder_sparse_step,
-        "mlp_only_layers": list(args.mlp_only_layers),
-        "router_aux_loss_coef": args.router_aux_loss_coef,
-        "output_router_logits": False,
-    }
-    return {
-        **(moe if args.moe else {}),
-        "architectures": [_ARCHITECTURES[args.model_type]],
-        "model_type": args.model_type,
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.hidden_size,
-        "intermediate_size": args.intermediate_size,
-        "num_hidden_layers": args.num_hidden_layers,
-        "num_attention_heads": args.num_attention_heads,
-        "num_key_value_heads": args.num_key_value_heads,
-        "head_dim": args.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": args.max_position_embeddings,
-        "initializer_range": args.initializer_range,
-        "rms_norm_eps": args.rms_norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": None,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
-        "tie_word_embeddings": args.tie_word_embeddings,
-        "attention_bias": not args.qk_norm,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": args.num_hidden_layers,
-        "attention_dropout": 0.0,
-        "use_cache": True,
-        "torch_dtype": dtype_name(dtype),
-        "dtype": dtype_name(dtype),
-    }
-
-
-def read_hf_config(path: str | Path) -> ModelArgs:
-    """ModelArgs of the HF checkpoint directory ``path``."""
-    config_path = Path(path) / CONFIG_FILE
-    if not config_path.is_file():
-        raise HFCheckpointError(f"{config_path}: not found; an HF checkpoint needs a config.json")
-    try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
-        raise HFCheckpointError(f"{config_path}: not valid JSON ({err})") from None
-    return args_from_hf_config(config, str(config_path))
 
 
 @contextlib.contextmanager
@@ -216,19 +74,42 @@ def _read(file: Path, hf_name: str) -> torch.Tensor:
         return f.get_tensor(hf_name)
 
 
+def _expected_shapes(pieces: Iterable[Piece]) -> dict[str, tuple[int, ...]]:
+    """HF name -> its whole shape (a fused tensor's from the slices it holds)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for piece in pieces:
+        shape = list(piece.shape)
+        if piece.part is not None:
+            dim, _, stop = piece.part
+            shape[dim] = max(stop, shapes.get(piece.hf_name, shape)[dim])
+        shapes[piece.hf_name] = tuple(shape)
+    return shapes
+
+
+def _read_piece(file: Path, piece: Piece) -> torch.Tensor:
+    with _open(file) as f:
+        if piece.part is None:
+            return f.get_tensor(piece.hf_name)
+        dim, start, stop = piece.part
+        return f.get_slice(piece.hf_name)[(slice(None),) * dim + (slice(start, stop),)]
+
+
 class HFTensors(Mapping[str, torch.Tensor]):
     """The tensors of an HF checkpoint under our names, checked against the model ``args``
     (names and shapes, from the file headers) and read from disk only when asked for, so a
-    rank that holds one shard of one stage never loads the whole model."""
+    rank that holds one shard of one stage never loads the whole model. A vision-language
+    checkpoint's text model loads; its vision tower and MTP head are left on disk."""
 
     def __init__(self, path: str | Path, args: ModelArgs) -> None:
         path = Path(path)
         files = _tensor_files(path)
+        self.layout = detect_layout(files)
         params = _meta_params(args)
-        ours = {n: hf_pieces(n, tuple(p.shape)) for n, p in params.items()}
-        expected = {hf_name: shape for pieces in ours.values() for hf_name, shape in pieces}
+        ours = {n: hf_pieces(args, n, tuple(p.shape), self.layout) for n, p in params.items()}
+        expected = _expected_shapes(p for pieces in ours.values() for p in pieces)
         missing = sorted(set(expected) - set(files))
-        extra = sorted(set(files) - set(expected) - {"lm_head.weight"})
+        carried = {n for n in files if n.startswith(PASSED_THROUGH)} if self.layout.vision_language else set()
+        extra = sorted(set(files) - set(expected) - {"lm_head.weight"} - carried)
         if missing:
             raise HFCheckpointError(
                 f"{path}: {len(missing)} tensor(s) missing from the checkpoint, first {missing[0]!r}"
@@ -246,24 +127,25 @@ class HFTensors(Mapping[str, torch.Tensor]):
                     f"{files[hf_name]}: tensor {hf_name!r} has shape {list(found)}, the config "
                     f"expects {list(shape)}"
                 )
+        embedding = f"{self.layout.prefix}embed_tokens.weight"
         if args.tie_word_embeddings and "lm_head.weight" in files:
             head = _read(files["lm_head.weight"], "lm_head.weight")
-            if not torch.equal(head, _read(files["model.embed_tokens.weight"], "model.embed_tokens.weight")):
+            if not torch.equal(head, _read(files[embedding], embedding)):
                 raise HFCheckpointError(
                     f"{files['lm_head.weight']}: tie_word_embeddings=true but lm_head.weight "
-                    "differs from model.embed_tokens.weight; set tie_word_embeddings=false"
+                    f"differs from {embedding}; set tie_word_embeddings=false"
                 )
-        self._files = {n: [(files[hf_name], hf_name) for hf_name, _ in pieces] for n, pieces in ours.items()}
+        self._files = {n: [(files[p.hf_name], p) for p in pieces] for n, pieces in ours.items()}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         pieces = self._files[name]
         if len(pieces) == 1:
-            return _read(*pieces[0])
+            return _read_piece(*pieces[0])
         parts: dict[str, torch.Tensor] = {}
         for file in dict.fromkeys(file for file, _ in pieces):  # each file opened once
             with _open(file) as f:
-                parts.update({hf_name: f.get_tensor(hf_name) for where, hf_name in pieces if where == file})
-        return torch.stack([parts[hf_name] for _, hf_name in pieces])
+                parts.update({p.hf_name: f.get_tensor(p.hf_name) for where, p in pieces if where == file})
+        return torch.stack([parts[p.hf_name] for _, p in pieces])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)
@@ -274,7 +156,7 @@ class HFTensors(Mapping[str, torch.Tensor]):
 
 def _meta_params(args: ModelArgs) -> dict[str, torch.Tensor]:
     with torch.device("meta"):
-        return dict(Qwen(args).named_parameters())
+        return dict(build_model(args).named_parameters())
 
 
 def from_hf(
@@ -282,16 +164,15 @@ def from_hf(
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
 ) -> Qwen:
-    """Load an HF Qwen2.5 / Qwen3 checkpoint directory as a ``Qwen`` module.
-
-    ``dtype=None`` keeps the checkpoint's dtype.
+    """Load an HF Qwen2.5 / Qwen3 / Qwen3.5 checkpoint directory (a Qwen3.5 vision-language
+    one too: its text model) as a ``Qwen`` module. ``dtype=None`` keeps the checkpoint's dtype.
     """
     args = read_hf_config(path)
     tensors = HFTensors(path, args)
     if dtype is None:
         dtype = tensors["embed_tokens.weight"].dtype
     with torch.device("meta"):
-        model = Qwen(args)
+        model = build_model(args)
     model.to_empty(device=device)
     model.tie_weights()
     model.to(dtype)
@@ -301,15 +182,22 @@ def from_hf(
     return model
 
 
-def _shard_groups(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+def _shard_groups(
+    sizes: dict[str, int], hf_names: dict[str, set[str]], max_shard_bytes: int
+) -> list[list[str]]:
+    """Our names in shards of at most ``max_shard_bytes``, never splitting names that share
+    an HF tensor (slices of one fused tensor are written together)."""
     groups: list[list[str]] = [[]]
     size = 0
+    previous: set[str] = set()
     for name, nbytes in sizes.items():
-        if groups[-1] and size + nbytes > max_shard_bytes:
+        fused_with_previous = bool(hf_names[name] & previous)
+        if groups[-1] and size + nbytes > max_shard_bytes and not fused_with_previous:
             groups.append([])
             size = 0
         groups[-1].append(name)
         size += nbytes
+        previous = hf_names[name]
     return groups
 
 
@@ -319,11 +207,13 @@ def save_hf_streaming(
     args: ModelArgs,
     path: str | Path,
     max_shard_bytes: int = 5 * 2**30,
+    hf_layout: HFLayout | None = None,
 ) -> None:
     """Write config.json and safetensors one shard at a time: ``layout`` gives each of our
     parameter names its (shape, dtype), ``load(names)`` returns those tensors. Memory stays
     at one shard (``max_shard_bytes``), whatever the model size. Tied models get no
-    ``lm_head.weight``, as HF writes them."""
+    ``lm_head.weight``, as HF writes them. ``hf_layout``: where the tensors sit (the text
+    model's names by default; a vision-language source's, see ``carry_through``)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     names = {
@@ -332,16 +222,16 @@ def save_hf_streaming(
         if not (args.tie_word_embeddings and to_hf_name(n) == "lm_head.weight")
     }
     sizes = {n: math.prod(shape) * dtype.itemsize for n, (shape, dtype) in names.items()}
-    groups = _shard_groups(sizes, max_shard_bytes)
+    hf_names = {
+        n: {p.hf_name for p in hf_pieces(args, n, tuple(shape), hf_layout)} for n, (shape, _) in names.items()
+    }
+    groups = _shard_groups(sizes, hf_names, max_shard_bytes)
     weight_map = {}
     for i, group in enumerate(groups, start=1):
         file = SINGLE_FILE if len(groups) == 1 else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
         tensors = load(group)
-        shard = {
-            hf_name: t.detach().contiguous().cpu()
-            for n in group
-            for hf_name, t in hf_tensors(n, tensors[n]).items()
-        }
+        parts = [part for n in group for part in hf_tensors(args, n, tensors[n], hf_layout)]
+        shard = {hf_name: t.detach().contiguous().cpu() for hf_name, t in join_parts(parts).items()}
         save_file(shard, str(path / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file))
     if len(groups) > 1:
@@ -349,6 +239,44 @@ def save_hf_streaming(
         (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     dtype = names["embed_tokens.weight"][1]
     (path / CONFIG_FILE).write_text(json.dumps(hf_config_from_args(args, dtype), indent=2) + "\n")
+
+
+def checkpoint_layout(path: str | Path) -> HFLayout:
+    """Where the tensors of the HF checkpoint folder ``path`` sit."""
+    return detect_layout(_tensor_files(Path(path)))
+
+
+def carry_through(source: str | Path, out: str | Path) -> list[str]:
+    """Make ``out``, a text model exported in the vision-language layout of ``source``, the
+    source's whole model again: the tensors text training leaves alone (vision tower, MTP
+    head) copied unchanged, one source file at a time, into shards of their own beside the
+    text model's, and the source's config.json. Returns the names of the tensors carried."""
+    source, out = Path(source), Path(out)
+    files = _tensor_files(source)
+    carried: dict[Path, list[str]] = {}
+    for name in sorted(n for n in files if n.startswith(PASSED_THROUGH)):
+        carried.setdefault(files[name], []).append(name)
+    if carried:
+        _add_shards(out, carried)
+    shutil.copyfile(source / CONFIG_FILE, out / CONFIG_FILE)
+    return [n for names in carried.values() for n in names]
+
+
+def _add_shards(out: Path, carried: dict[Path, list[str]]) -> None:
+    """Copy the named tensors of each source file into a shard of ``out`` and its index."""
+    index_path = out / INDEX_FILE
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+    else:
+        with _open(out / SINGLE_FILE) as f:
+            index = {"metadata": {}, "weight_map": dict.fromkeys(f.keys(), SINGLE_FILE)}
+    for i, (file, names) in enumerate(carried.items(), start=1):
+        shard = f"model-carried-{i:05d}.safetensors"
+        with _open(file) as f:
+            save_file({n: f.get_tensor(n) for n in names}, str(out / shard), metadata={"format": "pt"})
+        index["weight_map"].update(dict.fromkeys(names, shard))
+    index["metadata"].pop("total_size", None)  # no longer the text model's sum; transformers needs none
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
 
 
 ASSET_FILES = (

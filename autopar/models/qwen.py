@@ -154,11 +154,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        width = args.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj = nn.Linear(args.hidden_size, width, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, width, bias=False)
+        self.down_proj = nn.Linear(width, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -190,7 +191,8 @@ class Qwen(nn.Module):
 
     Parameter names follow HF checkpoints without the ``model.`` prefix, so the HF adapter is
     a prefix mapping. A part set to ``None`` is skipped: with no embedding the input is
-    already hidden states, with no head the output is hidden states.
+    already hidden states, with no head the output is hidden states. A family with other
+    blocks or another final norm overrides ``make_block`` / ``make_norm`` (``Qwen35``).
     """
 
     def __init__(self, args: ModelArgs) -> None:
@@ -198,10 +200,18 @@ class Qwen(nn.Module):
         args.check()
         self.args = args
         self.embed_tokens: nn.Embedding | None = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.num_hidden_layers)})
-        self.norm: RMSNorm | None = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.layers = nn.ModuleDict({str(i): self.make_block(args, i) for i in range(args.num_hidden_layers)})
+        self.norm: nn.Module | None = self.make_norm(args)
         self.lm_head: nn.Linear | None = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.tie_weights()
+
+    @staticmethod
+    def make_block(args: ModelArgs, layer: int) -> nn.Module:
+        return Block(args, layer)
+
+    @staticmethod
+    def make_norm(args: ModelArgs) -> nn.Module:
+        return RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the head when tied (``to_empty`` unties them)."""
@@ -249,7 +259,18 @@ class Qwen(nn.Module):
     def init_weights(self, seed: int = 0) -> None:
         """Fill every parameter with its deterministic initial value (see ``initial_value``)."""
         for name, param in self.named_parameters():
-            param.copy_(initial_value(self.args, name, param.shape, seed, param.device, param.dtype))
+            param.copy_(self.initial_value(self.args, name, param.shape, seed, param.device, param.dtype))
+
+    @staticmethod
+    def initial_value(
+        args: ModelArgs,
+        name: str,
+        shape: torch.Size | tuple[int, ...],
+        seed: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        return initial_value(args, name, shape, seed, device, dtype)
 
 
 def split_output(

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from autopar.config.errors import ConfigError
 from autopar.config.sections import ActivationCheckpoint
+from autopar.models.qwen3_5 import delta_rule  # noqa: F401  registers torch.ops.autopar.gated_delta_rule
 from autopar.parallel.torch_internals import (
     TorchDispatchMode,
     checkpoint_wrapper,
@@ -43,6 +44,7 @@ SAVED_OPS = frozenset(
         torch.ops._c10d_functional.all_reduce.default,
         torch.ops._c10d_functional.all_to_all_single.default,
         torch.ops._c10d_functional_autograd.all_to_all_single.default,
+        torch.ops.autopar.gated_delta_rule.default,  # Gated DeltaNet's recurrence (and its segment states)
     )
     if op
 )

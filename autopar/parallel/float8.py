@@ -29,7 +29,7 @@ from torch import nn
 from autopar.config.errors import ConfigError
 from autopar.config.sections import Float8
 from autopar.models.args import ModelArgs
-from autopar.models.qwen import Qwen
+from autopar.models.family import build_model
 
 TE_HINT = 'pip install "transformer_engine[pytorch]" (needs CUDA and a matching torch build)'
 TORCHAO_HINT = 'pip install torchao (or: pip install -e ".[float8]")'
@@ -75,7 +75,7 @@ def check_float8_filter(cfg: Float8, args: ModelArgs) -> None:
     if not cfg.enable:
         return
     with torch.device("meta"):
-        names = [fqn for fqn, _ in Qwen(args).named_modules()]
+        names = [fqn for fqn, _ in build_model(args).named_modules()]
     for item, name in zip(cfg.filter_fqns, _filters(cfg.filter_fqns)):
         if not any(name in fqn for fqn in names):
             raise ConfigError(
@@ -84,7 +84,7 @@ def check_float8_filter(cfg: Float8, args: ModelArgs) -> None:
             )
     keep = eligible(cfg.filter_fqns)
     with torch.device("meta"):
-        count = sum(keep(m, fqn) for fqn, m in Qwen(args).named_modules())
+        count = sum(keep(m, fqn) for fqn, m in build_model(args).named_modules())
     if count == 0:
         raise ConfigError(
             "float8.enable=true converts no linear of this model: FP8 GEMMs need both dims multiples "

@@ -37,8 +37,9 @@ from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig, LoRA
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
+from autopar.models.family import build_model
 from autopar.models.moe import ExpertKernel, ExpertMatmul, Experts, on_expert_rows
-from autopar.models.qwen import Qwen, canonical_name, named_generator
+from autopar.models.qwen import canonical_name, named_generator
 from autopar.parallel.expert_parallel import RoutedExperts, local
 from autopar.parallel.materialize import FullValue
 from autopar.parallel.mixed_precision import compute_dtype
@@ -240,7 +241,7 @@ def check_lora(job: JobConfig, args: ModelArgs, device_type: str) -> None:
     if not 0 <= cfg.dropout < 1:
         raise ConfigError(f"lora.dropout = {cfg.dropout}: give a probability in [0, 1)")
     with torch.device("meta"):
-        model = Qwen(args)
+        model = build_model(args)
     names = sorted({path.rpartition(".")[2] for path, _ in adaptable(model)})
     for target in cfg.target_modules:
         if not any(True for _ in targeted(model, [target])):

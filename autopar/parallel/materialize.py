@@ -14,13 +14,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from autopar.models.args import ModelArgs
-from autopar.models.qwen import canonical_name, initial_value
+from autopar.models.family import family_of
+from autopar.models.qwen import canonical_name
 
 FullValue = Callable[[str, torch.Size], torch.Tensor]
 """(parameter name, global shape) -> the full fp32 tensor on the target device."""
 
 
 def seeded_values(args: ModelArgs, seed: int, device: torch.device) -> FullValue:
+    initial_value = family_of(args).model.initial_value
+
     def value(name: str, shape: torch.Size) -> torch.Tensor:
         return initial_value(args, name, shape, seed, device, torch.float32)
 

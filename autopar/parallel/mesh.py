@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autopar.config.errors import ConfigError
 from autopar.config.sections import Parallelism
 from autopar.models.args import ModelArgs
+from autopar.models.family import family_of
 from autopar.parallel.torch_internals import flatten_mesh, unflatten_mesh
 from autopar.parallel.world import backend_for
 
@@ -133,14 +134,24 @@ def check_model_split(
             f"parallelism.expert_parallel_degree={dims.ep} does not divide model.num_experts="
             f"{args.num_experts}; use one of {_divisors(args.num_experts)}"
         )
-    for field in ("num_attention_heads", "num_key_value_heads"):
+    if dims.cp > 1 and not family_of(args).context_parallel:
+        raise ConfigError(
+            f"parallelism.context_parallel_degree={dims.cp}: context parallelism does not yet pass "
+            f"{args.family}'s Gated DeltaNet state between ranks; use context_parallel_degree=1 "
+            "(shard long sequences with tensor_parallel_degree and sequence parallel instead)"
+        )
+    heads = ("num_attention_heads", "num_key_value_heads")
+    if args.hybrid:  # Gated DeltaNet layers are split by key and by value head
+        heads += ("linear_num_key_heads", "linear_num_value_heads")
+    for field in heads:
         value = getattr(args, field)
         if value % tp:
             raise ConfigError(
                 f"parallelism.tensor_parallel_degree={tp} does not divide {field}={value}; "
                 f"use one of {_divisors(value)}"
             )
-    for field in ("intermediate_size", "vocab_size"):
+    split_widths = ("intermediate_size", "vocab_size") if args.has_dense_layers else ("vocab_size",)
+    for field in split_widths:
         value = getattr(args, field)
         if value % tp:
             raise ConfigError(

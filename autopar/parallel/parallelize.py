@@ -16,7 +16,7 @@ from torch import nn
 
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
-from autopar.models.qwen import Qwen
+from autopar.models.family import build_model
 from autopar.parallel.activation_checkpoint import apply_ac
 from autopar.parallel.compile import apply_compile
 from autopar.parallel.context_parallel import resolve_impl
@@ -176,7 +176,7 @@ class ModelParts:
 def parallelized_parts(args: ModelArgs, job: JobConfig, meshes: Meshes, device: torch.device) -> ModelParts:
     """The model parts this rank runs, parallelized on the meta device (no memory yet)."""
     with torch.device("meta"):
-        model = Qwen(args)
+        model = build_model(args)
     if job.float8.enable:
         count = apply_float8(model, job.float8, device.type)
         logger.info("converted %d linears to FP8 (%s)", count, resolve_backend(job.float8, device.type))

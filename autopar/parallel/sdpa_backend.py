@@ -91,6 +91,9 @@ def apply_attention_kernel(model: nn.Module, native: bool, backend: str = "auto"
     """Swap in every block's attention kernel call: grouped k/v heads passed to SDPA as they
     are (``native``) or expanded to every query head first, under the named SDPA backend
     (``auto``: torch's choice)."""
+    pinned = backend != "auto"
     for block in model.layers.values():
-        pinned = backend != "auto"
-        block.self_attn.sdpa = PinnedScaledDotProduct(native, backend) if pinned else ScaledDotProduct(native)
+        if block.self_attn is not None:  # a hybrid model's Gated DeltaNet layers have none
+            block.self_attn.sdpa = (
+                PinnedScaledDotProduct(native, backend) if pinned else ScaledDotProduct(native)
+            )

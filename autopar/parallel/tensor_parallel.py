@@ -10,13 +10,21 @@ tied because the embedding (row-wise) and the head (column-wise) both shard dim 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import (
+    DTensor,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -56,7 +64,7 @@ def _is_local(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
 
 
-def _linear_styles(float8: bool, fp8_all_gather: bool) -> tuple[type, type, type]:
+def _linear_styles(float8: bool, fp8_all_gather: bool) -> Styles:
     """(column-wise, row-wise, input-preparing) style classes. torchao's FP8 styles move
     FP8 bytes in the TP collectives (forward and backward); gloo cannot send float8
     tensors, so on CPU the collectives stay in high precision and only the matmuls are FP8."""
@@ -71,45 +79,116 @@ def _linear_styles(float8: bool, fp8_all_gather: bool) -> tuple[type, type, type
     return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
 
 
-def block_plan(
-    args: ModelArgs,
-    sequence_parallel: bool,
-    float8: bool = False,
-    fp8_all_gather: bool = False,
-    moe: bool = False,
-) -> dict[str, ParallelStyle]:
-    """Styles for the modules of one block, keyed by path within the block. A mixture of
-    experts is not split by tensor parallelism: every TP rank runs it on the whole
-    (gathered) sequence with the same weights (split over ranks by expert parallelism, if
-    any), so its outputs and gradients agree across the TP group; its output then takes the
-    residual's layout again."""
-    colwise, rowwise, prepare = _linear_styles(float8, fp8_all_gather)
-    residual = Shard(1) if sequence_parallel else Replicate()
+class HeadShardedParams(ParallelStyle):
+    """A module whose parameters are all per head along dim 0 (Gated DeltaNet's convolution,
+    decay and bias: ``DeltaRuleCore``) runs its ``compute`` on the rank's local heads: the
+    parameters become ``Shard(0)`` DTensors and enter it as their local shards, beside the
+    local head-sharded activations the column-wise projections give. The module becomes a
+    subclass of its class that does so (``on_local_heads``), as its repr shows."""
 
-    def prepare_input(layouts: tuple, first_linear: str) -> ParallelStyle:
-        desired = (Replicate(),) + (None,) * (len(layouts) - 1)
-        extra = {"fwd_config_submodule_fqn": first_linear} if prepare is not PrepareModuleInput else {}
-        return prepare(input_layouts=layouts, desired_input_layouts=desired, **extra)
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=None)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.__class__ = on_local_heads(type(module))
+        return module
 
-    plan: dict[str, ParallelStyle] = {
-        "input_layernorm": SequenceParallel() if sequence_parallel else ReplicateParams(),
-        "self_attn": prepare_input((residual, None, None), "q_proj"),  # x, positions, mask
+
+@functools.cache
+def on_local_heads(cls: type[nn.Module]) -> type[nn.Module]:
+    """``cls`` computing on the local shards of its head-sharded parameters (one subclass per
+    class, so compiled blocks share guards)."""
+
+    def forward(self: nn.Module, *inputs: Any) -> torch.Tensor:
+        return self.compute(*inputs, *(p.to_local() for p in self.parameters(recurse=False)))
+
+    return type(f"{cls.__name__}OnLocalHeads", (cls,), {"forward": forward, "__module__": __name__})
+
+
+class HeadShardedNorm(ParallelStyle):
+    """A norm over each head's dims applied to head-sharded inputs (all of them local tensors
+    sharded along ``head_dim``): its weight is replicated and its gradient summed over the
+    heads each rank owns. Unlike ``SequenceParallel``, every tensor input is sharded (Gated
+    DeltaNet's norm also takes the gate z)."""
+
+    def __init__(self, head_dim: int = 2) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def to_dtensor(_mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+            return tuple(
+                DTensor.from_local(x, mesh, [Shard(self.head_dim)], run_check=False) if _is_local(x) else x
+                for x in inputs
+            )
+
+        return distribute_module(
+            module,
+            device_mesh,
+            input_fn=to_dtensor,
+            output_fn=lambda _mod, out, _mesh: out.to_local(),
+        )
+
+
+Styles = tuple[type, type, type]
+"""(column-wise, row-wise, input-preparing) style classes."""
+
+
+def _prepare_input(prepare: type, layouts: tuple, first_linear: str) -> ParallelStyle:
+    desired = (Replicate(),) + (None,) * (len(layouts) - 1)
+    extra = {"fwd_config_submodule_fqn": first_linear} if prepare is not PrepareModuleInput else {}
+    return prepare(input_layouts=layouts, desired_input_layouts=desired, **extra)
+
+
+def _attention(styles: Styles, residual: Placement, args: ModelArgs) -> dict[str, ParallelStyle]:
+    """Softmax attention, plain or gated (whose q_proj holds [query | gate] per head, so
+    column-wise shards keep each head's pair together)."""
+    colwise, rowwise, prepare = styles
+    plan = {
+        "self_attn": _prepare_input(prepare, (residual, None, None), "q_proj"),  # x, positions, mask
         "self_attn.q_proj": colwise(),
         "self_attn.k_proj": colwise(),
         "self_attn.v_proj": colwise(),
         "self_attn.o_proj": rowwise(output_layouts=residual),
-        "post_attention_layernorm": SequenceParallel() if sequence_parallel else ReplicateParams(),
-        "mlp": prepare_input((residual,), "gate_proj"),
-        "mlp.gate_proj": colwise(),
-        "mlp.up_proj": colwise(),
-        "mlp.down_proj": rowwise(output_layouts=residual),
     }
     if args.qk_norm:
         plan["self_attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         plan["self_attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    if moe:
-        plan = {path: style for path, style in plan.items() if not path.startswith("mlp")}
-        plan["mlp"] = PrepareModuleInputOutput(
+    return plan
+
+
+def _gated_deltanet(styles: Styles, residual: Placement, args: ModelArgs) -> dict[str, ParallelStyle]:
+    """Gated DeltaNet by head: every projection column-wise (q and k by key head; v, z, a
+    and b by value head, so each rank's value heads read its own key heads), the per-head
+    core on local heads, the per-head norm replicated, out_proj row-wise."""
+    colwise, rowwise, prepare = styles
+    projections = ("in_proj_q", "in_proj_k", "in_proj_v", "in_proj_z", "in_proj_a", "in_proj_b")
+    return {
+        "linear_attn": _prepare_input(prepare, (residual, None), "in_proj_q"),  # x, documents
+        **{f"linear_attn.{name}": colwise() for name in projections},
+        "linear_attn.core": HeadShardedParams(),
+        "linear_attn.norm": HeadShardedNorm(head_dim=2),
+        "linear_attn.out_proj": rowwise(output_layouts=residual),
+    }
+
+
+def _mlp(styles: Styles, residual: Placement) -> dict[str, ParallelStyle]:
+    colwise, rowwise, prepare = styles
+    return {
+        "mlp": _prepare_input(prepare, (residual,), "gate_proj"),
+        "mlp.gate_proj": colwise(),
+        "mlp.up_proj": colwise(),
+        "mlp.down_proj": rowwise(output_layouts=residual),
+    }
+
+
+def _moe(residual: Placement) -> dict[str, ParallelStyle]:
+    """A mixture of experts (with its shared expert, if any) is not split by tensor
+    parallelism: every TP rank runs it on the whole (gathered) sequence with the same
+    weights (split over ranks by expert parallelism, if any), so its outputs and gradients
+    agree across the TP group; its output then takes the residual's layout again."""
+    return {
+        "mlp": PrepareModuleInputOutput(
             input_layouts=(residual,),
             desired_input_layouts=(Replicate(),),
             use_local_input=True,
@@ -117,7 +196,32 @@ def block_plan(
             desired_output_layouts=(residual, None),
             use_local_output=True,
         )
-    return plan
+    }
+
+
+MIXER_PLANS = {"attention": _attention, "gated_attention": _attention, "linear_attention": _gated_deltanet}
+"""Each token mixer's plan (``ModelArgs.layer_kind``): a new kind of layer adds a row."""
+
+
+def block_plan(
+    args: ModelArgs,
+    sequence_parallel: bool,
+    float8: bool = False,
+    fp8_all_gather: bool = False,
+    layer: int = 0,
+) -> dict[str, ParallelStyle]:
+    """Styles for the modules of block ``layer``, keyed by path within the block: its norms,
+    then its token mixer's and its feed-forward's plans."""
+    styles = _linear_styles(float8, fp8_all_gather)
+    residual = Shard(1) if sequence_parallel else Replicate()
+    norm = SequenceParallel() if sequence_parallel else ReplicateParams()
+    mixer, feed_forward = args.layer_kind(layer)
+    return {
+        "input_layernorm": norm,
+        **MIXER_PLANS[mixer](styles, residual, args),
+        "post_attention_layernorm": norm,
+        **(_moe(residual) if feed_forward == "moe" else _mlp(styles, residual)),
+    }
 
 
 def top_plan(sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
@@ -146,7 +250,7 @@ def tp_plan(
     """The whole model's plan, for the given layers (a pipeline stage holds a subset)."""
     plan = top_plan(sequence_parallel, loss_parallel)
     for i in layer_ids:
-        block = block_plan(args, sequence_parallel, float8, fp8_all_gather, args.is_moe_layer(int(i)))
+        block = block_plan(args, sequence_parallel, float8, fp8_all_gather, int(i))
         plan.update({f"layers.{i}.{path}": style for path, style in block.items()})
     return plan
 

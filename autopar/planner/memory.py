@@ -60,6 +60,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
+from autopar.models.family import build_model
 from autopar.models.moe import Experts
 from autopar.models.qwen import Qwen
 from autopar.parallel.activation_checkpoint import checkpointed_layers
@@ -98,7 +99,7 @@ def meta_model(args: ModelArgs) -> Qwen:
     """The model built on meta (no memory), for its module names and shapes. Cached per
     model: callers must not modify it."""
     with torch.device("meta"):
-        return Qwen(args)
+        return build_model(args)
 
 
 def _first_blocks(args: ModelArgs) -> dict[str, str]:

@@ -22,8 +22,9 @@ from safetensors.torch import load_file, save_file
 
 from autopar.config.sections import LoRA
 from autopar.models.args import ModelArgs
-from autopar.models.hf import save_hf_streaming, to_hf_name
-from autopar.models.qwen import Qwen
+from autopar.models.family import build_model
+from autopar.models.hf import save_hf_streaming
+from autopar.models.hf_names import to_hf_name
 from autopar.training.checkpoint import read_model_tensors
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -136,7 +137,7 @@ def export_merged(
     """Write base + alpha / rank * B @ A for every adapted linear as a plain HF folder, one
     safetensors shard in memory at a time."""
     with torch.device("meta"):
-        layout = {n: (p.shape, dtype) for n, p in Qwen(args).named_parameters()}
+        layout = {n: (p.shape, dtype) for n, p in build_model(args).named_parameters()}
     scaling = cfg.alpha / cfg.rank
 
     def load(names: list[str]) -> dict[str, torch.Tensor]:

@@ -47,8 +47,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 from autopar.config.errors import ConfigError
 from autopar.config.sections import Checkpoint, LoRA
 from autopar.models.args import ModelArgs
-from autopar.models.hf import HFCheckpointError, HFTensors, read_hf_config, save_hf_streaming
-from autopar.models.qwen import Qwen
+from autopar.models.family import build_model
+from autopar.models.hf import HFTensors, carry_through, checkpoint_layout, save_hf_streaming
+from autopar.models.hf_config import HFCheckpointError, read_hf_config
+from autopar.models.hf_layout import HFLayout
 from autopar.parallel.lora import apply_lora
 from autopar.parallel.world import background_save_group
 from autopar.training.faults import TrainingStopped, peer_gone
@@ -205,7 +207,7 @@ def model_mismatch(folder: Path, args: ModelArgs, lora: LoRA | None = None) -> s
     metadata = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     saved = {k.removeprefix("model."): tuple(v.size) for k, v in metadata.items() if k.startswith("model.")}
     with torch.device("meta"):
-        model = Qwen(args)
+        model = build_model(args)
         if lora is not None and lora.enable:
             apply_lora(model, lora, torch.float32)
     expected = {
@@ -487,16 +489,27 @@ def read_model_tensors(
     return state["model"]
 
 
-def export_hf(checkpoint_dir: str | Path, args: ModelArgs, out_dir: str | Path, dtype: torch.dtype) -> None:
+def export_hf(
+    checkpoint_dir: str | Path,
+    args: ModelArgs,
+    out_dir: str | Path,
+    dtype: torch.dtype,
+    source: str | Path | None = None,
+) -> None:
     """Write the model of a DCP checkpoint as an HF folder, one safetensors shard in memory
-    at a time."""
+    at a time. From a vision-language ``source`` (the HF folder the run started from) it
+    writes that layout, and the source's vision tower, MTP head and config.json come along
+    unchanged: the export loads and serves as the whole model did."""
     with torch.device("meta"):
-        layout = {n: (p.shape, dtype) for n, p in Qwen(args).named_parameters()}
+        layout = {n: (p.shape, dtype) for n, p in build_model(args).named_parameters()}
 
     def load(names: list[str]) -> dict[str, torch.Tensor]:
         return read_model_tensors(checkpoint_dir, {n: layout[n][0] for n in names}, dtype)
 
-    save_hf_streaming(layout, load, args, out_dir)
+    hf_layout = checkpoint_layout(source) if source is not None else HFLayout()
+    save_hf_streaming(layout, load, args, out_dir, hf_layout=hf_layout)
+    if hf_layout.vision_language:
+        carry_through(source, out_dir)
 
 
 def check_initial_load(cfg: Checkpoint, args: ModelArgs, model_label: str) -> None:

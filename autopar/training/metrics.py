@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from autopar.models.args import ModelArgs
+from autopar.models.qwen3_5.delta_rule import CHUNK as DELTA_RULE_CHUNK
 
 logger = logging.getLogger("autopar")
 
@@ -39,17 +40,35 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
 )
 
 
-def block_matmul_params(args: ModelArgs, layer: int = 0) -> int:
-    """Parameters one token meets in block ``layer``'s projections: attention q/k/v/o and
-    the SwiGLU MLP, or in a mixture-of-experts layer the router and its top-k experts (the
-    active parameters)."""
+def mixer_matmul_params(args: ModelArgs, layer: int) -> int:
+    """Parameters one token meets in block ``layer``'s token mixer: attention's q/k/v/o (gated
+    attention's q twice as wide, query and gate), or a Gated DeltaNet's six input projections,
+    its depthwise convolution (K multiply-adds per channel) and out_proj."""
+    hidden = args.hidden_size
+    mixer = args.mixer(layer)
+    if mixer == "linear_attention":
+        keys = args.linear_num_key_heads * args.linear_key_head_dim
+        values = args.linear_num_value_heads * args.linear_value_head_dim
+        projections = hidden * (2 * keys + 2 * values + 2 * args.linear_num_value_heads)
+        return projections + args.linear_conv_kernel_dim * (2 * keys + values) + values * hidden
     q = args.num_attention_heads * args.head_dim
     kv = args.num_key_value_heads * args.head_dim
-    attention = args.hidden_size * (q + 2 * kv) + q * args.hidden_size
+    return hidden * ((2 if mixer == "gated_attention" else 1) * q + 2 * kv) + q * hidden
+
+
+def block_matmul_params(args: ModelArgs, layer: int = 0) -> int:
+    """Parameters one token meets in block ``layer``'s projections: its token mixer's and the
+    SwiGLU MLP's, or in a mixture-of-experts layer the router's, its top-k experts' and its
+    shared expert's (the active parameters)."""
+    hidden = args.hidden_size
+    mixer = mixer_matmul_params(args, layer)
     if args.is_moe_layer(layer):
-        experts = args.num_experts_per_tok * 3 * args.hidden_size * args.moe_intermediate_size
-        return attention + args.hidden_size * args.num_experts + experts
-    return attention + 3 * args.hidden_size * args.intermediate_size
+        experts = args.num_experts_per_tok * 3 * hidden * args.moe_intermediate_size
+        shared = 3 * hidden * args.shared_expert_intermediate_size + (
+            hidden if args.shared_expert_intermediate_size else 0
+        )
+        return mixer + hidden * args.num_experts + experts + shared
+    return mixer + 3 * hidden * args.intermediate_size
 
 
 @functools.lru_cache(maxsize=64)
@@ -60,12 +79,25 @@ def matmul_params(args: ModelArgs) -> int:
     return blocks + args.hidden_size * args.vocab_size
 
 
+def delta_rule_flops(args: ModelArgs) -> float:
+    """Training FLOPs per token of one Gated DeltaNet's recurrence, 3x its forward: per value
+    head, the state read, the write and the output (2*dk*dv each) and, within a chunk of C
+    tokens, the key Gram row, the query-key row and the chunk's read of the corrections
+    (2*C*(2*dk + dv))."""
+    dk, dv = args.linear_key_head_dim, args.linear_value_head_dim
+    return 3 * args.linear_num_value_heads * (6 * dk * dv + 2 * DELTA_RULE_CHUNK * (2 * dk + dv))
+
+
 def flops_per_token(args: ModelArgs, seq_len: int, frozen: bool = False) -> float:
-    """Training FLOPs per token, 6N + 12*L*H*Q*T (PaLM; causal attention not halved). With the
-    weights ``frozen`` (LoRA) backward computes no weight gradients: 4N (rank-r adapters add
-    under 1%, left out)."""
-    attention = 12 * args.num_hidden_layers * args.num_attention_heads * args.head_dim * seq_len
-    return (4 if frozen else 6) * matmul_params(args) + attention
+    """Training FLOPs per token, 6N + 12*L*H*Q*T (PaLM; causal attention not halved), L
+    counting the attention layers; a hybrid model's Gated DeltaNet layers add their
+    recurrence's (``delta_rule_flops``). With the weights ``frozen`` (LoRA) backward computes
+    no weight gradients: 4N (rank-r adapters add under 1%, left out)."""
+    mixers = [args.mixer(i) for i in range(args.num_hidden_layers)]
+    attention_layers = len(mixers) - mixers.count("linear_attention")
+    attention = 12 * attention_layers * args.num_attention_heads * args.head_dim * seq_len
+    recurrence = mixers.count("linear_attention") * delta_rule_flops(args) if args.hybrid else 0.0
+    return (4 if frozen else 6) * matmul_params(args) + attention + recurrence
 
 
 def peak_flops(device: torch.device) -> float | None:

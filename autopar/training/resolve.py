@@ -17,7 +17,7 @@ from autopar.config.sections import JobConfig, Model
 from autopar.data.chat import ChatFormat
 from autopar.models.args import ModelArgs
 from autopar.models.flavors import get_flavor, with_overrides
-from autopar.models.hf import HFCheckpointError, read_hf_config
+from autopar.models.hf_config import HFCheckpointError, read_hf_config
 
 MODEL_FIELDS = parse.field_types(ModelArgs)
 """Model argument name -> type: what ``--model.<arg>`` and ``[model]`` keys may set."""
@@ -68,7 +68,7 @@ def model_args(job: JobConfig) -> ModelArgs:
         args = read_hf_config(model.hf_assets_path)
     except HFCheckpointError as err:
         raise ConfigError(f"model.hf_assets_path: {err}") from None
-    family = "qwen3" if args.qk_norm else "qwen2.5"
+    family = args.family
     if model.name != family:
         raise ConfigError(
             f"model.name={model.name!r}, but {model.hf_assets_path}/config.json is a {family} "

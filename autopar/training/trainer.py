@@ -21,8 +21,9 @@ from autopar.data.loader import StepLoader, build_samples
 from autopar.data.tokenizer import Tokenizer, build_tokenizer, tokenizer_file
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
-from autopar.models.hf import CONFIG_FILE, HFTensors, copy_assets
-from autopar.models.qwen import Qwen
+from autopar.models.family import build_model
+from autopar.models.hf import HFTensors, copy_assets
+from autopar.models.hf_config import CONFIG_FILE
 from autopar.parallel.lora import apply_lora
 from autopar.parallel.materialize import FullValue, seeded_values, tensor_values
 from autopar.parallel.mesh import ParallelDims, build_meshes
@@ -175,11 +176,11 @@ class Trainer:
         """The start-up summary: model, plan, data and tokenizer, and what was adjusted."""
         job, dims = self.job, self.dims
         with torch.device("meta"):
-            params = sum(p.numel() for p in Qwen(self.args).parameters())
+            params = sum(p.numel() for p in build_model(self.args).parameters())
         active = f" ({matmul_params(self.args) / 1e6:.3g}M active in matmuls)" if self.args.moe else ""
         if job.lora.enable:
             with torch.device("meta"):
-                adapted = Qwen(self.args)
+                adapted = build_model(self.args)
                 apply_lora(adapted, job.lora, torch.float32)
             trained = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
             active += f" ({trained / 1e6:.3g}M trained: LoRA rank {job.lora.rank})"
@@ -482,7 +483,8 @@ class Trainer:
             return out
         dtype = DTYPES[checkpoint.export_dtype]
         if not lora.enable:
-            self._write_export(ckpt, out, lambda folder: export_hf(ckpt, self.args, folder, dtype))
+            source = checkpoint.initial_load_path if checkpoint.initial_load_in_hf else None
+            self._write_export(ckpt, out, lambda folder: export_hf(ckpt, self.args, folder, dtype, source))
             return out
         adapters = saved_adapters(ckpt)
         base_model = self.job.model.hf_assets_path or checkpoint.initial_load_path

@@ -1,0 +1,39 @@
+"""Model families: the one place that says which class builds a model and how its weights
+start. Every floor above asks here (``build_model``, ``family_of``) instead of naming a class,
+so a new family is a folder of files and a row of ``FAMILIES``; what differs per layer
+(token mixer, feed-forward) is ``ModelArgs.layer_kind``, and plans key their tables on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.models.args import ModelArgs
+from autopar.models.qwen import Qwen
+from autopar.models.qwen3_5.model import Qwen35
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    """``model.name`` in a job."""
+    model: type[Qwen]
+    """Builds it; its ``initial_value`` gives each parameter's deterministic start."""
+    context_parallel: bool = True
+    """Whether the context-parallel plans know every layer kind of the family."""
+
+
+FAMILIES: dict[str, ModelFamily] = {
+    "qwen2.5": ModelFamily("qwen2.5", Qwen),
+    "qwen3": ModelFamily("qwen3", Qwen),
+    "qwen3.5": ModelFamily("qwen3.5", Qwen35, context_parallel=False),
+}
+
+
+def family_of(args: ModelArgs) -> ModelFamily:
+    return FAMILIES[args.family]
+
+
+def build_model(args: ModelArgs) -> Qwen:
+    """The single-device model ``args`` describe (on the current default device)."""
+    return family_of(args).model(args)

@@ -1,0 +1,195 @@
+"""Qwen3.5 / 3.6, dense and MoE: the hybrid decoder, single-device and plan-free.
+
+Three Gated DeltaNet layers (``linear_attn``) to one gated attention layer (``self_attn``),
+as ``ModelArgs.mixer`` says per layer. It is ``Qwen`` with other blocks and a zero-centred
+final norm, so embedding, head, pipeline pruning and the forward's contract (documents,
+positions, routing statistics) are the same code.
+
+Numerics follow HF's ``modeling_qwen3_5``: RMSNorms scale by (1 + w) in fp32; attention
+projects a sigmoid gate beside each query head; RoPE turns the first
+``partial_rotary_factor`` of each head's dims; the mixture of experts adds a shared expert
+weighted by sigmoid(shared_expert_gate(x)).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from autopar.models.args import ModelArgs
+from autopar.models.moe import MoE
+from autopar.models.qwen import (
+    MLP,
+    Qwen,
+    ScaledDotProduct,
+    apply_rotary,
+    canonical_name,
+    named_generator,
+    rotary_cos_sin,
+)
+from autopar.models.qwen import initial_value as dense_initial_value
+from autopar.models.qwen3_5.gated_deltanet import GatedDeltaNet
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm scaling by (1 + weight), all in fp32, cast at the end; the weight starts at 0."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedAttention(nn.Module):
+    """Grouped-query attention with q/k norms, partial RoPE and a sigmoid output gate per
+    query head: ``q_proj`` yields [query | gate] for each head."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.rotary_dim = args.rotary_dim
+        self.rope_theta = args.rope_theta
+        q_out = args.num_attention_heads * args.head_dim
+        kv_out = args.num_key_value_heads * args.head_dim
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(args.hidden_size, 2 * q_out, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, kv_out, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, kv_out, bias=bias)
+        self.o_proj = nn.Linear(q_out, args.hidden_size, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(args.head_dim, args.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(args.head_dim, args.rms_norm_eps)
+        self.sdpa = ScaledDotProduct()
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        turned, kept = x.split((self.rotary_dim, self.head_dim - self.rotary_dim), dim=-1)
+        return torch.cat((apply_rotary(turned, cos, sin), kept), dim=-1)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        query, gate = (
+            self.q_proj(x).view(bsz, seqlen, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        )  # (B, S, Hq, D)
+        q = self.q_norm(query)
+        k = self.k_norm(self.k_proj(x).view(bsz, seqlen, -1, self.head_dim))  # (B, S, Hkv, D)
+        v = self.v_proj(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, Hkv, D)
+        if positions is None:
+            positions = torch.arange(seqlen, device=x.device)
+        cos, sin = rotary_cos_sin(positions, self.rotary_dim, self.rope_theta)
+        q = self._rotate(q, cos, sin).transpose(1, 2)  # (B, Hq, S, D)
+        k = self._rotate(k, cos, sin).transpose(1, 2)  # (B, Hkv, S, D)
+        out = self.sdpa(q, k, v.transpose(1, 2), mask).transpose(1, 2)  # (B, S, Hq, D)
+        out = out * torch.sigmoid(gate)
+        return self.o_proj(out.reshape(bsz, seqlen, -1))  # (B, S, H)
+
+
+class SharedExpertMoE(MoE):
+    """Routed experts (softmax top-k, renormalised) plus a shared SwiGLU expert that every
+    token runs, weighted by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__(args)
+        self.shared_expert = MLP(args, args.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        routed, stats = super().forward(x)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + shared, stats
+
+
+def document_ids(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Packed-document ids (B, S) read off a document mask (B, 1, S, S): a document starts
+    where a token may not see the token before it."""
+    if mask is None:
+        return None
+    continues = mask[:, 0].diagonal(offset=-1, dim1=-2, dim2=-1)  # (B, S - 1) token t sees t - 1
+    starts = torch.cat((torch.ones_like(continues[:, :1]), ~continues), dim=1)  # (B, S)
+    return starts.long().cumsum(dim=1)
+
+
+class HybridBlock(nn.Module):
+    """Pre-norm block whose token mixer is a Gated DeltaNet (``linear_attn``) or gated
+    attention (``self_attn``), as HF names them."""
+
+    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
+        super().__init__()
+        linear = args.mixer(layer) == "linear_attention"
+        self.input_layernorm = ZeroCenteredRMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.linear_attn = GatedDeltaNet(args) if linear else None
+        self.self_attn = None if linear else GatedAttention(args)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp: MLP | SharedExpertMoE = SharedExpertMoE(args) if args.is_moe_layer(layer) else MLP(args)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        normed = self.input_layernorm(x)
+        if self.linear_attn is not None:
+            h = x + self.linear_attn(normed, document_ids(mask))
+        else:
+            h = x + self.self_attn(normed, positions, mask)
+        out = self.mlp(self.post_attention_layernorm(h))
+        if isinstance(out, tuple):
+            return h + out[0], out[1]
+        return h + out
+
+
+class Qwen35(Qwen):
+    """The Qwen3.5 decoder: ``Qwen`` with hybrid blocks and a zero-centred final norm."""
+
+    @staticmethod
+    def make_block(args: ModelArgs, layer: int) -> nn.Module:
+        return HybridBlock(args, layer)
+
+    @staticmethod
+    def make_norm(args: ModelArgs) -> nn.Module:
+        return ZeroCenteredRMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    @staticmethod
+    def initial_value(
+        args: ModelArgs,
+        name: str,
+        shape: torch.Size | tuple[int, ...],
+        seed: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        return initial_value(args, name, shape, seed, device, dtype)
+
+
+def initial_value(
+    args: ModelArgs,
+    name: str,
+    shape: torch.Size | tuple[int, ...],
+    seed: int,
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Qwen3.5's initial values (HF's): zero-centred norms at 0, the gated norm at 1,
+    ``dt_bias`` 1, ``A_log`` the log of U(0.01, 16) drawn in fp32 whatever the dtype (bf16
+    sampling gives -inf heads); every other tensor as ``qwen.initial_value``."""
+    name = canonical_name(name)
+    leaf = name.rpartition(".")[2]
+    if name.endswith("linear_attn.norm.weight") or leaf == "dt_bias":
+        return torch.ones(shape, device=device, dtype=dtype)
+    if name.endswith("norm.weight"):
+        return torch.zeros(shape, device=device, dtype=dtype)
+    if leaf == "A_log":
+        uniform = torch.empty(shape, device=device, dtype=torch.float32)
+        uniform.uniform_(0.01, 16.0, generator=named_generator(seed, name, device))
+        return uniform.log().to(dtype)
+    if leaf.startswith("conv_"):  # HF's conv1d default: uniform within 1 / sqrt(kernel width)
+        bound = 1.0 / math.sqrt(shape[-1])
+        out = torch.empty(shape, device=device, dtype=torch.float32)
+        out.uniform_(-bound, bound, generator=named_generator(seed, name, device))
+        return out.to(dtype)
+    return dense_initial_value(args, name, shape, seed, device, dtype)
