@@ -226,6 +226,29 @@ def model_mismatch(folder: Path, args: ModelArgs, lora: LoRA | None = None) -> s
     return "; ".join(differences[:3]) + more
 
 
+def swap_into_place(new: Path, final: Path, aside: Path) -> None:
+    """Rename the complete folder ``new`` to ``final``. A ``final`` already there is renamed to
+    ``aside`` first and deleted only once ``new`` is in place, so at every moment one of them
+    is whole on disk (``finish_interrupted_swap`` tidies up after a kill in between)."""
+    finish_interrupted_swap(final, aside)
+    if final.exists():
+        final.rename(aside)
+    new.rename(final)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def finish_interrupted_swap(final: Path, aside: Path) -> None:
+    """After ``swap_into_place`` was killed: the old folder goes back to ``final`` when the
+    new one never got there, and is deleted when it did."""
+    if not aside.exists():
+        return
+    if final.exists():
+        shutil.rmtree(aside)
+    else:
+        aside.rename(final)
+        logger.warning("%s: put back in place (a replacement of it was interrupted)", final)
+
+
 @dataclass
 class _Writing:
     """A save DCP is still writing in the background (checkpoint.async_mode)."""
@@ -258,6 +281,8 @@ class Checkpointer:
         self.parts = parts
         self.optimizers = optimizers
         self._writing: _Writing | None = None
+        self.last_saved: Path | None = None
+        """The checkpoint this run saved last (None before its first save)."""
         self._stager: DefaultStager | None = None
         self._group = None
         if cfg.enable and cfg.async_mode != "disabled":
@@ -337,17 +362,11 @@ class Checkpointer:
             self._failed(step, partial, err)
         _barrier()
         if self.rank == 0:
-            if final.exists():  # re-saving a step: keep the old copy until the new one is in place
-                stale = self.folder / f".step-{step}.stale"
-                shutil.rmtree(stale, ignore_errors=True)
-                final.rename(stale)
-                partial.rename(final)
-                shutil.rmtree(stale)
-            else:
-                partial.rename(final)
+            swap_into_place(partial, final, self.folder / f".step-{step}.stale")
             self._prune()
             logger.info("saved checkpoint %s", final)
         _barrier()
+        self.last_saved = final
         return final
 
     def _failed(self, step: int, partial: Path, err: BaseException) -> NoReturn:
@@ -368,11 +387,15 @@ class Checkpointer:
         )
 
     def _remove_leftovers(self) -> None:
-        """Partial and stale folders of interrupted saves."""
+        """Partial folders of interrupted saves, and stale ones (see ``_put_back_stale``)."""
         for leftover in self.folder.glob(".step-*.partial"):
             shutil.rmtree(leftover, ignore_errors=True)
-        for leftover in self.folder.glob(".step-*.stale"):
-            shutil.rmtree(leftover, ignore_errors=True)
+        self._put_back_stale()
+
+    def _put_back_stale(self) -> None:
+        """Checkpoints a re-save set aside and was killed before replacing (rank 0)."""
+        for stale in self.folder.glob(".step-*.stale"):
+            finish_interrupted_swap(self.folder / stale.name[1:].removesuffix(".stale"), stale)
 
     def _prune(self) -> None:
         if self.cfg.keep_latest_k <= 0:
@@ -383,6 +406,9 @@ class Checkpointer:
     def resume_step(self) -> int | None:
         """The step to resume from: checkpoint.load_step, else the newest intact checkpoint
         (collective: every rank verifies a share of the files)."""
+        if self.rank == 0:
+            self._put_back_stale()
+        _barrier()
         steps = complete_steps(self.folder)
         if self.cfg.load_step >= 0:  # present: checked by check_load_step
             problem = broken_file(self.folder / f"step-{self.cfg.load_step}")
