@@ -29,6 +29,7 @@ from autopar.planner.search import Plan
 from autopar.planner.verify import Verified
 from autopar.training.faults import TrainingStopped
 from autopar.training.preflight import check_job
+from autopar.training.previous_run import check_previous_run
 from autopar.training.resolve import parse_job
 from autopar.training.run_lock import dump_folder_lock
 from autopar.training.trainer import Trainer
@@ -82,6 +83,7 @@ def main(argv: list[str]) -> int:
             print(to_toml(job))
             return 0
         args = check_job(job, world_size_from_env())
+        check_previous_run(job, args)  # what an earlier run in the dump folder left
     except ConfigError as err:
         return _refuse("config error", err)
     try:

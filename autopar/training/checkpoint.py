@@ -468,16 +468,19 @@ class Checkpointer:
         return step
 
     def train_state(self, step: int) -> dict[str, Any]:
-        """The train entries saved at ``step`` (step, data position, what the data was), read
-        without the model: what a resume can be checked against before building anything."""
-        keys = [
-            k.removeprefix("train.")
-            for k in saved_keys(self.folder / f"step-{step}")
-            if k.startswith("train.")
-        ]
-        state: dict[str, Any] = {"train": dict.fromkeys(keys, 0)}
-        _dcp(dcp.load, state, self.folder / f"step-{step}")
-        return state["train"]
+        """The train entries saved at ``step`` (see ``saved_train_state``)."""
+        return saved_train_state(self.folder / f"step-{step}")
+
+    def discard_after(self, step: int) -> list[int]:
+        """Delete the complete checkpoints after ``step`` (a rewind to it; collective: rank 0
+        deletes); the steps they were."""
+        later = [s for s in complete_steps(self.folder) if s > step]
+        _barrier()
+        if self.rank == 0:
+            for s in later:
+                shutil.rmtree(self.folder / f"step-{s}")
+        _barrier()
+        return later
 
     def resume_candidate(self) -> int | None:
         """The step a resume would start from if its files are intact (no verification, no
@@ -499,6 +502,16 @@ class Checkpointer:
 
     def should_save(self, step: int, last_step: int) -> bool:
         return self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step)
+
+
+def saved_train_state(folder: Path) -> dict[str, Any]:
+    """The train entries of the checkpoint in ``folder`` (step, data position, what the data
+    was, the settings it was trained with), read without the model and without collectives:
+    what a resume can be checked against before building anything."""
+    keys = [k.removeprefix("train.") for k in saved_keys(folder) if k.startswith("train.")]
+    state: dict[str, Any] = {"train": dict.fromkeys(keys, 0)}
+    _dcp(dcp.load, state, folder)
+    return state["train"]
 
 
 def read_model_tensors(

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -47,7 +48,8 @@ from autopar.training.faults import (
     skipped_too_often,
 )
 from autopar.training.metrics import MetricsLogger, flops_per_token, matmul_params
-from autopar.training.optim import lr_factor
+from autopar.training.optim import follow_config, lr_factor
+from autopar.training.previous_run import changed_settings, listed, settings_record
 from autopar.training.profiling import Profiler
 from autopar.training.resolve import chat_format, flavor_mismatch, model_source, tokenizer_path
 from autopar.training.step import TrainStep
@@ -274,12 +276,35 @@ class Trainer:
                 self.checkpointer.load_model_only(checkpoint.initial_load_path)  # the adapters' frozen base
             state = self.checkpointer.load(step)
             self.step = state["step"]
+            self._follow_this_job(state)
             self._warn_changed_data_shape(state)
             self.loader.load_state_dict({"consumed_samples": state["consumed_samples"]})
         elif checkpoint.initial_load_path is not None and not checkpoint.initial_load_in_hf:
             logger.info("initial weights from DCP folder %s", checkpoint.initial_load_path)
             self.checkpointer.load_model_only(checkpoint.initial_load_path)
         self.metrics.forget_after(self.step)  # steps logged after it (by a run that died) run again
+
+    def _follow_this_job(self, saved: dict[str, Any]) -> None:
+        """After a resume: AdamW's hyperparameters are this job's (loading the checkpoint put
+        back the saved ones), the settings changed since the checkpoint are said in one line,
+        and a rewind to an explicit checkpoint.load_step discards the later checkpoints."""
+        follow_config(self.optimizers, self.job.optimizer)
+        changes = changed_settings(saved, self.job, self.args)
+        if changes:
+            logger.info(
+                "resuming step %d with settings changed since its checkpoint, applied from here on: %s",
+                self.step,
+                listed(changes, most=len(changes)),
+            )
+        if self.job.checkpoint.load_step >= 0:
+            discarded = self.checkpointer.discard_after(self.step)
+            if discarded:
+                logger.warning(
+                    "rewound to step %d (checkpoint.allow_rewind): discarded checkpoints %s and the "
+                    "metrics of the steps after it",
+                    self.step,
+                    ", ".join(f"step-{s}" for s in discarded),
+                )
 
     def _data_shape(self) -> dict[str, int | str]:
         """What a checkpoint records of the data: how samples were cut and batched, and from
@@ -474,6 +499,7 @@ class Trainer:
             "consumed_samples": self.loader.consumed_samples,
             **self._data_shape(),
             **({"lora_base": self._lora_base()} if self.job.lora.enable else {}),
+            "settings": settings_record(self.job, self.args),
         }
         with self.timeout.longer(self.job.comm.init_timeout_seconds):  # writing may keep some ranks long
             self.weights_from = self.checkpointer.save(train, model_only)
