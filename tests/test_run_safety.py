@@ -134,6 +134,7 @@ def test_overwrite_dump_folder_replaces_an_earlier_run_when_asked(tmp_path, caps
     assert train(capsys, tmp_path, "--training.steps", "2", *flags)[0] == 0
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
     assert "lr = 0.0001" in (tmp_path / "config.toml").read_text()
+    assert "overwrite_dump_folder =" not in (tmp_path / "config.toml").read_text()  # asked once, not for good
 
 
 def test_a_config_toml_of_the_users_own_in_the_dump_folder_is_not_overwritten(tmp_path, capsys):
