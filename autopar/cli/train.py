@@ -110,7 +110,9 @@ def _run(job: JobConfig, args: ModelArgs, auto: tuple[Plan, DeviceSpec, list[Ver
     try:
         trainer = Trainer(job, args, world)
         if world.is_main:  # the resolved job, runnable as is: --job.config <dump_folder>/config.toml
-            (dump / "config.toml").write_text(to_toml(job))
+            written = dump / ".config.toml.partial"  # renamed when whole: a kill never leaves half a job
+            written.write_text(to_toml(job))
+            written.replace(dump / "config.toml")
         if auto and world.is_main:
             _announce_auto(*auto, dump, world.size)
         records = trainer.train()
