@@ -217,3 +217,19 @@ def test_a_resume_that_would_change_what_the_weights_compute_is_refused(tmp_path
     assert code == 2 and len(lines) == 1, lines
     assert refused in lines[0] and "resume with --" in lines[0]
     assert outputs(tmp_path) == before
+
+
+def test_a_resume_of_other_settings_keeps_the_config_that_trained_the_steps_before_it(tmp_path, capsys):
+    assert train(capsys, tmp_path, "--training.steps", "2", "--optimizer.lr", "0.01")[0] == 0
+    assert train(capsys, tmp_path, "--training.steps", "3", "--optimizer.lr", "0.001")[0] == 0
+    assert "lr = 0.01\n" in (tmp_path / "config.until-step-2.toml").read_text()
+    assert "lr = 0.001\n" in (tmp_path / "config.toml").read_text()
+
+
+def test_a_finished_run_run_again_with_other_settings_keeps_its_config(tmp_path, capsys):
+    assert train(capsys, tmp_path, "--training.steps", "2")[0] == 0
+    before = (tmp_path / "config.toml").read_text()
+    assert (
+        train(capsys, tmp_path, "--training.steps", "2", "--optimizer.lr", "1e-4")[0] == 0
+    )  # nothing to train
+    assert (tmp_path / "config.toml").read_text() == before

@@ -29,7 +29,7 @@ from autopar.planner.search import Plan
 from autopar.planner.verify import Verified
 from autopar.training.faults import TrainingStopped
 from autopar.training.preflight import check_job
-from autopar.training.previous_run import check_previous_run
+from autopar.training.previous_run import check_previous_run, write_config
 from autopar.training.resolve import parse_job
 from autopar.training.run_lock import dump_folder_lock
 from autopar.training.trainer import Trainer
@@ -110,9 +110,7 @@ def _run(job: JobConfig, args: ModelArgs, auto: tuple[Plan, DeviceSpec, list[Ver
     try:
         trainer = Trainer(job, args, world)
         if world.is_main:  # the resolved job, runnable as is: --job.config <dump_folder>/config.toml
-            written = dump / ".config.toml.partial"  # renamed when whole: a kill never leaves half a job
-            written.write_text(to_toml(job))
-            written.replace(dump / "config.toml")
+            write_config(job, trainer.checkpointer.resume_candidate())
         if auto and world.is_main:
             _announce_auto(*auto, dump, world.size)
         records = trainer.train()

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.config.errors import ConfigError
+from autopar.config.parse import to_toml
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.training.checkpoint import complete_steps, saved_train_state
@@ -180,6 +181,38 @@ def _check_rewind(job: JobConfig, steps: list[int]) -> None:
     )
 
 
+def changes_since(config: Path, job: JobConfig) -> dict[str, tuple[Any, Any]] | None:
+    """How ``job`` differs from the job in the TOML file ``config`` (None when there is none);
+    ConfigError when it is not a job."""
+    if not config.is_file():
+        return None
+    return differences(job_settings(parse_job(["--job.config", str(config)])), job_settings(job))
+
+
+def write_config(job: JobConfig, resumed: int | None) -> None:
+    """``<dump_folder>/config.toml``: the resolved job, runnable as is, written whole (renamed
+    into place). A resume keeps the one it replaces when that was another job, as
+    ``config.until-step-N.toml`` (the job that trained up to the resumed step N, kept once); a
+    resume of a run already trained to training.steps writes none (nothing runs with this job)."""
+    folder = Path(job.job.dump_folder)
+    path = folder / "config.toml"
+    if resumed is not None and resumed >= job.training.steps:
+        return
+    if resumed is not None:
+        try:
+            changed = changes_since(path, job)
+        except (ValueError, OSError):
+            changed = {"config.toml": (None, None)}  # not a job: kept all the same
+        kept = folder / f"config.until-step-{resumed}.toml"
+        if (
+            changed and not kept.exists()
+        ):  # one kept already: that job trained to step N, this one's steps ran again
+            path.replace(kept)
+    written = folder / ".config.toml.partial"
+    written.write_text(to_toml(job))
+    written.replace(path)
+
+
 def _check_fresh_start(job: JobConfig) -> None:
     folder = Path(job.job.dump_folder)
     config, rows = folder / "config.toml", _logged_steps(folder)
@@ -189,13 +222,12 @@ def _check_fresh_start(job: JobConfig) -> None:
     if config.exists():
         held.append("config.toml")
     try:
-        earlier = job_settings(parse_job(["--job.config", str(config)])) if config.is_file() else None
+        changes = changes_since(config, job)
     except (ValueError, OSError) as err:  # ConfigError, or a file that is not text
-        earlier, why = None, f"its config.toml is not a job autopar can read ({err})"
+        changes, why = None, f"its config.toml is not a job autopar can read ({err})"
     else:
         why = "it has no config.toml to tell which job it was"
-    if earlier is not None:
-        changes = differences(earlier, job_settings(job))
+    if changes is not None:
         if not changes:
             return  # the same job again: it replaces what it wrote
         why = f"it was another job: {listed(changes)}"
