@@ -290,7 +290,7 @@ class Trainer:
         and a rewind to an explicit checkpoint.load_step discards the later checkpoints."""
         follow_config(self.optimizers, self.job.optimizer)
         changes = changed_settings(saved, self.job, self.args)
-        if changes:
+        if changes and self.step < self.job.training.steps:  # else nothing runs with them
             logger.info(
                 "resuming step %d with settings changed since its checkpoint, applied from here on: %s",
                 self.step,
