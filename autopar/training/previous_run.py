@@ -29,6 +29,7 @@ from autopar.config.parse import to_toml
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.training.checkpoint import complete_steps, saved_train_state
+from autopar.training.metrics import whole_records
 from autopar.training.resolve import parse_job
 
 RUN_CONTROL = (
@@ -150,13 +151,9 @@ def _logged_steps(folder: Path) -> list[int]:
     path = folder / "metrics.jsonl"
     if not path.is_file():
         return []
-    steps = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            steps.append(int(json.loads(line)["step"]))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return steps
+    return [
+        r["step"] for r in whole_records(path)[0] if isinstance(r, dict) and isinstance(r.get("step"), int)
+    ]
 
 
 def _span(steps: list[int]) -> str:
