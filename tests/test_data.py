@@ -70,6 +70,15 @@ def test_prepare_refuses_to_overwrite(text_dir, tmp_path):
         prepare([str(text_dir)], str(tmp_path / "mix"), None)
 
 
+@pytest.mark.parametrize("own", ["notes.json", "notes.idx", "notes.mask"])
+def test_prepare_never_overwrites_a_file_beside_its_output(text_dir, tmp_path, own):
+    (tmp_path / own).write_text("the user's own file")
+    with pytest.raises(DataError, match=f"{own}: already exists"):
+        prepare([str(text_dir)], str(tmp_path / "notes"), None)
+    assert (tmp_path / own).read_text() == "the user's own file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([own, "text"])  # nothing written
+
+
 def test_prepared_data_from_another_tokenizer_is_refused(text_dir, tmp_path):
     path, _ = prepare([str(text_dir)], str(tmp_path / "mix"), None)
     meta = json.loads(path.with_suffix(".json").read_text())

@@ -29,6 +29,7 @@ from autopar.planner.search import Plan
 from autopar.planner.verify import Verified
 from autopar.training.faults import TrainingStopped
 from autopar.training.preflight import check_job
+from autopar.training.previous_run import check_previous_run, write_config
 from autopar.training.resolve import parse_job
 from autopar.training.run_lock import dump_folder_lock
 from autopar.training.trainer import Trainer
@@ -82,6 +83,7 @@ def main(argv: list[str]) -> int:
             print(to_toml(job))
             return 0
         args = check_job(job, world_size_from_env())
+        check_previous_run(job, args)  # what an earlier run in the dump folder left
     except ConfigError as err:
         return _refuse("config error", err)
     try:
@@ -108,7 +110,7 @@ def _run(job: JobConfig, args: ModelArgs, auto: tuple[Plan, DeviceSpec, list[Ver
     try:
         trainer = Trainer(job, args, world)
         if world.is_main:  # the resolved job, runnable as is: --job.config <dump_folder>/config.toml
-            (dump / "config.toml").write_text(to_toml(job))
+            write_config(job, trainer.checkpointer.resume_candidate())
         if auto and world.is_main:
             _announce_auto(*auto, dump, world.size)
         records = trainer.train()

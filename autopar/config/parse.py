@@ -333,15 +333,20 @@ def toml_value(value: Any) -> str:
     return repr(value)
 
 
+COMMANDS = {("job", "print_config"), ("job", "overwrite_dump_folder"), ("checkpoint", "allow_rewind")}
+"""Fields that ask for one run's action, not settings of the job: a written job leaves them out,
+so running it again asks anew."""
+
+
 def to_toml(job: JobConfig) -> str:
     """The resolved job as TOML that parse_job reads back to the same config, ready to run
-    (``print_config`` is left out)."""
+    (``COMMANDS`` are left out)."""
     lines = []
     for name in sections():
         section = getattr(job, name)
         lines.append(f"[{name}]")
         for key, value in dataclasses.asdict(section).items():
-            if (name, key) == ("job", "print_config"):
+            if (name, key) in COMMANDS:
                 continue  # a command, not a setting: the printed job trains as it is
             if key == "overrides":
                 lines.extend(f"{k} = {toml_value(v)}" for k, v in value.items())

@@ -20,6 +20,12 @@ class Job:
     """Free text, logged at start."""
     print_config: bool = False
     """Print the resolved config and exit (also spelled --print-config)."""
+    overwrite_dump_folder: bool = False
+    """Start afresh in a dump_folder holding another run's metrics.jsonl and config.toml (a
+    run of other settings, with no checkpoint of this job to resume), replacing them and the
+    checkpoints and exports of the steps it trains again (HF Trainer's overwrite_output_dir).
+    Unset, such a run is refused naming the settings that differ; the same job run again
+    (after a crash, say) needs no flag."""
 
 
 @dataclass
@@ -186,6 +192,10 @@ class Checkpoint:
     """Complete checkpoints to keep; 0 keeps all."""
     load_step: int = -1
     """Resume from this step instead of the latest."""
+    allow_rewind: bool = False
+    """Let load_step go back past later checkpoints: they and the metrics.jsonl rows after
+    load_step are discarded and those steps train again. Unset, such a rewind is refused
+    naming what it would discard."""
     initial_load_path: str | None = None
     """Start from these weights when no checkpoint exists yet (DCP folder, or HF with initial_load_in_hf)."""
     initial_load_in_hf: bool = False

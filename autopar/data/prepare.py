@@ -31,6 +31,16 @@ from autopar.data.tokens import source_files, token_dtype, tokenize_files, write
 logger = logging.getLogger(__name__)
 
 
+OUTPUT_SUFFIXES = (".bin", ".idx", ".json", ".mask")
+"""Every file ``write_prepared`` may write beside the prefix (a text dataset has no .mask,
+but a .mask left there would make it read as chat data)."""
+
+
+def output_files(prefix: Path) -> list[Path]:
+    """The files a prepare into ``prefix`` writes."""
+    return [prefix.with_suffix(suffix) for suffix in OUTPUT_SUFFIXES]
+
+
 def prepare(
     inputs: list[str],
     output: str,
@@ -49,8 +59,13 @@ def prepare(
         )
     if prefix.suffix in (".bin", ".json"):
         prefix = prefix.with_suffix("")
-    if prefix.with_suffix(".bin").exists():
-        raise DataError(f"{prefix.with_suffix('.bin')}: already exists; choose another --output")
+    existing = [str(path) for path in output_files(prefix) if path.exists()]
+    if existing:
+        more = f" (so do {', '.join(existing[1:])})" if len(existing) > 1 else ""
+        raise DataError(
+            f"{existing[0]}: already exists{more}, and --output {output} would overwrite it; choose "
+            "another --output (or move the file away)"
+        )
     sources = [str(f) for f in files]
     if chat is None:
         tokens = tokenize_files(files, tokenizer)

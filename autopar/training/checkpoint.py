@@ -228,6 +228,29 @@ def model_mismatch(folder: Path, args: ModelArgs, lora: LoRA | None = None) -> s
     return "; ".join(differences[:3]) + more
 
 
+def swap_into_place(new: Path, final: Path, aside: Path) -> None:
+    """Rename the complete folder ``new`` to ``final``. A ``final`` already there is renamed to
+    ``aside`` first and deleted only once ``new`` is in place, so at every moment one of them
+    is whole on disk (``finish_interrupted_swap`` tidies up after a kill in between)."""
+    finish_interrupted_swap(final, aside)
+    if final.exists():
+        final.rename(aside)
+    new.rename(final)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def finish_interrupted_swap(final: Path, aside: Path) -> None:
+    """After ``swap_into_place`` was killed: the old folder goes back to ``final`` when the
+    new one never got there, and is deleted when it did."""
+    if not aside.exists():
+        return
+    if final.exists():
+        shutil.rmtree(aside)
+    else:
+        aside.rename(final)
+        logger.warning("%s: put back in place (a replacement of it was interrupted)", final)
+
+
 @dataclass
 class _Writing:
     """A save DCP is still writing in the background (checkpoint.async_mode)."""
@@ -260,6 +283,8 @@ class Checkpointer:
         self.parts = parts
         self.optimizers = optimizers
         self._writing: _Writing | None = None
+        self.last_saved: Path | None = None
+        """The checkpoint this run saved last (None before its first save)."""
         self._stager: DefaultStager | None = None
         self._group = None
         if cfg.enable and cfg.async_mode != "disabled":
@@ -339,17 +364,11 @@ class Checkpointer:
             self._failed(step, partial, err)
         _barrier()
         if self.rank == 0:
-            if final.exists():  # re-saving a step: keep the old copy until the new one is in place
-                stale = self.folder / f".step-{step}.stale"
-                shutil.rmtree(stale, ignore_errors=True)
-                final.rename(stale)
-                partial.rename(final)
-                shutil.rmtree(stale)
-            else:
-                partial.rename(final)
+            swap_into_place(partial, final, self.folder / f".step-{step}.stale")
             self._prune()
             logger.info("saved checkpoint %s", final)
         _barrier()
+        self.last_saved = final
         return final
 
     def _failed(self, step: int, partial: Path, err: BaseException) -> NoReturn:
@@ -370,11 +389,15 @@ class Checkpointer:
         )
 
     def _remove_leftovers(self) -> None:
-        """Partial and stale folders of interrupted saves."""
+        """Partial folders of interrupted saves, and stale ones (see ``_put_back_stale``)."""
         for leftover in self.folder.glob(".step-*.partial"):
             shutil.rmtree(leftover, ignore_errors=True)
-        for leftover in self.folder.glob(".step-*.stale"):
-            shutil.rmtree(leftover, ignore_errors=True)
+        self._put_back_stale()
+
+    def _put_back_stale(self) -> None:
+        """Checkpoints a re-save set aside and was killed before replacing (rank 0)."""
+        for stale in self.folder.glob(".step-*.stale"):
+            finish_interrupted_swap(self.folder / stale.name[1:].removesuffix(".stale"), stale)
 
     def _prune(self) -> None:
         if self.cfg.keep_latest_k <= 0:
@@ -385,6 +408,9 @@ class Checkpointer:
     def resume_step(self) -> int | None:
         """The step to resume from: checkpoint.load_step, else the newest intact checkpoint
         (collective: every rank verifies a share of the files)."""
+        if self.rank == 0:
+            self._put_back_stale()
+        _barrier()
         steps = complete_steps(self.folder)
         if self.cfg.load_step >= 0:  # present: checked by check_load_step
             problem = broken_file(self.folder / f"step-{self.cfg.load_step}")
@@ -444,16 +470,19 @@ class Checkpointer:
         return step
 
     def train_state(self, step: int) -> dict[str, Any]:
-        """The train entries saved at ``step`` (step, data position, what the data was), read
-        without the model: what a resume can be checked against before building anything."""
-        keys = [
-            k.removeprefix("train.")
-            for k in saved_keys(self.folder / f"step-{step}")
-            if k.startswith("train.")
-        ]
-        state: dict[str, Any] = {"train": dict.fromkeys(keys, 0)}
-        _dcp(dcp.load, state, self.folder / f"step-{step}")
-        return state["train"]
+        """The train entries saved at ``step`` (see ``saved_train_state``)."""
+        return saved_train_state(self.folder / f"step-{step}")
+
+    def discard_after(self, step: int) -> list[int]:
+        """Delete the complete checkpoints after ``step`` (a rewind to it; collective: rank 0
+        deletes); the steps they were."""
+        later = [s for s in complete_steps(self.folder) if s > step]
+        _barrier()
+        if self.rank == 0:
+            for s in later:
+                shutil.rmtree(self.folder / f"step-{s}")
+        _barrier()
+        return later
 
     def resume_candidate(self) -> int | None:
         """The step a resume would start from if its files are intact (no verification, no
@@ -475,6 +504,16 @@ class Checkpointer:
 
     def should_save(self, step: int, last_step: int) -> bool:
         return self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step)
+
+
+def saved_train_state(folder: Path) -> dict[str, Any]:
+    """The train entries of the checkpoint in ``folder`` (step, data position, what the data
+    was, the settings it was trained with), read without the model and without collectives:
+    what a resume can be checked against before building anything."""
+    keys = [k.removeprefix("train.") for k in saved_keys(folder) if k.startswith("train.")]
+    state: dict[str, Any] = {"train": dict.fromkeys(keys, 0)}
+    _dcp(dcp.load, state, folder)
+    return state["train"]
 
 
 def read_model_tensors(

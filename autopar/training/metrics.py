@@ -259,7 +259,7 @@ class MetricsLogger:
         stopped run left cut off mid-write (a full disk, a kill while appending), saying so."""
         if not self.is_main or not self.path.is_file():
             return
-        records, cut = _whole_records(self.path)
+        records, cut = whole_records(self.path)
         if cut:
             logger.warning("%s: dropped %d cut-off line(s) a stopped run left", self.path, cut)
         kept = [r for r in records if r.get("step", 0) <= step]
@@ -272,7 +272,7 @@ class MetricsLogger:
             self._tb.close()
 
 
-def _whole_records(path: Path) -> tuple[list[dict[str, Any]], int]:
+def whole_records(path: Path) -> tuple[list[dict[str, Any]], int]:
     """The records of a metrics.jsonl file that parse, and how many lines did not."""
     records, cut = [], 0
     for line in path.read_text(errors="replace").splitlines():

@@ -39,6 +39,29 @@ def build_optimizer(part: nn.Module, cfg: Optimizer) -> torch.optim.AdamW:
     )
 
 
+def follow_config(optimizers: Iterable[torch.optim.Optimizer], cfg: Optimizer) -> None:
+    """Set every param group's hyperparameters from ``cfg`` after a resume (torch's
+    ``load_state_dict`` puts back the saved groups' betas, eps, weight decay and kernel choice;
+    the lr is set every step). A group decays as ``build_optimizer`` made it: matrices only.
+    A step count moves where the kernel now keeps it (fused: beside the parameter; else the CPU)."""
+    impl = "fused" if cfg.implementation == "auto" else cfg.implementation
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            decays = all(p.ndim >= 2 for p in group["params"])
+            group.update(
+                betas=(cfg.beta1, cfg.beta2),
+                eps=cfg.eps,
+                weight_decay=cfg.weight_decay if decays else 0.0,
+                fused=impl == "fused",
+                foreach=impl == "foreach",
+            )
+            for p in group["params"]:
+                state = optimizer.state.get(p, {})
+                if "step" in state:
+                    device = p.device if group["fused"] or group.get("capturable") else torch.device("cpu")
+                    state["step"] = state["step"].to(device=device, dtype=torch.float32)
+
+
 def lr_factor(step: int, cfg: LRScheduler, total_steps: int) -> float:
     """Multiplier of the peak lr at optimizer step ``step`` (1-based): linear warmup, an
     optional stable phase (WSD, when ``decay_ratio`` is set), then linear/sqrt/cosine decay

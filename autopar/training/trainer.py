@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -30,7 +31,13 @@ from autopar.parallel.mesh import ParallelDims, build_meshes
 from autopar.parallel.parallelize import build_parts
 from autopar.parallel.world import CollectiveTimeout, World
 from autopar.training.adapters import BaseTensors, export_merged, save_adapter, saved_adapters
-from autopar.training.checkpoint import Checkpointer, complete_steps, export_hf, read_model_tensors
+from autopar.training.checkpoint import (
+    Checkpointer,
+    export_hf,
+    finish_interrupted_swap,
+    read_model_tensors,
+    swap_into_place,
+)
 from autopar.training.faults import (
     StopRequest,
     TrainingStopped,
@@ -42,7 +49,8 @@ from autopar.training.faults import (
     skipped_too_often,
 )
 from autopar.training.metrics import MetricsLogger, flops_per_token, matmul_params
-from autopar.training.optim import lr_factor
+from autopar.training.optim import follow_config, lr_factor
+from autopar.training.previous_run import changed_settings, listed, settings_record
 from autopar.training.profiling import Profiler
 from autopar.training.resolve import chat_format, flavor_mismatch, model_source, tokenizer_path
 from autopar.training.step import TrainStep
@@ -124,6 +132,8 @@ class Trainer:
         self.step = 0
         self.bad: list[str] = []  # what was not finite at the last step
         self.skipped_in_a_row = 0
+        self.weights_from: Path | None = None
+        """The checkpoint holding the weights of ``self.step``: the one resumed or last saved."""
         self.data = data_identity(job, samples)
         self._check_resumed_tokenizer()
         self._check_resumed_base()
@@ -258,6 +268,8 @@ class Trainer:
         """Resume from the latest checkpoint, or load initial weights from a DCP folder."""
         checkpoint = self.job.checkpoint
         step = self.checkpointer.resume_step() if checkpoint.enable else None
+        if step is not None:
+            self.weights_from = self.checkpointer.folder / f"step-{step}"
         if step is not None and step >= self.job.training.steps and self.checkpointer.model_only(step):
             self.step = step  # a finished run whose last save holds the model only: nothing to do
         elif step is not None:
@@ -265,12 +277,35 @@ class Trainer:
                 self.checkpointer.load_model_only(checkpoint.initial_load_path)  # the adapters' frozen base
             state = self.checkpointer.load(step)
             self.step = state["step"]
+            self._follow_this_job(state)
             self._warn_changed_data_shape(state)
             self.loader.load_state_dict({"consumed_samples": state["consumed_samples"]})
         elif checkpoint.initial_load_path is not None and not checkpoint.initial_load_in_hf:
             logger.info("initial weights from DCP folder %s", checkpoint.initial_load_path)
             self.checkpointer.load_model_only(checkpoint.initial_load_path)
         self.metrics.forget_after(self.step)  # steps logged after it (by a run that died) run again
+
+    def _follow_this_job(self, saved: dict[str, Any]) -> None:
+        """After a resume: AdamW's hyperparameters are this job's (loading the checkpoint put
+        back the saved ones), the settings changed since the checkpoint are said in one line,
+        and a rewind to an explicit checkpoint.load_step discards the later checkpoints."""
+        follow_config(self.optimizers, self.job.optimizer)
+        changes = changed_settings(saved, self.job, self.args)
+        if changes and self.step < self.job.training.steps:  # else nothing runs with them
+            logger.info(
+                "resuming step %d with settings changed since its checkpoint, applied from here on: %s",
+                self.step,
+                listed(changes, most=len(changes)),
+            )
+        if self.job.checkpoint.load_step >= 0:
+            discarded = self.checkpointer.discard_after(self.step)
+            if discarded:
+                logger.warning(
+                    "rewound to step %d (checkpoint.allow_rewind): discarded checkpoints %s and the "
+                    "metrics of the steps after it",
+                    self.step,
+                    ", ".join(f"step-{s}" for s in discarded),
+                )
 
     def _data_shape(self) -> dict[str, int | str]:
         """What a checkpoint records of the data: how samples were cut and batched, and from
@@ -409,10 +444,9 @@ class Trainer:
         if ran <= 0:
             return
         last = f", last loss {records[-1].loss:.4f}" if records else ""
-        saved = complete_steps(self.checkpointer.folder) if self.checkpointer.folder.is_dir() else []
         outputs = [f"metrics {self.metrics.path}"]
-        if saved:
-            outputs.append(f"checkpoint {self.checkpointer.folder / f'step-{saved[-1]}'}")
+        if self.checkpointer.last_saved is not None:  # never an earlier run's, left in the folder
+            outputs.append(f"checkpoint {self.checkpointer.last_saved}")
         if exported is not None:
             outputs.append(f"HF export {exported}")
         logger.info(
@@ -466,17 +500,19 @@ class Trainer:
             "consumed_samples": self.loader.consumed_samples,
             **self._data_shape(),
             **({"lora_base": self._lora_base()} if self.job.lora.enable else {}),
+            "settings": settings_record(self.job, self.args),
         }
         with self.timeout.longer(self.job.comm.init_timeout_seconds):  # writing may keep some ranks long
-            return self.checkpointer.save(train, model_only)
+            self.weights_from = self.checkpointer.save(train, model_only)
+        return self.weights_from
 
     def _export_hf(self) -> Path:
         """Write ``<dump_folder>/hf/step-N`` of this step: the model, or under LoRA its peft
         adapter folder (and, with lora.merge_on_export, the merged model beside it as
         ``step-N-merged``). Returns the first."""
         checkpoint, lora = self.job.checkpoint, self.job.lora
-        ckpt = self.checkpointer.folder / f"step-{self.step}"
-        if not ckpt.is_dir():
+        ckpt = self.weights_from
+        if ckpt is None or ckpt.name != f"step-{self.step}":  # not an earlier run's step-N
             ckpt = self._save()
         out = Path(self.job.job.dump_folder) / "hf" / f"step-{self.step}"
         if not self.world.is_main:
@@ -510,6 +546,7 @@ class Trainer:
         """``write`` into a ``.partial`` folder renamed to ``out`` when complete, so a full disk
         leaves no half export (and says so); the tokenizer files go with a model folder."""
         partial = out.with_name(out.name + ".partial")
+        finish_interrupted_swap(out, out.with_name(out.name + ".old"))
         shutil.rmtree(partial, ignore_errors=True)
         try:
             write(partial)
@@ -517,8 +554,7 @@ class Trainer:
             source = self.job.model.hf_assets_path or tokenizer_path(self.job)
             if source is not None and (partial / CONFIG_FILE).is_file():
                 assets = copy_assets(source, partial)
-            shutil.rmtree(out, ignore_errors=True)
-            partial.rename(out)
+            swap_into_place(partial, out, out.with_name(out.name + ".old"))
         except (OSError, SafetensorError) as err:  # safetensors reports a full disk as its own error
             shutil.rmtree(partial, ignore_errors=True)
             raise TrainingStopped(
