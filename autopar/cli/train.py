@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from autopar.cli.log import setup_logging
+from autopar.cli.log import setup_logging, warn_if_untested_torch
 from autopar.config import ConfigError, JobConfig, help_text, to_toml
 from autopar.data import DataError
 from autopar.models.args import ModelArgs
@@ -52,6 +52,7 @@ def dry_run_main(argv: list[str], world_size: int) -> int:
     job = parse_job(argv)
     args = check_job(job, world_size, device_type="cuda")
     setup_logging(0)
+    warn_if_untested_torch()
     ranks = compare(job, args, world_size)
     print(title(job, world_size))
     print(report(ranks))
@@ -104,6 +105,8 @@ def _run(job: JobConfig, args: ModelArgs, auto: tuple[Plan, DeviceSpec, list[Ver
         print(f"comm error: {message}", file=sys.stderr)
         return 1
     setup_logging(world.rank)
+    if world.is_main:
+        warn_if_untested_torch()
     dump = Path(job.job.dump_folder)
     try:
         trainer = Trainer(job, args, world)
