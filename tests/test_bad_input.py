@@ -7,10 +7,13 @@ case's own make a job that would otherwise train.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
 from autopar.cli.bench import main as bench_main
 from autopar.cli.train import main as train_main
@@ -18,9 +21,23 @@ from autopar.data.prepare import main as prepare_main
 from autopar.data.prepare import prepare
 from autopar.data.tokens import source_files
 from autopar.models import Qwen, to_hf
+from autopar.parallel.lora import apply_lora
+from autopar.training.checkpoint import ModelState
 from autopar.training.resolve import model_args
 
 from jobs import TINY_FLAGS, tiny_job
+
+
+def save_dcp(folder: Path, job_folder: Path, lora: bool = False, **fields: object) -> None:
+    """A DCP checkpoint of the tiny model with ``fields`` changed (under ``lora``: its
+    adapters only, as a LoRA run saves them) in ``folder``."""
+    job = tiny_job(job_folder)
+    model = Qwen(dataclasses.replace(model_args(job), **fields))
+    if lora:
+        apply_lora(model, dataclasses.replace(job.lora, enable=True), torch.float32)
+    dcp.save(
+        {"model": ModelState([model], "trained" if lora else "all")}, checkpoint_id=str(folder), no_dist=True
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +62,11 @@ def inputs(tmp_path_factory) -> Path:
     to_hf(Qwen(model_args(tiny_job(folder / "unused"))), hf)
     shard = hf / "model.safetensors"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    save_dcp(folder / "dcp_4_layers", folder / "unused", num_hidden_layers=4)
+    save_dcp(folder / "dcp_wider_mlp", folder / "unused", intermediate_size=96)
+    save_dcp(folder / "dcp_adapters", folder / "unused", lora=True)
+    save_dcp(folder / "dcp_bad_metadata", folder / "unused")
+    (folder / "dcp_bad_metadata" / ".metadata").write_bytes(b"not a pickle")
     return folder
 
 
@@ -139,6 +161,22 @@ CASES = {
     ),
     "missing hf assets": ("--model.hf_assets_path {inputs}/none", "/none': no such folder; download"),
     "missing initial weights": ("--checkpoint.initial_load_path {inputs}/none", "no such folder"),
+    "initial weights of a deeper model": (
+        "--checkpoint.initial_load_path {inputs}/dcp_4_layers",
+        "was saved from another model than qwen3/debug: layers.2.",
+    ),
+    "initial weights of another mlp width": (
+        "--checkpoint.initial_load_path {inputs}/dcp_wider_mlp",
+        "is [96, 64] in the checkpoint, [128, 64] in the model",
+    ),
+    "initial weights of adapters only": (
+        "--checkpoint.initial_load_path {inputs}/dcp_adapters",
+        "is not in the checkpoint",
+    ),
+    "initial weights with damaged metadata": (
+        "--checkpoint.initial_load_path {inputs}/dcp_bad_metadata",
+        "dcp_bad_metadata/.metadata is not readable",
+    ),
     "hf load without a path": ("--checkpoint.initial_load_in_hf true", "needs checkpoint.initial_load_path"),
     "truncated safetensors": (
         "--checkpoint.initial_load_path {inputs}/hf --checkpoint.initial_load_in_hf true",
