@@ -8,6 +8,7 @@ case's own make a job that would otherwise train.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 
 from autopar.cli.bench import main as bench_main
 from autopar.cli.train import main as train_main
+from autopar.data.chat import CHAT_EXAMPLE, CHATML_TOKENIZER
 from autopar.data.prepare import main as prepare_main
 from autopar.data.prepare import prepare
 from autopar.data.tokens import source_files
@@ -25,7 +27,18 @@ from autopar.parallel.lora import apply_lora
 from autopar.training.checkpoint import ModelState
 from autopar.training.resolve import model_args
 
-from jobs import TINY_FLAGS, tiny_job
+from jobs import CHAT_VOCAB, TINY_FLAGS, tiny_job
+
+CHAT = (
+    f"--training.dataset_format chat --training.dataset_path {CHAT_EXAMPLE} --model.vocab_size {CHAT_VOCAB}"
+)
+"""Chat fine-tuning on the shipped conversations; a case adds its tokenizer or template."""
+BROKEN_TEMPLATES = {
+    "tok_syntax": "{% for m in messages %}{{ m.content }}",
+    "tok_filter": "{{ messages | no_such_filter }}",
+    "tok_undefined": "{{ messages[0].content.no_such_method() }}",
+}
+"""Tokenizer folders whose tokenizer_config.json chat_template is broken, by how."""
 
 
 def save_dcp(folder: Path, job_folder: Path, lora: bool = False, **fields: object) -> None:
@@ -62,6 +75,12 @@ def inputs(tmp_path_factory) -> Path:
     to_hf(Qwen(model_args(tiny_job(folder / "unused"))), hf)
     shard = hf / "model.safetensors"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    for name, template in {**BROKEN_TEMPLATES, "tok_not_json": None}.items():
+        (folder / name).mkdir()
+        (folder / name / "tokenizer.json").write_bytes((CHATML_TOKENIZER / "tokenizer.json").read_bytes())
+        config = json.dumps({"chat_template": template}) if template else '{"chat_template": "x",'
+        (folder / name / "tokenizer_config.json").write_text(config)
+    (folder / "syntax.jinja").write_text("{% if messages %}\n{{ messages[0] }\n{% endif %}")
     save_dcp(folder / "dcp_4_layers", folder / "unused", num_hidden_layers=4)
     save_dcp(folder / "dcp_wider_mlp", folder / "unused", intermediate_size=96)
     save_dcp(folder / "dcp_adapters", folder / "unused", lora=True)
@@ -188,6 +207,27 @@ CASES = {
     "load step without checkpoints": (
         "--checkpoint.enable false --checkpoint.load_step 5",
         "needs checkpoint.enable=true",
+    ),
+    # chat templates and tokenizer configs
+    "template file syntax": (
+        f"{CHAT} --model.tokenizer_path {CHATML_TOKENIZER} --training.chat_template {{inputs}}/syntax.jinja",
+        "syntax.jinja: chat template line 2: unexpected '}'",
+    ),
+    "tokenizer template syntax": (
+        f"{CHAT} --model.tokenizer_path {{inputs}}/tok_syntax",
+        "tok_syntax/tokenizer_config.json chat_template: chat template line 1: Unexpected end of template",
+    ),
+    "tokenizer template unknown filter": (
+        f"{CHAT} --model.tokenizer_path {{inputs}}/tok_filter",
+        "No filter named 'no_such_filter'",
+    ),
+    "tokenizer template failing to render": (
+        f"{CHAT} --model.tokenizer_path {{inputs}}/tok_undefined",
+        "chat template failed on this conversation: UndefinedError",
+    ),
+    "tokenizer config not json": (
+        f"{CHAT} --model.tokenizer_path {{inputs}}/tok_not_json",
+        "tok_not_json/tokenizer_config.json: not JSON (",
     ),
     # blends
     "nan blend weight": ("--training.dataset_blend nan:{inputs}/cut", "finite positive weight"),
