@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
 
 from autopar.cli.bench import main as bench_main
 from autopar.cli.train import main as train_main
@@ -39,6 +41,16 @@ BROKEN_TEMPLATES = {
     "tok_undefined": "{{ messages[0].content.no_such_method() }}",
 }
 """Tokenizer folders whose tokenizer_config.json chat_template is broken, by how."""
+HF_CONFIG_CHANGES = {
+    "hf_size_as_text": {"hidden_size": "64"},
+    "hf_size_as_float": {"num_hidden_layers": 2.0},
+    "hf_zero_heads": {"num_key_value_heads": 0},
+    "hf_nan_eps": {"rms_norm_eps": float("nan")},
+    "hf_infinite_theta": {"rope_theta": float("inf")},
+    "hf_bool_as_text": {"tie_word_embeddings": "false"},
+    "hf_rope_not_object": {"rope_parameters": "default"},
+}
+"""Whole HF model folders whose config.json has one value of the wrong type or range."""
 
 
 def save_dcp(folder: Path, job_folder: Path, lora: bool = False, **fields: object) -> None:
@@ -73,6 +85,7 @@ def inputs(tmp_path_factory) -> Path:
     prepared.write_bytes(prepared.read_bytes()[:-2])
     hf = folder / "hf"
     to_hf(Qwen(model_args(tiny_job(folder / "unused"))), hf)
+    shutil.copytree(hf, folder / "hf_whole")
     shard = hf / "model.safetensors"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     for name, template in {**BROKEN_TEMPLATES, "tok_not_json": None}.items():
@@ -81,6 +94,17 @@ def inputs(tmp_path_factory) -> Path:
         config = json.dumps({"chat_template": template}) if template else '{"chat_template": "x",'
         (folder / name / "tokenizer_config.json").write_text(config)
     (folder / "syntax.jinja").write_text("{% if messages %}\n{{ messages[0] }\n{% endif %}")
+    for name, change in HF_CONFIG_CHANGES.items():
+        shutil.copytree(folder / "hf_whole", folder / name)
+        config = json.loads((folder / name / "config.json").read_text())
+        (folder / name / "config.json").write_text(json.dumps({**config, **change}))
+    shutil.copytree(folder / "hf_whole", folder / "hf_int8")
+    tensors = load_file(folder / "hf_whole" / "model.safetensors")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    save_file({**tensors, q: tensors[q].to(torch.int8)}, folder / "hf_int8" / "model.safetensors")
+    shutil.copytree(folder / "hf_whole", folder / "hf_nan_weight")
+    tensors["model.norm.weight"][3] = float("nan")
+    save_file(tensors, folder / "hf_nan_weight" / "model.safetensors")
     save_dcp(folder / "dcp_4_layers", folder / "unused", num_hidden_layers=4)
     save_dcp(folder / "dcp_wider_mlp", folder / "unused", intermediate_size=96)
     save_dcp(folder / "dcp_adapters", folder / "unused", lora=True)
@@ -208,6 +232,41 @@ CASES = {
         "--checkpoint.enable false --checkpoint.load_step 5",
         "needs checkpoint.enable=true",
     ),
+    # HF config.json values and weights
+    "hf size as text": (
+        "--model.hf_assets_path {inputs}/hf_size_as_text",
+        "hidden_size='64' must be an integer",
+    ),
+    "hf size as float": (
+        "--model.hf_assets_path {inputs}/hf_size_as_float",
+        "num_hidden_layers=2.0 must be an integer",
+    ),
+    "hf zero heads": (
+        "--model.hf_assets_path {inputs}/hf_zero_heads",
+        "num_key_value_heads=0 must be an integer >= 1",
+    ),
+    "hf nan eps": (
+        "--model.hf_assets_path {inputs}/hf_nan_eps",
+        "rms_norm_eps=nan must be a finite number > 0",
+    ),
+    "hf infinite theta": (
+        "--model.hf_assets_path {inputs}/hf_infinite_theta",
+        "rope_theta=inf must be a finite",
+    ),
+    "hf bool as text": (
+        "--model.hf_assets_path {inputs}/hf_bool_as_text",
+        "tie_word_embeddings='false' must be true or false",
+    ),
+    "hf rope not an object": (
+        "--model.hf_assets_path {inputs}/hf_rope_not_object",
+        "rope_parameters='default' must be an object",
+    ),
+    "hf int8 weight": (
+        "--checkpoint.initial_load_path {inputs}/hf_int8 --checkpoint.initial_load_in_hf true",
+        "'model.layers.0.self_attn.q_proj.weight' is I8, not one of",
+    ),
+    "nan lora alpha": ("--lora.enable true --lora.alpha nan", "lora.alpha=nan must be a finite number"),
+    "infinite weight decay": ("--optimizer.weight_decay inf", "optimizer.weight_decay=inf must be a finite"),
     # chat templates and tokenizer configs
     "template file syntax": (
         f"{CHAT} --model.tokenizer_path {CHATML_TOKENIZER} --training.chat_template {{inputs}}/syntax.jinja",
@@ -269,6 +328,21 @@ def test_bad_input_gets_one_line_exit_2_and_writes_nothing(case, inputs, tmp_pat
     assert len(lines) == 1 and lines[0].split(":")[0] in ("config error", "data error"), err[-2000:]
     assert expected in lines[0]
     assert snapshot(inputs, tmp_path) == before
+
+
+def test_weights_that_are_not_finite_are_refused_before_step_1_naming_their_folder(inputs, tmp_path, capsys):
+    hf = inputs / "hf_nan_weight"
+    flags = ["--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf", "true"]
+    code = train_main(
+        ["--job.config", "debug_model", *TINY_FLAGS, "--job.dump_folder", str(tmp_path), *flags]
+    )
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    assert err.strip().splitlines()[-1] == (
+        f"config error: the weights loaded from {hf} are not finite (NaN or inf); re-download or "
+        "re-export them, or start from other weights"
+    )
+    assert "Traceback" not in err and not (tmp_path / "metrics.jsonl").exists()
 
 
 LAUNCH_ENVIRONMENTS = {
