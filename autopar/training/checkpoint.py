@@ -180,8 +180,7 @@ def broken_file(folder: Path) -> str | None:
     manifest = folder / MANIFEST
     if not manifest.is_file():
         return None
-    files = json.loads(manifest.read_text())["files"]
-    problems = []
+    files, problems = _read_manifest(manifest)
     for name in _my_share(sorted(files)):
         path, expected = folder / name, files[name]
         if not path.is_file():
@@ -192,6 +191,18 @@ def broken_file(folder: Path) -> str | None:
             problems.append(f"{path} does not match the checksum written with it")
     problems = _gathered(problems)
     return problems[0] if problems else None
+
+
+def _read_manifest(manifest: Path) -> tuple[dict[str, Any], list[str]]:
+    """The files a manifest lists ({name: {"bytes", "crc32"}}), or none and the problem when
+    the manifest itself is damaged (the checkpoint then counts as broken)."""
+    try:
+        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+        if all(isinstance(e["bytes"], int) and isinstance(e["crc32"], int) for e in files.values()):
+            return files, []
+    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or not a manifest's
+        pass
+    return {}, [f"{manifest} is damaged (not a JSON list of files, sizes and checksums)"]
 
 
 def saved_keys(folder: Path) -> set[str]:
