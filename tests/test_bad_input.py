@@ -7,20 +7,62 @@ case's own make a job that would otherwise train.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
 
 from autopar.cli.bench import main as bench_main
 from autopar.cli.train import main as train_main
+from autopar.data.chat import CHAT_EXAMPLE, CHATML_TOKENIZER
 from autopar.data.prepare import main as prepare_main
 from autopar.data.prepare import prepare
 from autopar.data.tokens import source_files
 from autopar.models import Qwen, to_hf
+from autopar.parallel.lora import apply_lora
+from autopar.training.checkpoint import ModelState
 from autopar.training.resolve import model_args
 
-from jobs import TINY_FLAGS, tiny_job
+from jobs import CHAT_VOCAB, TINY_FLAGS, tiny_job
+
+CHAT = (
+    f"--training.dataset_format chat --training.dataset_path {CHAT_EXAMPLE} --model.vocab_size {CHAT_VOCAB}"
+)
+"""Chat fine-tuning on the shipped conversations; a case adds its tokenizer or template."""
+BROKEN_TEMPLATES = {
+    "tok_syntax": "{% for m in messages %}{{ m.content }}",
+    "tok_filter": "{{ messages | no_such_filter }}",
+    "tok_undefined": "{{ messages[0].content.no_such_method() }}",
+}
+"""Tokenizer folders whose tokenizer_config.json chat_template is broken, by how."""
+HF_CONFIG_CHANGES = {
+    "hf_size_as_text": {"hidden_size": "64"},
+    "hf_size_as_float": {"num_hidden_layers": 2.0},
+    "hf_zero_heads": {"num_key_value_heads": 0},
+    "hf_nan_eps": {"rms_norm_eps": float("nan")},
+    "hf_infinite_theta": {"rope_theta": float("inf")},
+    "hf_bool_as_text": {"tie_word_embeddings": "false"},
+    "hf_rope_not_object": {"rope_parameters": "default"},
+}
+"""Whole HF model folders whose config.json has one value of the wrong type or range."""
+
+
+def save_dcp(folder: Path, job_folder: Path, lora: bool = False, **fields: object) -> None:
+    """A DCP checkpoint of the tiny model with ``fields`` changed (under ``lora``: its
+    adapters only, as a LoRA run saves them) in ``folder``."""
+    job = tiny_job(job_folder)
+    model = Qwen(dataclasses.replace(model_args(job), **fields))
+    if lora:
+        apply_lora(model, dataclasses.replace(job.lora, enable=True), torch.float32)
+    dcp.save(
+        {"model": ModelState([model], "trained" if lora else "all")}, checkpoint_id=str(folder), no_dist=True
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +85,31 @@ def inputs(tmp_path_factory) -> Path:
     prepared.write_bytes(prepared.read_bytes()[:-2])
     hf = folder / "hf"
     to_hf(Qwen(model_args(tiny_job(folder / "unused"))), hf)
+    shutil.copytree(hf, folder / "hf_whole")
     shard = hf / "model.safetensors"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    for name, template in {**BROKEN_TEMPLATES, "tok_not_json": None}.items():
+        (folder / name).mkdir()
+        (folder / name / "tokenizer.json").write_bytes((CHATML_TOKENIZER / "tokenizer.json").read_bytes())
+        config = json.dumps({"chat_template": template}) if template else '{"chat_template": "x",'
+        (folder / name / "tokenizer_config.json").write_text(config)
+    (folder / "syntax.jinja").write_text("{% if messages %}\n{{ messages[0] }\n{% endif %}")
+    for name, change in HF_CONFIG_CHANGES.items():
+        shutil.copytree(folder / "hf_whole", folder / name)
+        config = json.loads((folder / name / "config.json").read_text())
+        (folder / name / "config.json").write_text(json.dumps({**config, **change}))
+    shutil.copytree(folder / "hf_whole", folder / "hf_int8")
+    tensors = load_file(folder / "hf_whole" / "model.safetensors")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    save_file({**tensors, q: tensors[q].to(torch.int8)}, folder / "hf_int8" / "model.safetensors")
+    shutil.copytree(folder / "hf_whole", folder / "hf_nan_weight")
+    tensors["model.norm.weight"][3] = float("nan")
+    save_file(tensors, folder / "hf_nan_weight" / "model.safetensors")
+    save_dcp(folder / "dcp_4_layers", folder / "unused", num_hidden_layers=4)
+    save_dcp(folder / "dcp_wider_mlp", folder / "unused", intermediate_size=96)
+    save_dcp(folder / "dcp_adapters", folder / "unused", lora=True)
+    save_dcp(folder / "dcp_bad_metadata", folder / "unused")
+    (folder / "dcp_bad_metadata" / ".metadata").write_bytes(b"not a pickle")
     return folder
 
 
@@ -139,6 +204,22 @@ CASES = {
     ),
     "missing hf assets": ("--model.hf_assets_path {inputs}/none", "/none': no such folder; download"),
     "missing initial weights": ("--checkpoint.initial_load_path {inputs}/none", "no such folder"),
+    "initial weights of a deeper model": (
+        "--checkpoint.initial_load_path {inputs}/dcp_4_layers",
+        "was saved from another model than qwen3/debug: layers.2.",
+    ),
+    "initial weights of another mlp width": (
+        "--checkpoint.initial_load_path {inputs}/dcp_wider_mlp",
+        "is [96, 64] in the checkpoint, [128, 64] in the model",
+    ),
+    "initial weights of adapters only": (
+        "--checkpoint.initial_load_path {inputs}/dcp_adapters",
+        "is not in the checkpoint",
+    ),
+    "initial weights with damaged metadata": (
+        "--checkpoint.initial_load_path {inputs}/dcp_bad_metadata",
+        "dcp_bad_metadata/.metadata is not readable",
+    ),
     "hf load without a path": ("--checkpoint.initial_load_in_hf true", "needs checkpoint.initial_load_path"),
     "truncated safetensors": (
         "--checkpoint.initial_load_path {inputs}/hf --checkpoint.initial_load_in_hf true",
@@ -150,6 +231,62 @@ CASES = {
     "load step without checkpoints": (
         "--checkpoint.enable false --checkpoint.load_step 5",
         "needs checkpoint.enable=true",
+    ),
+    # HF config.json values and weights
+    "hf size as text": (
+        "--model.hf_assets_path {inputs}/hf_size_as_text",
+        "hidden_size='64' must be an integer",
+    ),
+    "hf size as float": (
+        "--model.hf_assets_path {inputs}/hf_size_as_float",
+        "num_hidden_layers=2.0 must be an integer",
+    ),
+    "hf zero heads": (
+        "--model.hf_assets_path {inputs}/hf_zero_heads",
+        "num_key_value_heads=0 must be an integer >= 1",
+    ),
+    "hf nan eps": (
+        "--model.hf_assets_path {inputs}/hf_nan_eps",
+        "rms_norm_eps=nan must be a finite number > 0",
+    ),
+    "hf infinite theta": (
+        "--model.hf_assets_path {inputs}/hf_infinite_theta",
+        "rope_theta=inf must be a finite",
+    ),
+    "hf bool as text": (
+        "--model.hf_assets_path {inputs}/hf_bool_as_text",
+        "tie_word_embeddings='false' must be true or false",
+    ),
+    "hf rope not an object": (
+        "--model.hf_assets_path {inputs}/hf_rope_not_object",
+        "rope_parameters='default' must be an object",
+    ),
+    "hf int8 weight": (
+        "--checkpoint.initial_load_path {inputs}/hf_int8 --checkpoint.initial_load_in_hf true",
+        "'model.layers.0.self_attn.q_proj.weight' is I8, not one of",
+    ),
+    "nan lora alpha": ("--lora.enable true --lora.alpha nan", "lora.alpha=nan must be a finite number"),
+    "infinite weight decay": ("--optimizer.weight_decay inf", "optimizer.weight_decay=inf must be a finite"),
+    # chat templates and tokenizer configs
+    "template file syntax": (
+        f"{CHAT} --model.tokenizer_path {CHATML_TOKENIZER} --training.chat_template {{inputs}}/syntax.jinja",
+        "syntax.jinja: chat template line 2: unexpected '}'",
+    ),
+    "tokenizer template syntax": (
+        f"{CHAT} --model.tokenizer_path {{inputs}}/tok_syntax",
+        "tok_syntax/tokenizer_config.json chat_template: chat template line 1: Unexpected end of template",
+    ),
+    "tokenizer template unknown filter": (
+        f"{CHAT} --model.tokenizer_path {{inputs}}/tok_filter",
+        "No filter named 'no_such_filter'",
+    ),
+    "tokenizer template failing to render": (
+        f"{CHAT} --model.tokenizer_path {{inputs}}/tok_undefined",
+        "chat template failed on this conversation: UndefinedError",
+    ),
+    "tokenizer config not json": (
+        f"{CHAT} --model.tokenizer_path {{inputs}}/tok_not_json",
+        "tok_not_json/tokenizer_config.json: not JSON (",
     ),
     # blends
     "nan blend weight": ("--training.dataset_blend nan:{inputs}/cut", "finite positive weight"),
@@ -191,6 +328,21 @@ def test_bad_input_gets_one_line_exit_2_and_writes_nothing(case, inputs, tmp_pat
     assert len(lines) == 1 and lines[0].split(":")[0] in ("config error", "data error"), err[-2000:]
     assert expected in lines[0]
     assert snapshot(inputs, tmp_path) == before
+
+
+def test_weights_that_are_not_finite_are_refused_before_step_1_naming_their_folder(inputs, tmp_path, capsys):
+    hf = inputs / "hf_nan_weight"
+    flags = ["--checkpoint.initial_load_path", str(hf), "--checkpoint.initial_load_in_hf", "true"]
+    code = train_main(
+        ["--job.config", "debug_model", *TINY_FLAGS, "--job.dump_folder", str(tmp_path), *flags]
+    )
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    assert err.strip().splitlines()[-1] == (
+        f"config error: the weights loaded from {hf} are not finite (NaN or inf); re-download or "
+        "re-export them, or start from other weights"
+    )
+    assert "Traceback" not in err and not (tmp_path / "metrics.jsonl").exists()
 
 
 LAUNCH_ENVIRONMENTS = {

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -15,7 +18,7 @@ import pytest
 from autopar.training.metrics import read_metrics
 from autopar.training.resolve import parse_job
 
-from jobs import TINY_FLAGS
+from jobs import TINY_FLAGS, free_port, rank_env, train_py
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,6 +133,64 @@ def test_torchrun_prints_a_config_error_once_not_once_per_rank(tmp_path):
     assert result.returncode != 0
     assert result.stderr.count("config error: training.seq_len=1 must be >= 2") == 1, result.stderr[-3000:]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_a_refusal_that_rank_0_does_not_say_is_said_by_the_rank_that_found_it(tmp_path):
+    # rank 1 alone (its rank 0 never starts): today's code exited 2 without a word
+    result = subprocess.run(
+        train_py(tmp_path / "out", "--training.seq_len", "1"),
+        cwd=ROOT,
+        env=rank_env(1, free_port()),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and lines == ["config error: rank 1: training.seq_len=1 must be >= 2"], (
+        lines
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def processes_writing_to(folder: Path) -> list[int]:
+    """The pids of the processes whose command line names ``folder`` (this test's workers)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            if str(folder).encode() in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+    return found
+
+
+@pytest.mark.slow
+def test_workers_stop_within_seconds_when_their_torchrun_launcher_is_killed(tmp_path):
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+    ]
+    launcher = subprocess.Popen(
+        [*torchrun, *train_py(tmp_path, "--training.steps", "100000", "--metrics.log_freq", "1")[1:]],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "metrics.jsonl").is_file() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        launcher.kill()
+        # the workers hold the launcher's stderr: it ends when the last of them has exited
+        _, err = launcher.communicate(timeout=120)
+    finally:  # workers left behind (torchrun starts each in a session of its own) are ended
+        for pid in processes_writing_to(tmp_path):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert "the torchrun launcher" in err and "is gone; stopping this worker" in err, err[-3000:]
+    assert "stopped by SIGTERM after step" in err, err[-3000:]
 
 
 TWO_STEPS = ("--training.steps", "2", "--checkpoint.enable", "false", "--job.dump_folder", "out")

@@ -309,6 +309,18 @@ def test_resume_skips_a_broken_latest_checkpoint_for_the_newest_intact_one(tmp_p
     assert f"checkpoint step-3 is broken ({shard_of(tmp_path, 3)}" in caplog.text
 
 
+@pytest.mark.parametrize(
+    "manifest", ["{not json", "  \n", '{"files": ["a list"]}'], ids=["syntax", "blank", "shape"]
+)
+def test_resume_skips_a_checkpoint_whose_manifest_is_damaged_for_the_one_before(tmp_path, caplog, manifest):
+    trainer(tmp_path, "--training.steps", "3", *CHECKPOINTS).train()
+    damaged = tmp_path / "checkpoint" / "step-3" / "manifest.json"
+    damaged.write_text(manifest)
+    resumed = trainer(tmp_path, "--training.steps", "3", *CHECKPOINTS)
+    assert resumed.checkpointer.resume_step() == 2
+    assert f"checkpoint step-3 is broken ({damaged} is damaged" in caplog.text
+
+
 def test_an_explicit_load_step_that_is_broken_is_refused(tmp_path):
     trainer(tmp_path, "--training.steps", "2", *CHECKPOINTS).train()
     flip_a_byte(shard_of(tmp_path, 2))
@@ -420,6 +432,23 @@ def test_a_second_run_on_a_dump_folder_in_use_is_refused_naming_the_holder(tmp_p
     assert code == 2 and len(lines) == 1, lines
     assert f"job.dump_folder={str(tmp_path)!r} is in use by another run (pid {os.getpid()} on" in lines[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # the holder's lock went with it
+
+
+def test_a_disk_already_full_at_start_is_one_line_exit_2_leaving_nothing(tmp_path):
+    result = subprocess.run(
+        train_py(tmp_path / "out", "--training.steps", "1"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        preexec_fn=limit_file_size(0),
+    )
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith(
+        f"config error: job.dump_folder={str(tmp_path / 'out')!r}: cannot write its run lock"
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_lock_file_left_by_a_dead_run_does_not_block_the_next(tmp_path):

@@ -213,6 +213,9 @@ def test_plan_cli_explains_in_one_paragraph_when_nothing_fits(capsys):
         ["--world-size", "8", "--parallelism.tensor_parallel_degree", "3"],
         ["--world-size", "8", "--gpus-per-node", "3"],
         ["--world-size", "1000000000"],
+        ["--world-size", "8", "--gpu-memory-gib", "nan"],
+        ["--world-size", "8", "--gpu-memory-gib", "inf"],
+        ["--world-size", "8", "--optimizer.lr", "nan"],
     ],
     ids=[
         "unknown device",
@@ -221,6 +224,9 @@ def test_plan_cli_explains_in_one_paragraph_when_nothing_fits(capsys):
         "degrees that cannot divide",
         "nodes that do not tile the world",
         "a world past any cluster",
+        "memory not a number",
+        "memory infinite",
+        "job number not finite",
     ],
 )
 def test_plan_cli_bad_input_is_one_line_and_exit_2(flags, capsys, monkeypatch):

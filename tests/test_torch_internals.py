@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopar.parallel.torch_internals import LEANED_ON
+from autopar.parallel.torch_internals import (
+    CHECKED_WITH,
+    LEANED_ON,
+    LEANED_ON_BEFORE,
+    torch_version,
+    untested_torch_warning,
+)
 
 PACKAGE = Path(__file__).resolve().parents[1] / "autopar"
 INTERNALS_MODULE = PACKAGE / "parallel" / "torch_internals.py"
@@ -54,6 +60,31 @@ def test_a_private_torch_name_autopar_uses_is_still_there(module, name):
             f"torch {torch.__version__}: {module}.{name} is gone ({LEANED_ON[module, name]})"
         )
         value = getattr(value, part)
+
+
+@pytest.mark.parametrize(("module", "name"), LEANED_ON_BEFORE, ids=[f"{m}.{n}" for m, n in LEANED_ON_BEFORE])
+def test_a_private_torch_name_autopar_uses_on_older_torch_is_there_on_it(module, name):
+    until, why = LEANED_ON_BEFORE[module, name]
+    if torch_version(torch.__version__) >= torch_version(until):
+        pytest.skip(f"torch {torch.__version__} does without {name} ({why})")
+    value = importlib.import_module(module)
+    for part in name.split("."):
+        assert hasattr(value, part), f"torch {torch.__version__}: {module}.{name} is gone ({why})"
+        value = getattr(value, part)
+
+
+def test_the_torch_running_the_tests_is_in_the_checked_range():
+    assert torch_version(CHECKED_WITH[0]) <= torch_version(torch.__version__), torch.__version__
+    assert untested_torch_warning() is None, untested_torch_warning()
+
+
+def test_a_newer_torch_than_the_checked_range_gets_one_warning_line_naming_the_range():
+    newest = CHECKED_WITH[-1]
+    assert untested_torch_warning(f"{newest}.1+cu132") is None
+    major, minor = torch_version(newest)
+    warning = untested_torch_warning(f"{major}.{minor + 1}.0")
+    assert warning is not None and "\n" not in warning
+    assert f"({CHECKED_WITH[0]} to {newest})" in warning
 
 
 @pytest.mark.parametrize("op", OPS)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+from autopar.parallel.torch_internals import untested_torch_warning
+
 
 def setup_logging(rank: int, all_ranks: bool = False) -> None:
     level = logging.INFO if rank == 0 or all_ranks else logging.WARNING
@@ -16,3 +18,10 @@ def setup_logging(rank: int, all_ranks: bool = False) -> None:
     # DTensor notes every two-step reduction on 2-D meshes (the gradient norm of FSDP x TP
     # does one per step); useful when tuning, noise in a training log.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+
+
+def warn_if_untested_torch() -> None:
+    """One warning line when this torch is newer than the range autopar was tested with."""
+    warning = untested_torch_warning()
+    if warning is not None:
+        logging.getLogger("autopar").warning(warning)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from autopar.cli.log import setup_logging
+from autopar.cli.log import setup_logging, warn_if_untested_torch
 from autopar.config import ConfigError, JobConfig, help_text, to_toml
 from autopar.data import DataError
 from autopar.models.args import ModelArgs
@@ -27,7 +28,7 @@ from autopar.planner.devices import DeviceSpec
 from autopar.planner.dry_run import compare, report, title, write_dry_run
 from autopar.planner.search import Plan
 from autopar.planner.verify import Verified
-from autopar.training.faults import TrainingStopped
+from autopar.training.faults import TrainingStopped, end_with_launcher
 from autopar.training.preflight import check_job
 from autopar.training.previous_run import check_previous_run, write_config
 from autopar.training.resolve import parse_job
@@ -53,6 +54,7 @@ def dry_run_main(argv: list[str], world_size: int) -> int:
     job = parse_job(argv)
     args = check_job(job, world_size, device_type="cuda")
     setup_logging(0)
+    warn_if_untested_torch()
     ranks = compare(job, args, world_size)
     print(title(job, world_size))
     print(report(ranks))
@@ -66,6 +68,7 @@ def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         print(help_text())
         return 0
+    end_with_launcher()
     try:
         argv, dry_world = _dry_run_flags(argv)
         if dry_world is not None:
@@ -106,6 +109,8 @@ def _run(job: JobConfig, args: ModelArgs, auto: tuple[Plan, DeviceSpec, list[Ver
         print(f"comm error: {message}", file=sys.stderr)
         return 1
     setup_logging(world.rank)
+    if world.is_main:
+        warn_if_untested_torch()
     dump = Path(job.job.dump_folder)
     try:
         trainer = Trainer(job, args, world)
@@ -144,12 +149,23 @@ def _announce_auto(
     write_plan(dump / "plan.json", plan, device, world_size)
 
 
+REFUSAL_GRACE_S = 5.0
+"""How long a rank other than the first waits before it says a refusal itself."""
+
+
 def _refuse(kind: str, err: object) -> int:
-    """Print ``kind: err`` once (from the first rank under torchrun, where every rank finds
-    it); the exit code of bad input."""
+    """Print ``kind: err``; the exit code of bad input. Under torchrun every rank usually
+    finds the same mistake: the first says it at once, the others wait ``REFUSAL_GRACE_S``
+    first, so torchrun (which ends the others when one exits) ends them before they repeat
+    it, and never ends the first before it spoke. A mistake only another rank finds (a file
+    missing on one node) is said by that rank after the wait, naming it."""
     launched = "MASTER_ADDR" in os.environ and os.environ.get("WORLD_SIZE", "1") not in ("", "1")
-    if os.environ.get("RANK", "0") == "0" or not launched:
+    rank = os.environ.get("RANK", "0")
+    if rank == "0" or not launched:
         print(f"{kind}: {err}", file=sys.stderr)
+        return 2
+    time.sleep(REFUSAL_GRACE_S)
+    print(f"{kind}: rank {rank}: {err}", file=sys.stderr, flush=True)
     return 2
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import inspect
 import itertools
+import math
 import sys
 import types
 import typing
@@ -93,18 +94,12 @@ def coerce(value: Any, annotation: Any, key: str, from_cli: bool) -> Any:
             return value.lower() in _TRUE
         raise ConfigError(f"{key}={value!r} is not a bool; use true or false")
     if annotation in (int, float):
-        if isinstance(value, str) and from_cli:
-            try:
-                return annotation(value)
-            except ValueError:
-                pass
-        elif (
-            not isinstance(value, bool)
-            and isinstance(value, (int, float))
-            and (annotation is float or float(value).is_integer())
-        ):
-            return annotation(value)
-        raise ConfigError(f"{key}={value!r} is not {'an int' if annotation is int else 'a number'}")
+        number = _number(value, annotation, from_cli)
+        if number is None:
+            raise ConfigError(f"{key}={value!r} is not {'an int' if annotation is int else 'a number'}")
+        if not math.isfinite(number):  # a NaN passes every range check, an inf every lower bound
+            raise ConfigError(f"{key}={number} must be a finite number")
+        return number
     if annotation is str:
         if isinstance(value, str):
             return value
@@ -112,6 +107,22 @@ def coerce(value: Any, annotation: Any, key: str, from_cli: bool) -> Any:
     if annotation is Any or typing.get_origin(annotation) is dict:
         return value
     raise TypeError(f"unsupported config type {annotation!r} for {key}")  # internal invariant
+
+
+def _number(value: Any, annotation: type, from_cli: bool) -> int | float | None:
+    """``value`` as an int or float (``annotation``), or None when it is not one."""
+    if isinstance(value, str) and from_cli:
+        try:
+            return annotation(value)
+        except ValueError:
+            return None
+    if (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float))
+        and (annotation is float or float(value).is_integer())
+    ):
+        return annotation(value)
+    return None
 
 
 def _unknown(kind: str, name: str, known: list[str]) -> ConfigError:

@@ -58,6 +58,11 @@ LossOn = Literal["assistant", "all", "last_assistant"]
 def template_text(tokenizer_path: str | Path | None, template: str | Path | None = None) -> str:
     """The chat template a conversation is rendered with: ``template`` (a file, or a shipped
     name such as ``qwen3``), else the ``chat_template`` beside the tokenizer, else Qwen2.5's."""
+    return _template_source(tokenizer_path, template)[0]
+
+
+def _template_source(tokenizer_path: str | Path | None, template: str | Path | None) -> tuple[str, str]:
+    """``template_text`` and where it was read from (for messages)."""
     if template is not None:
         path = Path(template)
         if not path.is_file() and (TEMPLATES / f"{template}.jinja").is_file():
@@ -67,16 +72,43 @@ def template_text(tokenizer_path: str | Path | None, template: str | Path | None
             raise DataError(
                 f"chat template {str(template)!r}: no such file, nor a shipped template ({shipped})"
             )
-        return path.read_text()
+        try:
+            return path.read_text(encoding="utf-8"), str(path)
+        except UnicodeDecodeError as err:
+            raise not_utf8(path, err) from None
     if tokenizer_path is not None:
-        config = tokenizer_file(str(tokenizer_path)).parent / "tokenizer_config.json"
-        if config.is_file():
-            found = json.loads(config.read_text()).get("chat_template")
-            if isinstance(found, list):  # named templates: the default one
-                found = next((t["template"] for t in found if t.get("name") == "default"), None)
-            if isinstance(found, str):
-                return found
-    return DEFAULT_TEMPLATE.read_text()
+        config = tokenizer_config(tokenizer_path)
+        found = config.get("chat_template")
+        if isinstance(found, list):  # named templates: the default one
+            found = next(
+                (t.get("template") for t in found if isinstance(t, dict) and t.get("name") == "default"),
+                None,
+            )
+        where = f"{tokenizer_file(str(tokenizer_path)).parent / 'tokenizer_config.json'} chat_template"
+        if isinstance(found, str):
+            return found, where
+        if found is not None:
+            raise DataError(f"{where}: not a template (a string, or a list with one named 'default')")
+    return DEFAULT_TEMPLATE.read_text(), str(DEFAULT_TEMPLATE)
+
+
+def tokenizer_config(tokenizer_path: str | Path) -> dict[str, Any]:
+    """The ``tokenizer_config.json`` beside the tokenizer ({} when there is none); one that is
+    not a JSON object is a DataError naming it."""
+    path = tokenizer_file(str(tokenizer_path)).parent / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise not_utf8(path, err) from None
+    except json.JSONDecodeError as err:
+        raise DataError(
+            f"{path}: not JSON ({err.msg} at line {err.lineno}); re-download it with the tokenizer"
+        ) from None
+    if not isinstance(config, dict):
+        raise DataError(f"{path}: not a JSON object but {type(config).__name__}; re-download it")
+    return config
 
 
 @lru_cache(maxsize=8)
@@ -99,8 +131,25 @@ def _compiled(text: str) -> Any:
 
 
 def render(messages: list[dict[str, Any]], template: str) -> str:
-    """The conversation as the template writes it for training (no generation prompt)."""
-    return _compiled(template).render(messages=messages, add_generation_prompt=False, tools=None)
+    """The conversation as the template writes it for training (no generation prompt). Any
+    failure of the template, compiling (bad syntax, an unknown filter) or rendering (an
+    undefined name, its own raise_exception), is one DataError saying what and where."""
+    from jinja2.exceptions import TemplateSyntaxError
+
+    try:
+        return _compiled(template).render(messages=messages, add_generation_prompt=False, tools=None)
+    except TemplateSyntaxError as err:
+        raise DataError(f"chat template line {err.lineno}: {err.message}; fix the template") from None
+    except Exception as err:  # the template's code, run on this conversation
+        raise DataError(f"chat template failed on this conversation: {type(err).__name__}: {err}") from None
+
+
+SAMPLE_CONVERSATION = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Hello."},
+    {"role": "assistant", "content": "Hello! How can I help?"},
+]
+"""What any chat template must render: checked before a job starts."""
 
 
 def learned_spans(text: str, loss_on: LossOn = "assistant") -> list[tuple[int, int]]:
@@ -164,15 +213,20 @@ class ChatFormat:
     loss_on: LossOn = "assistant"
 
     def check(self) -> None:
-        """Raise DataError when the template or the tokenizer's special tokens are missing."""
-        template_text(self.tokenizer_path, self.template)
+        """Raise DataError when the template is missing or cannot render a plain conversation,
+        or the tokenizer lacks the template's special tokens."""
+        text, where = _template_source(self.tokenizer_path, self.template)
+        try:
+            render(SAMPLE_CONVERSATION, text)
+        except DataError as err:
+            raise DataError(f"{where}: {err}") from None
         _tokenizer(self.tokenizer_path)
+        self.pad_id()
 
     def pad_id(self) -> int:
         """The id that fills the last partial sequence (never learned): the tokenizer's
         pad_token, else <|endoftext|>."""
-        config = tokenizer_file(self.tokenizer_path).parent / "tokenizer_config.json"
-        name = json.loads(config.read_text()).get("pad_token") if config.is_file() else None
+        name = tokenizer_config(self.tokenizer_path).get("pad_token")
         if isinstance(name, dict):  # an AddedToken written out
             name = name.get("content")
         tokenizer = _tokenizer(self.tokenizer_path)
@@ -190,8 +244,11 @@ def encode_files(files: list[Path], chat: ChatFormat) -> tuple[np.ndarray, np.nd
     for file in files:
         if file.suffix != ".jsonl":
             raise DataError(f"{file}: chat data is .jsonl conversations, not {file.suffix or 'this file'}")
-        for messages in read_conversations(file):
-            conversation, mask = _encode(messages, chat.tokenizer_path, template, chat.loss_on)
+        for number, messages in enumerate(read_conversations(file), 1):
+            try:
+                conversation, mask = _encode(messages, chat.tokenizer_path, template, chat.loss_on)
+            except DataError as err:
+                raise DataError(f"{file}: conversation {number}: {err}") from None
             ids += conversation
             learned.append(mask)
             ends.append(len(ids))

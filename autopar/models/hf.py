@@ -35,6 +35,8 @@ from autopar.models.qwen import Qwen
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+"""The safetensors dtypes of weights autopar loads (as safetensors names them)."""
 
 
 @contextlib.contextmanager
@@ -121,11 +123,17 @@ class HFTensors(Mapping[str, torch.Tensor]):
             )
         for hf_name, shape in expected.items():
             with _open(files[hf_name]) as f:
-                found = tuple(f.get_slice(hf_name).get_shape())
+                piece = f.get_slice(hf_name)
+                found, dtype = tuple(piece.get_shape()), piece.get_dtype()
             if found != shape:
                 raise HFCheckpointError(
                     f"{files[hf_name]}: tensor {hf_name!r} has shape {list(found)}, the config "
                     f"expects {list(shape)}"
+                )
+            if dtype not in FLOAT_DTYPES:  # an integer (quantized) weight would be cast silently
+                raise HFCheckpointError(
+                    f"{files[hf_name]}: tensor {hf_name!r} is {dtype}, not one of {sorted(FLOAT_DTYPES)}; "
+                    "autopar loads unquantized weights: use the model's original (bf16) checkpoint"
                 )
         embedding = f"{self.layout.prefix}embed_tokens.weight"
         if args.tie_word_embeddings and "lm_head.weight" in files:

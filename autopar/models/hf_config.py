@@ -11,6 +11,7 @@ import torch
 
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import dtype_name
+from autopar.models.hf_fields import ConfigFields
 from autopar.models.qwen3_5.hf import qwen3_5_args, qwen3_5_config, text_config
 
 CONFIG_FILE = "config.json"
@@ -40,57 +41,55 @@ def args_from_hf_config(config: Mapping[str, Any], source: str = CONFIG_FILE) ->
             f"{source}: model_type={model_type!r} is not supported; autopar loads "
             f"{sorted([*_ARCHITECTURES, *QWEN3_5_TYPES])} (Qwen2.5, Qwen3, Qwen3-MoE and Qwen3.5 / 3.6)"
         )
-    _check_rope_and_activation(config, source)
+    fields = ConfigFields(config, source, HFCheckpointError)
+    rope = _check_rope_and_activation(fields)
     is_qwen3 = model_type in ("qwen3", "qwen3_moe")
-    rope = config.get("rope_parameters") or {}
-    if is_qwen3 and config.get("attention_bias"):
+    if is_qwen3 and fields.bool("attention_bias"):
         raise HFCheckpointError(
             f"{source}: attention_bias=true for qwen3 would put a bias on o_proj, "
             "which no released Qwen3 has and autopar does not model"
         )
-    try:
-        heads = config["num_attention_heads"]
-        return ModelArgs(
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_hidden_layers=config["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=config.get("num_key_value_heads", heads),
-            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=not is_qwen3,
-            qk_norm=is_qwen3,
-            max_position_embeddings=config.get("max_position_embeddings", 32768),
-            initializer_range=config.get("initializer_range", 0.02),
-            **(_moe_args(config) if model_type == "qwen3_moe" else {}),
-        )
-    except KeyError as missing:
-        raise HFCheckpointError(f"{source}: required field {missing} is missing") from None
+    heads = fields.int("num_attention_heads")
+    head_dim = fields.int("head_dim", None)
+    return ModelArgs(
+        vocab_size=fields.int("vocab_size"),
+        hidden_size=fields.int("hidden_size"),
+        intermediate_size=fields.int("intermediate_size"),
+        num_hidden_layers=fields.int("num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=fields.int("num_key_value_heads", heads),
+        head_dim=head_dim or fields.int("hidden_size") // heads,
+        rope_theta=rope.float("rope_theta", fields.float("rope_theta", 10000.0)),
+        rms_norm_eps=fields.float("rms_norm_eps", 1e-6),
+        tie_word_embeddings=fields.bool("tie_word_embeddings", False),
+        attention_bias=not is_qwen3,
+        qk_norm=is_qwen3,
+        max_position_embeddings=fields.int("max_position_embeddings", 32768),
+        initializer_range=fields.float("initializer_range", 0.02),
+        **(_moe_args(fields) if model_type == "qwen3_moe" else {}),
+    )
 
 
-def _check_rope_and_activation(config: Mapping[str, Any], source: str) -> None:
-    rope = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+def _check_rope_and_activation(fields: ConfigFields) -> ConfigFields:
+    """Refuse what Qwen's attention and MLP do not do; returns the typed rope_parameters."""
+    source = fields.source
+    rope = ConfigFields(fields.mapping("rope_parameters"), f"{source} rope_parameters", HFCheckpointError)
+    scaling = fields.mapping("rope_scaling")
+    rope_type = rope.config.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     if rope_type != "default":
         raise HFCheckpointError(f"{source}: rope type {rope_type!r} is not supported; only 'default'")
-    if config.get("use_sliding_window"):
+    if fields.bool("use_sliding_window"):
         raise HFCheckpointError(f"{source}: use_sliding_window=true is not supported")
-    if config.get("hidden_act", "silu") != "silu":
-        raise HFCheckpointError(f"{source}: hidden_act={config['hidden_act']!r}; Qwen uses 'silu'")
+    if fields.config.get("hidden_act", "silu") != "silu":
+        raise HFCheckpointError(f"{source}: hidden_act={fields.config['hidden_act']!r}; Qwen uses 'silu'")
+    return rope
 
 
 def _hybrid_args(config: Mapping[str, Any], source: str) -> ModelArgs:
     """Qwen3.5 / 3.6 (dense or MoE, text-only or vision-language config) as ModelArgs."""
-    _check_rope_and_activation(config, source)
-    try:
-        fields = qwen3_5_args(config, moe=config.get("model_type") == "qwen3_5_moe_text")
-    except KeyError as missing:
-        raise HFCheckpointError(f"{source}: required field {missing} is missing") from None
-    args = ModelArgs(**fields)
+    fields = ConfigFields(config, source, HFCheckpointError)
+    rope = _check_rope_and_activation(fields)
+    args = ModelArgs(**qwen3_5_args(fields, rope, moe=config.get("model_type") == "qwen3_5_moe_text"))
     try:
         args.check()
     except ValueError as err:
@@ -98,16 +97,16 @@ def _hybrid_args(config: Mapping[str, Any], source: str) -> ModelArgs:
     return args
 
 
-def _moe_args(config: Mapping[str, Any]) -> dict[str, Any]:
+def _moe_args(fields: ConfigFields) -> dict[str, Any]:
     """The Qwen3-MoE fields of an HF config (v5 spells num_experts num_local_experts)."""
     return {
-        "num_experts": config.get("num_experts", config.get("num_local_experts")),
-        "num_experts_per_tok": config["num_experts_per_tok"],
-        "moe_intermediate_size": config["moe_intermediate_size"],
-        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
-        "decoder_sparse_step": config.get("decoder_sparse_step", 1),
-        "mlp_only_layers": tuple(config.get("mlp_only_layers") or ()),
-        "router_aux_loss_coef": float(config.get("router_aux_loss_coef", 0.001)),
+        "num_experts": fields.int("num_experts", fields.int("num_local_experts", None)),
+        "num_experts_per_tok": fields.int("num_experts_per_tok"),
+        "moe_intermediate_size": fields.int("moe_intermediate_size"),
+        "norm_topk_prob": fields.bool("norm_topk_prob", False),
+        "decoder_sparse_step": fields.int("decoder_sparse_step", 1),
+        "mlp_only_layers": fields.ints("mlp_only_layers"),
+        "router_aux_loss_coef": fields.float("router_aux_loss_coef", 0.001, zero_ok=True),
     }
 
 
@@ -179,7 +178,9 @@ def read_hf_config(path: str | Path) -> ModelArgs:
     if not config_path.is_file():
         raise HFCheckpointError(f"{config_path}: not found; an HF checkpoint needs a config.json")
     try:
-        config = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise HFCheckpointError(f"{config_path}: not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise HFCheckpointError(f"{config_path}: not a JSON object but {type(config).__name__}")
     return args_from_hf_config(config, str(config_path))

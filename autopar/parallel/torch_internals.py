@@ -1,7 +1,7 @@
 """Every private torch name autopar imports or patches, in one module: a torch upgrade is one
-file to read. Checked against torch 2.11 (the GPU image) and 2.13 (CI);
-``tests/test_torch_internals.py`` fails by name when one of ``LEANED_ON`` moves or goes, and
-fails when a module outside this one imports a private torch name.
+file to read. Checked against torch 2.11 (the GPU image), 2.13 (CI) and 2.15.0 (the CUDA wheel
+run on CPU); ``tests/test_torch_internals.py`` fails by name when one of ``LEANED_ON`` moves or
+goes, and fails when a module outside this one imports a private torch name.
 
 Private *operators* (``torch.ops._c10d_functional.*``, ``torch._grouped_mm``) are called where
 they are used and listed in that test; everything reached through a private module or
@@ -28,8 +28,9 @@ from torch.overrides import _get_current_function_mode_stack
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten, tree_map
 
-CHECKED_WITH = ("2.11", "2.13")
-"""The torch versions every name below was checked against."""
+CHECKED_WITH = ("2.11", "2.13", "2.15")
+"""The torch versions every name below was checked against (and the whole suite passed on):
+the supported range is their first to their last; a newer torch is warned about at start-up."""
 
 LEANED_ON = {
     # (module, dotted attribute): why autopar needs it
@@ -62,10 +63,6 @@ LEANED_ON = {
         "ShardingPropagator._propagate_tensor_meta_non_cached",
     ): "sharding_propagation_untracked",
     ("torch.distributed.pipelining._utils", "InferenceMode.STATIC"): "assume_static_stage_metadata",
-    (
-        "torch.distributed.pipelining.schedules",
-        "_PipelineSchedule._warmup_p2p",
-    ): "assume_static_stage_metadata",
     ("torch.testing._internal.distributed.fake_pg", "FakeStore"): "fake_store: the dry run's process group",
     (
         "torch.distributed.tensor.experimental._attention",
@@ -74,6 +71,15 @@ LEANED_ON = {
     ("torch.distributed.tensor.experimental._attention", "set_rotate_method"): "ring_attention_options",
     ("torch._functorch.config", "donated_buffer"): "keep_donated_buffers: split-backward pipelines",
 }
+
+LEANED_ON_BEFORE = {
+    # (module, dotted attribute): (the first torch version that does without it, why before it)
+    ("torch.distributed.pipelining.schedules", "_PipelineSchedule._warmup_p2p"): (
+        "2.15",
+        "assume_static_stage_metadata: the warm-up vote 2.15 skips under a fake group by itself",
+    ),
+}
+"""Names autopar needs only on torch older than the version given beside each."""
 
 __all__ = [
     "FSDPMemTracker",
@@ -152,14 +158,34 @@ def sharding_propagation_untracked(tracker_types: tuple[type, ...]) -> Iterator[
 def assume_static_stage_metadata(schedule: object) -> None:
     """Stand in for a schedule's warm-up vote, in which the pipeline ranks agree whether every
     stage's metadata is static: a fake process group carries no data to vote with, and the
-    caller knows the answer (its stages were given static shapes)."""
+    caller knows the answer (its stages were given complete static shapes). torch >= 2.15
+    has no such vote under a fake group: complete metadata is enough there."""
     from torch.distributed.pipelining._utils import InferenceMode
+
+    if not hasattr(schedule, "_warmup_p2p"):
+        return
 
     def vote(stages: list, has_backward: bool, p2p_done: bool) -> None:
         for stage in stages:
             stage._inference_mode = InferenceMode.STATIC
 
     schedule._warmup_p2p = vote  # type: ignore[attr-defined]
+
+
+def torch_version(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string: ``2.15.0+cu132`` -> ``(2, 15)``."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+def untested_torch_warning(version: str = torch.__version__) -> str | None:
+    """One line when ``version`` is newer than every torch autopar was checked with, else None."""
+    if torch_version(version) <= max(map(torch_version, CHECKED_WITH)):
+        return None
+    return (
+        f"torch {version} is newer than the versions autopar was tested with "
+        f"({CHECKED_WITH[0]} to {CHECKED_WITH[-1]}); if something fails, try torch {CHECKED_WITH[-1]}"
+    )
 
 
 def fake_store() -> dist.Store:

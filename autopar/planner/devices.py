@@ -10,6 +10,7 @@ Gen4 x16 on A100). ``memory_gib`` is what
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
@@ -43,8 +44,8 @@ def device_spec(name: str, memory_gib: float | None = None) -> DeviceSpec:
     if spec is None:
         raise ConfigError(f"--device {name!r} is not a known device; choose one of {sorted(PRESETS)}")
     if memory_gib is not None:
-        if memory_gib <= 0:
-            raise ConfigError(f"--gpu-memory-gib {memory_gib} must be > 0")
+        if not (math.isfinite(memory_gib) and memory_gib > 0):
+            raise ConfigError(f"--gpu-memory-gib {memory_gib} must be a finite number > 0")
         spec = dataclasses.replace(spec, memory_gib=memory_gib)
     return spec
 

@@ -170,7 +170,7 @@ def _stage_io(job: JobConfig, meshes: Meshes, built: ModelParts) -> list[StageIO
         # a received activation requires grad, or zero-bubble schedules find no path
         # from it to the weights and skip their gradients
         received = hidden.detach().requires_grad_()
-        sent = logits if last else hidden
+        sent = (logits if last else hidden).requires_grad_()  # what a stage sends is differentiable
         if part.args.moe:  # every stage also passes on the routing statistics so far
             routing = torch.empty((micro, 2, part.args.num_experts))
             received, sent = (received, routing.requires_grad_()), (sent, routing)
@@ -180,7 +180,8 @@ def _stage_io(job: JobConfig, meshes: Meshes, built: ModelParts) -> list[StageIO
                 "input_args": torch.zeros((micro, seq), dtype=torch.long) if first else received,
                 "output_args": sent,
                 "input_grads": None if first else grads(received),
-                "output_grads": None if last else grads(sent),
+                # the last stage's too: torch >= 2.15 wants both grads of a stage with DTensors
+                "output_grads": grads(sent),
             }
         )
     return io

@@ -182,8 +182,7 @@ def broken_file(folder: Path) -> str | None:
     manifest = folder / MANIFEST
     if not manifest.is_file():
         return None
-    files = json.loads(manifest.read_text())["files"]
-    problems = []
+    files, problems = _read_manifest(manifest)
     for name in _my_share(sorted(files)):
         path, expected = folder / name, files[name]
         if not path.is_file():
@@ -194,6 +193,18 @@ def broken_file(folder: Path) -> str | None:
             problems.append(f"{path} does not match the checksum written with it")
     problems = _gathered(problems)
     return problems[0] if problems else None
+
+
+def _read_manifest(manifest: Path) -> tuple[dict[str, Any], list[str]]:
+    """The files a manifest lists ({name: {"bytes", "crc32"}}), or none and the problem when
+    the manifest itself is damaged (the checkpoint then counts as broken)."""
+    try:
+        files = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+        if all(isinstance(e["bytes"], int) and isinstance(e["crc32"], int) for e in files.values()):
+            return files, []
+    except (ValueError, KeyError, TypeError, AttributeError):  # not JSON, or not a manifest's
+        pass
+    return {}, [f"{manifest} is damaged (not a JSON list of files, sizes and checksums)"]
 
 
 def saved_keys(folder: Path) -> set[str]:
@@ -562,11 +573,7 @@ def check_initial_load(cfg: Checkpoint, args: ModelArgs, model_label: str) -> No
     if not path.exists():
         raise ConfigError(f"checkpoint.initial_load_path={cfg.initial_load_path!r}: no such folder")
     if not cfg.initial_load_in_hf:
-        if not (path / ".metadata").is_file():
-            raise ConfigError(
-                f"checkpoint.initial_load_path={cfg.initial_load_path!r} is not a DCP checkpoint "
-                "(no .metadata); for an HF folder set checkpoint.initial_load_in_hf=true"
-            )
+        _check_initial_dcp(path, args, model_label)
         return
     try:
         hf_args = read_hf_config(path)
@@ -585,6 +592,27 @@ def check_initial_load(cfg: Checkpoint, args: ModelArgs, model_label: str) -> No
         HFTensors(path, args)  # every file readable, every tensor there in its shape
     except HFCheckpointError as err:
         raise ConfigError(f"checkpoint.initial_load_path: {err}") from None
+
+
+def _check_initial_dcp(path: Path, args: ModelArgs, model_label: str) -> None:
+    """A DCP ``initial_load_path`` holds every weight of this model, each in its shape (the
+    load itself is not strict: a missing or extra weight would pass unnoticed)."""
+    field = f"checkpoint.initial_load_path={str(path)!r}"
+    if not (path / ".metadata").is_file():
+        raise ConfigError(
+            f"{field} is not a DCP checkpoint (no .metadata); for an HF folder set "
+            "checkpoint.initial_load_in_hf=true"
+        )
+    try:
+        mismatch = model_mismatch(path, args)
+    except Exception as err:  # DCP unpickles .metadata: any error means a damaged file
+        raise ConfigError(f"{field}: {path / '.metadata'} is not readable ({type(err).__name__})") from None
+    if mismatch is not None:
+        raise ConfigError(
+            f"{field} was saved from another model than {model_label}: {mismatch}; start from a "
+            "checkpoint of this model (a LoRA run's saves hold its adapters only), or set the "
+            "--model.* fields it was saved with"
+        )
 
 
 def check_load_step(cfg: Checkpoint, dump_folder: str) -> None:

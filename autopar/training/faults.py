@@ -9,6 +9,8 @@
 - SIGTERM, SIGUSR1 (SLURM's warning before pre-emption) and SIGINT ask training to stop
   after the current step: the ranks agree on it (a signal may reach only some of them), save
   a checkpoint and exit normally. A second signal stops the process at once.
+- Under torchrun, a worker whose launcher died (``kill -9``) sends itself SIGTERM, so it
+  stops as a pre-empted one does instead of training on as an orphan.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import math
 import os
 import signal
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -157,3 +160,25 @@ class StopRequest:
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+LAUNCHER_POLL_S = 1.0
+"""How often a torchrun worker looks whether its launcher is still its parent."""
+
+
+def end_with_launcher(poll_s: float = LAUNCHER_POLL_S) -> None:
+    """Under torchrun (``TORCHELASTIC_RUN_ID`` set), SIGTERM this process within ``poll_s``
+    of its launcher's death: a killed launcher can no longer stop its workers, and the
+    kernel gives them to another parent, which is what this watches for (portable, unlike
+    Linux's PR_SET_PDEATHSIG, which follows the launcher's forking thread, not its process)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher and launcher != 1:
+            time.sleep(poll_s)
+        logger.warning("the torchrun launcher (pid %d) is gone; stopping this worker", launcher)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -21,22 +22,45 @@ LOCK_NAME = ".autopar.lock"
 @contextmanager
 def dump_folder_lock(folder: Path) -> Iterator[None]:
     """Hold the folder's lock while entered; ConfigError naming the holder when another run
-    has it. A folder made only for the lock is removed again if the run left it empty."""
+    has it, or saying why the lock cannot be written (a full disk, a read-only folder). A
+    folder made only for the lock is removed again if the run left it empty."""
     made = not folder.exists()
-    folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
-    fd = _acquire(path, folder, made)
     try:
-        os.ftruncate(fd, 0)
-        os.write(
-            fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%H:%M:%S')}".encode()
-        )
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = _acquire(path, folder, made)
+    except OSError as err:
+        _remove_if_made(folder, made)
+        raise _cannot_write(folder, err) from None
+    try:
+        try:
+            os.ftruncate(fd, 0)
+            os.write(
+                fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%H:%M:%S')}".encode()
+            )
+        except OSError as err:
+            raise _cannot_write(folder, err) from None
         yield
     finally:
         path.unlink(missing_ok=True)
         os.close(fd)
-        if made and not any(folder.iterdir()):
-            folder.rmdir()
+        _remove_if_made(folder, made)
+
+
+def _remove_if_made(folder: Path, made: bool) -> None:
+    if made and folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()
+
+
+def _cannot_write(folder: Path, err: OSError) -> ConfigError:
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    free = shutil.disk_usage(existing).free / 2**30
+    return ConfigError(
+        f"job.dump_folder={str(folder)!r}: cannot write its run lock ({err.strerror or err}; "
+        f"{free:.1f} GiB free there); free space, or pick another --job.dump_folder"
+    )
 
 
 def _acquire(path: Path, folder: Path, made: bool) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
+from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig
 from autopar.data.dataset import SampleSource
 from autopar.data.errors import DataError
@@ -283,6 +284,7 @@ class Trainer:
         elif checkpoint.initial_load_path is not None and not checkpoint.initial_load_in_hf:
             logger.info("initial weights from DCP folder %s", checkpoint.initial_load_path)
             self.checkpointer.load_model_only(checkpoint.initial_load_path)
+        self._check_loaded_weights(f"checkpoint step-{step}" if step is not None else None)
         self.metrics.forget_after(self.step)  # steps logged after it (by a run that died) run again
 
     def _follow_this_job(self, saved: dict[str, Any]) -> None:
@@ -306,6 +308,16 @@ class Trainer:
                     self.step,
                     ", ".join(f"step-{s}" for s in discarded),
                 )
+
+    def _check_loaded_weights(self, resumed: str | None) -> None:
+        """Weights read from files are finite: a NaN in a download would otherwise surface
+        as a NaN loss at step 1, with advice about the learning rate and the data."""
+        source = resumed or self.job.checkpoint.initial_load_path
+        if source is not None and not parameters_finite(self.parts):
+            raise ConfigError(
+                f"the weights loaded from {source} are not finite (NaN or inf); re-download or "
+                "re-export them, or start from other weights"
+            )
 
     def _data_shape(self) -> dict[str, int | str]:
         """What a checkpoint records of the data: how samples were cut and batched, and from

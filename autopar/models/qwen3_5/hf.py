@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from autopar.models.args import ModelArgs
+from autopar.models.hf_fields import ConfigFields
 from autopar.models.hf_layout import HFLayout, Piece
 
 _SECTIONS = {"q": 0, "k": 1, "v": 2}
@@ -60,44 +61,47 @@ def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return text
 
 
-def qwen3_5_args(config: Mapping[str, Any], moe: bool) -> dict[str, Any]:
-    """ModelArgs fields of a Qwen3.5 text config (KeyError names a missing required field)."""
-    rope = config.get("rope_parameters") or {}
-    layer_types = tuple(config.get("layer_types") or ())
-    fields: dict[str, Any] = {
-        "vocab_size": config["vocab_size"],
-        "hidden_size": config["hidden_size"],
-        "intermediate_size": config.get("intermediate_size", 0) if moe else config["intermediate_size"],
-        "num_hidden_layers": config["num_hidden_layers"],
-        "num_attention_heads": config["num_attention_heads"],
-        "num_key_value_heads": config["num_key_value_heads"],
-        "head_dim": config.get("head_dim", 256),
-        "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-        "partial_rotary_factor": float(rope.get("partial_rotary_factor", 0.25)),
-        "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-        "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
-        "attention_bias": bool(config.get("attention_bias", False)),
+def qwen3_5_args(fields: ConfigFields, rope: ConfigFields, moe: bool) -> dict[str, Any]:
+    """ModelArgs fields of a Qwen3.5 text config, each read by type (``ConfigFields``)."""
+    layer_types = fields.config.get("layer_types") or []
+    if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+        raise fields.error(f"{fields.source}: layer_types={layer_types!r} must be a list of layer type names")
+    args: dict[str, Any] = {
+        "vocab_size": fields.int("vocab_size"),
+        "hidden_size": fields.int("hidden_size"),
+        "intermediate_size": fields.int("intermediate_size", 0, minimum=0)
+        if moe
+        else fields.int("intermediate_size"),
+        "num_hidden_layers": fields.int("num_hidden_layers"),
+        "num_attention_heads": fields.int("num_attention_heads"),
+        "num_key_value_heads": fields.int("num_key_value_heads"),
+        "head_dim": fields.int("head_dim", 256),
+        "rope_theta": rope.float("rope_theta", fields.float("rope_theta", 10000.0)),
+        "partial_rotary_factor": rope.float("partial_rotary_factor", 0.25),
+        "rms_norm_eps": fields.float("rms_norm_eps", 1e-6),
+        "tie_word_embeddings": fields.bool("tie_word_embeddings", False),
+        "attention_bias": fields.bool("attention_bias", False),
         "qk_norm": True,
-        "max_position_embeddings": config.get("max_position_embeddings", 32768),
-        "initializer_range": config.get("initializer_range", 0.02),
-        "layer_types": layer_types,
-        "full_attention_interval": config.get("full_attention_interval", 4),
-        "linear_num_key_heads": config["linear_num_key_heads"],
-        "linear_num_value_heads": config["linear_num_value_heads"],
-        "linear_key_head_dim": config["linear_key_head_dim"],
-        "linear_value_head_dim": config["linear_value_head_dim"],
-        "linear_conv_kernel_dim": config.get("linear_conv_kernel_dim", 4),
+        "max_position_embeddings": fields.int("max_position_embeddings", 32768),
+        "initializer_range": fields.float("initializer_range", 0.02),
+        "layer_types": tuple(layer_types),
+        "full_attention_interval": fields.int("full_attention_interval", 4),
+        "linear_num_key_heads": fields.int("linear_num_key_heads"),
+        "linear_num_value_heads": fields.int("linear_num_value_heads"),
+        "linear_key_head_dim": fields.int("linear_key_head_dim"),
+        "linear_value_head_dim": fields.int("linear_value_head_dim"),
+        "linear_conv_kernel_dim": fields.int("linear_conv_kernel_dim", 4),
     }
     if moe:
-        fields.update(
-            num_experts=config["num_experts"],
-            num_experts_per_tok=config["num_experts_per_tok"],
-            moe_intermediate_size=config["moe_intermediate_size"],
-            shared_expert_intermediate_size=config.get("shared_expert_intermediate_size", 0),
+        args.update(
+            num_experts=fields.int("num_experts"),
+            num_experts_per_tok=fields.int("num_experts_per_tok"),
+            moe_intermediate_size=fields.int("moe_intermediate_size"),
+            shared_expert_intermediate_size=fields.int("shared_expert_intermediate_size", 0, minimum=0),
             norm_topk_prob=True,
-            router_aux_loss_coef=float(config.get("router_aux_loss_coef", 0.001)),
+            router_aux_loss_coef=fields.float("router_aux_loss_coef", 0.001, zero_ok=True),
         )
-    return fields
+    return args
 
 
 def qwen3_5_config(args: ModelArgs) -> dict[str, Any]:
