@@ -295,3 +295,19 @@ def test_an_unknown_layer_type_in_config_json_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(HFCheckpointError, match=r"model\.layer_types has 'mamba'"):
         from_hf(tmp_path)
+
+
+def test_fp8_leaves_the_decay_and_gate_projections_in_high_precision():
+    """Qwen's own FP8 checkpoints keep in_proj_a, in_proj_b (one row per value head) and the
+    shared expert's one-row gate in bf16; so does our conversion, whatever filter_fqns says."""
+    pytest.importorskip("torchao")
+    from autopar.config.sections import Float8
+    from autopar.parallel.float8 import apply_float8
+
+    with torch.device("meta"):
+        model = build_model(get_flavor("qwen3.5", "debug-moe"))
+    apply_float8(model, Float8(enable=True, backend="torchao", filter_fqns=[]), "cpu")
+    kinds = {fqn: type(m).__name__ for fqn, m in model.named_modules()}
+    kept = ("linear_attn.in_proj_a", "linear_attn.in_proj_b", "mlp.shared_expert_gate")
+    assert {kinds[f] for f in kinds if f.endswith(kept)} == {"Linear"}
+    assert kinds["layers.0.linear_attn.in_proj_z"] == kinds["layers.3.self_attn.q_proj"] == "Float8Linear"

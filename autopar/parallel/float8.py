@@ -29,7 +29,7 @@ from torch import nn
 from autopar.config.errors import ConfigError
 from autopar.config.sections import Float8
 from autopar.models.args import ModelArgs
-from autopar.models.family import build_model
+from autopar.models.family import build_model, family_of
 
 TE_HINT = 'pip install "transformer_engine[pytorch]" (needs CUDA and a matching torch build)'
 TORCHAO_HINT = 'pip install torchao (or: pip install -e ".[float8]")'
@@ -55,13 +55,16 @@ def _filters(filter_fqns: list[str]) -> list[str]:
     return [FILTER_ALIASES.get(f, f) for f in filter_fqns]
 
 
-def eligible(filter_fqns: list[str]) -> Callable[[nn.Module, str], bool]:
+def eligible(filter_fqns: list[str], high_precision: tuple[str, ...] = ()) -> Callable[[nn.Module, str], bool]:
+    """Whether a module becomes an FP8 linear: a linear outside ``filter_fqns`` and the
+    family's ``high_precision`` ones, both of whose dims FP8 GEMMs take."""
     filters = _filters(filter_fqns)
 
     def keep_fp8(module: nn.Module, fqn: str) -> bool:
         return (
             isinstance(module, nn.Linear)
             and not any(f in fqn for f in filters)
+            and not fqn.endswith(high_precision)
             and module.in_features % 16 == 0
             and module.out_features % 16 == 0
         )
@@ -82,7 +85,7 @@ def check_float8_filter(cfg: Float8, args: ModelArgs) -> None:
                 f"float8.filter_fqns item {item!r} matches no module of the model (names look like "
                 "'lm_head', 'layers.0.mlp.down_proj'); fix it, or that layer runs in FP8"
             )
-    keep = eligible(cfg.filter_fqns)
+    keep = eligible(cfg.filter_fqns, family_of(args).high_precision)
     with torch.device("meta"):
         count = sum(keep(m, fqn) for fqn, m in build_model(args).named_modules())
     if count == 0:
@@ -155,7 +158,7 @@ def apply_float8(model: nn.Module, cfg: Float8, device_type: str) -> int:
     """Swap eligible linears for FP8 ones (on the meta model); returns how many."""
     backend = resolve_backend(cfg, device_type)
     recipe = resolve_recipe(cfg, backend)
-    keep = eligible(cfg.filter_fqns)
+    keep = eligible(cfg.filter_fqns, family_of(model.args).high_precision)
     targets = [fqn for fqn, m in model.named_modules() if keep(m, fqn)]
     if backend == "torchao":
         ao = _import_torchao()

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
+from autopar.models.family import family_of
 from autopar.parallel.activation_checkpoint import checkpointed_layers
 from autopar.parallel.float8 import eligible
 from autopar.parallel.fsdp import reshards_blocks
@@ -158,7 +159,7 @@ class _Step:
 def _fp8_numel(args: ModelArgs, filter_fqns: tuple[str, ...]) -> int:
     """Weights of the linears FP8 converts (``parallel.float8.eligible``); cached, as the
     planner asks once per candidate plan."""
-    keep = eligible(list(filter_fqns))
+    keep = eligible(list(filter_fqns), family_of(args).high_precision)
     return sum(m.weight.numel() for fqn, m in meta_model(args).named_modules() if keep(m, fqn))
 
 
