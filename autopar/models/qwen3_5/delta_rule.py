@@ -97,10 +97,13 @@ def _segment(
     exit_decay = torch.where(enter[..., -1], gamma[..., -1], float("-inf")).exp()[..., None, None]
 
     outputs = []
-    for c in range(gamma.shape[3]):
-        u = values[:, :, :, c] - reads[:, :, :, c] @ state  # (B, K, R, C, dv)
-        outputs.append(q_entry[:, :, :, c] @ state + attend[:, :, :, c] @ u)
-        state = exit_decay[:, :, :, c] * state + k_exit[:, :, :, c].transpose(-1, -2) @ u
+    # unbind once: indexing chunk c in the loop would make backward fill a whole-segment zero
+    # tensor per chunk
+    per_chunk = (t.unbind(3) for t in (values, reads, q_entry, attend, k_exit, exit_decay))
+    for value, read, query, scores, key, decay_c in zip(*per_chunk):
+        u = value - read @ state  # (B, K, R, C, dv)
+        outputs.append(query @ state + scores @ u)
+        state = decay_c * state + key.transpose(-1, -2) @ u
     out = torch.stack(outputs, dim=3).flatten(3, 4)[:, :, :, :seqlen]  # (B, K, R, L, dv)
     return out.flatten(1, 2).transpose(1, 2), state  # (B, L, HV, dv)
 
