@@ -115,3 +115,50 @@ def test_vision_language_export_loads_in_transformers_as_the_whole_model(finetun
     theirs = model(input_ids=tokens).logits
     # fp32 both; the same math summed in another order (see test_qwen3_5.py)
     assert (theirs - ours).abs().max().item() <= 2e-4 * ours.abs().max().item()
+
+
+def test_lora_adapters_export_as_a_peft_folder_that_loads_on_the_hf_model(tmp_path):
+    """The attention and MLP linears take adapters (the default targets); the folder is peft's,
+    and peft over transformers' own Qwen3.5 gives our trained model's logits."""
+    peft = pytest.importorskip("peft")
+    source = tmp_path / "Qwen3.5-tiny-text"
+    torch.manual_seed(0)
+    transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**TEXT)).save_pretrained(source)
+    job = tiny_job(
+        tmp_path / "run",
+        "--model.hf_assets_path",
+        str(source),
+        "--checkpoint.initial_load_path",
+        str(source),
+        "--checkpoint.initial_load_in_hf",
+        "true",
+        "--checkpoint.last_save_in_hf",
+        "true",
+        "--lora.enable",
+        "true",
+        "--lora.rank",
+        "4",
+        "--training.steps",
+        "3",
+        name="qwen3.5",
+    )
+    job.model.overrides.clear()
+    trainer = one_process_trainer(job)
+    trainer.train()
+    base = transformers.Qwen3_5ForCausalLM.from_pretrained(source, dtype=torch.float32)
+    tokens = torch.randint(0, 320, (1, 40), generator=torch.Generator().manual_seed(0))
+    before = base(input_ids=tokens).logits
+    adapted = peft.PeftModel.from_pretrained(base, tmp_path / "run" / "hf" / "step-3")  # wraps base in place
+    ours = trainer.parts[0](tokens)
+    theirs = adapted(input_ids=tokens).logits
+    assert (theirs - ours).abs().max().item() <= 2e-4 * ours.abs().max().item()
+    assert not torch.allclose(theirs, before, atol=1e-4)  # the adapters moved it
+
+
+def test_lora_on_the_deltanet_projections_is_refused_with_one_line(tmp_path):
+    from autopar.config.errors import ConfigError
+    from autopar.training.preflight import check_job
+
+    job = tiny_job(tmp_path, "--lora.enable", "true", "--lora.target_modules", "in_proj_qkv", name="qwen3.5")
+    with pytest.raises(ConfigError, match="Gated DeltaNet projections"):
+        check_job(job, 1, "cpu")

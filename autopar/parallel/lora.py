@@ -242,6 +242,14 @@ def check_lora(job: JobConfig, args: ModelArgs, device_type: str) -> None:
         raise ConfigError(f"lora.dropout = {cfg.dropout}: give a probability in [0, 1)")
     with torch.device("meta"):
         model = build_model(args)
+    deltanet = sorted({path for path, _ in targeted(model, cfg.target_modules) if ".linear_attn." in path})
+    gdn_names = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")
+    if deltanet or (args.hybrid and any(t.endswith(gdn_names) for t in cfg.target_modules)):
+        raise ConfigError(
+            "lora.target_modules names Gated DeltaNet projections (linear_attn: in_proj_qkv, in_proj_z, "
+            "in_proj_a, in_proj_b, out_proj), which cannot take adapters yet: their peft folder would not "
+            "load on the HF model; adapt the attention and MLP linears (the default targets) for now"
+        )
     names = sorted({path.rpartition(".")[2] for path, _ in adaptable(model)})
     for target in cfg.target_modules:
         if not any(True for _ in targeted(model, [target])):
