@@ -209,7 +209,12 @@ def test_a_wheel_trains_a_preset_by_name_outside_the_repository(tmp_path):
             next(n for n in wheel.namelist() if n.endswith("entry_points.txt"))
         ).decode()
     assert "autopar-train = autopar.cli.train:cli" in entry_points
-    shipped = ("templates/qwen2.5.jinja", "templates/qwen3.jinja", "tokenizers/chatml/tokenizer.json")
+    shipped = (
+        "templates/qwen2.5.jinja",
+        "templates/qwen3.jinja",
+        "templates/qwen3.5.jinja",
+        "tokenizers/chatml/tokenizer.json",
+    )
     assert all((site / "autopar" / "data" / path).is_file() for path in shipped)
     result = subprocess.run(
         [sys.executable, "-m", "autopar.train", "--job.config", "debug_model", *TINY_FLAGS, *TWO_STEPS],

@@ -1,16 +1,17 @@
 """Conversations to token ids and a learned-token mask, with the model's own chat template.
 
-The template is the ``chat_template`` of the ``tokenizer_config.json`` beside the tokenizer
-(what transformers' ``apply_chat_template`` uses), a template file given by name, or Qwen2.5's
-official template when neither exists. It is rendered as transformers renders it: jinja2 in a
-sandbox, ``trim_blocks`` and ``lstrip_blocks``, ``tojson`` without ASCII escapes, and
-``raise_exception``. The rendered text is tokenized whole (special tokens are single tokens),
-so the ids equal ``apply_chat_template(messages, tokenize=True)``.
+The template is the one transformers' ``apply_chat_template`` uses (``chat_template.jinja``
+beside the tokenizer, else the ``chat_template`` of its ``tokenizer_config.json``), a template
+file given by name, or Qwen2.5's official template when none exists; it is found and rendered
+as transformers does (``chat_template.py``), with a record's ``tools``. The rendered text is
+tokenized whole (special tokens are single tokens), so the ids equal
+``apply_chat_template(messages, tools=tools, tokenize=True)``.
 
 Which tokens are learned is read off the rendered ChatML text: an assistant turn is
 ``<|im_start|>assistant\\n`` ... ``<|im_end|>``, and everything after the header up to and
-including ``<|im_end|>`` is learned (the content, Qwen3's ``<think>`` block, tool calls); the
-headers, the system, user and tool turns and the newline after ``<|im_end|>`` are not.
+including ``<|im_end|>`` is learned (the content, Qwen3's and Qwen3.5's ``<think>`` block, tool
+calls); the headers, the system, user and tool turns (Qwen3.5's tool responses are a user turn)
+and the newline after ``<|im_end|>`` are not.
 """
 
 from __future__ import annotations
@@ -21,16 +22,36 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
+from autopar.data.chat_template import (
+    DEFAULT_TEMPLATE,
+    TEMPLATES,
+    render,
+    template_source,
+    template_text,
+    tokenizer_config,
+)
 from autopar.data.errors import DataError, not_utf8
 from autopar.data.tokenizer import tokenizer_file
 
-TEMPLATES = Path(__file__).parent / "templates"
-"""Shipped templates: Qwen's official ones (``qwen2.5.jinja``, ``qwen3.jinja``)."""
-DEFAULT_TEMPLATE = TEMPLATES / "qwen2.5.jinja"
+__all__ = [
+    "DEFAULT_TEMPLATE",
+    "TEMPLATES",
+    "ChatFormat",
+    "Conversation",
+    "encode",
+    "encode_files",
+    "learned_spans",
+    "load_chat",
+    "read_conversations",
+    "read_records",
+    "render",
+    "template_text",
+    "tokenizer_config",
+]
 CHATML_TOKENIZER = Path(__file__).parent / "tokenizers" / "chatml"
 """A small byte-level BPE with Qwen's ChatML specials (512 ids: the debug flavor's
 vocabulary), for tests and examples."""
@@ -53,95 +74,6 @@ _HEADER = "<|im_start|>assistant\n"
 _ASSISTANT = re.compile(re.escape(_HEADER) + r".*?" + re.escape("<|im_end|>"), re.DOTALL)
 
 LossOn = Literal["assistant", "all", "last_assistant"]
-
-
-def template_text(tokenizer_path: str | Path | None, template: str | Path | None = None) -> str:
-    """The chat template a conversation is rendered with: ``template`` (a file, or a shipped
-    name such as ``qwen3``), else the ``chat_template`` beside the tokenizer, else Qwen2.5's."""
-    return _template_source(tokenizer_path, template)[0]
-
-
-def _template_source(tokenizer_path: str | Path | None, template: str | Path | None) -> tuple[str, str]:
-    """``template_text`` and where it was read from (for messages)."""
-    if template is not None:
-        path = Path(template)
-        if not path.is_file() and (TEMPLATES / f"{template}.jinja").is_file():
-            path = TEMPLATES / f"{template}.jinja"
-        if not path.is_file():
-            shipped = sorted(p.stem for p in TEMPLATES.glob("*.jinja"))
-            raise DataError(
-                f"chat template {str(template)!r}: no such file, nor a shipped template ({shipped})"
-            )
-        try:
-            return path.read_text(encoding="utf-8"), str(path)
-        except UnicodeDecodeError as err:
-            raise not_utf8(path, err) from None
-    if tokenizer_path is not None:
-        config = tokenizer_config(tokenizer_path)
-        found = config.get("chat_template")
-        if isinstance(found, list):  # named templates: the default one
-            found = next(
-                (t.get("template") for t in found if isinstance(t, dict) and t.get("name") == "default"),
-                None,
-            )
-        where = f"{tokenizer_file(str(tokenizer_path)).parent / 'tokenizer_config.json'} chat_template"
-        if isinstance(found, str):
-            return found, where
-        if found is not None:
-            raise DataError(f"{where}: not a template (a string, or a list with one named 'default')")
-    return DEFAULT_TEMPLATE.read_text(), str(DEFAULT_TEMPLATE)
-
-
-def tokenizer_config(tokenizer_path: str | Path) -> dict[str, Any]:
-    """The ``tokenizer_config.json`` beside the tokenizer ({} when there is none); one that is
-    not a JSON object is a DataError naming it."""
-    path = tokenizer_file(str(tokenizer_path)).parent / "tokenizer_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as err:
-        raise not_utf8(path, err) from None
-    except json.JSONDecodeError as err:
-        raise DataError(
-            f"{path}: not JSON ({err.msg} at line {err.lineno}); re-download it with the tokenizer"
-        ) from None
-    if not isinstance(config, dict):
-        raise DataError(f"{path}: not a JSON object but {type(config).__name__}; re-download it")
-    return config
-
-
-@lru_cache(maxsize=8)
-def _compiled(text: str) -> Any:
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise TemplateError(message)
-
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(text)
-
-
-def render(messages: list[dict[str, Any]], template: str) -> str:
-    """The conversation as the template writes it for training (no generation prompt). Any
-    failure of the template, compiling (bad syntax, an unknown filter) or rendering (an
-    undefined name, its own raise_exception), is one DataError saying what and where."""
-    from jinja2.exceptions import TemplateSyntaxError
-
-    try:
-        return _compiled(template).render(messages=messages, add_generation_prompt=False, tools=None)
-    except TemplateSyntaxError as err:
-        raise DataError(f"chat template line {err.lineno}: {err.message}; fix the template") from None
-    except Exception as err:  # the template's code, run on this conversation
-        raise DataError(f"chat template failed on this conversation: {type(err).__name__}: {err}") from None
 
 
 SAMPLE_CONVERSATION = [
@@ -179,18 +111,25 @@ def encode(
     tokenizer_path: str | Path,
     template: str | Path | None = None,
     loss_on: LossOn = "assistant",
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[list[int], list[bool]]:
-    """(token ids, learned) of one conversation: ``learned[i]`` says token ``i`` is a target
-    (``loss_on``: every assistant turn, the last one, or all tokens)."""
-    ids, learned = _encode(messages, str(tokenizer_path), template_text(tokenizer_path, template), loss_on)
+    """(token ids, learned) of one conversation offering ``tools`` (JSON-schema function
+    specs, as ``apply_chat_template(messages, tools=tools)`` takes them): ``learned[i]`` says
+    token ``i`` is a target (``loss_on``: every assistant turn, the last one, or all tokens)."""
+    text = template_text(tokenizer_path, template, tools)
+    ids, learned = _encode(messages, str(tokenizer_path), text, loss_on, tools)
     return ids, learned.tolist()
 
 
 def _encode(
-    messages: list[dict[str, Any]], tokenizer_path: str, template: str, loss_on: LossOn
+    messages: list[dict[str, Any]],
+    tokenizer_path: str,
+    template: str,
+    loss_on: LossOn,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[list[int], np.ndarray]:
     """``encode`` with the template text already read (once per dataset, not per line)."""
-    text = render(messages, template)
+    text = render(messages, template, tools)
     encoding = _tokenizer(tokenizer_path).encode(text, add_special_tokens=False)
     spans = learned_spans(text, loss_on)
     starts = np.array([s for s, _ in spans], dtype=np.int64)
@@ -215,7 +154,7 @@ class ChatFormat:
     def check(self) -> None:
         """Raise DataError when the template is missing or cannot render a plain conversation,
         or the tokenizer lacks the template's special tokens."""
-        text, where = _template_source(self.tokenizer_path, self.template)
+        text, where = template_source(self.tokenizer_path, self.template)
         try:
             render(SAMPLE_CONVERSATION, text)
         except DataError as err:
@@ -237,16 +176,19 @@ class ChatFormat:
 def encode_files(files: list[Path], chat: ChatFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, learned, end offset of each conversation) of every conversation in ``files``
     (.jsonl), one after another."""
-    template = template_text(chat.tokenizer_path, chat.template)
+    templates: dict[bool, str] = {}  # with tools or not: a folder may have a "tool_use" template
     ids: list[int] = []
     learned: list[np.ndarray] = []
     ends: list[int] = []
     for file in files:
         if file.suffix != ".jsonl":
             raise DataError(f"{file}: chat data is .jsonl conversations, not {file.suffix or 'this file'}")
-        for number, messages in enumerate(read_conversations(file), 1):
+        for number, (messages, tools) in enumerate(read_records(file), 1):
+            if (tools is not None) not in templates:
+                templates[tools is not None] = template_text(chat.tokenizer_path, chat.template, tools)
+            template = templates[tools is not None]
             try:
-                conversation, mask = _encode(messages, chat.tokenizer_path, template, chat.loss_on)
+                conversation, mask = _encode(messages, chat.tokenizer_path, template, chat.loss_on, tools)
             except DataError as err:
                 raise DataError(f"{file}: conversation {number}: {err}") from None
             ids += conversation
@@ -303,17 +245,54 @@ def _message(raw: Any, where: str, sharegpt: bool) -> dict[str, Any]:
     return {"role": role, "content": content, **message}
 
 
-def read_conversations(path: str | Path) -> Iterator[list[dict[str, Any]]]:
-    """The conversations of a chat JSONL file: one ``{"messages": [{"role", "content"}, ...]}``
-    (or ShareGPT's ``{"conversations": [{"from", "value"}, ...]}``) per line; a bad line is a
-    DataError naming the file and line."""
+class Conversation(NamedTuple):
+    """One line of chat JSONL: its messages and the function specs it offers (None: no tools)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+
+
+def read_records(path: str | Path) -> Iterator[Conversation]:
+    """The conversations of a chat JSONL file: one ``{"messages": [{"role", "content"}, ...],
+    "tools": [...]}`` (``tools`` optional; or ShareGPT's ``{"conversations": [{"from", "value"},
+    ...]}``) per line; a bad line is a DataError naming the file and line."""
     try:
         yield from _conversations(path)
     except UnicodeDecodeError as err:
         raise not_utf8(path, err) from None
 
 
-def _conversations(path: str | Path) -> Iterator[list[dict[str, Any]]]:
+def read_conversations(path: str | Path) -> Iterator[list[dict[str, Any]]]:
+    """The messages of each conversation of a chat JSONL file (``read_records`` without tools)."""
+    for conversation in read_records(path):
+        yield conversation.messages
+
+
+def _tools(record: dict[str, Any], where: str, sharegpt: bool) -> list[dict[str, Any]] | None:
+    """A record's ``tools``: a list of JSON-schema function specs, or None. ShareGPT files
+    (LLaMA-Factory's) may hold the list as a JSON string."""
+    tools = record.get("tools")
+    if sharegpt and isinstance(tools, str):
+        try:
+            tools = json.loads(tools) if tools.strip() else None
+        except json.JSONDecodeError as err:
+            raise DataError(f'{where}: "tools" is a string but not JSON ({err.msg})') from None
+    if tools is None:
+        return None
+    if isinstance(tools, list):
+        bad = [i for i, t in enumerate(tools, 1) if not isinstance(t, dict)]
+        if not bad:
+            return tools
+        found = f"item {bad[0]} is {type(tools[bad[0] - 1]).__name__}"
+    else:
+        found = f"it is {type(tools).__name__}"
+    raise DataError(
+        f'{where}: "tools" must be a list of function specs (JSON objects, as apply_chat_template '
+        f"takes them), but {found}"
+    )
+
+
+def _conversations(path: str | Path) -> Iterator[Conversation]:
     with Path(path).open(encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -331,4 +310,6 @@ def _conversations(path: str | Path) -> Iterator[list[dict[str, Any]]]:
             messages = record["conversations" if sharegpt else "messages"]
             if not isinstance(messages, list) or not messages:
                 raise DataError(f"{where}: messages must be a non-empty list")
-            yield [_message(m, where, sharegpt) for m in messages]
+            yield Conversation(
+                [_message(m, where, sharegpt) for m in messages], _tools(record, where, sharegpt)
+            )
