@@ -55,7 +55,9 @@ def _filters(filter_fqns: list[str]) -> list[str]:
     return [FILTER_ALIASES.get(f, f) for f in filter_fqns]
 
 
-def eligible(filter_fqns: list[str], high_precision: tuple[str, ...] = ()) -> Callable[[nn.Module, str], bool]:
+def eligible(
+    filter_fqns: list[str], high_precision: tuple[str, ...] = ()
+) -> Callable[[nn.Module, str], bool]:
     """Whether a module becomes an FP8 linear: a linear outside ``filter_fqns`` and the
     family's ``high_precision`` ones, both of whose dims FP8 GEMMs take."""
     filters = _filters(filter_fqns)

@@ -226,6 +226,19 @@ def adapter_values(base: FullValue, seed: int, device: torch.device) -> FullValu
     return value
 
 
+def _check_deltanet_targets(cfg: LoRA, args: ModelArgs, model: nn.Module) -> None:
+    """Gated DeltaNet projections take no adapters yet: HF fuses in_proj_qkv, which we split,
+    so their peft folder would not load on the HF model."""
+    adapted = any(".linear_attn." in path for path, _ in targeted(model, cfg.target_modules))
+    hf_names = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")
+    if adapted or (args.hybrid and any(t.endswith(hf_names) for t in cfg.target_modules)):
+        raise ConfigError(
+            "lora.target_modules names Gated DeltaNet projections (linear_attn: in_proj_qkv, in_proj_z, "
+            "in_proj_a, in_proj_b, out_proj), which cannot take adapters yet: their peft folder would not "
+            "load on the HF model; adapt the attention and MLP linears (the default targets) for now"
+        )
+
+
 def check_lora(job: JobConfig, args: ModelArgs, device_type: str) -> None:
     """Refuse, before anything is built, a LoRA job that would train nothing somewhere or
     pair LoRA with what it does not run with; one line naming the field and the fix."""
@@ -242,14 +255,7 @@ def check_lora(job: JobConfig, args: ModelArgs, device_type: str) -> None:
         raise ConfigError(f"lora.dropout = {cfg.dropout}: give a probability in [0, 1)")
     with torch.device("meta"):
         model = build_model(args)
-    deltanet = sorted({path for path, _ in targeted(model, cfg.target_modules) if ".linear_attn." in path})
-    gdn_names = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")
-    if deltanet or (args.hybrid and any(t.endswith(gdn_names) for t in cfg.target_modules)):
-        raise ConfigError(
-            "lora.target_modules names Gated DeltaNet projections (linear_attn: in_proj_qkv, in_proj_z, "
-            "in_proj_a, in_proj_b, out_proj), which cannot take adapters yet: their peft folder would not "
-            "load on the HF model; adapt the attention and MLP linears (the default targets) for now"
-        )
+    _check_deltanet_targets(cfg, args, model)
     names = sorted({path.rpartition(".")[2] for path, _ in adaptable(model)})
     for target in cfg.target_modules:
         if not any(True for _ in targeted(model, [target])):
