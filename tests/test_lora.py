@@ -85,7 +85,7 @@ def test_adapter_folder_loads_in_peft_with_our_logits(tmp_path):
             if isinstance(module, LoRALinear):
                 module.lora_B.weight.normal_(0, 0.02)
     adapters = {n: p for n, p in ours.named_parameters() if ".lora_" in n}
-    save_adapter(adapters, LORA, tmp_path / "adapter")
+    save_adapter(adapters, LORA, tmp_path / "adapter", args)
     assert load_adapter(tmp_path / "adapter").keys() == adapters.keys()
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
     loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
@@ -361,7 +361,7 @@ def test_expert_adapter_folder_loads_in_peft_with_our_logits(tmp_path):
             if ".lora_" in name:
                 param.normal_(0, 0.05)
     adapters = {n: p.detach() for n, p in ours.named_parameters() if ".lora_" in n}
-    save_adapter(adapters, EXPERT_LORA, tmp_path / "adapter")
+    save_adapter(adapters, EXPERT_LORA, tmp_path / "adapter", args)
     loaded = load_adapter(tmp_path / "adapter")
     assert loaded.keys() == adapters.keys() and all(torch.equal(loaded[n], t) for n, t in adapters.items())
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)

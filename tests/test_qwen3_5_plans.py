@@ -67,6 +67,13 @@ MOE_PLANS = [
 ]
 
 
+LORA = ("--lora.enable", "true", "--lora.rank", "4", "--lora.target_modules")
+LORA_TARGETS = "in_proj_qkv,in_proj_z,in_proj_a,in_proj_b,out_proj,q_proj,down_proj"
+"""Adapters on every kind of linear: the DeltaNet's by HF name (its fused in_proj_qkv as our
+three pieces sharing one A), attention's and the MLP's."""
+LORA_PLANS = ["dp_shard=2", "tp=2", "pp=2"]
+
+
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
     return parity_runs(hybrid_job(tmp_path_factory.mktemp("qwen3_5")), DENSE_PLANS, steps=STEPS)
@@ -80,6 +87,26 @@ def moe(tmp_path_factory):
 @pytest.mark.parametrize("plan", DENSE_PLANS)
 def test_plan_matches_single_device(dense, plan):
     reference, run = dense[plan]
+    assert_fp32_parity(run, reference)
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory):
+    job = tiny_job(
+        tmp_path_factory.mktemp("qwen3_5_lora"),
+        "--optimizer.lr",
+        "0.001",
+        *LORA,
+        LORA_TARGETS,
+        name="qwen3.5",
+        **LAYERS,
+    )
+    return parity_runs(job, LORA_PLANS, steps=STEPS)
+
+
+@pytest.mark.parametrize("plan", LORA_PLANS)
+def test_lora_plan_matches_single_device(lora, plan):
+    reference, run = lora[plan]
     assert_fp32_parity(run, reference)
 
 

@@ -117,9 +117,18 @@ def test_vision_language_export_loads_in_transformers_as_the_whole_model(finetun
     assert (theirs - ours).abs().max().item() <= 2e-4 * ours.abs().max().item()
 
 
-def test_lora_adapters_export_as_a_peft_folder_that_loads_on_the_hf_model(tmp_path):
-    """The attention and MLP linears take adapters (the default targets); the folder is peft's,
-    and peft over transformers' own Qwen3.5 gives our trained model's logits."""
+@pytest.mark.parametrize(
+    "targets",
+    [
+        pytest.param("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj", id="default"),
+        pytest.param("in_proj_qkv,in_proj_z,in_proj_a,in_proj_b,out_proj,o_proj,down_proj", id="deltanet"),
+    ],
+)
+def test_lora_adapters_export_as_a_peft_folder_that_loads_on_the_hf_model(tmp_path, targets):
+    """Adapters on the attention and MLP linears (the default targets), or by HF name on the
+    Gated DeltaNet projections (HF's fused in_proj_qkv: our three pieces share one A, their
+    Bs stacked, peft's own parametrization): the folder is peft's, and peft over transformers'
+    Qwen3.5 gives our trained model's logits."""
     peft = pytest.importorskip("peft")
     source = tmp_path / "Qwen3.5-tiny-text"
     torch.manual_seed(0)
@@ -138,6 +147,8 @@ def test_lora_adapters_export_as_a_peft_folder_that_loads_on_the_hf_model(tmp_pa
         "true",
         "--lora.rank",
         "4",
+        "--lora.target_modules",
+        targets,
         "--training.steps",
         "3",
         name="qwen3.5",
@@ -155,10 +166,10 @@ def test_lora_adapters_export_as_a_peft_folder_that_loads_on_the_hf_model(tmp_pa
     assert not torch.allclose(theirs, before, atol=1e-4)  # the adapters moved it
 
 
-def test_lora_on_the_deltanet_projections_is_refused_with_one_line(tmp_path):
+def test_a_piece_of_a_fused_hf_linear_is_not_a_target_of_its_own(tmp_path):
     from autopar.config.errors import ConfigError
     from autopar.training.preflight import check_job
 
-    job = tiny_job(tmp_path, "--lora.enable", "true", "--lora.target_modules", "in_proj_qkv", name="qwen3.5")
-    with pytest.raises(ConfigError, match="Gated DeltaNet projections"):
+    job = tiny_job(tmp_path, "--lora.enable", "true", "--lora.target_modules", "in_proj_k", name="qwen3.5")
+    with pytest.raises(ConfigError, match="split of HF's in_proj_qkv; name 'in_proj_qkv'"):
         check_job(job, 1, "cpu")

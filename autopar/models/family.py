@@ -6,7 +6,7 @@ so a new family is a folder of files and a row of ``FAMILIES``; what differs per
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autopar.models.args import ModelArgs
 from autopar.models.qwen import Qwen
@@ -24,6 +24,9 @@ class ModelFamily:
     high_precision: tuple[str, ...] = ()
     """Linears FP8 never converts (name suffixes), whatever ``float8.filter_fqns`` says: tiny
     projections whose FP8 error the released FP8 checkpoints avoid too."""
+    fused_linears: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """HF's fused linear (module path within a block) -> ours that split it, in its row
+    order: LoRA adapts them as one (one A, their Bs stacked), peft names them as HF's."""
 
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -36,6 +39,9 @@ FAMILIES: dict[str, ModelFamily] = {
         # the decay and write-strength projections (one row per value head) and the shared
         # expert's one-row gate stay bf16 in Qwen's own FP8 checkpoints, as does the conv
         high_precision=("linear_attn.in_proj_a", "linear_attn.in_proj_b", "mlp.shared_expert_gate"),
+        fused_linears={
+            "linear_attn.in_proj_qkv": ("linear_attn.in_proj_q", "linear_attn.in_proj_k", "linear_attn.in_proj_v")
+        },
     ),
 }
 

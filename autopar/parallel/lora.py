@@ -37,7 +37,7 @@ from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig, LoRA
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
-from autopar.models.family import build_model
+from autopar.models.family import build_model, family_of
 from autopar.models.moe import ExpertKernel, ExpertMatmul, Experts, on_expert_rows
 from autopar.models.qwen import canonical_name, named_generator
 from autopar.parallel.expert_parallel import RoutedExperts, local
@@ -123,10 +123,40 @@ def lora_class(base: type[nn.Linear]) -> type[LoRALinear]:
 def targeted(model: nn.Module, targets: list[str]) -> Iterator[tuple[str, nn.Module]]:
     """The linears (and, for an ``experts`` entry, the experts) named by ``targets``: an entry
     matches a module whose name ends with it (``q_proj``, ``attention.q_proj``,
-    ``layers.0.mlp.down_proj``), as peft matches."""
+    ``layers.0.mlp.down_proj``), as peft matches; an HF linear we split (``in_proj_qkv``)
+    names its pieces."""
+    targets = expand_fused(targets, family_of(model.args).fused_linears)
     for path, module in adaptable(model):
         if any(path == t or path.endswith(f".{t}") for t in targets):
             yield path, module
+
+
+def expand_fused(targets: list[str], fused: dict[str, tuple[str, ...]]) -> list[str]:
+    """``targets`` with each entry that names an HF fused linear replaced by our pieces of it
+    (``in_proj_qkv`` -> ``in_proj_q``, ``in_proj_k``, ``in_proj_v``)."""
+    expanded = []
+    for target in targets:
+        for hf, pieces in fused.items():
+            leaf = hf.rpartition(".")[2]
+            if f".{hf}".endswith(f".{target}") or target.endswith(f".{hf}"):
+                prefix = target.removesuffix(leaf)
+                expanded += [prefix + piece.rpartition(".")[2] for piece in pieces]
+                break
+        else:
+            expanded.append(target)
+    return expanded
+
+
+def _share_fused_a(targets: list[tuple[str, nn.Module]], fused: dict[str, tuple[str, ...]]) -> None:
+    """The pieces of one HF fused linear share the first piece's A, as peft's single adapter
+    on the fused linear does (its B is theirs stacked): exactly peft's parametrization."""
+    for pieces in fused.values():
+        leaves = [p.rpartition(".")[2] for p in pieces]
+        firsts = {path.removesuffix(leaves[0]): m for path, m in targets if path.endswith(f".{leaves[0]}")}
+        for path, module in targets:
+            prefix = path.removesuffix(path.rpartition(".")[2])
+            if path.rpartition(".")[2] in leaves[1:] and prefix in firsts:
+                module.lora_A = firsts[prefix].lora_A
 
 
 def adaptable(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -143,15 +173,15 @@ def apply_lora(model: nn.Module, cfg: LoRA, compute_dtype: torch.dtype) -> int:
     model's device, meta before materializing); the frozen weights take ``cfg.base_dtype``.
     Returns how many modules got adapters."""
     model.requires_grad_(False)
-    count = 0
-    for _, module in list(targeted(model, cfg.target_modules)):
+    targets = list(targeted(model, cfg.target_modules))
+    for _, module in targets:
         if isinstance(module, Experts):
             _add_expert_adapters(module, cfg)
         else:
             _add_adapters(module, cfg)
-        count += 1
+    _share_fused_a(targets, family_of(model.args).fused_linears)
     _store_frozen(model, base_storage_dtype(cfg, compute_dtype))
-    return count
+    return len(targets)
 
 
 def _store_frozen(model: nn.Module, dtype: torch.dtype) -> None:
@@ -226,17 +256,17 @@ def adapter_values(base: FullValue, seed: int, device: torch.device) -> FullValu
     return value
 
 
-def _check_deltanet_targets(cfg: LoRA, args: ModelArgs, model: nn.Module) -> None:
-    """Gated DeltaNet projections take no adapters yet: HF fuses in_proj_qkv, which we split,
-    so their peft folder would not load on the HF model."""
-    adapted = any(".linear_attn." in path for path, _ in targeted(model, cfg.target_modules))
-    hf_names = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b")
-    if adapted or (args.hybrid and any(t.endswith(hf_names) for t in cfg.target_modules)):
-        raise ConfigError(
-            "lora.target_modules names Gated DeltaNet projections (linear_attn: in_proj_qkv, in_proj_z, "
-            "in_proj_a, in_proj_b, out_proj), which cannot take adapters yet: their peft folder would not "
-            "load on the HF model; adapt the attention and MLP linears (the default targets) for now"
-        )
+def _check_fused_pieces(cfg: LoRA, args: ModelArgs) -> None:
+    """A piece of an HF fused linear is not a target of its own: its adapter would have no
+    name on the HF model (the peft folder names the fused linear)."""
+    for hf, pieces in family_of(args).fused_linears.items():
+        leaves = {p.rpartition(".")[2] for p in pieces}
+        named = [t for t in cfg.target_modules if t.rpartition(".")[2] in leaves]
+        if named:
+            raise ConfigError(
+                f"lora.target_modules entry {named[0]!r} is autopar's split of HF's {hf.rpartition('.')[2]}; "
+                f"name {hf.rpartition('.')[2]!r} (peft's name for the fused linear), which adapts all of it"
+            )
 
 
 def check_lora(job: JobConfig, args: ModelArgs, device_type: str) -> None:
@@ -255,7 +285,7 @@ def check_lora(job: JobConfig, args: ModelArgs, device_type: str) -> None:
         raise ConfigError(f"lora.dropout = {cfg.dropout}: give a probability in [0, 1)")
     with torch.device("meta"):
         model = build_model(args)
-    _check_deltanet_targets(cfg, args, model)
+    _check_fused_pieces(cfg, args)
     names = sorted({path.rpartition(".")[2] for path, _ in adaptable(model)})
     for target in cfg.target_modules:
         if not any(True for _ in targeted(model, [target])):

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from autopar.config.sections import LoRA
 from autopar.models.args import ModelArgs
-from autopar.models.family import build_model
+from autopar.models.family import build_model, family_of
 from autopar.models.hf import save_hf_streaming
 from autopar.models.hf_names import to_hf_name
 from autopar.training.checkpoint import read_model_tensors
@@ -97,12 +97,48 @@ def adapter_config(cfg: LoRA, base_model: str | None) -> dict[str, object]:
     }
 
 
+def fuse_pieces(adapters: Mapping[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """``adapters`` with the pieces of each HF fused linear (``in_proj_q/k/v``) as the one
+    adapter peft puts on the fused linear (``in_proj_qkv``): their shared A, their Bs stacked
+    in the fused rows' order."""
+    fused: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    plain: dict[str, torch.Tensor] = {}
+    for name, tensor in adapters.items():
+        found = _fused_name(name, family_of(args).fused_linears)
+        if found is None:
+            plain[name] = tensor
+        else:
+            fused.setdefault(found[0], []).append((found[1], tensor))
+    for name, parts in fused.items():
+        parts.sort(key=lambda part: part[0])
+        if name.endswith("lora_A.weight"):  # one A, shared: every piece holds it
+            plain[name] = parts[0][1]
+        else:
+            plain[name] = torch.cat([t for _, t in parts], dim=0)
+    return plain
+
+
+def _fused_name(name: str, fused: Mapping[str, tuple[str, ...]]) -> tuple[str, int] | None:
+    """(the fused linear's adapter name, the piece's index) of a piece's adapter ``name``."""
+    for hf, pieces in fused.items():
+        for index, piece in enumerate(pieces):
+            marker = f".{piece}.lora_"
+            if marker in f".{name}":
+                return name.replace(f"{piece}.lora_", f"{hf}.lora_"), index
+    return None
+
+
 def save_adapter(
-    adapters: Mapping[str, torch.Tensor], cfg: LoRA, path: str | Path, base_model: str | None = None
+    adapters: Mapping[str, torch.Tensor],
+    cfg: LoRA,
+    path: str | Path,
+    args: ModelArgs,
+    base_model: str | None = None,
 ) -> None:
     """Write ``adapters`` (full tensors under our names) as a peft adapter folder."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    adapters = fuse_pieces(adapters, args)
     tensors = {peft_name(n): to_peft_layout(n, t.detach()).contiguous().cpu() for n, t in adapters.items()}
     save_file(tensors, str(path / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     (path / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(cfg, base_model), indent=2) + "\n")

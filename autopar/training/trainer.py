@@ -537,7 +537,7 @@ class Trainer:
         adapters = saved_adapters(ckpt)
         base_model = self.job.model.hf_assets_path or checkpoint.initial_load_path
         cast = {n: t.to(dtype) for n, t in adapters.items()}
-        self._write_export(ckpt, out, lambda folder: save_adapter(cast, lora, folder, base_model))
+        self._write_export(ckpt, out, lambda folder: save_adapter(cast, lora, folder, self.args, base_model))
         if lora.merge_on_export:
             merged = out.with_name(f"{out.name}-merged")
             base = self._base_tensors()
