@@ -40,7 +40,11 @@ FAMILIES: dict[str, ModelFamily] = {
         # expert's one-row gate stay bf16 in Qwen's own FP8 checkpoints, as does the conv
         high_precision=("linear_attn.in_proj_a", "linear_attn.in_proj_b", "mlp.shared_expert_gate"),
         fused_linears={
-            "linear_attn.in_proj_qkv": ("linear_attn.in_proj_q", "linear_attn.in_proj_k", "linear_attn.in_proj_v")
+            "linear_attn.in_proj_qkv": (
+                "linear_attn.in_proj_q",
+                "linear_attn.in_proj_k",
+                "linear_attn.in_proj_v",
+            )
         },
     ),
 }

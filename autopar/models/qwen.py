@@ -186,6 +186,49 @@ class Block(nn.Module):
         return h + out
 
 
+def canonical_name(name: str) -> str:
+    """A parameter name with wrapper prefixes (activation checkpointing, compile) removed."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def initial_value(
+    args: ModelArgs,
+    name: str,
+    shape: torch.Size | tuple[int, ...],
+    seed: int,
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The full initial tensor of parameter ``name``.
+
+    Each parameter draws from its own generator seeded by (seed, name), so its value depends
+    on nothing else: not on which parameters a pipeline stage holds, nor on how a plan
+    shards it. That is what lets every plan start from the single-device weights.
+    Residual projections get the depth-scaled std of GPT-2 / Megatron.
+    """
+    name = canonical_name(name)
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, device=device, dtype=dtype)
+    if name.endswith(".bias"):
+        return torch.zeros(shape, device=device, dtype=dtype)
+    std = args.initializer_range
+    if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+        std /= math.sqrt(2 * args.num_hidden_layers)
+    out = torch.empty(shape, device=device, dtype=torch.float32)
+    out.normal_(0.0, std, generator=named_generator(seed, name, device))
+    return out.to(dtype)
+
+
+def named_generator(seed: int, name: str, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator seeded by (seed, parameter name): a value drawn from it depends on nothing
+    else (not on the plan, nor on which parameters a rank holds)."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    return generator
+
+
 class Qwen(nn.Module):
     """Embeddings -> blocks -> norm -> lm_head; ``forward(tokens) -> logits``.
 
@@ -261,16 +304,8 @@ class Qwen(nn.Module):
         for name, param in self.named_parameters():
             param.copy_(self.initial_value(self.args, name, param.shape, seed, param.device, param.dtype))
 
-    @staticmethod
-    def initial_value(
-        args: ModelArgs,
-        name: str,
-        shape: torch.Size | tuple[int, ...],
-        seed: int,
-        device: torch.device | str,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:
-        return initial_value(args, name, shape, seed, device, dtype)
+    initial_value = staticmethod(initial_value)
+    """Each parameter's deterministic start (a family with other rules overrides it)."""
 
 
 def split_output(
@@ -280,46 +315,3 @@ def split_output(
     None): a mixture of experts also returns its routing statistics, a dense model only its
     output (see ``Qwen.forward``)."""
     return output if isinstance(output, tuple) else (output, None)
-
-
-def canonical_name(name: str) -> str:
-    """A parameter name with wrapper prefixes (activation checkpointing, compile) removed."""
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name
-
-
-def initial_value(
-    args: ModelArgs,
-    name: str,
-    shape: torch.Size | tuple[int, ...],
-    seed: int,
-    device: torch.device | str,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """The full initial tensor of parameter ``name``.
-
-    Each parameter draws from its own generator seeded by (seed, name), so its value depends
-    on nothing else: not on which parameters a pipeline stage holds, nor on how a plan
-    shards it. That is what lets every plan start from the single-device weights.
-    Residual projections get the depth-scaled std of GPT-2 / Megatron.
-    """
-    name = canonical_name(name)
-    if name.endswith("norm.weight"):
-        return torch.ones(shape, device=device, dtype=dtype)
-    if name.endswith(".bias"):
-        return torch.zeros(shape, device=device, dtype=dtype)
-    std = args.initializer_range
-    if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
-        std /= math.sqrt(2 * args.num_hidden_layers)
-    out = torch.empty(shape, device=device, dtype=torch.float32)
-    out.normal_(0.0, std, generator=named_generator(seed, name, device))
-    return out.to(dtype)
-
-
-def named_generator(seed: int, name: str, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator seeded by (seed, parameter name): a value drawn from it depends on nothing
-    else (not on the plan, nor on which parameters a rank holds)."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-    return generator

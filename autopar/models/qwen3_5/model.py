@@ -143,29 +143,6 @@ class HybridBlock(nn.Module):
         return h + out
 
 
-class Qwen35(Qwen):
-    """The Qwen3.5 decoder: ``Qwen`` with hybrid blocks and a zero-centred final norm."""
-
-    @staticmethod
-    def make_block(args: ModelArgs, layer: int) -> nn.Module:
-        return HybridBlock(args, layer)
-
-    @staticmethod
-    def make_norm(args: ModelArgs) -> nn.Module:
-        return ZeroCenteredRMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    @staticmethod
-    def initial_value(
-        args: ModelArgs,
-        name: str,
-        shape: torch.Size | tuple[int, ...],
-        seed: int,
-        device: torch.device | str,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:
-        return initial_value(args, name, shape, seed, device, dtype)
-
-
 def initial_value(
     args: ModelArgs,
     name: str,
@@ -193,3 +170,17 @@ def initial_value(
         out.uniform_(-bound, bound, generator=named_generator(seed, name, device))
         return out.to(dtype)
     return dense_initial_value(args, name, shape, seed, device, dtype)
+
+
+class Qwen35(Qwen):
+    """The Qwen3.5 decoder: ``Qwen`` with hybrid blocks and a zero-centred final norm."""
+
+    @staticmethod
+    def make_block(args: ModelArgs, layer: int) -> nn.Module:
+        return HybridBlock(args, layer)
+
+    @staticmethod
+    def make_norm(args: ModelArgs) -> nn.Module:
+        return ZeroCenteredRMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    initial_value = staticmethod(initial_value)
