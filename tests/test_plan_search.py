@@ -58,8 +58,10 @@ def test_a_dense_model_is_never_planned_with_expert_parallelism():
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "train_configs").glob("qwen*.toml")), ids=lambda p: p.stem)
-def test_every_shipped_config_runs_and_fits_the_node_its_first_line_names(path):
-    nproc = int(re.search(r"--nproc_per_node=(\d+)", path.read_text().splitlines()[0]).group(1))
+def test_every_shipped_config_runs_and_fits_the_gpus_its_header_names(path):
+    header = [line for line in path.read_text().splitlines() if line.startswith("#")][:3]
+    nproc = int(re.search(r"--nproc_per_node=(\d+)", "\n".join(header)).group(1))
+    nproc *= int(m.group(1)) if (m := re.search(r"--nnodes (\d+)", "\n".join(header))) else 1
     job = parse_job(["--job.config", str(path)])
     args = model_args(job)
     plan = evaluate(args, job, check_plan(job, args, nproc, "cuda"), H100, 8)

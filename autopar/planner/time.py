@@ -30,12 +30,9 @@ from autopar.parallel.float8 import eligible
 from autopar.parallel.fsdp import reshards_blocks
 from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, schedule_name
+from autopar.planner.block_bytes import FP32, Sizes, block_bytes_no_ac, block_bytes_op_ac
 from autopar.planner.devices import DeviceSpec
 from autopar.planner.memory import (
-    FP32,
-    Sizes,
-    block_bytes_no_ac,
-    block_bytes_op_ac,
     layer_expert_numel,
     meta_model,
     micro_steps,
@@ -180,8 +177,8 @@ def _compute_seconds(
     share = len(checkpointed_layers(ac, ids)) / len(ids) if ac.mode != "none" and not op else 0.0
     if op:
         dropped = sum(
-            block_bytes_no_ac(z, args.qk_norm, args.is_moe_layer(i))
-            - block_bytes_op_ac(z, dims.tp, args.is_moe_layer(i))
+            block_bytes_no_ac(z, args.layer_kind(i), args.qk_norm)
+            - block_bytes_op_ac(z, dims.tp, args.layer_kind(i))
             for i in range(args.num_hidden_layers)
         )
         recompute = 2 * dropped / dims.pp * step.micro_batches / device.hbm_bytes_per_s
