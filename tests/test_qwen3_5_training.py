@@ -91,7 +91,9 @@ def test_vision_language_export_carries_the_untrained_tensors_through(finetuned)
     for name in carried:
         with safe_open(exported / index[name], "pt") as f:
             assert torch.equal(f.get_tensor(name), original[name]), name
-    assert json.loads((exported / "config.json").read_text()) == json.loads((source / "config.json").read_text())
+    assert json.loads((exported / "config.json").read_text()) == json.loads(
+        (source / "config.json").read_text()
+    )
 
 
 def test_vision_language_export_holds_the_trained_text_model(finetuned):
