@@ -501,3 +501,38 @@ def test_qwen3_5_parameter_bytes_per_rank_are_the_dry_runs(world, flavor, flags)
     (rank,) = compare(job, check_job(job, world, "cuda"), world)
     (memory,) = predict(model_args(job), dry_run_job(job), world, cp_impl="allgather")
     assert memory.parts["params"] == rank.breakdown_gib["params"] * GIB
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+@pytest.mark.parametrize("layer", [0, 3], ids=["gated-deltanet", "gated-attention"])
+def test_qwen3_5_block_saves_are_what_autograd_saves(layer, frozen):
+    # the formula against torch.autograd.graph.saved_tensors_hooks on one real block (bf16,
+    # 1100 tokens: three delta-rule segment states, a padded last chunk), each storage once
+    import torch
+
+    from autopar.models.qwen3_5.model import HybridBlock
+    from autopar.parallel.mesh import ParallelDims
+    from autopar.planner.block_bytes import block_bytes_no_ac
+    from autopar.planner.memory import sizes
+
+    lora = ["--lora.enable=true", "--lora.target_modules=nothing"] if frozen else []
+    job = parse_job(["--model.name=qwen3.5", "--model.flavor=debug", "--training.seq_len=1100", *lora])
+    args = model_args(job)
+    block = HybridBlock(args, layer).to(torch.bfloat16).requires_grad_(not frozen)
+    x = torch.randn(1, 1100, args.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params | {x.untyped_storage().data_ptr()}:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    z = sizes(args, job, ParallelDims(1, 1, 1, 1, 1), 1, "ring", 2, "cpu")
+    assert block_bytes_no_ac(z, args.layer_kind(layer), args.qk_norm) == pytest.approx(
+        sum(saved.values()),
+        rel=0.001,  # within 0.02%: the norms' float32 (1 + w), per weight not token
+    )

@@ -80,8 +80,12 @@ class Sizes:
 
 INPUTS = dict.fromkeys(("q_proj", "k_proj", "v_proj"), "attention")
 INPUTS |= dict.fromkeys(("gate_proj", "up_proj"), "mlp") | {"down_proj": "down"}
-"""Which input a block linear takes: q/k/v share the normed hidden state, gate/up theirs, and
-down the SwiGLU product (o_proj's is attention's output, which attention saves anyway)."""
+INPUTS |= dict.fromkeys(tuple(f"in_proj_{x}" for x in "qkvzab"), "attention")
+INPUTS |= dict.fromkeys(("o_proj", "out_proj"), "out")
+"""Which input a block linear takes: q/k/v (a Gated DeltaNet's six input projections) share
+the normed hidden state, gate/up theirs, down the SwiGLU product, and the mixer's output
+projection its output (Qwen2.5/3's o_proj's: attention's output, which attention saves
+anyway; gated attention's gated product and a Gated DeltaNet's normed one are saved for it)."""
 
 
 def lora_bytes_no_ac(z: Sizes, kind: LayerKind) -> float:
@@ -259,22 +263,24 @@ def _gated_attention_no_ac(z: Sizes, kind: LayerKind) -> float:
     qk_norms = (FP32 + normed) * heads * z.head_dim * t + FP32 * heads * t
     rope = 4 * c * z.seq * z.rotary_dim
     sdpa = 2 * c * query + 2 * c * z.sdpa_kv_heads * z.head_dim * t * z.kv_seq_factor + FP32 * z.q_heads * t
-    gate = 2 * c * query  # sigmoid(gate), and the gated output o_proj takes
+    gate = c * query * (1 + z.keeps(kind, "out"))  # sigmoid(gate), and the gated output o_proj takes
     return c * z.hidden * t * z.keeps(kind, "attention") + qk_norms + rope + sdpa + gate + c * z.mask
 
 
 def _linear_attention_no_ac(z: Sizes, kind: LayerKind) -> float:
-    t, c = z.tokens, z.dtype_bytes
+    """Frozen (LoRA), the convolution keeps no copies for its taps' gradient, the decay no
+    softplus output for A_log's, the gated norm no normalized copy for its weight's."""
+    t, c, trained = z.tokens, z.dtype_bytes, not z.frozen
     keys, values = _linear_channels(z)
     channels, taps = 2 * keys + values, z.conv_width - 1
     if z.documents:  # each shifted copy masked (and its boolean mask), the document ids
-        conv = (3 + taps) * c * channels * t + 3 * taps * t + 8 * t
+        conv = (2 + (1 + taps) * trained) * c * channels * t + 3 * taps * t + 8 * t
     else:
-        conv = 4 * c * channels * t + c * taps * channels * (t // z.seq)
+        conv = (2 + 2 * trained) * c * channels * t + c * taps * channels * (t // z.seq) * trained
     heads = z.linear_value_heads * t
-    decay = 3 * FP32 * heads + c * heads  # softplus's input and output, g; beta
-    norm = (3 * FP32 + 2 * c) * values * t + FP32 * heads
-    out_proj = c * values * t
+    decay = (2 + trained) * FP32 * heads + c * heads  # softplus's input and output, g; beta
+    norm = (3 * FP32 + (1 + trained) * c) * values * t + FP32 * heads
+    out_proj = c * values * t * z.keeps(kind, "out")
     return (
         c * z.hidden * t * z.keeps(kind, "attention") + conv + decay + _delta_rule_states(z) + norm + out_proj
     )
