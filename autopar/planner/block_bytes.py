@@ -333,7 +333,9 @@ def _hybrid_block_weight_output_grads(z: Sizes, kind: LayerKind) -> float:
     norms = 2 * FP32 * z.hidden / z.sp_shards
     if kind[0] == "gated_attention":
         heads = (z.q_heads + z.kv_heads) * z.head_dim
-        mixer = c * ((3 * z.q_heads + 2 * z.kv_heads) * z.head_dim + z.hidden) + FP32 * heads
+        mixer = (
+            c * ((2 * z.q_heads + 2 * z.kv_heads) * z.head_dim + z.hidden) + FP32 * heads
+        )  # q|gate, k, v, o
     else:
         keys, values = _linear_channels(z)
         projections = 2 * keys + 2 * values + 2 * z.linear_value_heads + z.hidden
