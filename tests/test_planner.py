@@ -41,6 +41,10 @@ PIPELINE = [
     "--training.local_batch_size=4",
 ]
 
+HYBRID_4 = "--model.num_hidden_layers=4"  # Qwen3.5: three Gated DeltaNet blocks, a gated attention one
+HYBRID_2 = "--model.full_attention_interval=2"  # at 2 layers: one of each
+PER_OP = ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"]
+
 
 GRID = [
     # (world, model, flags): FSDP, HSDP, TP+SP with and without loss parallel, CP, AC modes
@@ -255,6 +259,53 @@ GRID = [
             "--training.global_batch_size=4",
         ],
     ),
+    # Qwen3.5: Gated DeltaNet blocks (convolution copies, decay, one fp32 state per 512-token
+    # segment, gated norm) beside gated attention ones (a full-attention layer every 4th; at 2
+    # layers every 2nd), zero-centred norms, and in the MoE a shared expert TP leaves whole
+    (8, ("qwen3.5", "9B"), [SMALL_VOCAB, HYBRID_4]),
+    (8, ("qwen3.5", "9B"), [HYBRID_4, "--activation_checkpoint.mode=full"]),
+    # per-op AC (the delta rule's output and states kept): 8 layers, so the blocks' saves
+    # dominate the fixed backward temporaries (Qwen3-8B at 4 layers: -10.6% from those)
+    (8, ("qwen3.5", "9B"), [SMALL_VOCAB, "--model.num_hidden_layers=8", *PER_OP]),
+    (8, ("qwen3.5", "9B"), [SMALL_VOCAB, HYBRID_4, "--training.document_masking=true"]),
+    (16, ("qwen3.5", "27B"), [SMALL_VOCAB, HYBRID_4, "--parallelism.tensor_parallel_degree=4"]),
+    (
+        16,
+        ("qwen3.5", "27B"),
+        [HYBRID_4, "--parallelism.tensor_parallel_degree=2", "--activation_checkpoint.mode=full"],
+    ),
+    (16, ("qwen3.5", "9B"), PIPELINE),
+    (
+        16,
+        ("qwen3.5", "9B"),
+        [*PIPELINE, SMALL_VOCAB, "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble"],
+    ),
+    (8, ("qwen3.5", "35B-A3B"), [SMALL_VOCAB, HYBRID_2, "--training.local_batch_size=2"]),
+    (8, ("qwen3.5", "35B-A3B"), [SMALL_VOCAB, HYBRID_2, "--parallelism.expert_parallel_degree=8", *PER_OP]),
+    (
+        8,
+        ("qwen3.5", "35B-A3B"),
+        [HYBRID_2, "--parallelism.expert_parallel_degree=4", "--parallelism.tensor_parallel_degree=2"],
+    ),
+    (
+        2,
+        ("qwen3.5", "35B-A3B"),
+        [
+            SMALL_VOCAB,
+            HYBRID_2,
+            "--parallelism.expert_parallel_degree=2",
+            "--activation_checkpoint.mode=full",
+        ],
+    ),
+    (
+        16,
+        ("qwen3.5", "35B-A3B"),
+        [
+            *PIPELINE,
+            "--parallelism.expert_parallel_degree=2",
+            "--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
+        ],
+    ),
     (
         # a pipeline without FSDP: every micro-batch's forward casts the weights anew, and the
         # gradients land at each stage's first backward (was +33%)
@@ -413,3 +464,75 @@ def test_every_stage_role_of_a_pp_cp_tp_plan_builds_under_the_fake_group():
     assert [r.role for r in ranks] == ["first stage", "last stage"]
     for rank in ranks:
         assert rank.predicted_peak_gib == pytest.approx(rank.measured_peak_gib, rel=0.10), rank
+
+
+def test_qwen3_5_parameter_counts_per_layer_kind_are_the_models():
+    # every block kind counted with its own shapes (a Gated DeltaNet, gated attention, the
+    # shared-expert mixture), not the first layer's for all
+    from autopar.models.qwen3_5.flavors import FLAVORS
+    from autopar.planner.memory import meta_model, modules_numel
+
+    for flavor in ("0.8B", "27B", "35B-A3B"):
+        job = real_scale_job(
+            "qwen3.5", flavor, f"--model.num_hidden_layers={FLAVORS[flavor].num_hidden_layers}"
+        )
+        args = model_args(job)
+        modules = ["embed_tokens", *(f"layers.{i}" for i in range(args.num_hidden_layers)), "norm", "lm_head"]
+        dims = ParallelDims(1, 1, 1, 1, 1)
+        assert modules_numel(args, job, dims, modules) == sum(
+            p.numel() for p in meta_model(args).parameters()
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world", "flavor", "flags"),
+    [
+        (8, "27B", [HYBRID_4, "--parallelism.tensor_parallel_degree=4"]),  # heads split, FSDP pads
+        (
+            8,
+            "35B-A3B",
+            [HYBRID_2, "--parallelism.expert_parallel_degree=4", "--parallelism.tensor_parallel_degree=2"],
+        ),
+    ],
+)
+def test_qwen3_5_parameter_bytes_per_rank_are_the_dry_runs(world, flavor, flags):
+    job = real_scale_job("qwen3.5", flavor, SMALL_VOCAB, *flags)
+    (rank,) = compare(job, check_job(job, world, "cuda"), world)
+    (memory,) = predict(model_args(job), dry_run_job(job), world, cp_impl="allgather")
+    assert memory.parts["params"] == rank.breakdown_gib["params"] * GIB
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+@pytest.mark.parametrize("layer", [0, 3], ids=["gated-deltanet", "gated-attention"])
+def test_qwen3_5_block_saves_are_what_autograd_saves(layer, frozen):
+    # the formula against torch.autograd.graph.saved_tensors_hooks on one real block (bf16,
+    # 1100 tokens: three delta-rule segment states, a padded last chunk), each storage once
+    import torch
+
+    from autopar.models.qwen3_5.model import HybridBlock
+    from autopar.parallel.mesh import ParallelDims
+    from autopar.planner.block_bytes import block_bytes_no_ac
+    from autopar.planner.memory import sizes
+
+    lora = ["--lora.enable=true", "--lora.target_modules=nothing"] if frozen else []
+    job = parse_job(["--model.name=qwen3.5", "--model.flavor=debug", "--training.seq_len=1100", *lora])
+    args = model_args(job)
+    block = HybridBlock(args, layer).to(torch.bfloat16).requires_grad_(not frozen)
+    x = torch.randn(1, 1100, args.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params | {x.untyped_storage().data_ptr()}:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x)
+    z = sizes(args, job, ParallelDims(1, 1, 1, 1, 1), 1, "ring", 2, "cpu")
+    assert block_bytes_no_ac(z, args.layer_kind(layer), args.qk_norm) == pytest.approx(
+        sum(saved.values()),
+        rel=0.001,  # within 0.02%: the norms' float32 (1 + w), per weight not token
+    )

@@ -18,9 +18,13 @@ per token of a block, with ``c`` the compute dtype's bytes and heads/intermediat
   checkpointed blocks keep the boolean one as an input instead and rebuild the copy;
 - a mixture of experts (``moe_bytes_no_ac``) saves, per routed row, its token's copy, the
   experts' SwiGLU saves and output, and a few indices, with routing taken as balanced (the
-  load-balancing loss's aim; real routing on CPU ranks stays within the same 10%). Blocks of
-  the two kinds are sized separately, and experts are split over ``ep`` ranks before FSDP
-  shards them over the data ranks left.
+  load-balancing loss's aim; real routing on CPU ranks stays within the same 10%); experts
+  are split over ``ep`` ranks before FSDP shards them over the data ranks left.
+
+Blocks of each kind (``ModelArgs.layer_kind``: token mixer and feed-forward) are sized
+separately, their parameters from the first block of the kind and their saves by
+``planner/block_bytes.py``, which also says what Qwen3.5's blocks (Gated DeltaNet, gated
+attention, zero-centred norms, the shared expert) save.
 
 Under LoRA the frozen base is stored in its own dtype and only the adapters have fp32
 weights, gradients and AdamW state; frozen norms and heads save no normalized copy or input
@@ -59,7 +63,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig
-from autopar.models.args import ModelArgs
+from autopar.models.args import LayerKind, ModelArgs
 from autopar.models.family import build_model
 from autopar.models.moe import Experts
 from autopar.models.qwen import Qwen
@@ -72,10 +76,19 @@ from autopar.parallel.parallelize import loss_parallel_enabled
 from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, rank_actions, schedule_name, stage_modules
 from autopar.parallel.pipelining.split import stage_ids
 from autopar.parallel.sdpa_backend import native_gqa
-from autopar.parallel.tensor_parallel import tp_plan
+from autopar.parallel.tensor_parallel import HeadShardedParams, tp_plan
+from autopar.planner.block_bytes import (
+    FP32,
+    INPUTS,
+    Sizes,
+    block_backward_transient_bytes,
+    block_bytes_no_ac,
+    block_bytes_op_ac,
+    block_weight_output_grad_bytes,
+    op_only_bytes,
+)
 
 GIB = 2**30
-FP32 = 4
 
 
 @dataclass(frozen=True)
@@ -102,9 +115,9 @@ def meta_model(args: ModelArgs) -> Qwen:
         return build_model(args)
 
 
-def _first_blocks(args: ModelArgs) -> dict[str, str]:
-    """The first block of each kind (``module_key``): its layer id."""
-    first: dict[str, str] = {}
+def _first_blocks(args: ModelArgs) -> dict[LayerKind, str]:
+    """The first block of each kind (``ModelArgs.layer_kind``): its layer id."""
+    first: dict[LayerKind, str] = {}
     for i in range(args.num_hidden_layers):
         first.setdefault(module_key(args, f"layers.{i}"), str(i))
     return first
@@ -125,6 +138,8 @@ def _tp_dim(style: object, module_path: str, param: str) -> int | None:
         if module_path == "embed_tokens":
             return 0
         return 1 if param == "weight" else None
+    if isinstance(style, HeadShardedParams):  # every parameter per head along dim 0
+        return 0
     return None
 
 
@@ -138,25 +153,33 @@ def local_numel(shape: tuple[int, ...], tp_dim: int | None, tp: int, fsdp: int) 
     return math.prod(dims)
 
 
-def module_key(args: ModelArgs, module: str) -> str:
-    """A top-level module's kind: ``layer`` (dense block), ``moe_layer`` or its own path."""
+ModuleKey = LayerKind | str
+"""A top-level module's kind: a block's ``ModelArgs.layer_kind``, else its own path."""
+
+
+def module_key(args: ModelArgs, module: str) -> ModuleKey:
+    """``module``'s kind: blocks of one kind have the same parameters and saves."""
     if not module.startswith("layers."):
         return module
-    return "moe_layer" if args.is_moe_layer(int(module.split(".")[1])) else "layer"
+    return args.layer_kind(int(module.split(".")[1]))
+
+
+def is_block_kind(key: ModuleKey) -> bool:
+    return isinstance(key, tuple)
 
 
 @functools.lru_cache(maxsize=4096)
-def _key_counts(args: ModelArgs, modules: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
+def _key_counts(args: ModelArgs, modules: tuple[str, ...]) -> tuple[tuple[ModuleKey, int], ...]:
     """How many of ``modules`` are of each ``module_key``: the search sums the same stages'
     modules for thousands of plans, so each list is walked once."""
-    counts: dict[str, int] = {}
+    counts: dict[ModuleKey, int] = {}
     for module in modules:
         key = module_key(args, module)
         counts[key] = counts.get(key, 0) + 1
     return tuple(counts.items())
 
 
-def _total(numel: dict[str, int], args: ModelArgs, modules: list[str]) -> int:
+def _total(numel: dict[ModuleKey, int], args: ModelArgs, modules: list[str]) -> int:
     """Elements of ``modules`` given the elements of one module of each kind."""
     return sum(numel.get(key, 0) * count for key, count in _key_counts(args, tuple(modules)))
 
@@ -164,14 +187,13 @@ def _total(numel: dict[str, int], args: ModelArgs, modules: list[str]) -> int:
 @functools.lru_cache(maxsize=1024)
 def module_numel(
     args: ModelArgs, tp: int, fsdp: int, sequence_parallel: bool, loss_parallel: bool, ep: int = 1
-) -> dict[str, int]:
-    """Elements one rank keeps of each top-level module (``layer`` and ``moe_layer`` for any
-    one block of each kind) under the TP plan's styles and FSDP2's dim-0 sharding over
+) -> dict[ModuleKey, int]:
+    """Elements one rank keeps of each top-level module (any one block of each layer kind) under the TP plan's styles and FSDP2's dim-0 sharding over
     ``fsdp``. Experts are split over ``ep`` ranks first (``plans.expert_parallel``), and FSDP
     shards them over the ``fsdp / ep`` data ranks left."""
     first = _first_blocks(args)
     plan = tp_plan(args, list(first.values()), sequence_parallel, loss_parallel)
-    numel: dict[str, int] = {}
+    numel: dict[ModuleKey, int] = {}
     for name, shape in param_shapes(args).items():
         key = module_key(
             args, ".".join(name.split(".")[:2]) if name.startswith("layers.") else name.split(".")[0]
@@ -206,7 +228,9 @@ def _adapter_tp_dims(base_dim: int | None) -> tuple[int | None, ...]:
 
 
 @functools.lru_cache(maxsize=64)
-def _adapted(args: ModelArgs, targets: tuple[str, ...]) -> tuple[tuple[str, str, int, int, int | None], ...]:
+def _adapted(
+    args: ModelArgs, targets: tuple[str, ...]
+) -> tuple[tuple[ModuleKey, str, int, int, int | None], ...]:
     """Each linear LoRA adapts among the modules ``module_numel`` counts (the first block of
     each kind, and the modules outside blocks): its ``module_key``, its own name (``q_proj``),
     in and out features, and the dim the TP plan splits its weight along."""
@@ -228,17 +252,18 @@ def _adapted(args: ModelArgs, targets: tuple[str, ...]) -> tuple[tuple[str, str,
 @functools.lru_cache(maxsize=256)
 def adapter_numel(
     args: ModelArgs, targets: tuple[str, ...], rank: int, tp: int, fsdp: int, ep: int = 1
-) -> dict[str, int]:
+) -> dict[ModuleKey, int]:
     """Elements one rank keeps of each top-level module's LoRA adapters (A: rank x in, B:
     out x rank per adapted linear), split by TP as their base is and then by FSDP on dim 0;
     adapted experts' as the experts are (``_expert_adapter_numel``)."""
-    numel: dict[str, int] = {}
+    numel: dict[ModuleKey, int] = {}
     for key, _, fan_in, fan_out, dim in _adapted(args, targets):
         a_dim, b_dim = _adapter_tp_dims(dim)
         count = local_numel((rank, fan_in), a_dim, tp, fsdp) + local_numel((fan_out, rank), b_dim, tp, fsdp)
         numel[key] = numel.get(key, 0) + count
     if experts_adapted(args, targets):
-        numel["moe_layer"] = numel.get("moe_layer", 0) + _expert_adapter_numel(args, rank, fsdp, ep)
+        for kind in (k for k in _first_blocks(args) if k[1] == "moe"):
+            numel[kind] = numel.get(kind, 0) + _expert_adapter_numel(args, rank, fsdp, ep)
     return numel
 
 
@@ -275,177 +300,6 @@ def trained_numel(
     if job.lora.enable:
         return adapters_numel(args, job, dims, modules, sharded)
     return modules_numel(args, job, dims, modules, sharded)
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """Per-rank sizes that the activation formulas need."""
-
-    tokens: int  # tokens of one micro-batch on this rank (after the CP split)
-    seq: int  # this rank's tokens per sequence
-    dtype_bytes: int  # of the compute dtype
-    hidden: int
-    q_heads: int  # per TP rank
-    kv_heads: int  # per TP rank
-    sdpa_kv_heads: int  # k/v heads SDPA is given: kv_heads, or q_heads where expanded before it
-    head_dim: int
-    ffn: int  # intermediate size per TP rank
-    sp_shards: int  # sequence-parallel shard factor of norms and residuals
-    kv_seq_factor: int  # how many times the local sequence k/v span (all-gather CP)
-    mask: int  # elements of the explicit attention mask (0: SDPA's built-in causal one)
-    experts: int = 0  # a mixture of experts': experts, top-k, intermediate size per expert
-    top_k: int = 0
-    moe_inter: int = 0
-    norm_topk: bool = False
-    ep: int = 1
-    frozen: bool = False  # LoRA: norm and head weights take no gradient, so save no input for one
-    rank: int = 0  # LoRA's adapters: rank, dropout, and per kind of block (MoE or not) the
-    dropout: bool = False  # (in, out) features per TP rank of each adapted linear
-    adapted: dict[bool, tuple[tuple[int, int], ...]] = field(default_factory=dict)
-    kept_inputs: dict[bool, frozenset[str]] = field(default_factory=dict)  # LoRA: see INPUTS
-    head_adapted: bool = False
-    experts_adapted: bool = False  # LoRA on the experts: they save what their adapters' gradients read
-
-    def keeps(self, moe: bool, inputs: str) -> bool:
-        """Whether a block saves the input its linears named by ``inputs`` share: for their
-        weights' gradients, or under LoRA an adapter's (without dropout: dropout saves its own)."""
-        return not self.frozen or inputs in self.kept_inputs.get(moe, frozenset())
-
-
-INPUTS = dict.fromkeys(("q_proj", "k_proj", "v_proj"), "attention")
-INPUTS |= dict.fromkeys(("gate_proj", "up_proj"), "mlp") | {"down_proj": "down"}
-"""Which input a block linear takes: q/k/v share the normed hidden state, gate/up theirs, and
-down the SwiGLU product (o_proj's is attention's output, which attention saves anyway)."""
-
-
-def lora_bytes_no_ac(z: Sizes, moe: bool = False) -> float:
-    """What LoRA adds to a block's saves: each adapted linear's A output (rank wide, for B's
-    gradient) and, with dropout, its mask and the dropped input A takes (the input the base
-    saves is otherwise A's too)."""
-    t, linears = z.tokens, z.adapted.get(moe, ())
-    dropped = sum((z.dtype_bytes + 1) * fan_in * t for fan_in, _ in linears) if z.dropout else 0.0
-    return z.dtype_bytes * z.rank * t * len(linears) + dropped
-
-
-def lora_bytes_op_ac(z: Sizes, moe: bool = False) -> float:
-    """Per-op checkpointing keeps both adapter matmuls' outputs: A's (rank wide) and B's (as
-    wide as the base's)."""
-    return sum(z.dtype_bytes * (z.rank + fan_out) * z.tokens for _, fan_out in z.adapted.get(moe, ()))
-
-
-def moe_bytes_no_ac(z: Sizes) -> float:
-    """What a mixture of experts saves beyond its input (``moe.MoE``; every TP rank routes the
-    whole sequence): the router's float32 probabilities and top-k indices (and the top-k
-    weights and their sum when renormalized), each routed row's token index, copy of its
-    token, SwiGLU saves and output, the weights, and the index that restores choice order;
-    under EP, the index that regroups the rows received. Routing is taken as balanced: each
-    rank's experts receive ``top_k`` rows per token (the load-balancing loss's aim). Under
-    LoRA the router and experts are frozen: the token copies and the SwiGLU product only
-    their weight gradients read are not saved, unless the experts are adapted, whose adapters'
-    gradients read them too and save each row's two rank-wide A outputs."""
-    t = z.tokens
-    rows = z.top_k * t
-    router = FP32 * z.experts * t + 8 * rows + ((FP32 * (rows + t)) if z.norm_topk else 0)
-    indices = 16 * rows + (16 * rows if z.ep > 1 else 0)
-    frozen = z.frozen and not z.experts_adapted
-    copies, swiglu = (1, 3) if frozen else (2, 4)  # (T*k, H) copies; (T*k, I) saves
-    adapters = 2 * z.rank if z.experts_adapted else 0
-    experts = (
-        copies * z.dtype_bytes * rows * z.hidden
-        + (swiglu * z.moe_inter + adapters) * z.dtype_bytes * rows
-        + z.dtype_bytes * rows
-    )
-    return router + indices + experts
-
-
-def block_bytes_no_ac(z: Sizes, qk_norm: bool, moe: bool = False) -> float:
-    """Bytes one block (``moe``: a mixture-of-experts one) saves for backward per micro-batch,
-    without checkpointing."""
-    t = z.tokens
-    normed = 0 if z.frozen else z.dtype_bytes  # the normalized copy the weight's gradient needs
-    norm = (FP32 + normed) * z.hidden * t / z.sp_shards + FP32 * t / z.sp_shards
-    # a mixture of experts' input is the frozen router's under LoRA: not saved
-    mlp_input = (not z.frozen) if moe else z.keeps(moe, "mlp")
-    linear_inputs = z.dtype_bytes * z.hidden * t * (z.keeps(moe, "attention") + mlp_input)
-    heads = z.q_heads * z.head_dim * t
-    qk = (
-        (FP32 + normed) * (z.q_heads + z.kv_heads) * z.head_dim * t + FP32 * (z.q_heads + z.kv_heads) * t
-        if qk_norm
-        else 0
-    )
-    rope = 4 * z.dtype_bytes * z.seq * z.head_dim
-    attention = (
-        2 * z.dtype_bytes * heads
-        + 2 * z.dtype_bytes * z.sdpa_kv_heads * z.head_dim * t * z.kv_seq_factor
-        + FP32 * z.q_heads * t
-    )
-    # gate, silu(gate), up and (for down's weight) their product
-    mlp = moe_bytes_no_ac(z) if moe else (3 + z.keeps(moe, "down")) * z.dtype_bytes * z.ffn * t
-    mask = z.dtype_bytes * z.mask  # SDPA turns a boolean mask into an additive one and saves it
-    return 2 * norm + linear_inputs + qk + rope + attention + mlp + mask + lora_bytes_no_ac(z, moe)
-
-
-def block_bytes_op_ac(z: Sizes, tp: int, moe: bool = False) -> float:
-    """Bytes one block keeps under per-op selective checkpointing (matmul, attention and
-    collective outputs, and the block input)."""
-    t = z.tokens
-    qkv = z.dtype_bytes * (z.q_heads + 2 * z.kv_heads) * z.head_dim * t
-    attention = z.dtype_bytes * z.q_heads * z.head_dim * t + FP32 * z.q_heads * t
-    out_proj = 2 * z.dtype_bytes * z.hidden * t  # o_proj and down_proj (or the experts' weighted sum) outputs
-    if moe:  # router logits, the experts' three grouped GEMMs (and EP's two all-to-alls)
-        rows = z.top_k * t
-        mlp = (
-            z.dtype_bytes * z.experts * t
-            + 2 * z.dtype_bytes * rows * z.moe_inter
-            + z.dtype_bytes * rows * z.hidden
-        )
-        mlp += 2 * z.dtype_bytes * rows * z.hidden if z.ep > 1 else 0.0
-        # adapted experts: both A outputs (rank wide) and both B outputs (as wide as the base's)
-        if z.experts_adapted:
-            mlp += z.dtype_bytes * rows * 2 * z.rank + op_only_bytes(z, moe)
-    else:
-        mlp = 2 * z.dtype_bytes * z.ffn * t
-    block_input = z.dtype_bytes * z.hidden * t / z.sp_shards
-    collectives = 0.0
-    if tp > 1:
-        # under SP, an all-gather (c*h) before each sublayer and a reduce-scatter (c*h/tp) after
-        # attention and a dense MLP (a mixture of experts' output is split without one);
-        # otherwise an all-reduce after each (only attention's before a mixture of experts)
-        reduce_scatters = 1 if moe else 2
-        if z.sp_shards > 1:
-            collectives = z.dtype_bytes * z.hidden * t * (2 + reduce_scatters / tp)
-        else:
-            collectives = z.dtype_bytes * z.hidden * t * reduce_scatters
-    return qkv + attention + out_proj + mlp + block_input + collectives + lora_bytes_op_ac(z, moe)
-
-
-def op_only_bytes(z: Sizes, moe: bool) -> float:
-    """What per-op checkpointing keeps that a block without checkpointing does not save, so
-    its backward rebuilds no less for it: adapted experts' B outputs, as wide as the base's."""
-    if not (moe and z.experts_adapted):
-        return 0.0
-    return z.dtype_bytes * z.top_k * z.tokens * (2 * z.moe_inter + z.hidden)
-
-
-def block_weight_output_grad_bytes(z: Sizes, qk_norm: bool, moe: bool = False) -> float:
-    """The gradients at the outputs of one block's weighted ops (projections and norms), which
-    a zero-bubble schedule keeps from a micro-batch's input step to its weight step."""
-    t = z.tokens
-    # qkv, o, and gate/up, down (a mixture of experts: router, and per routed row)
-    mlp = z.experts + z.top_k * (2 * z.moe_inter + z.hidden) if moe else 2 * z.ffn + z.hidden
-    projections = (z.q_heads + 2 * z.kv_heads) * z.head_dim + z.hidden + mlp
-    norms = 2 * z.hidden / z.sp_shards + ((z.q_heads + z.kv_heads) * z.head_dim if qk_norm else 0)
-    return z.dtype_bytes * t * (projections + norms)
-
-
-def block_backward_transient_bytes(z: Sizes, moe: bool = False) -> float:
-    """The gradients alive inside one block's backward beside its saves: at SwiGLU's product,
-    the gradient arriving at it and the two it sends to silu(gate) and up (per routed row in
-    a mixture of experts)."""
-    if not moe:
-        return 3 * z.dtype_bytes * z.ffn * z.tokens
-    rows = z.top_k * z.tokens
-    return 3 * z.dtype_bytes * rows * z.moe_inter + 2 * z.dtype_bytes * rows * z.hidden
 
 
 @dataclass(frozen=True)
@@ -516,8 +370,25 @@ def sizes(
         moe_inter=args.moe_intermediate_size,
         norm_topk=args.norm_topk_prob,
         ep=dims.ep,
+        **_hybrid_sizes(args, job, dims),
         **_lora_sizes(args, job, dims),
     )
+
+
+def _hybrid_sizes(args: ModelArgs, job: JobConfig, dims: ParallelDims) -> dict[str, object]:
+    """``Sizes``' Qwen3.5 fields: TP splits the Gated DeltaNet by head, as attention."""
+    if not args.hybrid:
+        return {}
+    return {
+        "rotary_dim": args.rotary_dim,
+        "shared_inter": args.shared_expert_intermediate_size,
+        "linear_key_heads": args.linear_num_key_heads // dims.tp,
+        "linear_value_heads": args.linear_num_value_heads // dims.tp,
+        "linear_key_dim": args.linear_key_head_dim,
+        "linear_value_dim": args.linear_value_head_dim,
+        "conv_width": args.linear_conv_kernel_dim,
+        "documents": job.training.document_masking,
+    }
 
 
 def _lora_sizes(args: ModelArgs, job: JobConfig, dims: ParallelDims) -> dict[str, object]:
@@ -537,24 +408,24 @@ def _lora_sizes(args: ModelArgs, job: JobConfig, dims: ParallelDims) -> dict[str
     }
 
 
-def _adapted_inputs(args: ModelArgs, targets: tuple[str, ...]) -> dict[bool, frozenset[str]]:
-    """Per kind of block (MoE or not), the ``INPUTS`` some adapted linear takes."""
-    inputs: dict[bool, set[str]] = {}
+def _adapted_inputs(args: ModelArgs, targets: tuple[str, ...]) -> dict[LayerKind, frozenset[str]]:
+    """Per kind of block, the ``INPUTS`` some adapted linear takes."""
+    inputs: dict[LayerKind, set[str]] = {}
     for key, name, *_ in _adapted(args, targets):
-        if key in ("layer", "moe_layer") and name in INPUTS:
-            inputs.setdefault(key == "moe_layer", set()).add(INPUTS[name])
+        if is_block_kind(key) and name in INPUTS:
+            inputs.setdefault(key, set()).add(INPUTS[name])
     return {k: frozenset(v) for k, v in inputs.items()}
 
 
 def _adapted_linears(
     args: ModelArgs, targets: tuple[str, ...], tp: int
-) -> dict[bool, tuple[tuple[int, int], ...]]:
-    """Per kind of block (MoE or not), the (in, out) features per TP rank of each adapted linear."""
-    adapted: dict[bool, list[tuple[int, int]]] = {}
+) -> dict[LayerKind, tuple[tuple[int, int], ...]]:
+    """Per kind of block, the (in, out) features per TP rank of each adapted linear."""
+    adapted: dict[LayerKind, list[tuple[int, int]]] = {}
     for key, _, fan_in, fan_out, dim in _adapted(args, targets):
-        if key in ("layer", "moe_layer"):
+        if is_block_kind(key):
             local = (-(-fan_in // tp) if dim == 1 else fan_in, -(-fan_out // tp) if dim == 0 else fan_out)
-            adapted.setdefault(key == "moe_layer", []).append(local)
+            adapted.setdefault(key, []).append(local)
     return {k: tuple(v) for k, v in adapted.items()}
 
 
@@ -662,21 +533,21 @@ def _weights_and_optimizer(
 @dataclass
 class _StageCosts:
     """What one rank's step allocates and frees, by stage id (``int`` keys) and by kind of
-    block (``bool`` keys: dense False, mixture of experts True)."""
+    block (``ModelArgs.layer_kind`` keys)."""
 
     n_micro: int
     gathered: float  # weights gathered (or cast) for the whole step
     saved: dict[int, float]  # what a micro-batch's forward leaves saved in the stage
     pending: dict[int, float]  # a zero-bubble input step's gradients awaiting its weight step
-    stage_kinds: dict[int, set[bool]]
+    stage_kinds: dict[int, list[LayerKind]]  # in a fixed order
     heads: set[int]  # stages computing the loss
     embeds: set[int]  # stages ending with the embedding's backward
     head: HeadBytes
-    recompute: dict[bool, float]  # what a block's backward rebuilds
-    transient: dict[bool, float]  # a block backward's own temporaries
-    block_gathered: dict[bool, float]  # weights alive during a block's backward
-    block_activations: dict[bool, float]  # activations alive at the end of a block's backward
-    block_buffers: dict[bool, float]  # the float32 gradient a block's reduce-scatter takes
+    recompute: dict[LayerKind, float]  # what a block's backward rebuilds
+    transient: dict[LayerKind, float]  # a block backward's own temporaries
+    block_gathered: dict[LayerKind, float]  # weights alive during a block's backward
+    block_activations: dict[LayerKind, float]  # activations alive at the end of a block's backward
+    block_buffers: dict[LayerKind, float]  # the float32 gradient a block's reduce-scatter takes
     unsynced_grads: dict[int, _Unsynced]
     syncs_at_end: bool  # a multi-stage schedule syncs them after its last backward
     embedding_gathered: float
@@ -685,8 +556,8 @@ class _StageCosts:
     # gradients that land as each stage's (first) backward ends: sharded without accumulation
     # or offload, or held from then on by a pipeline without FSDP
     stage_grads: dict[int, float]
-    block_grads: dict[bool, float]
-    first_block: dict[int, bool | None]  # kind of each stage's first block: its backward's last
+    block_grads: dict[LayerKind, float]
+    first_block: dict[int, LayerKind | None]  # kind of each stage's first block: its backward's last
     before_first: dict[int, float]  # what the stage's later blocks save, freed by then
 
 
@@ -707,15 +578,15 @@ def _stage_costs(
     gradients are kept across backwards, accumulating or in host memory; ``held_in_walk``:
     they land in the walk, at each stage's first backward, rather than with the weights)."""
     modules = [m for i in ids for m in stages[i]]
-    is_moe = {m: args.is_moe_layer(int(m.split(".")[1])) for m in modules if m.startswith("layers.")}
-    kinds = set(is_moe.values())
-    blocks = {i: [is_moe[m] for m in stages[i] if m in is_moe] for i in ids}  # their kinds, in order
-    saves = _checkpointing_saves(args, job, dims, stages, ids, z, is_moe)
-    casts = _casts_per_micro_batch(args, job, dims, stages, ids, is_moe, c, stored)
+    kind_of = {m: args.layer_kind(int(m.split(".")[1])) for m in modules if m.startswith("layers.")}
+    kinds = sorted(set(kind_of.values()))
+    blocks = {i: [kind_of[m] for m in stages[i] if m in kind_of] for i in ids}  # their kinds, in order
+    saves = _checkpointing_saves(args, job, dims, stages, ids, z, kind_of)
+    casts = _casts_per_micro_batch(args, job, dims, stages, ids, kind_of, c, stored)
     # casts saved per micro-batch leave the step's one copy for each forward's saves
     gathered = _gathered_bytes(args, job, dims, modules, c, stored) - sum(casts.values())
-    if uses_fsdp(job, dims) and is_moe:
-        block_gathered, block_buffers = _fsdp_block_bytes(args, job, dims, modules, is_moe, gathered, c)
+    if uses_fsdp(job, dims) and kind_of:
+        block_gathered, block_buffers = _fsdp_block_bytes(args, job, dims, modules, kind_of, gathered, c)
         block_activations = saves.ended
     else:
         block_gathered = dict.fromkeys(kinds, gathered)
@@ -730,8 +601,8 @@ def _stage_costs(
         n_micro=n_micro,
         gathered=gathered,
         saved={i: saves.saved[i] + casts[i] for i in ids},
-        pending={i: sum(block_weight_output_grad_bytes(z, args.qk_norm, k) for k in blocks[i]) for i in ids},
-        stage_kinds={i: set(blocks[i]) for i in ids},
+        pending={i: sum(block_weight_output_grad_bytes(z, k, args.qk_norm) for k in blocks[i]) for i in ids},
+        stage_kinds={i: sorted(set(blocks[i])) for i in ids},
         heads={i for i in ids if "lm_head" in stages[i]},
         embeds={i for i in ids if "embed_tokens" in stages[i]},
         head=head_bytes(z, args.vocab_size, shards, job.training.loss_chunk_tokens),
@@ -746,7 +617,7 @@ def _stage_costs(
         embedding_grads=embedding_grads,
         embedding_first_grads=embedding_grads - (_embedding_grad(args, job, dims) if held_in_walk else 0.0),
         stage_grads={i: _landing_grads(args, job, dims, stages[i]) if fresh else 0.0 for i in ids},
-        block_grads={is_moe[m]: _landing_grads(args, job, dims, [m]) for m in is_moe},
+        block_grads={kind_of[m]: _landing_grads(args, job, dims, [m]) for m in kind_of},
         first_block={i: next(iter(blocks[i]), None) for i in ids},
         before_first=saves.before_first,
     )
@@ -757,8 +628,8 @@ class _Saves:
     """What activation checkpointing leaves saved and rebuilds (see ``_checkpointing_saves``)."""
 
     saved: dict[int, float]  # by stage: a micro-batch's forward
-    recompute: dict[bool, float]  # by kind of block: what its backward rebuilds
-    ended: dict[bool, float]  # by kind of block: activations its backward leaves changed
+    recompute: dict[LayerKind, float]  # by kind of block: what its backward rebuilds
+    ended: dict[LayerKind, float]  # by kind of block: activations its backward leaves changed
     before_first: dict[int, float]  # by stage: its blocks' saves but the first block's
 
 
@@ -769,7 +640,7 @@ def _checkpointing_saves(
     stages: list[list[str]],
     ids: list[int],
     z: Sizes,
-    is_moe: dict[str, bool],
+    kind_of: dict[str, LayerKind],
 ) -> _Saves:
     """Under the job's activation checkpointing: what a micro-batch's forward leaves saved in
     each stage, what a block's backward rebuilds, and (per kind of block) the activations
@@ -777,17 +648,19 @@ def _checkpointing_saves(
     those per-op AC rebuilt alive and those it kept used up, or its own freed (no AC)."""
     ac = job.activation_checkpoint
     op = ac.mode == "selective" and ac.selective_ac_option == "op"
-    layers = [m.split(".")[1] for m in is_moe]
+    layers = [m.split(".")[1] for m in kind_of]
     full = set() if op else set(checkpointed_layers(ac, layers))
-    kinds = set(is_moe.values())
-    no_ac = {k: block_bytes_no_ac(z, args.qk_norm, k) for k in kinds}
+    kinds = sorted(set(kind_of.values()))
+    no_ac = {k: block_bytes_no_ac(z, k, args.qk_norm) for k in kinds}
     per_block = {k: block_bytes_op_ac(z, dims.tp, k) if op else no_ac[k] for k in kinds}
     # a checkpointed block's inputs stay alive: the hidden states, and the boolean mask
     block_input = z.dtype_bytes * z.hidden * z.tokens / z.sp_shards
     held_mask = z.mask if (op or full) else 0.0
     blocks = {
         i: [
-            block_input if m.split(".")[1] in full else per_block[is_moe[m]] for m in stages[i] if m in is_moe
+            block_input if m.split(".")[1] in full else per_block[kind_of[m]]
+            for m in stages[i]
+            if m in kind_of
         ]
         for i in ids
     }
@@ -822,7 +695,7 @@ def _casts_per_micro_batch(
     dims: ParallelDims,
     stages: list[list[str]],
     ids: list[int],
-    is_moe: dict[str, bool],
+    kind_of: dict[str, LayerKind],
     c: int,
     stored: int,
 ) -> dict[int, float]:
@@ -834,7 +707,7 @@ def _casts_per_micro_batch(
     pp 2 without FSDP: +33% before these were counted (as one copy) with the gradients below."""
     if dims.pp == 1 or uses_fsdp(job, dims) or c >= stored:
         return dict.fromkeys(ids, 0.0)
-    layers = [m.split(".")[1] for m in is_moe]
+    layers = [m.split(".")[1] for m in kind_of]
     checkpointed = {f"layers.{i}" for i in checkpointed_layers(job.activation_checkpoint, layers)}
     untied_embedding = set() if args.tie_word_embeddings else {"embed_tokens"}
     return {
@@ -851,19 +724,19 @@ def _fsdp_block_bytes(
     job: JobConfig,
     dims: ParallelDims,
     modules: list[str],
-    is_moe: dict[str, bool],
+    kind_of: dict[str, LayerKind],
     gathered: float,
     c: int,
-) -> tuple[dict[bool, float], dict[bool, float]]:
+) -> tuple[dict[LayerKind, float], dict[LayerKind, float]]:
     """Per kind of block under FSDP, at the end of its backward: the weights alive (its own
     gathered copy and the block before it, which backward prefetches, unless every block
     stays gathered) and the float32 gradient its reduce-scatter takes."""
-    one_of_kind = {k: m for m, k in is_moe.items()}  # every block of a kind is the same size
+    one_of_kind = {k: m for m, k in kind_of.items()}  # every block of a kind is the same size
     block = {k: _gathered_numel(args, job, dims, [m], c) for k, m in one_of_kind.items()}
     # the largest block preceding each kind (its own size where the kind comes only first)
-    order = list(is_moe)
+    order = list(kind_of)
     prefetched = {
-        k: max((block[is_moe[a]] for a, b in itertools.pairwise(order) if is_moe[b] == k), default=block[k])
+        k: max((block[kind_of[a]] for a, b in itertools.pairwise(order) if kind_of[b] == k), default=block[k])
         for k in one_of_kind
     }
     kept = _keeps_blocks(job, dims)
@@ -914,7 +787,7 @@ class _Peak:
             self.moment, self.total = (gathered, activations, buffers), total
 
 
-def _consider_block(peak: _Peak, k: _StageCosts, kind: bool, alive: float, accumulated: float) -> None:
+def _consider_block(peak: _Peak, k: _StageCosts, kind: LayerKind, alive: float, accumulated: float) -> None:
     """A block's backward: while it rebuilds and computes, then at its end (its reduce-scatter)."""
     peak.consider(k.block_gathered[kind], alive + k.recompute[kind] + k.transient[kind], accumulated)
     peak.consider(
@@ -1017,7 +890,9 @@ def _gathered_numel(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules
     numel = modules_numel(args, job, dims, modules, sharded=False)
     in_place = c == FP32 and not job.training.enable_cpu_offload
     if in_place and dims.ep > 1 and dims.ep == dims.dp_shard * dims.cp:
-        moe_layers = dict(_key_counts(args, tuple(modules))).get("moe_layer", 0)
+        moe_layers = sum(
+            n for key, n in _key_counts(args, tuple(modules)) if is_block_kind(key) and key[1] == "moe"
+        )
         numel -= moe_layers * layer_expert_numel(args, dims.ep)
     return numel
 

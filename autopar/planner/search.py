@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
+from autopar.models.family import family_of
 from autopar.parallel.context_parallel import resolve_impl
 from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES
@@ -173,13 +174,21 @@ def candidates(
     global_batch = job.training.global_batch_size
     for tp in space.options("tp", [d for d in _divisors(world_size) if d <= gpus_per_node]):
         rest = world_size // tp if world_size % tp == 0 else 0
-        for cp in space.options("cp", [d for d in _divisors(rest) if d <= 16] if rest else []):
+        for cp in space.options("cp", _context_degrees(args, rest)):
             rest_cp = rest // cp if rest % cp == 0 else 0
             pps = [d for d in _divisors(rest_cp) if d <= args.num_hidden_layers] if rest_cp else []
             for pp in space.options("pp", pps):
                 if not rest_cp or rest_cp % pp:
                     continue
                 yield from _data_parallel(space, args, rest_cp // pp, tp, cp, pp, gpus_per_node, global_batch)
+
+
+def _context_degrees(args: ModelArgs, rest: int) -> list[int]:
+    """Context-parallel degrees dividing the ranks TP leaves (up to 16), or only 1 for a
+    family whose layers CP does not know (Qwen3.5's Gated DeltaNet)."""
+    if not rest:
+        return []
+    return [d for d in _divisors(rest) if d <= 16 and (d == 1 or family_of(args).context_parallel)]
 
 
 def _data_parallel(

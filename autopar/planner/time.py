@@ -31,19 +31,16 @@ from autopar.parallel.float8 import eligible
 from autopar.parallel.fsdp import reshards_blocks
 from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, schedule_name
+from autopar.planner.block_bytes import FP32, Sizes, block_bytes_no_ac, block_bytes_op_ac
 from autopar.planner.devices import DeviceSpec
 from autopar.planner.memory import (
-    FP32,
-    Sizes,
-    block_bytes_no_ac,
-    block_bytes_op_ac,
     layer_expert_numel,
     meta_model,
     micro_steps,
     modules_numel,
     sizes,
 )
-from autopar.training.metrics import block_matmul_params, flops_per_token
+from autopar.training.metrics import block_matmul_params, delta_rule_flops, flops_per_token
 
 COMPUTE_EFFICIENCY = {"compiled": 0.479, "eager": 0.294}
 FP8_SPEEDUP = 39_492 / 36_037
@@ -181,21 +178,33 @@ def _compute_seconds(
     share = len(checkpointed_layers(ac, ids)) / len(ids) if ac.mode != "none" and not op else 0.0
     if op:
         dropped = sum(
-            block_bytes_no_ac(z, args.qk_norm, args.is_moe_layer(i))
-            - block_bytes_op_ac(z, dims.tp, args.is_moe_layer(i))
+            block_bytes_no_ac(z, args.layer_kind(i), args.qk_norm)
+            - block_bytes_op_ac(z, dims.tp, args.layer_kind(i))
             for i in range(args.num_hidden_layers)
         )
         recompute = 2 * dropped / dims.pp * step.micro_batches / device.hbm_bytes_per_s
     elif share:
-        attention = 4 * args.num_attention_heads * args.head_dim * seq * args.num_hidden_layers
-        block_fwd = 2 * sum(block_matmul_params(args, i) for i in range(args.num_hidden_layers)) + attention
-        recompute = share * block_fwd * step.tokens / world / rate
+        recompute = share * block_forward_flops(args, seq) * step.tokens / world / rate
     if dims.tp > 1 and step.moe_layers:
-        # every TP rank runs a mixture of experts on the whole sequence: tp times its FLOPs
-        moe_fwd = 2 * (args.hidden_size * args.num_experts + 3 * z.top_k * args.hidden_size * z.moe_inter)
+        # every TP rank runs a mixture of experts on the whole sequence (its shared expert
+        # too): tp times its FLOPs
+        shared = 3 * args.hidden_size * z.shared_inter + (args.hidden_size if z.shared_inter else 0)
+        moe_fwd = 2 * (
+            args.hidden_size * args.num_experts + 3 * z.top_k * args.hidden_size * z.moe_inter + shared
+        )
         compute += (dims.tp - 1) * 3 * moe_fwd * step.moe_layers * step.tokens / world / rate
         recompute += (dims.tp - 1) * share * moe_fwd * step.moe_layers * step.tokens / world / rate
     return compute, recompute, share
+
+
+def block_forward_flops(args: ModelArgs, seq: int) -> float:
+    """Forward FLOPs per token of every block, as ``flops_per_token`` counts them: the
+    projections, the attention layers' scores and the Gated DeltaNets' recurrence."""
+    mixers = [args.mixer(i) for i in range(args.num_hidden_layers)]
+    linear = mixers.count("linear_attention")
+    attention = 4 * args.num_attention_heads * args.head_dim * seq * (len(mixers) - linear)
+    block_fwd = 2 * sum(block_matmul_params(args, i) for i in range(args.num_hidden_layers)) + attention
+    return block_fwd + linear * delta_rule_flops(args) / 3 if linear else block_fwd
 
 
 def _model_parallel_comm(
