@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from autopar.models import FLAVORS, HFCheckpointError, build_model, from_hf, get_flavor, to_hf
-from autopar.models.qwen import document_mask
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen3_5ForCausalLM"):
@@ -230,14 +229,6 @@ def test_packed_documents_give_each_document_its_own_logits():
     for start, stop in itertools.pairwise(cuts):
         alone = model(x[:, start:stop])
         torch.testing.assert_close(packed[:, start:stop], alone, rtol=0, atol=2e-5)
-
-
-def test_the_document_mask_carries_the_boundaries_the_delta_rule_resets_at():
-    from autopar.models.qwen3_5.model import document_ids
-
-    documents = torch.tensor([[0, 0, 1, 1, 1, 2], [4, 4, 4, 4, 5, 5]])
-    ids = document_ids(document_mask(documents))
-    assert torch.equal(ids[:, 1:] != ids[:, :-1], documents[:, 1:] != documents[:, :-1])
 
 
 def test_a_log_starts_finite_in_bf16():

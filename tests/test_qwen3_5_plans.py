@@ -1,7 +1,8 @@
 """Qwen3.5 under every plan equals one device (CPU, gloo, fp32): FSDP2 and HSDP, TP and TP+SP
 with the Gated DeltaNet layers split by head, every pipeline schedule the planner emits with
 every activation-checkpointing mode over layers of two kinds, compile, and for the MoE flavor
-EP, TP and their mix; context parallelism is refused with one line.
+EP, TP and their mix (with CP too; context parallelism's own suite is
+``test_qwen3_5_context_parallel.py``).
 
 The model is the tiny job's at four layers: three Gated DeltaNet layers, then gated attention.
 Adam at lr 1e-3, not the other suites' 1e-2: at 1e-2 this family's first updates amplify fp32
@@ -64,6 +65,7 @@ MOE_PLANS = [
     "tp=2",
     f"pp=2,schedule=ZBVZeroBubble,{ac('full', 'op')}",
     "dp_shard=2,tp=2,ep=2",
+    "cp=2,ep=2",
 ]
 
 
@@ -71,7 +73,7 @@ LORA = ("--lora.enable", "true", "--lora.rank", "4", "--lora.target_modules")
 LORA_TARGETS = "in_proj_qkv,in_proj_z,in_proj_a,in_proj_b,out_proj,q_proj,down_proj"
 """Adapters on every kind of linear: the DeltaNet's by HF name (its fused in_proj_qkv as our
 three pieces sharing one A), attention's and the MLP's."""
-LORA_PLANS = ["dp_shard=2", "tp=2", "pp=2"]
+LORA_PLANS = ["dp_shard=2", "tp=2", "pp=2", "cp=2"]
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +135,7 @@ def test_every_other_torch_schedule_with_every_checkpointing_mode(tmp_path, sche
 
 
 BF16 = ("--optimizer.lr", "0.001", "--training.mixed_precision_param", "bfloat16", "--training.steps", "5")
-BF16_PLANS = ["dp_shard=2", "tp=2", "pp=2,schedule=1F1B"]
+BF16_PLANS = ["dp_shard=2", "tp=2", "pp=2,schedule=1F1B", "cp=2"]
 SPLIT_BF16_LOSS_RTOL, SPLIT_BF16_NORM_RTOL = 1e-3, 0.05
 """TP and PP in bf16 round partial sums and micro-batches their own way. Measured over 5 steps
 (torch 2.13, CPU): TP 1.9e-4 in loss / 1.05e-2 in grad norm, PP 9.5e-5 / 6.3e-3; a TP plan
@@ -177,14 +179,6 @@ def test_a_tp_plan_that_forgets_a_reduction_is_outside_those_bounds(bf16):
     runs, broken = bf16
     loss, norm = largest_gaps(broken, runs["tp=2"][0])
     assert loss > SPLIT_BF16_LOSS_RTOL or norm > SPLIT_BF16_NORM_RTOL
-
-
-def test_context_parallel_is_refused_with_one_line(tmp_path):
-    job = tiny_job(tmp_path, "--parallelism.context_parallel_degree", "2", name="qwen3.5", **LAYERS)
-    with pytest.raises(
-        ConfigError, match=r"context parallelism does not yet pass qwen3\.5's Gated DeltaNet state"
-    ):
-        check_job(job, 2, "cpu")
 
 
 @pytest.mark.parametrize(("degree", "field"), [(8, "linear_num_key_heads=4"), (3, "num_attention_heads=8")])

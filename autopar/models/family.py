@@ -19,8 +19,6 @@ class ModelFamily:
     """``model.name`` in a job."""
     model: type[Qwen]
     """Builds it; its ``initial_value`` gives each parameter's deterministic start."""
-    context_parallel: bool = True
-    """Whether the context-parallel plans know every layer kind of the family."""
     high_precision: tuple[str, ...] = ()
     """Linears FP8 never converts (name suffixes), whatever ``float8.filter_fqns`` says: tiny
     projections whose FP8 error the released FP8 checkpoints avoid too."""
@@ -35,7 +33,6 @@ FAMILIES: dict[str, ModelFamily] = {
     "qwen3.5": ModelFamily(
         "qwen3.5",
         Qwen35,
-        context_parallel=False,
         # the decay and write-strength projections (one row per value head) and the shared
         # expert's one-row gate stay bf16 in Qwen's own FP8 checkpoints, as does the conv
         high_precision=("linear_attn.in_proj_a", "linear_attn.in_proj_b", "mlp.shared_expert_gate"),

@@ -177,8 +177,14 @@ class Block(nn.Module):
         self.mlp: MLP | MoE = MoE(args) if args.is_moe_layer(layer) else MLP(args)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``mask`` is what attention reads; ``documents`` (the ids behind it) serve layers
+        that carry state along the sequence (Qwen3.5's), which a plain block has none of."""
         h = x + self.self_attn(self.input_layernorm(x), positions, mask)
         out = self.mlp(self.post_attention_layernorm(h))
         if isinstance(out, tuple):
@@ -286,7 +292,7 @@ class Qwen(nn.Module):
             if positions is None:
                 positions = document_positions(documents)
         for layer in self.layers.values():
-            h, stats = split_output(layer(h, positions, mask))
+            h, stats = split_output(layer(h, positions, mask, documents))
             if stats is not None:
                 routing = stats if routing is None else routing + stats
         if self.norm is not None:

@@ -33,7 +33,8 @@ from autopar.models.qwen import document_positions
 from autopar.parallel.torch_internals import funcol, ring_attention_options
 
 # torch 2.13 renamed the autograd-aware all-gather; 2.11 has only the old name
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor_autograd
+all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor_autograd
+"""All-gather along ``gather_dim`` whose backward reduce-scatters the gradient."""
 
 
 def resolve_impl(cfg: Parallelism, device_type: str) -> str:
@@ -53,6 +54,12 @@ def check_cp(
             "training.document_masking=true with context_parallel_impl='ring': torch's ring "
             "attention runs causal attention only; use --parallelism.context_parallel_impl allgather "
             "(it masks by document id and global position)"
+        )
+    if document_masking and cfg.pipeline_parallel_degree > 1:
+        raise ConfigError(
+            "training.document_masking=true with context_parallel_degree > 1 and "
+            "pipeline_parallel_degree > 1: the CP attention mask is built per step, not per "
+            "pipeline micro-batch; use --parallelism.pipeline_parallel_degree 1 (or no document masking)"
         )
     if impl == "ring" and device_type != "cuda":
         raise ConfigError(
@@ -79,7 +86,8 @@ def shard_sequence(x: torch.Tensor, rank: int, size: int, head_tail: bool, dim: 
 class AllGatherKVAttention(TorchFunctionMode):
     """Causal SDPA over the whole sequence for this rank's queries: k/v gathered from all CP
     ranks, the mask from global positions (so any sharding layout is handled) and, with
-    packed documents, from their ids: a query sees only keys of its own document."""
+    packed documents, from their ids: a query sees only keys of its own document. The
+    model's own document mask, over this rank's tokens only, is replaced by that one."""
 
     def __init__(
         self,
@@ -92,7 +100,7 @@ class AllGatherKVAttention(TorchFunctionMode):
         whole rows' document ids, ``q_documents`` (B, S_local) this rank's."""
         super().__init__()
         self.mesh = mesh
-        kv_positions = _all_gather(q_positions, gather_dim=0, group=mesh)  # (S,) in k/v order
+        kv_positions = all_gather(q_positions, gather_dim=0, group=mesh)  # (S,) in k/v order
         self.mask = kv_positions[None, :] <= q_positions[:, None]  # (S_local, S)
         if documents is not None:
             same = q_documents[:, :, None] == documents[:, None, kv_positions]  # (B, S_local, S)
@@ -103,11 +111,13 @@ class AllGatherKVAttention(TorchFunctionMode):
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         query, key, value = args[:3]
-        if len(args) > 3 or kwargs.get("attn_mask") is not None or not kwargs.get("is_causal", False):
-            raise NotImplementedError("context parallel supports causal SDPA without a mask")
+        # the model masks by document exactly when it was given documents, as this mode was
+        masked = kwargs.get("attn_mask") is not None
+        if len(args) > 3 or masked != (self.mask.dim() == 4) or (not masked and not kwargs.get("is_causal")):
+            raise NotImplementedError("context parallel supports causal SDPA, or the model's document mask")
         extra = {k: v for k, v in kwargs.items() if k not in ("is_causal", "attn_mask")}
-        key = _all_gather(key.contiguous(), gather_dim=2, group=self.mesh)  # (B, H, S, D)
-        value = _all_gather(value.contiguous(), gather_dim=2, group=self.mesh)
+        key = all_gather(key.contiguous(), gather_dim=2, group=self.mesh)  # (B, H, S, D)
+        value = all_gather(value.contiguous(), gather_dim=2, group=self.mesh)
         return func(query, key, value, attn_mask=self.mask, **extra)
 
 
@@ -123,8 +133,9 @@ class ContextParallel:
     @contextlib.contextmanager
     def __call__(self, batch: Batch) -> Iterator[tuple[Batch, torch.Tensor]]:
         """Yields (this rank's batch slice, its RoPE positions (B, S_local)). With packed
-        documents the slice has no document ids: the model runs plain causal attention,
-        which this context masks by document, and the positions restart per document."""
+        documents the slice keeps its tokens' document ids (for the layers that pass state
+        between ranks, ``state_passing.py``); attention is masked by document over the whole
+        sequence here, and the positions restart per document."""
         bsz, seqlen = batch.inputs.shape
         positions = torch.arange(seqlen, device=batch.inputs.device).expand(bsz, seqlen).contiguous()
         if self.impl == "ring":
@@ -141,7 +152,7 @@ class ContextParallel:
         documents = batch.documents
         q_documents = None if documents is None else shard_sequence(documents, rank, size, self.head_tail)
         with AllGatherKVAttention(self.mesh, pos[0], documents, q_documents):
-            yield Batch(inputs, labels), rope
+            yield Batch(inputs, labels, q_documents), rope
 
     @contextlib.contextmanager
     def _ring(self, batch: Batch, positions: torch.Tensor) -> Iterator[tuple[Batch, torch.Tensor]]:

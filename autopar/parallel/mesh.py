@@ -24,7 +24,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from autopar.config.errors import ConfigError
 from autopar.config.sections import Parallelism
 from autopar.models.args import ModelArgs
-from autopar.models.family import family_of
 from autopar.parallel.torch_internals import flatten_mesh, unflatten_mesh
 from autopar.parallel.world import backend_for
 
@@ -134,12 +133,6 @@ def check_model_split(
             f"parallelism.expert_parallel_degree={dims.ep} does not divide model.num_experts="
             f"{args.num_experts}; use one of {_divisors(args.num_experts)}"
         )
-    if dims.cp > 1 and not family_of(args).context_parallel:
-        raise ConfigError(
-            f"parallelism.context_parallel_degree={dims.cp}: context parallelism does not yet pass "
-            f"{args.family}'s Gated DeltaNet state between ranks; use context_parallel_degree=1 "
-            "(shard long sequences with tensor_parallel_degree and sequence parallel instead)"
-        )
     heads = ("num_attention_heads", "num_key_value_heads")
     if args.hybrid:  # Gated DeltaNet layers are split by key and by value head
         heads += ("linear_num_key_heads", "linear_num_value_heads")
@@ -171,6 +164,13 @@ def check_model_split(
         raise ConfigError(
             f"training.seq_len={seq_len} is not divisible by {split} = {' x '.join(parts)}; "
             f"use a seq_len that is a multiple of {split}"
+        )
+    halo = args.linear_conv_kernel_dim - 1
+    if args.hybrid and dims.cp > 1 and seq_len // cp_chunks < halo:
+        raise ConfigError(
+            f"training.seq_len={seq_len} gives each of the {cp_chunks} context-parallel ranges "
+            f"{seq_len // cp_chunks} tokens, fewer than the {halo} the Gated DeltaNet's convolution "
+            f"reads from the range before; use a seq_len of at least {halo * cp_chunks}"
         )
     if dims.pp > args.num_hidden_layers:
         raise ConfigError(

@@ -1,9 +1,9 @@
 """The one place that turns a job into model parts: build on meta, transform, materialize.
 
 Transformations run in a fixed order, one log line each: TP -> CP -> SDPA backend -> EP ->
-compute dtype (without FSDP) -> activation checkpointing -> compile -> FSDP. (CP changes no
-module: it acts on the inputs and the attention call at run time, see
-``plans/context_parallel.py``.)
+compute dtype (without FSDP) -> activation checkpointing -> compile -> FSDP. (CP acts on the
+inputs and the attention call at run time, ``context_parallel.py``; of the modules it
+changes only Gated DeltaNet's, which pass their states between ranks, ``state_passing.py``.)
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from autopar.parallel.mixed_precision import apply_compute_dtype, compute_dtype,
 from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, schedule_name, stage_modules
 from autopar.parallel.pipelining.split import prune, stage_ids
 from autopar.parallel.sdpa_backend import apply_attention_kernel, native_gqa
+from autopar.parallel.state_passing import apply_state_passing
 from autopar.parallel.tensor_parallel import apply_tp, keep_embedding_grad_sharded
 
 logger = logging.getLogger("autopar")
@@ -51,6 +52,13 @@ def parallelize(
     order they compose: TP, kernels, EP, LoRA (following TP's and EP's placements), the compute dtype,
     activation checkpointing, compile, then FSDP around it all."""
     _tensor_parallel(model, args, job, meshes, device)
+    cp_mesh = meshes.get("cp")
+    if cp_mesh is not None:
+        count = apply_state_passing(
+            model, cp_mesh, job.parallelism.context_parallel_load_balancer == "headtail"
+        )
+        if count:
+            logger.info("context parallel: %d Gated DeltaNet layers pass their states between ranks", count)
     dtype = compute_dtype(job, device)
     _kernels(model, args, job, device)
     ep_mesh = meshes.get("ep")

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
-from autopar.models.family import family_of
 from autopar.parallel.context_parallel import resolve_impl
 from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES
@@ -184,11 +183,10 @@ def candidates(
 
 
 def _context_degrees(args: ModelArgs, rest: int) -> list[int]:
-    """Context-parallel degrees dividing the ranks TP leaves (up to 16), or only 1 for a
-    family whose layers CP does not know (Qwen3.5's Gated DeltaNet)."""
+    """Context-parallel degrees dividing the ranks TP leaves (up to 16)."""
     if not rest:
         return []
-    return [d for d in _divisors(rest) if d <= 16 and (d == 1 or family_of(args).context_parallel)]
+    return [d for d in _divisors(rest) if d <= 16]
 
 
 def _data_parallel(

@@ -9,7 +9,9 @@ evenly would hand one rank all of q and part of k.
 Everything that acts per head on the projections' outputs (the causal convolution, the
 decay and write strength, the delta rule) sits in ``DeltaRuleCore``, whose parameters are
 all per head (dim 0) and whose ``compute`` takes them as arguments, so a plan can run it on
-a rank's local heads.
+a rank's local heads. The two steps that read along the sequence, the convolution and the
+delta rule, go through the core's ``sequence`` (``WholeSequence`` here), which context
+parallelism replaces with one that spans the ranks' shards.
 """
 
 from __future__ import annotations
@@ -41,6 +43,19 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, documents: torch.Tensor |
     return out
 
 
+class WholeSequence:
+    """The steps that read along the sequence, for a sequence held whole by this process."""
+
+    @staticmethod
+    def convolve(
+        inputs: tuple[torch.Tensor, ...], weights: tuple[torch.Tensor, ...], documents: torch.Tensor | None
+    ) -> tuple[torch.Tensor, ...]:
+        """``causal_conv`` of each input (B, S, C_i) with its weight."""
+        return tuple(causal_conv(x, w, documents) for x, w in zip(inputs, weights))
+
+    delta_rule = staticmethod(gated_delta_rule)
+
+
 class DeltaRuleCore(nn.Module):
     """Convolution + SiLU, decay and write strength, and the gated delta rule, per head."""
 
@@ -56,6 +71,8 @@ class DeltaRuleCore(nn.Module):
         self.conv_v = nn.Parameter(torch.empty(value_channels, 1, width))
         self.A_log = nn.Parameter(torch.empty(args.linear_num_value_heads))
         self.dt_bias = nn.Parameter(torch.empty(args.linear_num_value_heads))
+        self.sequence: WholeSequence = WholeSequence()
+        """Runs the convolution and the delta rule; context parallelism swaps in its own."""
 
     def forward(
         self,
@@ -85,13 +102,14 @@ class DeltaRuleCore(nn.Module):
         """q, k (B, S, HK * dk), v (B, S, HV * dv), a, b (B, S, HV) -> (B, S, HV, dv); the
         weights as arguments, in registration order (a plan passes a rank's local heads)."""
         bsz, seqlen, _ = q.shape
-        q, k, v = (F.silu(causal_conv(x, w, documents)) for x, w in ((q, conv_q), (k, conv_k), (v, conv_v)))
+        convolved = self.sequence.convolve((q, k, v), (conv_q, conv_k, conv_v), documents)
+        q, k, v = (F.silu(x) for x in convolved)
         q = q.view(bsz, seqlen, -1, self.key_head_dim)  # (B, S, HK, dk)
         k = k.view(bsz, seqlen, -1, self.key_head_dim)  # (B, S, HK, dk)
         v = v.view(bsz, seqlen, -1, self.value_head_dim)  # (B, S, HV, dv)
         beta = b.sigmoid()  # (B, S, HV)
         g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)  # (B, S, HV) fp32 log decay
-        return gated_delta_rule(q, k, v, g, beta, documents)
+        return self.sequence.delta_rule(q, k, v, g, beta, documents)
 
 
 class GatedRMSNorm(nn.Module):

@@ -106,16 +106,6 @@ class SharedExpertMoE(MoE):
         return routed + shared, stats
 
 
-def document_ids(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """Packed-document ids (B, S) read off a document mask (B, 1, S, S): a document starts
-    where a token may not see the token before it."""
-    if mask is None:
-        return None
-    continues = mask[:, 0].diagonal(offset=-1, dim1=-2, dim2=-1)  # (B, S - 1) token t sees t - 1
-    starts = torch.cat((torch.ones_like(continues[:, :1]), ~continues), dim=1)  # (B, S)
-    return starts.long().cumsum(dim=1)
-
-
 class HybridBlock(nn.Module):
     """Pre-norm block whose token mixer is a Gated DeltaNet (``linear_attn``) or gated
     attention (``self_attn``), as HF names them."""
@@ -130,11 +120,17 @@ class HybridBlock(nn.Module):
         self.mlp: MLP | SharedExpertMoE = SharedExpertMoE(args) if args.is_moe_layer(layer) else MLP(args)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, mask: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``mask`` for attention; ``documents`` (B, S) ids for the DeltaNet, whose state and
+        convolution restart at each document."""
         normed = self.input_layernorm(x)
         if self.linear_attn is not None:
-            h = x + self.linear_attn(normed, document_ids(mask))
+            h = x + self.linear_attn(normed, documents)
         else:
             h = x + self.self_attn(normed, positions, mask)
         out = self.mlp(self.post_attention_layernorm(h))
