@@ -80,12 +80,16 @@ class Training:
     dataset: str = "autopar_corpus"
     """Built-in dataset name (autopar_corpus: the text shipped with autopar)."""
     dataset_path: str | None = None
-    """Text file, .jsonl file, folder of them, or a prepared .bin; overrides training.dataset."""
+    """Text file, .jsonl file, Parquet file, folder of them, a datasets.save_to_disk folder
+    (Arrow), or a prepared .bin; overrides training.dataset."""
     dataset_blend: list[str] = field(default_factory=list)
     """Weighted blend of prepared datasets as 'weight:path' items; overrides the two above."""
     dataset_format: Literal["text", "chat"] = "text"
-    """text: documents (.txt, .jsonl "text", prepared tokens); chat: .jsonl conversations
-    ({"messages": [...]} or ShareGPT's "conversations") rendered with the chat template."""
+    """text: documents (.txt, .jsonl "text", a table's text column, prepared tokens); chat:
+    conversations in .jsonl lines or table rows ({"messages": [...], "tools": [...]} or
+    ShareGPT's "conversations") rendered with the chat template."""
+    dataset_text_field: str = "text"
+    """With text data: the .jsonl key or the Parquet / Arrow column that holds each document."""
     chat_template: str | None = None
     """A chat template file (or shipped name: qwen2.5, qwen3); default: the chat_template beside
     the tokenizer, else Qwen2.5's."""
@@ -289,7 +293,8 @@ class Validation:
     dataset: str | None = None
     """A built-in dataset to validate on (as training.dataset); or give dataset_path."""
     dataset_path: str | None = None
-    """Held-out text or prepared tokens, read as training.dataset_path is."""
+    """Held-out text, tables or prepared tokens, read as training.dataset_path is (its
+    dataset_format and dataset_text_field too)."""
     local_batch_size: int = 8
     """Sequences per data-parallel rank per validation step (under PP: training.local_batch_size)."""
     seq_len: int = -1

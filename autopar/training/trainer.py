@@ -250,6 +250,7 @@ class Trainer:
             self.job.debug.seed,
             chat=chat_format(self.job),
             document_masking=training.document_masking,
+            text_field=training.dataset_text_field,
         )
 
     def _build_loader(self, samples: SampleSource) -> StepLoader:
