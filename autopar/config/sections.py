@@ -225,6 +225,16 @@ class Metrics:
     """Also write TensorBoard scalars under job.dump_folder/save_tb_folder."""
     save_tb_folder: str = "tb"
     """TensorBoard's folder, under job.dump_folder."""
+    enable_wandb: bool = False
+    """Also log to Weights & Biases (pip install 'autopar[wandb]'): the metrics.jsonl records
+    from rank 0, the resolved job as the run's config; WANDB_MODE=offline needs no account
+    and writes the run under job.dump_folder/wandb."""
+    wandb_project: str = "autopar"
+    """W&B project of the run."""
+    wandb_run_name: str | None = None
+    """W&B run name; unset: W&B makes one up."""
+    wandb_entity: str | None = None
+    """W&B team or user the run belongs to; unset: the logged-in user's default."""
 
 
 @dataclass

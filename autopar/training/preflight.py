@@ -28,6 +28,7 @@ from autopar.parallel.sdpa_backend import check_sdpa_backend
 from autopar.training.checkpoint import check_initial_load, check_load_step
 from autopar.training.profiling import check_profiling
 from autopar.training.resolve import model_args, tokenizer_path
+from autopar.training.sinks import check_wandb
 from autopar.training.validation import check_validation
 
 
@@ -97,4 +98,5 @@ def check_job(job: JobConfig, world_size: int, device_type: str | None = None) -
     check_initial_load(job.checkpoint, args, f"{job.model.name}/{job.model.flavor}")
     check_load_step(job.checkpoint, job.job.dump_folder)
     check_output_folders(job)
+    check_wandb(job)
     return args
