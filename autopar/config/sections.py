@@ -178,6 +178,10 @@ class Parallelism:
     """headtail: rank r holds chunks r and 2*cp-1-r so causal work is balanced; none: contiguous chunks."""
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
     """How ring attention exchanges k/v shards."""
+    gpus_per_node: int = -1
+    """The GPUs per node the plan was made for (python -m autopar.plan --gpus-per-node); a
+    launch with another number of ranks per node (torchrun --nproc_per_node, LOCAL_WORLD_SIZE)
+    is refused in one line. -1: not stated, not checked."""
     enable_sequence_parallel: bool = True
     """With TP, shard norms and residuals along the sequence too (less activation memory)."""
     disable_loss_parallel: bool = False
