@@ -22,14 +22,14 @@ from autopar.cli.log import setup_logging, warn_if_untested_torch
 from autopar.config import ConfigError, JobConfig, help_text, to_toml
 from autopar.data import DataError
 from autopar.models.args import ModelArgs
-from autopar.parallel.world import init_world, world_size_from_env
+from autopar.parallel.world import init_world, ranks_per_node_from_env, world_size_from_env
 from autopar.planner.auto import auto_job, record_measured, write_plan
 from autopar.planner.devices import DeviceSpec
 from autopar.planner.dry_run import compare, report, title, write_dry_run
 from autopar.planner.search import Plan
 from autopar.planner.verify import Verified
 from autopar.training.faults import TrainingStopped, end_with_launcher
-from autopar.training.preflight import check_job
+from autopar.training.preflight import check_job, check_nodes
 from autopar.training.previous_run import check_previous_run, write_config
 from autopar.training.resolve import parse_job
 from autopar.training.run_lock import dump_folder_lock
@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
         auto: tuple[Plan, DeviceSpec, list[Verified]] | None = None
         if job.parallelism.auto:
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
-            gpus_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            gpus_per_node = ranks_per_node_from_env() or 1
             job, plan, device, verified = auto_job(
                 job, argv, world_size_from_env(), device_type, gpus_per_node
             )
@@ -86,6 +86,7 @@ def main(argv: list[str]) -> int:
             print(to_toml(job))
             return 0
         args = check_job(job, world_size_from_env())
+        check_nodes(job, world_size_from_env(), ranks_per_node_from_env())
         check_previous_run(job, args)  # what an earlier run in the dump folder left
     except ConfigError as err:
         return _refuse("config error", err)

@@ -80,12 +80,16 @@ class Training:
     dataset: str = "autopar_corpus"
     """Built-in dataset name (autopar_corpus: the text shipped with autopar)."""
     dataset_path: str | None = None
-    """Text file, .jsonl file, folder of them, or a prepared .bin; overrides training.dataset."""
+    """Text file, .jsonl file, Parquet file, folder of them, a datasets.save_to_disk folder
+    (Arrow), or a prepared .bin; overrides training.dataset."""
     dataset_blend: list[str] = field(default_factory=list)
     """Weighted blend of prepared datasets as 'weight:path' items; overrides the two above."""
     dataset_format: Literal["text", "chat"] = "text"
-    """text: documents (.txt, .jsonl "text", prepared tokens); chat: .jsonl conversations
-    ({"messages": [...]} or ShareGPT's "conversations") rendered with the chat template."""
+    """text: documents (.txt, .jsonl "text", a table's text column, prepared tokens); chat:
+    conversations in .jsonl lines or table rows ({"messages": [...], "tools": [...]} or
+    ShareGPT's "conversations") rendered with the chat template."""
+    dataset_text_field: str = "text"
+    """With text data: the .jsonl key or the Parquet / Arrow column that holds each document."""
     chat_template: str | None = None
     """A chat template file (or shipped name: qwen2.5, qwen3); default: the chat_template beside
     the tokenizer, else Qwen2.5's."""
@@ -174,6 +178,10 @@ class Parallelism:
     """headtail: rank r holds chunks r and 2*cp-1-r so causal work is balanced; none: contiguous chunks."""
     context_parallel_rotate_method: Literal["allgather", "alltoall"] = "allgather"
     """How ring attention exchanges k/v shards."""
+    gpus_per_node: int = -1
+    """The GPUs per node the plan was made for (python -m autopar.plan --gpus-per-node); a
+    launch with another number of ranks per node (torchrun --nproc_per_node, LOCAL_WORLD_SIZE)
+    is refused in one line. -1: not stated, not checked."""
     enable_sequence_parallel: bool = True
     """With TP, shard norms and residuals along the sequence too (less activation memory)."""
     disable_loss_parallel: bool = False
@@ -221,6 +229,16 @@ class Metrics:
     """Also write TensorBoard scalars under job.dump_folder/save_tb_folder."""
     save_tb_folder: str = "tb"
     """TensorBoard's folder, under job.dump_folder."""
+    enable_wandb: bool = False
+    """Also log to Weights & Biases (pip install 'autopar[wandb]'): the metrics.jsonl records
+    from rank 0, the resolved job as the run's config; WANDB_MODE=offline needs no account
+    and writes the run under job.dump_folder/wandb."""
+    wandb_project: str = "autopar"
+    """W&B project of the run."""
+    wandb_run_name: str | None = None
+    """W&B run name; unset: W&B makes one up."""
+    wandb_entity: str | None = None
+    """W&B team or user the run belongs to; unset: the logged-in user's default."""
 
 
 @dataclass
@@ -289,7 +307,8 @@ class Validation:
     dataset: str | None = None
     """A built-in dataset to validate on (as training.dataset); or give dataset_path."""
     dataset_path: str | None = None
-    """Held-out text or prepared tokens, read as training.dataset_path is."""
+    """Held-out text, tables or prepared tokens, read as training.dataset_path is (its
+    dataset_format and dataset_text_field too)."""
     local_batch_size: int = 8
     """Sequences per data-parallel rank per validation step (under PP: training.local_batch_size)."""
     seq_len: int = -1

@@ -42,10 +42,12 @@ __all__ = [
     "TEMPLATES",
     "ChatFormat",
     "Conversation",
+    "ConversationEncoder",
     "encode",
     "encode_files",
     "learned_spans",
     "load_chat",
+    "parse_record",
     "read_conversations",
     "read_records",
     "render",
@@ -173,33 +175,48 @@ class ChatFormat:
         return found if found is not None else tokenizer.token_to_id("<|endoftext|>") or 0
 
 
+class ConversationEncoder:
+    """Conversations to (token ids, learned) with one ChatFormat; the template text is read
+    once per kind of conversation (with tools or not: a folder may have a "tool_use" template)."""
+
+    def __init__(self, chat: ChatFormat) -> None:
+        self.chat = chat
+        self._templates: dict[bool, str] = {}
+
+    def __call__(self, conversation: Conversation, where: str) -> tuple[np.ndarray, np.ndarray]:
+        messages, tools = conversation
+        if (tools is not None) not in self._templates:
+            self._templates[tools is not None] = template_text(
+                self.chat.tokenizer_path, self.chat.template, tools
+            )
+        template = self._templates[tools is not None]
+        try:
+            ids, mask = _encode(messages, self.chat.tokenizer_path, template, self.chat.loss_on, tools)
+        except DataError as err:
+            raise DataError(f"{where}: {err}") from None
+        return np.asarray(ids, dtype=np.int64), mask
+
+
 def encode_files(files: list[Path], chat: ChatFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, learned, end offset of each conversation) of every conversation in ``files``
     (.jsonl), one after another."""
-    templates: dict[bool, str] = {}  # with tools or not: a folder may have a "tool_use" template
-    ids: list[int] = []
+    encoder = ConversationEncoder(chat)
+    ids: list[np.ndarray] = []
     learned: list[np.ndarray] = []
-    ends: list[int] = []
     for file in files:
         if file.suffix != ".jsonl":
             raise DataError(f"{file}: chat data is .jsonl conversations, not {file.suffix or 'this file'}")
-        for number, (messages, tools) in enumerate(read_records(file), 1):
-            if (tools is not None) not in templates:
-                templates[tools is not None] = template_text(chat.tokenizer_path, chat.template, tools)
-            template = templates[tools is not None]
-            try:
-                conversation, mask = _encode(messages, chat.tokenizer_path, template, chat.loss_on, tools)
-            except DataError as err:
-                raise DataError(f"{file}: conversation {number}: {err}") from None
-            ids += conversation
+        for number, conversation in enumerate(read_records(file), 1):
+            conversation_ids, mask = encoder(conversation, f"{file}: conversation {number}")
+            ids.append(conversation_ids)
             learned.append(mask)
-            ends.append(len(ids))
     mask = np.concatenate(learned) if learned else np.zeros(0, dtype=bool)
     if not mask.any():
         raise DataError(
             f"{files[0]}: no token to learn (no assistant turn with training.loss_on={chat.loss_on!r})"
         )
-    return np.asarray(ids, dtype=np.int64), mask, np.asarray(ends, dtype=np.int64)
+    ends = np.cumsum([a.size for a in ids], dtype=np.int64)
+    return (np.concatenate(ids) if ids else np.zeros(0, np.int64)), mask, ends
 
 
 def load_chat(path: Path, chat: ChatFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -268,11 +285,11 @@ def read_conversations(path: str | Path) -> Iterator[list[dict[str, Any]]]:
         yield conversation.messages
 
 
-def _tools(record: dict[str, Any], where: str, sharegpt: bool) -> list[dict[str, Any]] | None:
+def _tools(record: dict[str, Any], where: str, json_string: bool) -> list[dict[str, Any]] | None:
     """A record's ``tools``: a list of JSON-schema function specs, or None. ShareGPT files
     (LLaMA-Factory's) may hold the list as a JSON string."""
     tools = record.get("tools")
-    if sharegpt and isinstance(tools, str):
+    if json_string and isinstance(tools, str):
         try:
             tools = json.loads(tools) if tools.strip() else None
         except json.JSONDecodeError as err:
@@ -292,6 +309,22 @@ def _tools(record: dict[str, Any], where: str, sharegpt: bool) -> list[dict[str,
     )
 
 
+def parse_record(record: Any, where: str, tools_as_json: bool = False) -> Conversation:
+    """One conversation record (a JSONL line, a table row): ``{"messages": [...], "tools":
+    [...]}`` or ShareGPT's ``{"conversations": [...]}``; ``tools_as_json``: ``tools`` may be a
+    JSON string (as ShareGPT files and Parquet sets hold it). A bad record is a DataError
+    naming ``where``."""
+    if not isinstance(record, dict) or not ({"messages", "conversations"} & record.keys()):
+        raise DataError(f'{where}: a line must be an object with "messages" (or ShareGPT "conversations")')
+    sharegpt = "messages" not in record
+    messages = record["conversations" if sharegpt else "messages"]
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: messages must be a non-empty list")
+    return Conversation(
+        [_message(m, where, sharegpt) for m in messages], _tools(record, where, sharegpt or tools_as_json)
+    )
+
+
 def _conversations(path: str | Path) -> Iterator[Conversation]:
     with Path(path).open(encoding="utf-8") as f:
         for number, line in enumerate(f, 1):
@@ -302,14 +335,4 @@ def _conversations(path: str | Path) -> Iterator[Conversation]:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DataError(f"{where}: not JSON ({err.msg})") from None
-            if not isinstance(record, dict) or not ({"messages", "conversations"} & record.keys()):
-                raise DataError(
-                    f'{where}: a line must be an object with "messages" (or ShareGPT "conversations")'
-                )
-            sharegpt = "messages" not in record
-            messages = record["conversations" if sharegpt else "messages"]
-            if not isinstance(messages, list) or not messages:
-                raise DataError(f"{where}: messages must be a non-empty list")
-            yield Conversation(
-                [_message(m, where, sharegpt) for m in messages], _tools(record, where, sharegpt)
-            )
+            yield parse_record(record, where)

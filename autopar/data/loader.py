@@ -20,6 +20,8 @@ from autopar.config.sections import Training
 from autopar.data.chat import ChatFormat, load_chat, pad_to_windows
 from autopar.data.dataset import Blend, PackedWindows, SampleSource
 from autopar.data.errors import DataError
+from autopar.data.streamed import open_table
+from autopar.data.tables import Columns, TableRows, is_table
 from autopar.data.tokenizer import Tokenizer, build_tokenizer, tokenizer_file
 from autopar.data.tokens import (
     BUILTIN_DATASETS,
@@ -65,7 +67,7 @@ def dataset_path(dataset: str, path: str | None, section: str = "training") -> P
         hub = (
             " (torchtitan streams it from the Hugging Face Hub; autopar reads local files: "
             f"download it, tokenize it once with autopar-prepare, and point {section}.dataset_path there)"
-            if dataset.startswith("c4")
+            if dataset.startswith("c4") or "/" in dataset
             else ""
         )
         raise DataError(
@@ -85,10 +87,12 @@ def build_samples(
     section: str = "training",
     chat: ChatFormat | None = None,
     document_masking: bool = False,
+    text_field: str = "text",
 ) -> SampleSource:
     """The sample source of a job's [training] (or ``section``'s) data fields; with ``chat``,
-    raw .jsonl files hold conversations (prepared files say themselves what they hold); with
-    ``document_masking``, samples carry their document boundaries."""
+    raw .jsonl files and tables hold conversations (prepared files say themselves what they
+    hold); with ``document_masking``, samples carry their document boundaries; ``text_field``:
+    the JSONL key or table column of text documents."""
     if blend:
         parts = [
             windows(p, tokenizer, seq_len, seed + i, section, chat, document_masking)
@@ -96,7 +100,7 @@ def build_samples(
         ]
         return Blend(parts, [w for w, _ in parse_blend(blend)], seed)
     source = dataset_path(dataset, path, section)
-    return windows(source, tokenizer, seq_len, seed, section, chat, document_masking)
+    return windows(source, tokenizer, seq_len, seed, section, chat, document_masking, text_field)
 
 
 def windows(
@@ -107,15 +111,22 @@ def windows(
     section: str,
     chat: ChatFormat | None,
     document_masking: bool = False,
+    text_field: str = "text",
 ) -> PackedWindows:
-    """The sequences of one dataset: text, raw chat (rendered now, last sequence padded) or
-    prepared (tokens, and the learned mask of a prepared chat file). Documents are
-    conversations, or the text between end-of-text tokens (a prepared file's index)."""
-    if chat is not None and not is_prepared(source):
+    """The sequences of one dataset: text, raw chat (rendered now, last sequence padded),
+    a table (Parquet, Arrow: tokenized as windows read it) or prepared (tokens, and the
+    learned mask of a prepared chat file). Documents are conversations or table rows, or the
+    text between end-of-text tokens (a prepared file's index)."""
+    if is_table(source):
+        stream = open_table(source, tokenizer, chat, text_field)
+        if chat is not None:
+            stream.pad(seq_len, chat.pad_id())
+        tokens, learned, ends = stream, stream.learned, stream.ends
+    elif chat is not None and not is_prepared(source):
         tokens, learned, ends = load_chat(source, chat)
         tokens, learned = pad_to_windows(tokens, learned, seq_len, chat.pad_id())
     else:
-        tokens, learned = load_tokens(source, tokenizer), read_learned(source)
+        tokens, learned = load_tokens(source, tokenizer, text_field), read_learned(source)
         ends = document_ends(source, tokens, tokenizer.eos_id) if document_masking else None
         rendered = prepared_chat(source)
         if chat is not None and rendered is not None and rendered["loss_on"] != chat.loss_on:
@@ -198,8 +209,15 @@ class StepLoader:
         self.consumed_samples = int(state["consumed_samples"])
 
 
-def check_data(dataset: str, path: str | None, blend: list[str], section: str = "training") -> None:
-    """Raise DataError if the job's data fields name nothing readable (cheap: no tokenizing)."""
+def check_data(
+    dataset: str,
+    path: str | None,
+    blend: list[str],
+    section: str = "training",
+    columns: Columns | None = None,
+) -> None:
+    """Raise DataError if the job's data fields name nothing readable (cheap: no tokenizing;
+    a table's ``columns`` are checked in every file's metadata)."""
     if blend:
         for _, p in parse_blend(blend):
             if not p.with_suffix(".bin").is_file():
@@ -210,7 +228,15 @@ def check_data(dataset: str, path: str | None, blend: list[str], section: str = 
         return
     source = dataset_path(dataset, path, section)
     if not source.exists():
-        raise DataError(f"{section}.dataset_path={str(source)!r}: no such file or folder")
+        hub = (
+            "; a Hub dataset name? autopar reads local files: download it (hf download --repo-type "
+            "dataset NAME --local-dir DIR) and point there"
+            if path is not None and path.count("/") == 1 and not path.startswith((".", "/"))
+            else ""
+        )
+        raise DataError(f"{section}.dataset_path={str(source)!r}: no such file or folder{hub}")
+    if columns is not None and is_table(source):
+        TableRows(source, columns)
 
 
 def check_training_data(
@@ -224,7 +250,7 @@ def check_training_data(
     except DataError as err:
         raise ConfigError(f"model.tokenizer_path: {err}") from None
     try:
-        check_data(cfg.dataset, cfg.dataset_path, cfg.dataset_blend)
+        check_data(cfg.dataset, cfg.dataset_path, cfg.dataset_blend, columns=table_columns(cfg))
     except DataError as err:
         raise ConfigError(str(err)) from None
     if cfg.dataset_format == "chat":
@@ -239,6 +265,11 @@ def check_training_data(
             f"training.seq_len={cfg.seq_len} exceeds model.max_position_embeddings="
             f"{max_position_embeddings}; lower seq_len or raise max_position_embeddings"
         )
+
+
+def table_columns(cfg: Training) -> Columns:
+    """The columns a job reads from a table dataset."""
+    return Columns(text=None) if cfg.dataset_format == "chat" else Columns(text=cfg.dataset_text_field)
 
 
 def check_chat(cfg: Training, tokenizer_path: str | None) -> None:

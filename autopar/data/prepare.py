@@ -11,8 +11,10 @@ writes ``data/mix.bin`` and ``data/mix.json``. Point ``training.dataset_path`` a
 
 renders conversations with the chat template (as ``training.dataset_format = "chat"`` does) and
 also writes ``data/sft.mask``, the learned-token mask; ``.idx`` then holds conversation ends.
-Prepared text and chat files blend freely. Every input is read and encoded before anything is
-written, so a bad line leaves no output behind.
+Prepared text and chat files blend freely. Inputs may be Parquet files, folders of them and
+``datasets.save_to_disk`` folders too (``--text-field`` names the text column), read a row
+group or Arrow batch at a time. Documents are written as they are encoded, so memory holds
+one chunk of the input, not the dataset; a bad line leaves no output behind.
 """
 
 from __future__ import annotations
@@ -21,12 +23,17 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
-from autopar.data.chat import ChatFormat, encode_files
+import numpy as np
+
+from autopar.data.chat import ChatFormat, ConversationEncoder, read_records
 from autopar.data.errors import DataError
-from autopar.data.tokenizer import build_tokenizer
-from autopar.data.tokens import source_files, token_dtype, tokenize_files, write_prepared
+from autopar.data.streamed import Encoded, row_encoder
+from autopar.data.tables import TableRows, is_table
+from autopar.data.tokenizer import Tokenizer, build_tokenizer
+from autopar.data.tokens import documents, source_files, write_prepared
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +53,16 @@ def prepare(
     output: str,
     tokenizer_path: str | None,
     chat: ChatFormat | None = None,
+    text_field: str = "text",
 ) -> tuple[Path, int]:
-    """Tokenize every input (files or folders) into ``output``.bin/.idx/.json (and .mask with
-    ``chat``): (.bin path, tokens)."""
+    """Tokenize every input (files, folders, tables) into ``output``.bin/.idx/.json (and
+    .mask with ``chat``): (.bin path, tokens)."""
     tokenizer = build_tokenizer(tokenizer_path)
-    files = [f for item in inputs for f in source_files(Path(item))]
+    columns, encode_row = row_encoder(tokenizer, chat, text_field)
+    parts = [
+        TableRows(Path(item), columns) if is_table(Path(item)) else source_files(Path(item))
+        for item in inputs
+    ]
     prefix = Path(output)
     if output.endswith(("/", os.sep)) or prefix.is_dir():
         raise DataError(
@@ -66,15 +78,40 @@ def prepare(
             f"{existing[0]}: already exists{more}, and --output {output} would overwrite it; choose "
             "another --output (or move the file away)"
         )
-    sources = [str(f) for f in files]
+    sources = [str(f) for part in parts for f in (part.files if isinstance(part, TableRows) else part)]
+    if chat is not None:
+        chat.check()
+    rendered = (
+        None
+        if chat is None
+        else {"loss_on": chat.loss_on, "template": chat.template or "beside the tokenizer"}
+    )
+
+    def documents() -> Iterator[Encoded]:
+        for part in parts:
+            if isinstance(part, TableRows):
+                yield from (encode_row(row, part.where(index)) for index, row in part)
+            else:
+                yield from file_documents(part, tokenizer, chat, text_field)
+
+    return write_prepared(documents(), prefix, tokenizer, sources, rendered)
+
+
+def file_documents(
+    files: list[Path], tokenizer: Tokenizer, chat: ChatFormat | None, text_field: str
+) -> Iterator[Encoded]:
+    """The documents of text / jsonl files: text then end-of-text, or conversations."""
     if chat is None:
-        tokens = tokenize_files(files, tokenizer)
-        return write_prepared(tokens, prefix, tokenizer, sources), tokens.size
-    chat.check()
-    ids, learned, ends = encode_files(files, chat)
-    ids = ids.astype(token_dtype(tokenizer.vocab_size))
-    rendered = {"loss_on": chat.loss_on, "template": chat.template or "beside the tokenizer"}
-    return write_prepared(ids, prefix, tokenizer, sources, ends, learned, rendered), ids.size
+        for file in files:
+            for doc in documents(file, text_field):
+                yield np.asarray([*tokenizer.encode(doc), tokenizer.eos_id], dtype=np.int64), None
+        return
+    encoder = ConversationEncoder(chat)
+    for file in files:
+        if file.suffix != ".jsonl":
+            raise DataError(f"{file}: chat data is .jsonl conversations, not {file.suffix or 'this file'}")
+        for number, conversation in enumerate(read_records(file), 1):
+            yield encoder(conversation, f"{file}: conversation {number}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -83,7 +120,9 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--input", nargs="+", required=True, help="text/jsonl files or folders")
+    parser.add_argument(
+        "--input", nargs="+", required=True, help="text/jsonl/Parquet files or folders, save_to_disk folders"
+    )
     parser.add_argument("--output", required=True, help="output prefix (writes PREFIX.bin and PREFIX.json)")
     parser.add_argument("--tokenizer", default=None, help="HF tokenizer.json; default: byte tokenizer")
     parser.add_argument("--format", choices=["text", "chat"], default="text", help="what the inputs hold")
@@ -91,6 +130,9 @@ def main(argv: list[str] | None = None) -> None:
         "--template", default=None, help="chat: template file or shipped name (qwen2.5, qwen3)"
     )
     parser.add_argument("--loss-on", choices=["assistant", "all", "last_assistant"], default="assistant")
+    parser.add_argument(
+        "--text-field", default="text", help="text: the jsonl key or table column of each document"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.format == "chat" and args.tokenizer is None:
@@ -99,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     chat = ChatFormat(args.tokenizer, args.template, args.loss_on) if args.format == "chat" else None
     try:
-        path, num_tokens = prepare(args.input, args.output, args.tokenizer, chat)
+        path, num_tokens = prepare(args.input, args.output, args.tokenizer, chat, args.text_field)
     except DataError as err:
         parser.exit(2, f"error: {err}\n")
     logger.info("wrote %s: %d tokens", path, num_tokens)

@@ -9,9 +9,10 @@ this as an indexed dataset.
 
 from __future__ import annotations
 
+import array
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -58,11 +59,12 @@ def source_files(path: Path) -> list[Path]:
     return files
 
 
-def documents(path: Path) -> Iterator[str]:
-    """Documents of a text file (the whole file) or a jsonl file (the "text" of each line)."""
+def documents(path: Path, text_field: str = "text") -> Iterator[str]:
+    """Documents of a text file (the whole file) or a jsonl file (the ``text_field`` of each
+    line)."""
     try:
         if path.suffix in JSONL_SUFFIXES:
-            yield from _jsonl_documents(path)
+            yield from _jsonl_documents(path, text_field)
         elif path.suffix in TEXT_SUFFIXES:
             yield path.read_text(encoding="utf-8")
         else:
@@ -71,17 +73,17 @@ def documents(path: Path) -> Iterator[str]:
         raise not_utf8(path, err) from None
 
 
-def _jsonl_documents(path: Path) -> Iterator[str]:
+def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                text = json.loads(line)["text"]
+                text = json.loads(line)[field]
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise DataError(f'{path}:{lineno}: not a JSON object with a "text" field') from None
+                raise DataError(f'{path}:{lineno}: not a JSON object with a "{field}" field') from None
             if not isinstance(text, str):
-                raise DataError(f'{path}:{lineno}: "text" is {type(text).__name__} {text!r}, not a string')
+                raise DataError(f'{path}:{lineno}: "{field}" is {type(text).__name__} {text!r}, not a string')
             yield text
 
 
@@ -89,11 +91,11 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
-def tokenize_files(files: list[Path], tokenizer: Tokenizer) -> np.ndarray:
+def tokenize_files(files: list[Path], tokenizer: Tokenizer, text_field: str = "text") -> np.ndarray:
     """One token stream: every document followed by end-of-text."""
     chunks = []
     for file in files:
-        for doc in documents(file):
+        for doc in documents(file, text_field):
             chunks.append(np.asarray([*tokenizer.encode(doc), tokenizer.eos_id], dtype=np.int64))
     if not chunks:
         raise DataError(f"{files[0].parent}: no documents found")
@@ -108,32 +110,56 @@ def is_prepared(path: Path) -> bool:
 
 
 def write_prepared(
-    tokens: np.ndarray,
+    documents: Iterable[tuple[np.ndarray, np.ndarray | None]],
     prefix: Path,
     tokenizer: Tokenizer,
     sources: list[str],
-    document_ends: np.ndarray | None = None,
-    learned: np.ndarray | None = None,
     chat: dict[str, str] | None = None,
-) -> Path:
-    """Write ``prefix.idx`` (int64 end offset of every document; default: after each
-    end-of-text), ``prefix.mask`` (with ``learned``), ``prefix.json`` (``chat``: how the
-    conversations were rendered) and last ``prefix.bin`` (tokens), renamed into place when
-    complete: a prefix with a .bin is whole, and an interrupted run leaves none."""
+) -> tuple[Path, int]:
+    """Write ``documents`` (each one's token ids and, with ``chat``, learned mask), streamed
+    one at a time: ``prefix.idx`` (int64 end offset of every document: text ends after each
+    end-of-text, conversations after each conversation), ``prefix.mask`` (with ``chat``),
+    ``prefix.json`` (``chat``: how the conversations were rendered) and last ``prefix.bin``
+    (tokens), renamed into place when complete: a prefix with a .bin is whole, and a bad
+    document or an interrupted run leaves none. Returns (.bin path, tokens)."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    bin_path = prefix.with_suffix(".bin")
-    partial = bin_path.with_suffix(".bin.partial")
-    tokens.tofile(partial)
-    if document_ends is None:
-        document_ends = np.flatnonzero(tokens == tokenizer.eos_id).astype(np.int64) + 1
-    document_ends.astype(np.int64).tofile(prefix.with_suffix(".idx"))
-    if learned is not None:
-        learned.astype(np.uint8).tofile(prefix.with_suffix(".mask"))
+    bin_path, mask_path = prefix.with_suffix(".bin"), prefix.with_suffix(".mask")
+    partial, mask_partial = bin_path.with_suffix(".bin.partial"), mask_path.with_suffix(".mask.partial")
+    dtype = token_dtype(tokenizer.vocab_size)
+    ends = array.array("q")
+    total = learned = 0
+    try:
+        with partial.open("wb") as out, mask_partial.open("wb") as mask_out:
+            for ids, mask in documents:
+                out.write(ids.astype(dtype).tobytes())
+                if chat is None:
+                    ends.extend((np.flatnonzero(ids == tokenizer.eos_id) + total + 1).tolist())
+                else:
+                    assert mask is not None, "a conversation has its learned mask"
+                    mask_out.write(mask.astype(np.uint8).tobytes())
+                    learned += int(mask.sum())
+                    ends.append(total + ids.size)
+                total += ids.size
+        if not total:
+            raise DataError(f"{sources[0] if sources else prefix}: no documents found")
+        if chat is not None and not learned:
+            raise DataError(
+                f"{sources[0]}: no token to learn (no assistant turn with loss_on={chat['loss_on']!r})"
+            )
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        mask_partial.unlink(missing_ok=True)
+        raise
+    np.frombuffer(ends, dtype=np.int64).tofile(prefix.with_suffix(".idx"))
+    if chat is not None:
+        mask_partial.rename(mask_path)
+    else:
+        mask_partial.unlink()
     meta = {
         "version": FORMAT_VERSION,
-        "dtype": tokens.dtype.name,
-        "num_tokens": int(tokens.size),
-        "num_documents": int(document_ends.size),
+        "dtype": dtype.name,
+        "num_tokens": total,
+        "num_documents": len(ends),
         "tokenizer": tokenizer.name,
         "vocab_size": tokenizer.vocab_size,
         "sources": sources,
@@ -141,7 +167,7 @@ def write_prepared(
     }
     prefix.with_suffix(".json").write_text(json.dumps(meta, indent=2) + "\n")
     partial.rename(bin_path)
-    return bin_path
+    return bin_path, total
 
 
 def read_learned(path: Path) -> np.ndarray | None:
@@ -249,8 +275,8 @@ def read_prepared(path: Path, tokenizer: Tokenizer) -> np.ndarray:
     return np.memmap(bin_path, dtype=dtype, mode="r")
 
 
-def load_tokens(path: Path, tokenizer: Tokenizer) -> np.ndarray:
+def load_tokens(path: Path, tokenizer: Tokenizer, text_field: str = "text") -> np.ndarray:
     """The token stream of a prepared dataset, or of text/jsonl files tokenized now."""
     if is_prepared(path):
         return read_prepared(path, tokenizer)
-    return tokenize_files(source_files(path), tokenizer)
+    return tokenize_files(source_files(path), tokenizer, text_field)

@@ -56,6 +56,17 @@ def world_size_from_env() -> int:
     return size
 
 
+def ranks_per_node_from_env() -> int | None:
+    """The ranks torchrun started on this node (``LOCAL_WORLD_SIZE``, its --nproc_per_node),
+    or None when it did not launch this process."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if value is None:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"environment LOCAL_WORLD_SIZE={value!r} must be a positive integer")
+    return int(value)
+
+
 def device_for(local_rank: int) -> torch.device:
     """CUDA when present (one GPU per local rank), otherwise CPU."""
     if torch.cuda.is_available():

@@ -14,6 +14,7 @@ import logging
 import math
 import resource
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 
 from autopar.models.args import ModelArgs
 from autopar.models.qwen3_5.delta_rule import CHUNK as DELTA_RULE_CHUNK
+from autopar.training.sinks import Sink
 
 logger = logging.getLogger("autopar")
 
@@ -183,7 +185,7 @@ class MetricsLogger:
         device: torch.device,
         world_size: int,
         is_main: bool,
-        tb_folder: str | None = None,
+        sinks: Sequence[Sink] = (),
     ) -> None:
         self.path = Path(dump_folder) / "metrics.jsonl"
         self.flops_per_token = flops_per_token
@@ -193,13 +195,10 @@ class MetricsLogger:
         self.device = device
         self.world_size = world_size
         self.is_main = is_main
-        self._tb = None
+        self.sinks = list(sinks)
+        """Where the records also go (TensorBoard, W&B); the main rank's only."""
         if is_main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if tb_folder is not None:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(Path(dump_folder) / tb_folder))
 
     def record(
         self,
@@ -235,24 +234,21 @@ class MetricsLogger:
         if self.is_main:
             logger.info(metrics.line())
             record = metrics.record()
-            with self.path.open("a") as f:
-                f.write(json.dumps(record) + "\n")
-            if self._tb is not None:
-                for key, value in record.items():
-                    if key not in ("step", "skipped") and value is not None:
-                        self._tb.add_scalar(key, value, step)
+            self._write(record)
         return metrics
+
+    def _write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink.write(record)
 
     def record_validation(self, step: int, loss: float, tokens: int) -> None:
         """Log a held-out loss: its own metrics.jsonl record {"step", "val_loss", "val_tokens"}."""
         if not self.is_main:
             return
         logger.info("validation at step %d: val_loss %.4f over %s tokens", step, loss, _si(tokens))
-        record = {"step": step, "val_loss": loss if math.isfinite(loss) else None, "val_tokens": tokens}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self._tb is not None and math.isfinite(loss):
-            self._tb.add_scalar("val_loss", loss, step)
+        self._write({"step": step, "val_loss": loss if math.isfinite(loss) else None, "val_tokens": tokens})
 
     def forget_after(self, step: int) -> None:
         """Drop the records of steps after ``step`` (a resumed run replays them), and lines a
@@ -268,8 +264,8 @@ class MetricsLogger:
         tmp.replace(self.path)
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def whole_records(path: Path) -> tuple[list[dict[str, Any]], int]:

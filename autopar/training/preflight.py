@@ -8,6 +8,8 @@ that decides whether a parallel plan can run at all, which the planner reuses.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from autopar.config.checks import check_numbers, check_output_folders
@@ -28,7 +30,10 @@ from autopar.parallel.sdpa_backend import check_sdpa_backend
 from autopar.training.checkpoint import check_initial_load, check_load_step
 from autopar.training.profiling import check_profiling
 from autopar.training.resolve import model_args, tokenizer_path
+from autopar.training.sinks import check_wandb
 from autopar.training.validation import check_validation
+
+logger = logging.getLogger("autopar")
 
 
 def check_loss_chunks(job: JobConfig) -> None:
@@ -81,6 +86,30 @@ def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: st
     return dims
 
 
+def check_nodes(job: JobConfig, world_size: int, ranks_per_node: int | None) -> None:
+    """A launch of ``ranks_per_node`` ranks on each node (None: not launched by torchrun)
+    against the plan: the GPUs per node it was planned for, and tensor parallelism within a
+    node (its ranks are consecutive: it spans nodes unless its degree divides the node's)."""
+    if ranks_per_node is None:
+        return
+    planned = job.parallelism.gpus_per_node
+    if planned != -1 and planned != ranks_per_node:
+        raise ConfigError(
+            f"parallelism.gpus_per_node={planned} (the planner's --gpus-per-node), but this launch "
+            f"runs LOCAL_WORLD_SIZE={ranks_per_node} ranks per node (torchrun --nproc_per_node); launch "
+            f"{planned} per node, or plan again with python -m autopar.plan --gpus-per-node {ranks_per_node}"
+        )
+    tp = job.parallelism.tensor_parallel_degree
+    if world_size > ranks_per_node and tp > 1 and ranks_per_node % tp:
+        logger.warning(
+            "parallelism.tensor_parallel_degree=%d spans nodes of %d ranks (LOCAL_WORLD_SIZE): its "
+            "every-layer collectives cross the network; use a degree that divides %d",
+            tp,
+            ranks_per_node,
+            ranks_per_node,
+        )
+
+
 def check_job(job: JobConfig, world_size: int, device_type: str | None = None) -> ModelArgs:
     """Check the whole job for ``world_size`` ranks of ``device_type`` (default: this
     machine's); the resolved model args."""
@@ -97,4 +126,5 @@ def check_job(job: JobConfig, world_size: int, device_type: str | None = None) -
     check_initial_load(job.checkpoint, args, f"{job.model.name}/{job.model.flavor}")
     check_load_step(job.checkpoint, job.job.dump_folder)
     check_output_folders(job)
+    check_wandb(job)
     return args

@@ -54,6 +54,7 @@ from autopar.training.optim import follow_config, lr_factor
 from autopar.training.previous_run import changed_settings, listed, settings_record
 from autopar.training.profiling import Profiler
 from autopar.training.resolve import chat_format, flavor_mismatch, model_source, tokenizer_path
+from autopar.training.sinks import build_sinks
 from autopar.training.step import TrainStep
 from autopar.training.validation import Validator, validation_samples
 
@@ -127,7 +128,7 @@ class Trainer:
             world.device,
             world.size,
             world.is_main,
-            job.metrics.save_tb_folder if job.metrics.enable_tensorboard else None,
+            build_sinks(job, world.is_main),
         )
         self.timeout = CollectiveTimeout(job.comm.init_timeout_seconds)  # what init_world made the group with
         self.step = 0
@@ -250,6 +251,7 @@ class Trainer:
             self.job.debug.seed,
             chat=chat_format(self.job),
             document_masking=training.document_masking,
+            text_field=training.dataset_text_field,
         )
 
     def _build_loader(self, samples: SampleSource) -> StepLoader:

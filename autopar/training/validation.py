@@ -17,7 +17,7 @@ from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig
 from autopar.data.dataset import PackedWindows
 from autopar.data.errors import DataError
-from autopar.data.loader import StepLoader, build_samples, check_data
+from autopar.data.loader import StepLoader, build_samples, check_data, table_columns
 from autopar.data.tokenizer import Tokenizer
 from autopar.models.args import ModelArgs
 from autopar.parallel.mesh import ParallelDims, check_model_split
@@ -69,7 +69,7 @@ def check_validation(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> Non
     except ConfigError as err:
         raise ConfigError(f"validation.seq_len: {err}") from None
     try:
-        check_data(cfg.dataset or "", cfg.dataset_path, [], "validation")
+        check_data(cfg.dataset or "", cfg.dataset_path, [], "validation", table_columns(job.training))
     except DataError as err:
         raise ConfigError(str(err)) from None
 
@@ -87,6 +87,7 @@ def validation_samples(job: JobConfig, tokenizer: Tokenizer) -> PackedWindows:
         "validation",
         chat_format(job),
         job.training.document_masking,
+        job.training.dataset_text_field,
     )
     assert isinstance(samples, PackedWindows), "validation reads one dataset, never a blend"
     return samples

@@ -1,0 +1,228 @@
+"""Rows of Parquet files and ``datasets.save_to_disk`` folders, read a chunk at a time.
+
+A table dataset is a ``.parquet`` or ``.arrow`` file, a folder of them (the Hub's shards), or
+a folder ``datasets.save_to_disk`` wrote (``state.json`` naming Arrow stream files). A chunk is
+a Parquet row group (decoded when asked for, only the columns read) or an Arrow record batch
+(memory-mapped, as ``datasets`` itself reads them), so a file far larger than memory is read
+a chunk at a time. pyarrow alone reads both: ``datasets`` is not needed to train on what it
+saved.
+
+Every file's columns are checked when the dataset is opened (reading only metadata); a row
+that does not hold what its column promises is refused naming the file, the row (0-based, as
+``dataset[i]`` counts) and the column.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from autopar.data.errors import DataError
+
+TABLE_SUFFIXES = (".parquet", ".arrow")
+CHAT_COLUMNS = ("messages", "conversations")
+"""The column that holds a conversation (ShareGPT's is ``conversations``); ``tools`` is read
+beside it when present."""
+INSTALL_HINT = "pip install 'autopar[data]' (or pip install pyarrow)"
+_SPLIT = re.compile(r"^(train|test|validation|valid|dev|eval)[-_.]")
+
+
+def pyarrow() -> Any:
+    """The pyarrow module, or a DataError naming the extra that installs it."""
+    try:
+        import pyarrow as pa
+        import pyarrow.ipc
+        import pyarrow.parquet
+    except ImportError:
+        raise DataError(f"reading Parquet and Arrow data needs pyarrow: {INSTALL_HINT}") from None
+    return pa
+
+
+def is_table(path: Path) -> bool:
+    """A Parquet or Arrow file, a ``save_to_disk`` folder, or a folder holding such files."""
+    if path.is_file():
+        return path.suffix in TABLE_SUFFIXES
+    if not path.is_dir():
+        return False
+    if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+        return True
+    return any(p.suffix in TABLE_SUFFIXES for p in path.rglob("*") if p.is_file())
+
+
+def table_files(path: Path) -> list[Path]:
+    """The files of a table dataset, in reading order."""
+    if path.is_file():
+        return [path]
+    if (path / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
+        raise DataError(
+            f"{path}: a datasets DatasetDict (splits: {', '.join(splits)}); point at one split's "
+            f"folder, e.g. {path / (splits[0] if splits else 'train')}"
+        )
+    if (path / "state.json").is_file():
+        try:
+            names = [f["filename"] for f in json.loads((path / "state.json").read_text())["_data_files"]]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise DataError(f"{path / 'state.json'}: not a datasets save_to_disk state ({err})") from None
+        files = [path / name for name in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise DataError(
+                f"{path / 'state.json'}: names {missing[0]}, which is missing; save the dataset again"
+            )
+        return files
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TABLE_SUFFIXES)
+    splits = sorted({m.group(1) for m in (_SPLIT.match(f.name) for f in files) if m})
+    if len(splits) > 1:
+        raise DataError(
+            f"{path}: holds the files of several splits ({', '.join(splits)}); move one split's files "
+            "into a folder of their own and point at it"
+        )
+    return files
+
+
+@dataclass(frozen=True)
+class Columns:
+    """What a dataset's rows are read as: a text column, or a chat column (and ``tools``)."""
+
+    text: str | None = "text"
+    """The text column; None: conversations (``CHAT_COLUMNS``)."""
+    text_field: str = "training.dataset_text_field"
+    """The setting that names the text column, for the errors."""
+
+    def of(self, file: Path, schema: Any) -> list[str]:
+        """The columns to read from ``file``; a DataError when they are missing or of the
+        wrong type."""
+        pa = pyarrow()
+        names = list(schema.names)
+        if self.text is not None:
+            if self.text not in names:
+                raise DataError(
+                    f"{file}: no column {self.text!r} (its columns: {', '.join(names)}); set "
+                    f"{self.text_field} to the column that holds the text"
+                )
+            kind = schema.field(self.text).type
+            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or _is_string_view(pa, kind)):
+                raise DataError(
+                    f"{file}: column {self.text!r} is {kind}, not text (string); set {self.text_field} "
+                    "to the column that holds the text"
+                )
+            return [self.text]
+        chat = next((c for c in CHAT_COLUMNS if c in names), None)
+        if chat is None:
+            raise DataError(
+                f"{file}: no column 'messages' (or ShareGPT's 'conversations') (its columns: "
+                f"{', '.join(names)}); chat data holds a list of {{role, content}} per row"
+            )
+        kind = schema.field(chat).type
+        if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not pa.types.is_struct(
+            kind.value_type
+        ):
+            raise DataError(
+                f"{file}: column {chat!r} is {kind}, not a list of messages "
+                "(list<struct<role: string, content: string>>)"
+            )
+        return [chat, "tools"] if "tools" in names else [chat]
+
+
+def _is_string_view(pa: Any, kind: Any) -> bool:
+    check = getattr(pa.types, "is_string_view", None)
+    return bool(check and check(kind))
+
+
+class TableRows:
+    """The rows of a table dataset as dicts of the read columns, chunk by chunk."""
+
+    def __init__(self, path: Path, columns: Columns) -> None:
+        pa = pyarrow()
+        self.path = path
+        self.files = table_files(path)
+        if not self.files:
+            raise DataError(f"{path}: holds no {'/'.join(TABLE_SUFFIXES)} files")
+        self._columns: list[list[str]] = []
+        self._chunks: list[tuple[int, int]] = []  # (file, chunk within the file)
+        sizes: list[int] = []
+        self._batches: dict[int, list[Any]] = {}
+        for i, file in enumerate(self.files):
+            schema, counts = self._open(pa, i, file)
+            self._columns.append(columns.of(file, schema))
+            self._chunks += [(i, k) for k in range(len(counts))]
+            sizes += counts
+        self.chunk_starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])
+        """Global index of each chunk's first row, and the number of rows last."""
+        self._file_starts = {}
+        for c, (i, _) in enumerate(self._chunks):
+            self._file_starts.setdefault(i, int(self.chunk_starts[c]))
+        self._cached: tuple[int, list[dict[str, Any]]] | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.chunk_starts[-1])
+
+    def _open(self, pa: Any, i: int, file: Path) -> tuple[Any, list[int]]:
+        """(schema, rows of each chunk) of file ``i``; Arrow files' batches are kept mapped."""
+        try:
+            if file.suffix == ".parquet":
+                meta = pa.parquet.ParquetFile(file).metadata
+                return meta.schema.to_arrow_schema(), [
+                    meta.row_group(k).num_rows for k in range(meta.num_row_groups)
+                ]
+            source = pa.memory_map(str(file))
+            try:
+                reader = pa.ipc.open_file(source)
+                batches = [reader.get_batch(k) for k in range(reader.num_record_batches)]
+            except pa.ArrowInvalid:  # save_to_disk writes the stream format
+                source.seek(0)
+                reader = pa.ipc.open_stream(source)
+                batches = list(reader)
+            self._batches[i] = batches
+            return reader.schema, [b.num_rows for b in batches]
+        except (OSError, pa.ArrowException) as err:
+            raise DataError(f"{file}: not a readable {file.suffix[1:]} file ({err})") from None
+
+    def where(self, row: int) -> str:
+        """'file: row n' of global row ``row``."""
+        chunk = int(np.searchsorted(self.chunk_starts, row, side="right")) - 1
+        i = self._chunks[chunk][0]
+        return f"{self.files[i]}: row {row - self._file_starts[i]}"
+
+    def chunk(self, chunk: int) -> list[dict[str, Any]]:
+        """The rows of chunk ``chunk`` (the last one read is kept)."""
+        if self._cached is not None and self._cached[0] == chunk:
+            return self._cached[1]
+        pa = pyarrow()
+        i, k = self._chunks[chunk]
+        if i in self._batches:
+            table = pa.Table.from_batches([self._batches[i][k]]).select(self._columns[i])
+        else:
+            table = pa.parquet.ParquetFile(self.files[i]).read_row_group(k, columns=self._columns[i])
+        rows = table.to_pylist()
+        self._cached = (chunk, rows)
+        return rows
+
+    def row(self, row: int) -> dict[str, Any]:
+        chunk = int(np.searchsorted(self.chunk_starts, row, side="right")) - 1
+        return self.chunk(chunk)[row - int(self.chunk_starts[chunk])]
+
+    def __iter__(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(global row index, row) of every row, in order."""
+        for chunk in range(len(self._chunks)):
+            start = int(self.chunk_starts[chunk])
+            for offset, row in enumerate(self.chunk(chunk)):
+                yield start + offset, row
+
+
+def without_nulls(value: Any) -> Any:
+    """A table's conversation as its JSON would have it: Arrow gives every message every field
+    any message has (null where it had none), so null fields are dropped, at every depth."""
+    if isinstance(value, dict):
+        return {k: without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [without_nulls(v) for v in value]
+    return value

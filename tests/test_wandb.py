@@ -1,0 +1,99 @@
+"""Weights & Biases (``metrics.enable_wandb``) gets what metrics.jsonl gets: an offline run,
+read back from the file it wrote, holds every record at its step, and the job as its config."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from autopar.config import ConfigError
+from autopar.training.metrics import read_metrics
+from autopar.training.preflight import check_job
+
+from jobs import one_process_trainer, tiny_job
+
+_BLOCK, _HEADER = 32768, 7
+"""The run file is a LevelDB-style log: 32 KiB blocks of records, each behind a 7-byte header
+(crc32, length, type), after a 7-byte ':W&B' file header; a record's payload is a protobuf
+``Record``, split over blocks as FIRST, MIDDLE... LAST pieces (types 2, 3, 4; 1 is whole)."""
+
+
+def offline_records(run_file: Path) -> list[Any]:
+    """The protobuf records of an offline run's ``run-<id>.wandb`` file."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = run_file.read_bytes()
+    assert data[:4] == b":W&B"
+    records, payload, pos = [], b"", _HEADER
+    while pos + _HEADER <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < _HEADER:  # a block's tail too short for a header is padding
+            pos += left
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        if kind == 0:  # zeros: the rest of the block is padding
+            pos += left
+            continue
+        payload += data[pos + _HEADER : pos + _HEADER + length]
+        pos += _HEADER + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(payload)
+            records.append(record)
+            payload = b""
+    return records
+
+
+def history(records: list[Any]) -> dict[int, dict[str, Any]]:
+    """step -> the keys logged at it (W&B's own ``_runtime``, ``_timestamp`` left out)."""
+    rows = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            row = {
+                item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                for item in record.history.item
+            }
+            rows[row.pop("_step")] = {k: v for k, v in row.items() if not k.startswith("_")}
+    return rows
+
+
+def test_an_offline_wandb_runs_history_equals_metrics_jsonl(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no account, no network
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    dump = tmp_path / "run"
+    job = tiny_job(
+        dump,
+        *("--training.steps", "4", "--metrics.log_freq", "1", "--metrics.enable_wandb", "true"),
+        *("--metrics.wandb_run_name", "tiny", "--validation.enable", "true", "--validation.freq", "2"),
+        *("--validation.dataset", "autopar_corpus", "--validation.steps", "1"),
+    )
+    one_process_trainer(job).train()  # finishes the W&B run as it closes metrics.jsonl
+    (run_file,) = dump.glob("wandb/offline-run-*/run-*.wandb")
+    records = offline_records(run_file)
+
+    expected: dict[int, dict[str, Any]] = {}
+    for record in read_metrics(dump / "metrics.jsonl"):
+        step = record.pop("step")
+        expected.setdefault(step, {}).update(record)  # a step's training and validation records
+    assert sorted(expected) == [1, 2, 3, 4] and "val_loss" in expected[2]
+    assert history(records) == expected
+
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert (run.project, run.display_name) == ("autopar", "tiny")
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    assert config["training"]["steps"] == 4 and config["metrics"]["wandb_run_name"] == "tiny"
+
+
+def test_without_wandb_enable_wandb_is_refused_with_the_line_that_installs_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: importing it fails
+    job = tiny_job(tmp_path, "--metrics.enable_wandb", "true")
+    with pytest.raises(
+        ConfigError,
+        match=r"^metrics.enable_wandb=true needs the wandb package: pip install 'autopar\[wandb\]'",
+    ):
+        check_job(job, 1)
