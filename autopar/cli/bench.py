@@ -9,7 +9,9 @@ table gives tokens/s per device, MFU, peak memory and the speed ratio to the fir
 each variant's steps go to ``<job.dump_folder>/bench/<variant>/metrics.jsonl`` so that
 ``python -m autopar.plot`` overlays their loss curves.
 A variant is a name below or ``name:key=value,...`` with any job field
-(``fp8_rowwise:float8.enable=true,float8.recipe=rowwise,compile.enable=true``). The variant
+(``fp8_rowwise:float8.enable=true,float8.recipe=rowwise,compile.enable=true``), and
+``nproc=N`` to run that variant on its own number of processes
+(``cp4:nproc=4,parallelism.context_parallel_degree=4``). The variant
 ``torchtitan`` (or ``torchtitan:key=value,...``) runs torchtitan's trainer on the same job
 (``bench_torchtitan``).
 """
@@ -67,6 +69,7 @@ NAMED_VARIANTS = {
 class VariantResult:
     variant: str
     overrides: str
+    nproc: int
     step_seconds: float
     tokens_per_second_per_device: float
     mfu: float | None
@@ -76,8 +79,17 @@ class VariantResult:
     final_loss: float
 
 
-def variant_job(base: JobConfig, spec: str, steps: int) -> tuple[str, str, JobConfig]:
-    """(name, overrides, job) of a variant spec; the job writes under ``bench/<name>``."""
+@dataclass
+class Variant:
+    name: str
+    overrides: str
+    job: JobConfig
+    nproc: int
+
+
+def variant_job(base: JobConfig, spec: str, steps: int, nproc: int) -> Variant:
+    """A variant spec's job (writing under ``bench/<name>``) and process count (``nproc``
+    unless the spec sets its own)."""
     name, _, overrides = spec.partition(":")
     if not overrides and name != TORCHTITAN_VARIANT:
         if name not in NAMED_VARIANTS:
@@ -85,13 +97,20 @@ def variant_job(base: JobConfig, spec: str, steps: int) -> tuple[str, str, JobCo
                 f"variant {name!r} is unknown; use one of {list(NAMED_VARIANTS)} or name:key=value,..."
             )
         overrides = NAMED_VARIANTS[name]
+    fields = [item for item in overrides.split(",") if item and not item.startswith("nproc=")]
+    for item in overrides.split(","):
+        if item.startswith("nproc="):
+            value = item.partition("=")[2]
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"variant {spec!r}: nproc={value!r} must be a whole number >= 1")
+            nproc = int(value)
     try:
-        job = short_run(derive_job(base, filter(None, overrides.split(","))), steps)
+        job = short_run(derive_job(base, fields), steps)
     except ConfigError as err:
         raise ConfigError(f"variant {spec!r}: {err}") from None
     job.metrics.log_freq = steps + 1
     job.job.dump_folder = str(Path(base.job.dump_folder) / "bench" / name)
-    return name, overrides, job
+    return Variant(name, overrides, job, nproc)
 
 
 def _bench_on_rank(job: JobConfig, warmup: int) -> dict:
@@ -150,7 +169,7 @@ def summarize(name: str, overrides: str, ranks: list[dict], nproc: int) -> Varia
     tps = r0["tokens_per_step"] / step / nproc
     mfu = mfu_percent(tps, r0["flops_per_token"], r0["peak_flops"])
     memory = max(r["peak_memory_gib"] for r in ranks)
-    return VariantResult(name, overrides, step, tps, mfu, memory, r0["first_loss"], r0["final_loss"])
+    return VariantResult(name, overrides, nproc, step, tps, mfu, memory, r0["first_loss"], r0["final_loss"])
 
 
 def source_commit() -> str:
@@ -172,14 +191,14 @@ def source_commit() -> str:
 def table(results: list[VariantResult]) -> str:
     base = results[0].tokens_per_second_per_device
     header = (
-        f"{'variant':14} {'tokens/s/dev':>13} {'MFU':>7} {'peak mem':>10} {'step ms':>9} "
+        f"{'variant':14} {'ranks':>5} {'tokens/s/dev':>13} {'MFU':>7} {'peak mem':>10} {'step ms':>9} "
         f"{'vs ' + results[0].variant:>12} {'loss@1':>8} {'loss@end':>9}"
     )
     lines = [header, "-" * len(header)]
     for r in results:
         mfu = "n/a" if r.mfu is None else f"{r.mfu:.1f}%"
         lines.append(
-            f"{r.variant:14} {r.tokens_per_second_per_device:>13,.0f} {mfu:>7} {r.peak_memory_gib:>8.2f}GiB "
+            f"{r.variant:14} {r.nproc:>5} {r.tokens_per_second_per_device:>13,.0f} {mfu:>7} {r.peak_memory_gib:>8.2f}GiB "
             f"{1000 * r.step_seconds:>9.1f} {r.tokens_per_second_per_device / base:>11.2f}x "
             f"{r.first_loss:>8.4f} {r.final_loss:>9.4f}"
         )
@@ -207,16 +226,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     results, device = [], "cpu"
-    for name, overrides, job in jobs:
-        ranks = run_variant(name, job, known.nproc, known.warmup)
+    for v in jobs:
+        ranks = run_variant(v.name, v.job, v.nproc, known.warmup)
         device = ranks[0]["device"]
-        results.append(summarize(name, overrides, ranks, known.nproc))
+        results.append(summarize(v.name, v.overrides, ranks, v.nproc))
     print(
-        f"device: {device} x {known.nproc}, torch {torch.__version__}, "
+        f"device: {device}, torch {torch.__version__}, "
         f"seq_len {base.training.seq_len}, timed steps {known.steps} after {known.warmup} warm-up"
     )
     print(table(results))
-    curves = [str(Path(job.job.dump_folder) / "metrics.jsonl") for _, _, job in jobs]
+    curves = [str(Path(v.job.job.dump_folder) / "metrics.jsonl") for v in jobs]
     needs = "" if importlib.util.find_spec("matplotlib") else " (needs matplotlib: pip install matplotlib)"
     print(f"loss curves: python -m autopar.plot {' '.join(curves)} -o bench_loss.png{needs}")
     if known.json:
@@ -234,10 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _checked_variants(
-    known: argparse.Namespace, job_argv: list[str]
-) -> tuple[JobConfig, list[tuple[str, str, JobConfig]]]:
-    """The base job and every variant's (name, overrides, job), each checked before any runs."""
+def _checked_variants(known: argparse.Namespace, job_argv: list[str]) -> tuple[JobConfig, list[Variant]]:
+    """The base job and every variant, each checked before any runs."""
     for flag, value, least in (
         ("--steps", known.steps, 1),
         ("--warmup", known.warmup, 0),
@@ -246,17 +263,17 @@ def _checked_variants(
         if value < least:
             raise ConfigError(f"{flag} {value} must be >= {least}")
     base = parse_job(job_argv)
-    jobs = [variant_job(base, spec, known.warmup + known.steps) for spec in known.variants]
-    names = [name for name, _, _ in jobs]
+    jobs = [variant_job(base, spec, known.warmup + known.steps, known.nproc) for spec in known.variants]
+    names = [v.name for v in jobs]
     if len(set(names)) < len(names):
         raise ConfigError(f"variants {names} repeat a name; give each its own (name:key=value,...)")
-    for name, _, job in jobs:
+    for v in jobs:
         try:
-            check_job(job, known.nproc)
-            if name == TORCHTITAN_VARIANT:
-                check_torchtitan_job(job)
+            check_job(v.job, v.nproc)
+            if v.name == TORCHTITAN_VARIANT:
+                check_torchtitan_job(v.job)
         except ConfigError as err:
-            raise ConfigError(f"variant {name!r}: {err}") from None
+            raise ConfigError(f"variant {v.name!r}: {err}") from None
     return base, jobs
 
 
