@@ -191,3 +191,21 @@ def test_ranges_shorter_than_the_convolution_reads_are_refused(tmp_path):
     job = hybrid_job(tmp_path, "--training.seq_len", "16", "--parallelism.context_parallel_degree", "4")
     with pytest.raises(ConfigError, match="fewer than the 3 the Gated DeltaNet's convolution reads"):
         check_job(job, 4, "cpu")
+
+
+def test_state_passing_moves_the_maps_whatever_the_sequence_length():
+    """Counted from the collectives one layer issues (fake process group, fake tensors): each
+    rank receives the other ranges' maps (4 HV dk (dk + dv) bytes each) forward and their
+    gradients backward, plus the convolution's 3-token halos, at any sequence length."""
+    from autopar.cli.bench_state_passing import state_passing_bytes
+    from autopar.models.flavors import get_flavor
+
+    args = get_flavor("qwen3.5", "debug")
+    cp, others = 4, 2 * 4 - 2  # head-tail: 8 ranges, 2 of them this rank's
+    key, value = args.linear_key_head_dim, args.linear_value_head_dim
+    maps = 4 * args.linear_num_value_heads * key * (key + value)
+    channels = 2 * args.linear_num_key_heads * key + args.linear_num_value_heads * value
+    halos = 3 * channels * 2  # bf16
+    expected = 2 * others * (maps + halos)
+    for seq in (256, 4096):
+        assert state_passing_bytes(args, seq, cp, True, torch.bfloat16) == expected
