@@ -127,6 +127,7 @@ PLANS = [
     "cp=2,parallelism.context_parallel_load_balancer=none",
     "cp=2,tp=2",
     "cp=2,pp=2",
+    f"cp=2,pp=2,schedule=ZBVZeroBubble,{ac('full', 'op')}",
     "cp=2,dp_shard=2",
     f"cp=2,{ac('full', 'op')}",
     f"cp=2,{ac('selective', 'op')}",
