@@ -313,7 +313,7 @@ GRID = [
     # chain's backward beside the weight gradients formed and FSDP's held reduce-scatter. At
     # 4096 tokens the maps (4 MiB each at 9B) outweigh CP 8's 512 local tokens' saves. Before
     # these were counted: CP 2 / 8 -9.3% / -21.1%, CP 4 contiguous -8.5%, full AC -9.0%,
-    # per-op -11.8%, documents -21.3%, 27B TP 2 x CP 4 -12.8%, CP 16 full AC -27.2%; now
+    # per-op -12.8%, documents -21.3%, 27B TP 2 x CP 4 -12.8%, CP 16 full AC -27.2%; now
     # -6.2% to +5.5% (the rest within 6% before and after)
     (16, ("qwen3.5", "9B"), [SMALL_VOCAB, HYBRID_4, f"{CP}2"]),
     (16, ("qwen3.5", "9B"), [SMALL_VOCAB, HYBRID_4, f"{CP}8"]),
@@ -323,13 +323,23 @@ GRID = [
         [SMALL_VOCAB, HYBRID_4, f"{CP}4", "--parallelism.context_parallel_load_balancer=none"],
     ),
     (16, ("qwen3.5", "9B"), [SMALL_VOCAB, HYBRID_4, f"{CP}4", "--activation_checkpoint.mode=full"]),
-    (16, ("qwen3.5", "9B"), [SMALL_VOCAB, "--model.num_hidden_layers=8", f"{CP}4", *PER_OP]),
+    (16, ("qwen3.5", "9B"), [SMALL_VOCAB, HYBRID_4, f"{CP}4", *PER_OP]),
     (16, ("qwen3.5", "9B"), [SMALL_VOCAB, HYBRID_4, f"{CP}8", *DOCUMENTS]),
     (32, ("qwen3.5", "27B"), [SMALL_VOCAB, HYBRID_4, f"{CP}4", "--parallelism.tensor_parallel_degree=2"]),
     (32, ("qwen3.5", "27B"), [HYBRID_4, f"{CP}2", "--parallelism.tensor_parallel_degree=4", *DOCUMENTS]),
     (32, ("qwen3.5", "27B"), [SMALL_VOCAB, HYBRID_4, f"{CP}16", "--activation_checkpoint.mode=full"]),
     (16, ("qwen3.5", "35B-A3B"), [SMALL_VOCAB, HYBRID_2, f"{CP}2", "--parallelism.expert_parallel_degree=4"]),
-    (32, ("qwen3.5", "9B"), [SMALL_VOCAB, f"{CP}2", *PIPELINE]),
+    (
+        16,
+        ("qwen3.5", "9B"),
+        [
+            SMALL_VOCAB,
+            HYBRID_4,
+            f"{CP}2",
+            "--parallelism.pipeline_parallel_degree=2",
+            "--training.local_batch_size=2",
+        ],
+    ),
     (
         # a pipeline without FSDP: every micro-batch's forward casts the weights anew, and the
         # gradients land at each stage's first backward (was +33%)
