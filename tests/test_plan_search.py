@@ -21,6 +21,7 @@ from autopar.planner.time import (
     block_forward_flops,
     bubble_fraction,
     compute_rate,
+    link_bytes_per_s,
     predict_time,
     tokens_per_step,
 )
@@ -276,14 +277,68 @@ def test_auto_with_pinned_degrees_that_contradict_the_world_is_exit_2(tmp_path, 
     assert not any(tmp_path.iterdir())
 
 
-def test_qwen3_5_plans_leave_context_parallelism_out():
-    # the family's layers have no CP plan (models.family: context_parallel=False), so the
-    # search offers none; 27B on 64 GPUs has room for CP 2 to 16 otherwise
-    job = preset("qwen3.5_27b")
+def test_qwen3_5_27b_at_128k_tokens_fits_64_gpus_only_by_context_parallelism():
+    # 131,072 tokens: the loss's logits over 248K words alone outgrow a GPU unless CP splits
+    # the sequence; the Gated DeltaNets pass their states between the CP ranks
+    job = preset("qwen3.5_27b", "--training.seq_len=131072")
     args = model_args(job)
-    assert {s.cp for s in candidates(job, args, 64, 8, set())} == {1}  # not tried, then refused
+    assert {s.cp for s in candidates(job, args, 64, 8, set())} == {1, 2, 4, 8, 16}
     plans = search(job, args, 64, 8, H100)
-    assert plans[0].fits and {p.dims.cp for p in plans} == {1}
+    fitting = [p for p in plans if p.fits]
+    assert fitting and all(p.dims.cp > 1 for p in fitting)
+    assert plans[0].time.comm_by_dim["cp"] > 0
+
+
+def qwen3_5_27b_on_cp_8():
+    """27B at 131,072 tokens on 64 GPUs: CP 8 (head-tail: 16 ranges, 2 per rank) x FSDP 8,
+    full AC as its preset; 16,384 tokens per rank."""
+    job = preset(
+        "qwen3.5_27b",
+        "--training.seq_len=131072",
+        "--parallelism.context_parallel_degree=8",
+        "--parallelism.tensor_parallel_degree=1",
+        "--parallelism.data_parallel_shard_degree=8",
+    )
+    args = model_args(job)
+    return job, args, predict_time(args, job, ParallelDims(1, 8, 8, 1, 1), H100, 8)
+
+
+def test_gated_deltanets_under_cp_move_the_other_ranges_maps_forward_and_back():
+    # each of the 48 Gated DeltaNets receives the 14 other ranges' maps (float32, 48 heads x
+    # 128 x (128 + 128)), again in full AC's recompute, and sends their gradients back; the
+    # 16 gated attention layers pass k/v around the ring three times (bf16, expanded to the
+    # 24 query heads of 256 as ring attention's SDPA takes them)
+    _, _, step = qwen3_5_27b_on_cp_8()
+    maps = 3 * 14 * (4 * 48 * 128 * 256) * 48
+    kv = 3 * 7 * (2 * 2 * 24 * 256 * 16384) * 16
+    assert step.comm_by_dim["cp"] == pytest.approx((maps + kv) / link_bytes_per_s(8, 8, H100), rel=1e-12)
+
+
+def test_gated_deltanets_under_cp_compute_their_maps_beside_the_model_flops():
+    # each token runs each Gated DeltaNet's recurrence again for the maps, with 128 + 128
+    # state columns and no outputs (48 heads x (state read and write 4 x 128 x 256, chunk of
+    # 64: 2 x 64 x (128 + 256)) forward), and every CP rank chains 15 maps (a 128 x 128 by
+    # 128 x 128 product per head), forward and backward: 3x
+    job, args, step = qwen3_5_27b_on_cp_8()
+    per_token = 48 * (4 * 128 * 256 + 2 * 64 * (128 + 256))
+    chain = 15 * 48 * 2 * 128**3
+    extra = 3 * 48 * (per_token * 16384 + chain)
+    model = flops_per_token(args, 131072) * 16384
+    assert step.compute == pytest.approx((model + extra) / compute_rate(job, H100), rel=1e-12)
+
+
+def test_document_masking_is_never_planned_with_both_context_and_pipeline_parallelism():
+    # the trainer refuses CP x PP with packed documents (the CP mask is built per step, not
+    # per micro-batch): the search drops those plans and keeps each alone
+    job = preset(
+        "qwen3.5_27b",
+        "--training.seq_len=32768",
+        "--training.document_masking=true",
+        "--parallelism.context_parallel_impl=allgather",
+    )
+    plans = search(job, model_args(job), 64, 8, H100)
+    assert any(p.dims.cp > 1 for p in plans) and any(p.dims.pp > 1 for p in plans)
+    assert not any(p.dims.cp > 1 and p.dims.pp > 1 for p in plans)
 
 
 @pytest.mark.parametrize("name", ["qwen3_8b", "qwen3_30b_a3b", "qwen3.5_27b", "qwen3.5_35b_a3b"])

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from autopar.models.args import LayerKind
 from autopar.models.qwen3_5.delta_rule import SEGMENT
+from autopar.planner.hybrid_cp import StatePassing
 
 FP32 = 4
 
@@ -71,6 +72,10 @@ class Sizes:
     linear_value_dim: int = 0
     conv_width: int = 0
     documents: bool = False  # packed documents: the convolution masks each shifted copy
+    # context parallelism: this rank's token ranges of each sequence (2 under the head-tail
+    # load balancer) and every CP rank's (cp * ranges; 1 without CP)
+    ranges: int = 1
+    cp_ranges: int = 1
 
     def keeps(self, kind: LayerKind, inputs: str) -> bool:
         """Whether a block saves the input its linears named by ``inputs`` share: for their
@@ -184,7 +189,10 @@ def _hybrid_op_only(z: Sizes, kind: LayerKind) -> float:
     if kind[0] == "gated_attention":
         return z.dtype_bytes * (2 * z.q_heads + z.kv_heads) * z.head_dim * z.tokens
     values = z.linear_value_heads * z.linear_value_dim
-    return z.dtype_bytes * (2 * z.linear_value_heads + 2 * values) * z.tokens
+    passing = state_passing(z)
+    return z.dtype_bytes * (2 * z.linear_value_heads + 2 * values) * z.tokens + (
+        passing.op_only() if passing else 0.0
+    )
 
 
 def _attention_block_weight_output_grads(z: Sizes, qk_norm: bool, kind: LayerKind) -> float:
@@ -250,9 +258,37 @@ def _linear_channels(z: Sizes) -> tuple[int, int]:
 
 
 def _delta_rule_states(z: Sizes) -> float:
-    """The float32 state the delta rule keeps per value head and ``SEGMENT`` of each sequence."""
-    per_sequence = z.linear_value_heads * z.linear_key_dim * z.linear_value_dim * -(-z.seq // SEGMENT)
+    """The float32 state the delta rule keeps per value head and ``SEGMENT`` of each local
+    token range (under CP the kernel runs once per range)."""
+    segments = z.ranges * -(-(z.seq // z.ranges) // SEGMENT)
+    per_sequence = z.linear_value_heads * z.linear_key_dim * z.linear_value_dim * segments
     return FP32 * per_sequence * (z.tokens // z.seq)
+
+
+def state_passing(z: Sizes) -> StatePassing | None:
+    """A Gated DeltaNet's context parallelism on this rank (None without CP)."""
+    if z.cp_ranges == 1:
+        return None
+    return StatePassing(
+        batch=z.tokens // z.seq,
+        value_heads=z.linear_value_heads,
+        key_dim=z.linear_key_dim,
+        value_dim=z.linear_value_dim,
+        ranges=z.ranges,
+        cp_ranges=z.cp_ranges,
+        range_tokens=z.seq // z.ranges,
+    )
+
+
+def _conv_halo(z: Sizes, channels: int) -> float:
+    """Under CP the convolution runs per range on a copy extended by the previous range's
+    last ``width - 1`` tokens, which it keeps for its taps' gradient (and, without documents,
+    its left-padded copy too), in place of the whole sequence's."""
+    if z.cp_ranges == 1 or z.frozen:
+        return 0.0
+    taps = z.conv_width - 1
+    copies = z.ranges if z.documents else 3 * z.ranges - 1
+    return z.dtype_bytes * channels * (z.tokens // z.seq) * taps * copies
 
 
 def _gated_attention_no_ac(z: Sizes, kind: LayerKind) -> float:
@@ -279,11 +315,23 @@ def _linear_attention_no_ac(z: Sizes, kind: LayerKind) -> float:
         conv = (2 + 2 * trained) * c * channels * t + c * taps * channels * (t // z.seq) * trained
     heads = z.linear_value_heads * t
     decay = (2 + trained) * FP32 * heads + c * heads  # softplus's input and output, g; beta
-    norm = (3 * FP32 + (1 + trained) * c) * values * t + FP32 * heads
-    out_proj = c * values * t * z.keeps(kind, "out")
+    passing = state_passing(z)
+    conv += _conv_halo(z, channels) + (passing.saved() if passing else 0.0)
     return (
-        c * z.hidden * t * z.keeps(kind, "attention") + conv + decay + _delta_rule_states(z) + norm + out_proj
+        c * z.hidden * t * z.keeps(kind, "attention")
+        + conv
+        + decay
+        + _delta_rule_states(z)
+        + _gated_norm_and_out(z, kind)
     )
+
+
+def _gated_norm_and_out(z: Sizes, kind: LayerKind) -> float:
+    """A Gated DeltaNet's gated norm (float32 input, rsqrt, normalized and weighted copies,
+    float32 z and silu(z)) and ``out_proj``'s input."""
+    t, c, values = z.tokens, z.dtype_bytes, z.linear_value_heads * z.linear_value_dim
+    norm = (3 * FP32 + (1 + (not z.frozen)) * c) * values * t + FP32 * z.linear_value_heads * t
+    return norm + c * values * t * z.keeps(kind, "out")
 
 
 def _shared_expert(z: Sizes, per_token: int) -> float:
@@ -313,9 +361,11 @@ def _hybrid_block_op_ac(z: Sizes, tp: int, kind: LayerKind) -> float:
     t, c = z.tokens, z.dtype_bytes
     if kind[0] == "gated_attention":  # q (with its gate), k, v; SDPA's output and logsumexp
         mixer = c * (3 * z.q_heads + 2 * z.kv_heads) * z.head_dim * t + FP32 * z.q_heads * t
-    else:  # the six projections, the delta rule's output and states
+    else:  # the six projections, the delta rule's output and states (and CP's, ``hybrid_cp``)
         keys, values = _linear_channels(z)
         mixer = c * (2 * keys + 3 * values + 2 * z.linear_value_heads) * t + _delta_rule_states(z)
+        passing = state_passing(z)
+        mixer += passing.kept_per_op() if passing else 0.0
     if kind[1] == "moe":
         mlp = _experts_op_ac(z, kind) + _shared_expert(z, 2 * z.shared_inter + z.hidden + 1)
     else:
@@ -356,6 +406,35 @@ def _mixer_transient(z: Sizes, kind: LayerKind) -> float:
     return z.tokens * (
         z.dtype_bytes * (2 * keys + values + z.linear_value_heads) + FP32 * z.linear_value_heads
     )
+
+
+def chain_backward_bytes(z: Sizes, kind: LayerKind) -> float | None:
+    """Under CP, a Gated DeltaNet block's activations at its chain's backward (``hybrid_cp``)
+    beside all its saves: the delta rule's gradients and the gathered maps' beside them, less
+    what the backward freed by then (the feed-forward's and the second norm's saves, the
+    gated norm's, ``out_proj``'s input and the delta rule's states). None: no such moment."""
+    passing = state_passing(z) if kind[0] == "linear_attention" else None
+    if passing is None:
+        return None
+    freed = _feed_forward_no_ac(z, kind) + _zero_centred_norm(z) + _gated_norm_and_out(z, kind)
+    return _mixer_transient(z, kind) + passing.backward_transient() - freed - _delta_rule_states(z)
+
+
+def formed_weight_grads(z: Sizes, kind: LayerKind) -> float:
+    """The compute-dtype weight gradients a Gated DeltaNet block's backward has formed by its
+    chain's (FSDP reduces them as the block's ends): the feed-forward's, ``out_proj``'s and
+    ``in_proj_z``'s, per TP rank. Of a mixture, the router's and the shared expert's: under EP
+    the routed experts are an FSDP group of their own, reduced by then, and without EP the dry
+    run holds theirs apart from this moment (Qwen3.5-35B-A3B CP 4: +11% with them). Under
+    LoRA the frozen weights form none (the adapters' are rank-sized, left out)."""
+    if z.frozen:
+        return 0.0
+    values = z.linear_value_heads * z.linear_value_dim
+    if kind[1] == "moe":
+        feed_forward = z.hidden * (z.experts + 3 * z.shared_inter + 1)
+    else:
+        feed_forward = 3 * z.hidden * z.ffn
+    return z.dtype_bytes * (feed_forward + 2 * values * z.hidden)
 
 
 def block_bytes_no_ac(z: Sizes, kind: LayerKind, qk_norm: bool) -> float:

@@ -85,6 +85,8 @@ from autopar.planner.block_bytes import (
     block_bytes_no_ac,
     block_bytes_op_ac,
     block_weight_output_grad_bytes,
+    chain_backward_bytes,
+    formed_weight_grads,
     op_only_bytes,
 )
 
@@ -371,6 +373,7 @@ def sizes(
         norm_topk=args.norm_topk_prob,
         ep=dims.ep,
         **_hybrid_sizes(args, job, dims),
+        **_context_ranges(job, dims),
         **_lora_sizes(args, job, dims),
     )
 
@@ -389,6 +392,15 @@ def _hybrid_sizes(args: ModelArgs, job: JobConfig, dims: ParallelDims) -> dict[s
         "conv_width": args.linear_conv_kernel_dim,
         "documents": job.training.document_masking,
     }
+
+
+def _context_ranges(job: JobConfig, dims: ParallelDims) -> dict[str, int]:
+    """``Sizes``' CP ranges: each rank holds two token ranges of a sequence under the
+    head-tail load balancer (``parallel.context_parallel.shard_sequence``), else one."""
+    if dims.cp == 1:
+        return {}
+    ranges = 2 if job.parallelism.context_parallel_load_balancer == "headtail" else 1
+    return {"ranges": ranges, "cp_ranges": dims.cp * ranges}
 
 
 def _lora_sizes(args: ModelArgs, job: JobConfig, dims: ParallelDims) -> dict[str, object]:
@@ -545,6 +557,7 @@ class _StageCosts:
     head: HeadBytes
     recompute: dict[LayerKind, float]  # what a block's backward rebuilds
     transient: dict[LayerKind, float]  # a block backward's own temporaries
+    chain: dict[int, tuple[LayerKind, float, float]]  # by stage: see ``_chain_moments``
     block_gathered: dict[LayerKind, float]  # weights alive during a block's backward
     block_activations: dict[LayerKind, float]  # activations alive at the end of a block's backward
     block_buffers: dict[LayerKind, float]  # the float32 gradient a block's reduce-scatter takes
@@ -574,9 +587,8 @@ def _stage_costs(
     grads_held: bool,
     held_in_walk: bool,
 ) -> _StageCosts:
-    """The sizes the schedule walk adds and removes on this rank (``grads_held``: the
-    gradients are kept across backwards, accumulating or in host memory; ``held_in_walk``:
-    they land in the walk, at each stage's first backward, rather than with the weights)."""
+    """The sizes the schedule walk adds and removes on this rank (``grads_held``: gradients kept
+    across backwards, accumulating or in host memory; ``held_in_walk``: landing in the walk)."""
     modules = [m for i in ids for m in stages[i]]
     kind_of = {m: args.layer_kind(int(m.split(".")[1])) for m in modules if m.startswith("layers.")}
     kinds = sorted(set(kind_of.values()))
@@ -608,6 +620,7 @@ def _stage_costs(
         head=head_bytes(z, args.vocab_size, shards, job.training.loss_chunk_tokens),
         recompute=saves.recompute,
         transient={k: block_backward_transient_bytes(z, k) for k in kinds},
+        chain=_chain_moments(args, job, dims, z, stages, kind_of, saves, block_buffers),
         block_gathered=block_gathered,
         block_activations=block_activations,
         block_buffers=block_buffers,
@@ -623,6 +636,43 @@ def _stage_costs(
     )
 
 
+def _chain_moments(
+    args: ModelArgs,
+    job: JobConfig,
+    dims: ParallelDims,
+    z: Sizes,
+    stages: list[list[str]],
+    kind_of: dict[str, LayerKind],
+    saves: _Saves,
+    block_buffers: dict[LayerKind, float],
+) -> dict[int, tuple[LayerKind, float, float]]:
+    """By stage with a Gated DeltaNet under CP (``hybrid_cp``), the moment of its last such
+    block's chain backward, late in the block's: (its kind, the activations beside the
+    stage's saves, the float32 buffer held). The blocks after it have freed their saves; the
+    block's own rebuilds and chain temporaries, less what its backward freed by then, sit
+    beside the weight gradients it formed so far (under FSDP, reduced at the block's end) and
+    the last reduce-scatter's input, which FSDP holds until the block's ends: the block
+    after it's, or under EP its own experts' group's (dry run, Qwen3.5-9B at 4 layers, CP 8:
+    -15% without these, the stage's peak then)."""
+    moments = {}
+    for i in saves.blocks:
+        blocks = [m for m in stages[i] if m in kind_of]
+        passing = [j for j, m in enumerate(blocks) if chain_backward_bytes(z, kind_of[m]) is not None]
+        if not passing:
+            continue
+        last, fsdp = passing[-1], uses_fsdp(job, dims)
+        kind = kind_of[blocks[last]]
+        held = block_buffers[kind_of[blocks[last + 1]]] if last + 1 < len(blocks) else 0.0
+        if fsdp and kind[1] == "moe" and dims.ep > 1:
+            held = FP32 * layer_expert_numel(args, dims.ep)
+        formed = formed_weight_grads(z, kind) if fsdp else 0.0
+        beside = (
+            saves.recompute[kind] + chain_backward_bytes(z, kind) + formed - sum(saves.blocks[i][last + 1 :])
+        )
+        moments[i] = (kind, beside, held)
+    return moments
+
+
 @dataclass
 class _Saves:
     """What activation checkpointing leaves saved and rebuilds (see ``_checkpointing_saves``)."""
@@ -631,6 +681,7 @@ class _Saves:
     recompute: dict[LayerKind, float]  # by kind of block: what its backward rebuilds
     ended: dict[LayerKind, float]  # by kind of block: activations its backward leaves changed
     before_first: dict[int, float]  # by stage: its blocks' saves but the first block's
+    blocks: dict[int, list[float]]  # by stage: each block's saves, in order
 
 
 def _checkpointing_saves(
@@ -653,9 +704,12 @@ def _checkpointing_saves(
     kinds = sorted(set(kind_of.values()))
     no_ac = {k: block_bytes_no_ac(z, k, args.qk_norm) for k in kinds}
     per_block = {k: block_bytes_op_ac(z, dims.tp, k) if op else no_ac[k] for k in kinds}
-    # a checkpointed block's inputs stay alive: the hidden states, and the boolean mask
+    # a checkpointed block's inputs stay alive: the hidden states, and the boolean mask (under
+    # CP with packed documents, the model's own (B, 1, S_local, S_local) one too, which CP's
+    # replaces in attention; dry run, Qwen3-0.6B CP 2 at 16K tokens, full AC: +64 MiB)
     block_input = z.dtype_bytes * z.hidden * z.tokens / z.sp_shards
-    held_mask = z.mask if (op or full) else 0.0
+    local_mask = z.tokens * z.seq if dims.cp > 1 and job.training.document_masking else 0
+    held_mask = z.mask + local_mask if (op or full) else 0.0
     blocks = {
         i: [
             block_input if m.split(".")[1] in full else per_block[kind_of[m]]
@@ -674,7 +728,7 @@ def _checkpointing_saves(
     ended = {
         k: recompute[k] if full else (recompute[k] - per_block[k] if op else -per_block[k]) for k in kinds
     }
-    return _Saves(saved, recompute, ended, {i: sum(blocks[i][1:]) for i in ids})
+    return _Saves(saved, recompute, ended, {i: sum(blocks[i][1:]) for i in ids}, blocks)
 
 
 def _syncs_last(job: JobConfig, dims: ParallelDims, micro: int) -> bool:
@@ -818,6 +872,9 @@ def _walk_schedule(actions: tuple[tuple[str, int, int], ...], k: _StageCosts) ->
                 alive -= k.head.saved
             for b in k.stage_kinds[stage]:
                 _consider_block(peak, k, b, alive, accumulated)
+            if stage in k.chain:  # a Gated DeltaNet's CP chain backward
+                block, beside, buffer = k.chain[stage]
+                peak.consider(k.block_gathered[block], alive + beside, accumulated + buffer)
             first = k.first_block[stage]
             if kind == "B" and k.stage_grads[stage] and first is not None and stage not in backward_done:
                 # its first block's backward, last: the later blocks' gradients have landed

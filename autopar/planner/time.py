@@ -16,6 +16,13 @@ context-parallel k/v exchange hides behind attention; TP collectives, expert par
 all-to-alls (every routed row out and back, forward and backward) and pipeline sends sit on
 the critical path. A mixture of experts under TP runs whole on every TP rank, so its FLOPs
 count tp times. The bubble is the schedule's idle fraction of the compute.
+
+Context parallelism in a hybrid model (``planner/hybrid_cp.py``): the attention layers pass
+k/v as above; each Gated DeltaNet all-gathers its ranges' delta-rule maps forward (again
+where checkpointing recomputes it) and reduce-scatters their gradients backward, on the
+critical path (the chain waits for them), and computes the maps first: the kernel's FLOPs
+with dk + dv state columns and no outputs, plus the chain's small products, which every CP
+rank repeats. These are overhead beside the model FLOPs MFU counts.
 """
 
 from __future__ import annotations
@@ -31,8 +38,9 @@ from autopar.parallel.float8 import eligible
 from autopar.parallel.fsdp import reshards_blocks
 from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, schedule_name
-from autopar.planner.block_bytes import FP32, Sizes, block_bytes_no_ac, block_bytes_op_ac
+from autopar.planner.block_bytes import FP32, Sizes, block_bytes_no_ac, block_bytes_op_ac, state_passing
 from autopar.planner.devices import DeviceSpec
+from autopar.planner.hybrid_cp import chain_flops, map_flops_per_token
 from autopar.planner.memory import (
     layer_expert_numel,
     meta_model,
@@ -111,11 +119,14 @@ def predict_time(
         tokens=tokens_per_step(job, dims),
         micro_batches=n_micro * micro_steps(job, dims),  # micro-batches this rank runs per step
         layers=args.num_hidden_layers / dims.pp,
+        linear_layers=_linear_layers(args) / dims.pp,
         moe_layers=sum(args.is_moe_layer(i) for i in range(args.num_hidden_layers)),
         rate=compute_rate(job, device),
         z=sizes(args, job, dims, micro, "ring", c),
     )
     compute, recompute, share = _compute_seconds(args, job, dims, device, step)
+    maps_compute, maps_recompute = _state_passing_seconds(args, dims, step, share)
+    compute, recompute = compute + maps_compute, recompute + maps_recompute
     comm, cp_exposed = _model_parallel_comm(args, job, dims, device, gpus_per_node, step, share)
     data_comm, host_optimizer = _data_parallel_comm(args, job, dims, device, gpus_per_node, step)
     comm |= data_comm
@@ -147,6 +158,7 @@ class _Step:
     tokens: int  # of the whole step, all ranks
     micro_batches: int  # this rank runs
     layers: float  # blocks per pipeline rank
+    linear_layers: float  # of them, Gated DeltaNets
     moe_layers: int  # of the whole model
     rate: float  # FLOP/s
     z: Sizes
@@ -233,13 +245,17 @@ def _model_parallel_comm(
     cp_exposed = 0.0
     if dims.cp > 1:
         kv = 2 * c * z.sdpa_kv_heads * z.head_dim * z.tokens  # ring attention passes k/v as SDPA gets them
-        cp_bytes = 3 * (dims.cp - 1) * kv * step.layers * step.micro_batches
+        attention_layers = step.layers - step.linear_layers
+        cp_bytes = 3 * (dims.cp - 1) * kv * attention_layers * step.micro_batches
         comm["cp"] = cp_bytes / link_bytes_per_s(spans["cp"], gpus_per_node, device)
         seq = job.training.seq_len
         attention = (
-            12 * z.q_heads * z.head_dim * seq * z.tokens * step.layers * step.micro_batches / step.rate
+            12 * z.q_heads * z.head_dim * seq * z.tokens * attention_layers * step.micro_batches / step.rate
         )
         cp_exposed = max(0.0, comm["cp"] - attention)
+        maps = _state_passing_bytes(job, step, share) / link_bytes_per_s(spans["cp"], gpus_per_node, device)
+        comm["cp"] += maps
+        cp_exposed += maps
     if dims.ep > 1 and step.moe_layers:
         # all-to-all of every routed row out and back, in forward, backward and recompute
         rows = z.top_k * z.tokens
@@ -247,6 +263,44 @@ def _model_parallel_comm(
         moved = transfers * (dims.ep - 1) / dims.ep * c * rows * z.hidden
         comm["ep"] = moved / link_bytes_per_s(spans["ep"], gpus_per_node, device)
     return comm, cp_exposed
+
+
+def _linear_layers(args: ModelArgs) -> int:
+    return sum(args.mixer(i) == "linear_attention" for i in range(args.num_hidden_layers))
+
+
+def _gathers_again(job: JobConfig, share: float) -> float:
+    """How many more times a block's forward collectives run in its backward: the share of
+    blocks fully recomputed, or every block under per-op checkpointing (CP's all-gathers are
+    not kept, ``parallel.activation_checkpoint``)."""
+    ac = job.activation_checkpoint
+    return 1.0 if ac.mode == "selective" and ac.selective_ac_option == "op" else share
+
+
+def _state_passing_bytes(job: JobConfig, step: _Step, share: float) -> float:
+    """Bytes a rank moves for the Gated DeltaNets' CP per step: each layer's maps all-gathered
+    forward (and in recompute) and their gradients reduce-scattered back."""
+    passing = state_passing(step.z)
+    if passing is None or not step.linear_layers:
+        return 0.0
+    collectives = 2 + _gathers_again(job, share)
+    return collectives * passing.received_bytes() * step.linear_layers * step.micro_batches
+
+
+def _state_passing_seconds(
+    args: ModelArgs, dims: ParallelDims, step: _Step, share: float
+) -> tuple[float, float]:
+    """(compute, recompute) of the Gated DeltaNets' CP maps: the map pass over every token
+    and the chain every CP rank runs, forward and backward (3x the forward), and the forward
+    again where blocks are fully recomputed."""
+    passing = state_passing(step.z)
+    if passing is None or not step.linear_layers:
+        return 0.0, 0.0
+    dk, dv = args.linear_key_head_dim, args.linear_value_head_dim
+    per_token = map_flops_per_token(args.linear_num_value_heads, dk, dv) * _linear_layers(args)
+    chain = chain_flops(passing.cp_ranges, passing.value_heads, dk, dv) * passing.batch
+    forward = per_token * step.tokens / dims.world_size + chain * step.linear_layers * step.micro_batches
+    return 3 * forward / step.rate, share * forward / step.rate
 
 
 def _data_parallel_comm(
