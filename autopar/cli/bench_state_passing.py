@@ -19,14 +19,12 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.models.args import ModelArgs
 from autopar.models.flavors import get_flavor
 from autopar.models.qwen3_5.gated_deltanet import GatedDeltaNet
 from autopar.parallel.state_passing import StatePassing
-from autopar.parallel.torch_internals import fake_store
+from autopar.parallel.torch_internals import FakeTensorMode, TorchDispatchMode, fake_store
 
 
 class CountCollectives(TorchDispatchMode):
