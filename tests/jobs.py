@@ -103,6 +103,19 @@ def tiny_job(dump_folder, *argv: str, name: str = "qwen3", **model: object) -> J
     return parse_job(flags + list(argv))
 
 
+def hybrid_job(dump_folder, *argv: str, **model: object) -> JobConfig:
+    """``tiny_job`` of Qwen3.5 at four layers (three Gated DeltaNet, then gated attention) and
+    Adam lr 1e-3 (``test_qwen3_5_plans.py`` says why)."""
+    return tiny_job(
+        dump_folder, "--optimizer.lr", "0.001", *argv, name="qwen3.5", **{"num_hidden_layers": 4, **model}
+    )
+
+
+def ac_flags(mode: str, option: str) -> str:
+    """A plan's activation-checkpointing settings."""
+    return f"activation_checkpoint.mode={mode},activation_checkpoint.selective_ac_option={option}"
+
+
 CHAT_VOCAB = 576
 """The tiny model's vocabulary, room for the shipped ChatML tokenizer's 512 ids."""
 

@@ -16,7 +16,7 @@ from autopar.parallel.pipelining.split import check_split, even_split, prune, st
 from autopar.planner import search
 from autopar.training.preflight import check_job
 
-from jobs import assert_fp32_parity, assert_same_training, debug_job, tiny_job
+from jobs import ac_flags, assert_fp32_parity, assert_same_training, debug_job, tiny_job
 
 
 @pytest.mark.parametrize("layers, stages", [(2, 2), (4, 2), (5, 2), (7, 4), (7, 3), (8, 8), (9, 4)])
@@ -214,10 +214,6 @@ PLANS = {
 }
 
 ZERO_BUBBLE = [name for name, style in SCHEDULE_STYLES.items() if style.splits_backward]
-
-
-def ac_flags(mode: str, option: str) -> str:
-    return f"activation_checkpoint.mode={mode},activation_checkpoint.selective_ac_option={option}"
 
 
 PLANS |= {

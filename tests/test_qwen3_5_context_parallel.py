@@ -19,9 +19,8 @@ from autopar.parallel.context_parallel import shard_sequence
 from autopar.parallel.state_passing import local_ranges
 from autopar.training.preflight import check_job
 
-from jobs import assert_fp32_parity, chat_job, parity_runs, tiny_job
+from jobs import ac_flags, assert_fp32_parity, chat_job, hybrid_job, parity_runs
 
-LAYERS = {"num_hidden_layers": 4}
 STEPS = 3
 
 
@@ -113,24 +112,16 @@ def test_a_gated_deltanet_layer_under_cp_computes_the_whole_sequence(layer_gaps,
     assert max(outputs, inputs, weights) <= 1e-5, (outputs, inputs, weights)
 
 
-def hybrid_job(folder, *flags: str, **model: object):
-    return tiny_job(folder, "--optimizer.lr", "0.001", *flags, name="qwen3.5", **{**LAYERS, **model})
-
-
-def ac(mode: str, option: str) -> str:
-    return f"activation_checkpoint.mode={mode},activation_checkpoint.selective_ac_option={option}"
-
-
 PLANS = [
     "cp=2",
     "cp=4",
     "cp=2,parallelism.context_parallel_load_balancer=none",
     "cp=2,tp=2",
     "cp=2,pp=2",
-    f"cp=2,pp=2,schedule=ZBVZeroBubble,{ac('full', 'op')}",
+    f"cp=2,pp=2,schedule=ZBVZeroBubble,{ac_flags('full', 'op')}",
     "cp=2,dp_shard=2",
-    f"cp=2,{ac('full', 'op')}",
-    f"cp=2,{ac('selective', 'op')}",
+    f"cp=2,{ac_flags('full', 'op')}",
+    f"cp=2,{ac_flags('selective', 'op')}",
     "cp=2,compile.enable=true",
 ]
 DOCUMENT_PLANS = ["cp=2", "cp=4", "cp=2,tp=2", "cp=2,dp_shard=2"]

@@ -21,13 +21,11 @@ from autopar.config.errors import ConfigError
 from autopar.planner import search
 from autopar.training.preflight import check_job
 
-from jobs import assert_fp32_parity, parity_runs, tiny_job
+from jobs import ac_flags, assert_fp32_parity, hybrid_job, parity_runs
 
 pytestmark = pytest.mark.slow
 
-LAYERS = {"num_hidden_layers": 4}
 MOE = {
-    **LAYERS,
     "num_experts": 4,
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 32,
@@ -38,22 +36,14 @@ MOE = {
 STEPS = 3
 
 
-def hybrid_job(folder, **model: object):
-    return tiny_job(folder, "--optimizer.lr", "0.001", name="qwen3.5", **{**LAYERS, **model})
-
-
-def ac(mode: str, option: str) -> str:
-    return f"activation_checkpoint.mode={mode},activation_checkpoint.selective_ac_option={option}"
-
-
 DENSE_PLANS = [
     "dp_shard=2",
     "tp=2",
     "tp=2,sp=false,loss_parallel=false",
-    f"tp=2,{ac('selective', 'op')}",
+    f"tp=2,{ac_flags('selective', 'op')}",
     "dp_shard=2,compile.enable=true",
-    f"tp=2,compile.enable=true,{ac('selective', 'op')}",
-    *(f"pp=2,schedule={s},{ac(m, o)}" for s in search.SCHEDULES for m, o in search.AC_MODES),
+    f"tp=2,compile.enable=true,{ac_flags('selective', 'op')}",
+    *(f"pp=2,schedule={s},{ac_flags(m, o)}" for s in search.SCHEDULES for m, o in search.AC_MODES),
     "dp_replicate=2,dp_shard=2",
     "dp_shard=2,tp=2",
 ]
@@ -63,7 +53,7 @@ different numbers)."""
 MOE_PLANS = [
     "dp_shard=2,ep=2",
     "tp=2",
-    f"pp=2,schedule=ZBVZeroBubble,{ac('full', 'op')}",
+    f"pp=2,schedule=ZBVZeroBubble,{ac_flags('full', 'op')}",
     "dp_shard=2,tp=2,ep=2",
     "cp=2,ep=2",
 ]
@@ -94,15 +84,7 @@ def test_plan_matches_single_device(dense, plan):
 
 @pytest.fixture(scope="module")
 def lora(tmp_path_factory):
-    job = tiny_job(
-        tmp_path_factory.mktemp("qwen3_5_lora"),
-        "--optimizer.lr",
-        "0.001",
-        *LORA,
-        LORA_TARGETS,
-        name="qwen3.5",
-        **LAYERS,
-    )
+    job = hybrid_job(tmp_path_factory.mktemp("qwen3_5_lora"), *LORA, LORA_TARGETS)
     return parity_runs(job, LORA_PLANS, steps=STEPS)
 
 
@@ -126,15 +108,13 @@ def test_training_moves_the_loss(dense):
 @pytest.mark.heavy
 @pytest.mark.parametrize("schedule", ["GPipe", "LoopedBFS", "InterleavedZeroBubble", "DualPipeV"])
 def test_every_other_torch_schedule_with_every_checkpointing_mode(tmp_path, schedule):
-    base = tiny_job(
-        tmp_path, "--optimizer.lr", "0.001", "--training.local_batch_size", "4", name="qwen3.5", **LAYERS
-    )
-    plans = [f"pp=2,schedule={schedule},{ac(m, o)}" for m, o in search.AC_MODES]
+    base = hybrid_job(tmp_path, "--training.local_batch_size", "4")
+    plans = [f"pp=2,schedule={schedule},{ac_flags(m, o)}" for m, o in search.AC_MODES]
     for reference, run in parity_runs(base, plans, steps=STEPS).values():
         assert_fp32_parity(run, reference)
 
 
-BF16 = ("--optimizer.lr", "0.001", "--training.mixed_precision_param", "bfloat16", "--training.steps", "5")
+BF16 = ("--training.mixed_precision_param", "bfloat16", "--training.steps", "5")
 BF16_PLANS = ["dp_shard=2", "tp=2", "pp=2,schedule=1F1B", "cp=2"]
 SPLIT_BF16_LOSS_RTOL, SPLIT_BF16_NORM_RTOL = 1e-3, 0.05
 """TP and PP in bf16 round partial sums and micro-batches their own way. Measured over 5 steps
@@ -150,7 +130,7 @@ def bf16(tmp_path_factory):
     from test_bf16_parity import with_unsummed_input_gradients
 
     tmp = tmp_path_factory.mktemp("qwen3_5_bf16")
-    job = tiny_job(tmp, *BF16, name="qwen3.5", **LAYERS)
+    job = hybrid_job(tmp, *BF16)
     runs = parity_runs(job, BF16_PLANS, steps=5)
     broken_job = plan_job(job, "tp=2", 5, str(tmp / "broken"))
     broken = run_on_ranks(with_unsummed_input_gradients, 2, [("tp=2 broken", broken_job)])[0][0]
@@ -183,14 +163,12 @@ def test_a_tp_plan_that_forgets_a_reduction_is_outside_those_bounds(bf16):
 
 @pytest.mark.parametrize(("degree", "field"), [(8, "linear_num_key_heads=4"), (3, "num_attention_heads=8")])
 def test_a_tp_degree_that_does_not_divide_the_heads_names_them(tmp_path, degree, field):
-    job = tiny_job(
+    job = hybrid_job(
         tmp_path,
         "--parallelism.tensor_parallel_degree",
         str(degree),
-        name="qwen3.5",
         num_attention_heads=8,
         num_key_value_heads=8,
-        **LAYERS,
     )
     with pytest.raises(ConfigError, match=f"does not divide {field}"):
         check_job(job, degree, "cpu")
