@@ -58,6 +58,8 @@ NAMED_VARIANTS = {
     "attn_efficient": "compile.enable=true,float8.enable=false,training.sdpa_backend=efficient",
     "attn_cudnn": "compile.enable=true,float8.enable=false,training.sdpa_backend=cudnn",
     "attn_math": "compile.enable=true,float8.enable=false,training.sdpa_backend=math",
+    "fla": "compile.enable=true,float8.enable=false,training.delta_rule_kernel=fla",
+    "fla_fp8": "compile.enable=true,float8.enable=true,float8.backend=torchao,training.delta_rule_kernel=fla",
     "lora": "compile.enable=true,float8.enable=false,lora.enable=true",
     "lora_eager": "compile.enable=false,float8.enable=false,lora.enable=true",
     "lora_fp8": "compile.enable=true,float8.enable=true,float8.backend=torchao,lora.enable=true",

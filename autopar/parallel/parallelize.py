@@ -20,6 +20,7 @@ from autopar.models.family import build_model
 from autopar.parallel.activation_checkpoint import apply_ac
 from autopar.parallel.compile import apply_compile
 from autopar.parallel.context_parallel import resolve_impl
+from autopar.parallel.delta_rule_kernel import apply_delta_rule_kernel
 from autopar.parallel.expert_parallel import apply_ep, apply_expert_kernel
 from autopar.parallel.float8 import apply_float8, resolve_backend
 from autopar.parallel.fsdp import apply_fsdp
@@ -128,6 +129,9 @@ def _kernels(model: nn.Module, args: ModelArgs, job: JobConfig, device: torch.de
             "passed to SDPA ungrouped (enable_gqa)" if gqa else "repeated to every query head",
         )
     apply_expert_kernel(model, job.training.expert_kernel)
+    apply_delta_rule_kernel(model, job.training.delta_rule_kernel)
+    if args.hybrid and job.training.delta_rule_kernel == "fla":
+        logger.info("Gated DeltaNet: FLA's delta-rule kernels")
 
 
 def _checkpointing(model: nn.Module, job: JobConfig, meshes: Meshes, compiled: bool, pipelined: bool) -> None:

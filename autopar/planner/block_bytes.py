@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from autopar.models.args import LayerKind
 from autopar.models.qwen3_5.delta_rule import SEGMENT
+from autopar.models.qwen3_5.fla_delta_rule import CHUNK as FLA_CHUNK
 from autopar.planner.hybrid_cp import StatePassing
 
 FP32 = 4
@@ -72,6 +73,7 @@ class Sizes:
     linear_value_dim: int = 0
     conv_width: int = 0
     documents: bool = False  # packed documents: the convolution masks each shifted copy
+    fla: bool = False  # training.delta_rule_kernel: FLA's, which keeps other tensors than ours
     # context parallelism: this rank's token ranges of each sequence (2 under the head-tail
     # load balancer) and every CP rank's (cp * ranges; 1 without CP)
     ranges: int = 1
@@ -258,8 +260,13 @@ def _linear_channels(z: Sizes) -> tuple[int, int]:
 
 
 def _delta_rule_states(z: Sizes) -> float:
-    """The float32 state the delta rule keeps per value head and ``SEGMENT`` of each local
-    token range (under CP the kernel runs once per range)."""
+    """What the delta-rule kernel keeps beyond its inputs. Autopar's: the float32 state per
+    value head and ``SEGMENT`` of each local token range (under CP the kernel runs once per
+    range). FLA's: the per-chunk solve A (a CHUNK-wide row per token and value head) and the
+    float32 reciprocal norms of q and k (its normed q, k and summed decay take the places of
+    the q, k and decay ours keeps)."""
+    if z.fla:
+        return z.tokens * (z.dtype_bytes * FLA_CHUNK * z.linear_value_heads + FP32 * 2 * z.linear_key_heads)
     segments = z.ranges * -(-(z.seq // z.ranges) // SEGMENT)
     per_sequence = z.linear_value_heads * z.linear_key_dim * z.linear_value_dim * segments
     return FP32 * per_sequence * (z.tokens // z.seq)
@@ -364,6 +371,8 @@ def _hybrid_block_op_ac(z: Sizes, tp: int, kind: LayerKind) -> float:
     else:  # the six projections, the delta rule's output and states (and CP's, ``hybrid_cp``)
         keys, values = _linear_channels(z)
         mixer = c * (2 * keys + 3 * values + 2 * z.linear_value_heads) * t + _delta_rule_states(z)
+        if z.fla:  # its kept outputs: normed q and k, and the summed decay
+            mixer += (c * 2 * keys + FP32 * z.linear_value_heads) * t
         passing = state_passing(z)
         mixer += passing.kept_per_op() if passing else 0.0
     if kind[1] == "moe":

@@ -391,6 +391,7 @@ def _hybrid_sizes(args: ModelArgs, job: JobConfig, dims: ParallelDims) -> dict[s
         "linear_value_dim": args.linear_value_head_dim,
         "conv_width": args.linear_conv_kernel_dim,
         "documents": job.training.document_masking,
+        "fla": job.training.delta_rule_kernel == "fla",
     }
 
 

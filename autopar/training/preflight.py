@@ -20,6 +20,7 @@ from autopar.models.args import ModelArgs
 from autopar.parallel.activation_checkpoint import check_ac
 from autopar.parallel.compile import check_compile, check_compile_backend
 from autopar.parallel.context_parallel import check_cp
+from autopar.parallel.delta_rule_kernel import check_delta_rule_kernel, check_fla_installed
 from autopar.parallel.expert_parallel import check_ep
 from autopar.parallel.float8 import check_float8, check_float8_filter
 from autopar.parallel.lora import check_lora
@@ -83,6 +84,7 @@ def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: st
     check_pipeline(parallelism, args, job.training.local_batch_size)
     check_sdpa_backend(job, device_type)
     check_expert_kernel(job, args, device_type)
+    check_delta_rule_kernel(job, args, device_type)
     return dims
 
 
@@ -127,4 +129,6 @@ def check_job(job: JobConfig, world_size: int, device_type: str | None = None) -
     check_load_step(job.checkpoint, job.job.dump_folder)
     check_output_folders(job)
     check_wandb(job)
+    if device_type == "cuda":
+        check_fla_installed(job)
     return args
