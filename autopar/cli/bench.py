@@ -207,7 +207,8 @@ def table(results: list[VariantResult]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_bench_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """(the benchmark's own options, the job's flags)."""
     parser = argparse.ArgumentParser(
         prog="python -m autopar.bench",
         description=__doc__,
@@ -218,7 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compilation happens here)")
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--json", default=None, help="also write the results here")
-    known, job_argv = parser.parse_known_args(argv)
+    return parser.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    known, job_argv = parse_bench_args(argv)
     from autopar.cli.log import setup_logging
 
     setup_logging(0)

@@ -6,7 +6,9 @@ reference, at Qwen3.5-9B's head counts (16 key heads, 32 value heads, dk = dv = 
 Per sequence length: forward + backward seconds of each (median of ``--repeat``), their
 ratio, the bytes each keeps for backward as a multiple of its inputs, one Gated DeltaNet
 layer compiled against eager, and the largest output difference from the reference (the
-correctness figure beside the speed ones). Inputs are fp32 on CPU, bf16 on CUDA.
+correctness figure beside the speed ones). Inputs are fp32 on CPU, bf16 on CUDA. On CUDA
+with fla-core installed, FLA's kernels (``training.delta_rule_kernel = "fla"``) get the same
+columns: their time, what they keep, the layer compiled with them, their difference from ours.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from autopar.cli.bench import source_commit
 from autopar.models import get_flavor
 from autopar.models.qwen3_5.delta_rule import gated_delta_rule
+from autopar.models.qwen3_5.fla_delta_rule import FlaKernels, fla_gated_delta_rule, fla_version_problem
 from autopar.models.qwen3_5.gated_deltanet import GatedDeltaNet
 
 HEADS = {"key_heads": 16, "value_heads": 32, "key_dim": 128, "value_dim": 128}
@@ -40,6 +43,10 @@ class KernelRow:
     layer_eager_seconds: float
     layer_compiled_seconds: float
     max_output_difference: float
+    fla_seconds: float | None = None
+    fla_saved_x_inputs: float | None = None
+    layer_fla_compiled_seconds: float | None = None
+    fla_max_difference_from_ours: float | None = None
 
 
 def inputs(seq: int, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -87,11 +94,16 @@ def saved_multiple(fn: Callable[..., torch.Tensor], tensors: list[torch.Tensor])
     return total / sum(t.numel() * t.element_size() for t in tensors)
 
 
-def layer_seconds(seq: int, device: torch.device, dtype: torch.dtype, repeat: int) -> tuple[float, float]:
-    """(eager, compiled) forward + backward seconds of one Qwen3.5-9B Gated DeltaNet layer."""
+def layer_seconds(
+    seq: int, device: torch.device, dtype: torch.dtype, repeat: int, fla: bool = False
+) -> tuple[float, float]:
+    """(eager, compiled) forward + backward seconds of one Qwen3.5-9B Gated DeltaNet layer
+    (with FLA's delta rule if ``fla``)."""
     args = get_flavor("qwen3.5", "9B")
     torch.manual_seed(0)
     layer = GatedDeltaNet(args).to(device=device, dtype=dtype)
+    if fla:
+        layer.core.sequence = FlaKernels()
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.02)
     x = torch.randn(1, seq, args.hidden_size, device=device, dtype=dtype)
@@ -106,6 +118,17 @@ def row(seq: int, repeat: int, device: torch.device, dtype: torch.dtype) -> Kern
     with torch.no_grad():
         difference = (gated_delta_rule(*tensors).float() - reference(*tensors).float()).abs().max().item()
     eager, compiled = layer_seconds(seq, device, dtype, repeat)
+    fla = {}
+    if device.type == "cuda" and fla_version_problem() is None:
+        with torch.no_grad():
+            ours_out = gated_delta_rule(*tensors).float()
+            fla_out = fla_gated_delta_rule(*tensors).float()
+        fla = {
+            "fla_seconds": timed(lambda: fla_gated_delta_rule(*tensors), repeat, device),
+            "fla_saved_x_inputs": saved_multiple(fla_gated_delta_rule, tensors),
+            "layer_fla_compiled_seconds": layer_seconds(seq, device, dtype, repeat, fla=True)[1],
+            "fla_max_difference_from_ours": (fla_out - ours_out).abs().max().item(),
+        }
     return KernelRow(
         seq=seq,
         ours_seconds=ours,
@@ -116,6 +139,7 @@ def row(seq: int, repeat: int, device: torch.device, dtype: torch.dtype) -> Kern
         layer_eager_seconds=eager,
         layer_compiled_seconds=compiled,
         max_output_difference=difference,
+        **fla,
     )
 
 
@@ -124,13 +148,22 @@ def table(rows: list[KernelRow]) -> str:
         f"{'seq':>6} {'ours s':>8} {'HF ref s':>9} {'speedup':>8} {'saved/in ours':>14} "
         f"{'saved/in HF':>12} {'layer eager s':>14} {'compiled s':>11} {'max |diff|':>11}"
     )
+    with_fla = any(r.fla_seconds is not None for r in rows)
+    if with_fla:
+        header += f" {'FLA s':>8} {'saved/in FLA':>13} {'FLA compiled s':>15} {'FLA-ours':>9}"
     lines = [header, "-" * len(header)]
     for r in rows:
-        lines.append(
+        line = (
             f"{r.seq:>6} {r.ours_seconds:>8.3f} {r.reference_seconds:>9.3f} {r.speedup:>7.2f}x "
             f"{r.ours_saved_x_inputs:>13.1f}x {r.reference_saved_x_inputs:>11.1f}x "
             f"{r.layer_eager_seconds:>14.3f} {r.layer_compiled_seconds:>11.3f} {r.max_output_difference:>11.2e}"
         )
+        if with_fla and r.fla_seconds is not None:
+            line += (
+                f" {r.fla_seconds:>8.3f} {r.fla_saved_x_inputs:>12.1f}x {r.layer_fla_compiled_seconds:>15.3f} "
+                f"{r.fla_max_difference_from_ours:>9.2e}"
+            )
+        lines.append(line)
     return "\n".join(lines)
 
 

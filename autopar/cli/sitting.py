@@ -1,0 +1,175 @@
+"""One GPU sitting: the measurements only a GPU can give, in priority order, inside a time budget.
+
+    python -m autopar.cli.sitting --out DIR [--plan gpu] [--budget-s 540] [--only NAME ...]
+
+A lent GPU comes for minutes, a command for at most ten, so the steps run most valuable
+first and a step starts only if its estimate fits what is left of ``--budget-s``; each is
+killed at the budget's end. Everything lands in ``DIR/sitting.json`` (commit, device, torch,
+and per step its command, exit status, seconds and the JSON the step wrote) and
+``DIR/sitting.log`` (every step's output): two files, as the GPU tool brings back few.
+``python -m autopar.cli.bench_tables DIR/sitting.json`` turns the JSON into BENCHMARKS.md's
+tables. ``--plan cpu`` runs the same kinds of step on the debug models in seconds, so the
+sitting itself is tested on a CPU before any GPU time is spent on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from autopar.cli.bench import source_commit
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    command: str
+    """What follows ``python -m``; ``{json}`` becomes this step's JSON path."""
+    estimate_s: int
+    """Seconds it is expected to take on the plan's device: it starts only if this fits."""
+
+    @property
+    def argv(self) -> list[str]:
+        return self.command.split()
+
+
+QWEN3_1_7B = (
+    "--job.config train_configs/qwen3_1.7b.toml --training.seq_len 4096 --training.local_batch_size 2"
+)
+QWEN3_5_2B = (
+    "--model.name qwen3.5 --model.flavor 2B --model.num_hidden_layers 8 "
+    "--training.seq_len 4096 --training.local_batch_size 2"
+)
+PLANS: dict[str, tuple[Step, ...]] = {
+    "gpu": (
+        Step("gpu_tests", "pytest -q -m gpu tests/test_gpu.py tests/test_fla_delta_rule.py", 150),
+        Step("delta_rule_kernels", "autopar.cli.bench_delta_rule --seq 4096 16384 --json {json}", 90),
+        Step(
+            "qwen3.5_2b_kernels",
+            f"autopar.bench --json {{json}} {QWEN3_5_2B} --variants compiled fla fla_fp8 --warmup 3 --steps 8",
+            200,
+        ),
+        Step(
+            "qwen3_1.7b_regression",
+            f"autopar.bench --json {{json}} {QWEN3_1_7B} --variants compiled fp8 eager --warmup 3 --steps 8",
+            240,
+        ),
+    ),
+    "cpu": (
+        Step("delta_rule_kernels", "autopar.cli.bench_delta_rule --seq 128 --repeat 1 --json {json}", 60),
+        Step(
+            "debug_bench",
+            "autopar.bench --json {json} --job.config debug_model_qwen3.5 --variants eager --warmup 1 --steps 2",
+            60,
+        ),
+    ),
+}
+"""Steps in the order they run: what only a GPU shows first (the CUDA tests, FLA's kernels
+against ours, Qwen3.5's speed by kernel), then the regression check against the pre-recipe
+figures. ``cpu`` is the same shape of sitting on the debug models, to test this script."""
+
+
+@dataclass
+class StepRecord:
+    name: str
+    command: str
+    status: str
+    """ok, failed (exit code in ``returncode``), timed out, or skipped (its estimate did not fit)."""
+    seconds: float = 0.0
+    returncode: int | None = None
+    result: dict | None = None
+    """The JSON the step wrote (a benchmark's table rows), if any."""
+
+
+@dataclass
+class Sitting:
+    commit: str
+    device: str
+    torch: str
+    budget_s: int
+    steps: list[StepRecord] = field(default_factory=list)
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def run_step(step: Step, out: Path, seconds_left: float, log) -> StepRecord:
+    """Run ``step`` as ``python -m ...`` with output appended to ``log``, for at most ``seconds_left``."""
+    json_path = out / f"{step.name}.json"
+    argv = [sys.executable, "-m", *(a.replace("{json}", str(json_path)) for a in step.argv)]
+    command = "python -m " + step.command.replace(" --json {json}", "")
+    if step.estimate_s > seconds_left:
+        return StepRecord(step.name, command, "skipped")
+    log.write(f"\n===== {step.name}: {command}\n")
+    log.flush()
+    start = time.monotonic()
+    try:
+        done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=seconds_left, check=False)
+        status, code = ("ok" if done.returncode == 0 else "failed"), done.returncode
+    except subprocess.TimeoutExpired:
+        status, code = "timed out", None
+    record = StepRecord(step.name, command, status, time.monotonic() - start, code)
+    if json_path.exists():
+        record.result = json.loads(json_path.read_text())
+        json_path.unlink()  # kept inside sitting.json: the GPU tool brings back few files
+    return record
+
+
+def sit(plan: str, out: Path, budget_s: int, only: list[str] | None = None) -> Sitting:
+    """Run ``plan``'s steps (or those named in ``only``) within ``budget_s`` seconds."""
+    out.mkdir(parents=True, exist_ok=True)
+    sitting = Sitting(source_commit(), device_name(), torch.__version__, budget_s)
+    deadline = time.monotonic() + budget_s
+    with open(out / "sitting.log", "a") as log:
+        for step in PLANS[plan]:
+            if only and step.name not in only:
+                continue
+            sitting.steps.append(run_step(step, out, deadline - time.monotonic(), log))
+            (out / "sitting.json").write_text(json.dumps(asdict(sitting), indent=2))
+    return sitting
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m autopar.cli.sitting",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--out", required=True, help="folder for sitting.json and sitting.log")
+    parser.add_argument(
+        "--plan", choices=sorted(PLANS), default="gpu" if torch.cuda.is_available() else "cpu"
+    )
+    parser.add_argument("--budget-s", type=int, default=540, help="seconds for the whole sitting")
+    parser.add_argument("--only", nargs="+", default=None, help="run only these steps")
+    parser.add_argument("--list", action="store_true", help="print the plan's steps and exit")
+    options = parser.parse_args(argv)
+    steps = PLANS[options.plan]
+    unknown = sorted(set(options.only or ()) - {s.name for s in steps})
+    if unknown:
+        print(
+            f"--only {unknown}: not steps of plan {options.plan!r} ({[s.name for s in steps]})",
+            file=sys.stderr,
+        )
+        return 2
+    if options.list:
+        for step in steps:
+            print(f"{step.name:24} ~{step.estimate_s:>4} s  python -m {step.command}")
+        return 0
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sitting = sit(options.plan, Path(options.out), options.budget_s, options.only)
+    for record in sitting.steps:
+        print(f"{record.name:24} {record.status:10} {record.seconds:7.1f} s")
+    return 0 if all(r.status in ("ok", "skipped") for r in sitting.steps) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
