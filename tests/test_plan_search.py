@@ -207,6 +207,25 @@ def test_plan_cli_prints_the_best_plans_and_writes_json(tmp_path):
     assert set(plans[0]) >= {"degrees", "overrides", "predicted_peak_gib", "breakdown_gib", "predicted_mfu"}
 
 
+def test_plan_cli_says_how_to_launch_a_plan_that_spans_nodes():
+    line = "on 2 nodes (torchrun --nnodes 2 --nproc-per-node 8), with --parallelism.gpus_per_node=8"
+    spans = run(
+        "-m",
+        "autopar.plan",
+        "--job.config",
+        "train_configs/qwen3_8b.toml",
+        "--world-size",
+        "16",
+        "--top",
+        "1",
+    )
+    one_node = run(
+        "-m", "autopar.plan", "--job.config", "train_configs/qwen3_8b.toml", "--world-size", "8", "--top", "1"
+    )
+    assert line in spans.stdout
+    assert "--parallelism.gpus_per_node" not in one_node.stdout
+
+
 def test_plan_cli_explains_in_one_paragraph_when_nothing_fits(capsys):
     code = plan_main(["--job.config", "qwen3_32b", "--world-size", "8", "--gpu-memory-gib", "16"])
     err = capsys.readouterr().err

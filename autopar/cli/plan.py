@@ -148,6 +148,12 @@ def main(argv: list[str]) -> int:
         host = sum(top[0].memory.host.values()) / 2**30
         print(f"\nCPU offload keeps {host:.1f} GiB per GPU in host memory (weights, gradients, AdamW state)")
     print("\nrun the best plan with:\n  " + " ".join(top[0].overrides))
+    if world > gpus_per_node:
+        print(
+            f"on {world // gpus_per_node} nodes (torchrun --nnodes {world // gpus_per_node} --nproc-per-node "
+            f"{gpus_per_node}), with --parallelism.gpus_per_node={gpus_per_node}: a launch of another shape "
+            "is then refused before any work (docs/multinode.md)"
+        )
     print(own_plan_line(job, args, world, gpus_per_node, device, top[0]))
     return 0
 
