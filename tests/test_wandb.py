@@ -4,6 +4,7 @@ read back from the file it wrote, holds every record at its step, and the job as
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -97,3 +98,29 @@ def test_without_wandb_enable_wandb_is_refused_with_the_line_that_installs_it(tm
         match=r"^metrics.enable_wandb=true needs the wandb package: pip install 'autopar\[wandb\]'",
     ):
         check_job(job, 1)
+
+
+def test_a_resumed_job_continues_its_wandb_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    dump = tmp_path / "run"
+    flags = ("--metrics.log_freq", "1", "--metrics.enable_wandb", "true", "--checkpoint.enable", "true")
+    one_process_trainer(tiny_job(dump, *flags, "--training.steps", "4", "--checkpoint.interval", "2")).train()
+    shutil.rmtree(dump / "checkpoint" / "step-4")  # as if killed after logging step 4, before saving it
+    one_process_trainer(tiny_job(dump, *flags, "--training.steps", "4", "--checkpoint.interval", "2")).train()
+    first, second = sorted(dump.glob("wandb/offline-run-*/run-*.wandb"))
+    assert first.name == second.name  # run-<id>.wandb: one W&B run
+    assert sorted(history(offline_records(second))) == [3, 4]
+
+
+def test_a_job_started_afresh_in_a_used_folder_starts_a_new_wandb_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    dump = tmp_path / "run"
+    flags = ("--metrics.log_freq", "1", "--metrics.enable_wandb", "true", "--training.steps", "2")
+    one_process_trainer(tiny_job(dump, *flags)).train()
+    one_process_trainer(tiny_job(dump, *flags, "--job.overwrite_dump_folder", "true")).train()
+    first, second = sorted(dump.glob("wandb/offline-run-*/run-*.wandb"))
+    assert first.name != second.name

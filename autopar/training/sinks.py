@@ -53,21 +53,35 @@ def check_wandb(job: JobConfig) -> None:
         raise ConfigError(f"metrics.enable_wandb=true needs the wandb package: {WANDB_HINT}") from None
 
 
-class WandbSink:
-    """A W&B run: the job as its config, each record's keys (all but ``step``) at its step."""
+WANDB_RUN_ID = "wandb_run_id"
+"""The file in the dump folder that names the job's W&B run, so a resumed job continues it."""
 
-    def __init__(self, job: JobConfig) -> None:
+
+class WandbSink:
+    """A W&B run: the job as its config, each record's keys (all but ``step``) at its step.
+
+    A job that resumes from a checkpoint continues the W&B run its dump folder names (W&B
+    drops the steps it already has, those logged after the checkpoint the job went back to);
+    a job that starts afresh starts a new run and names it there."""
+
+    def __init__(self, job: JobConfig, resuming: bool = False) -> None:
         import wandb
 
         metrics = job.metrics
-        Path(job.job.dump_folder).mkdir(parents=True, exist_ok=True)
+        folder = Path(job.job.dump_folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        id_file = folder / WANDB_RUN_ID
+        run_id = id_file.read_text().strip() if resuming and id_file.exists() else None
         self.run = wandb.init(
             project=metrics.wandb_project,
             name=metrics.wandb_run_name,
             entity=metrics.wandb_entity,
             dir=job.job.dump_folder,
             config=dataclasses.asdict(job),
+            id=run_id,
+            resume="allow" if run_id else None,
         )
+        id_file.write_text(self.run.id + "\n")
 
     def write(self, record: dict[str, Any]) -> None:
         self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
@@ -76,13 +90,14 @@ class WandbSink:
         self.run.finish()
 
 
-def build_sinks(job: JobConfig, is_main: bool) -> list[Sink]:
-    """The sinks a job turns on, on the main rank (none elsewhere)."""
+def build_sinks(job: JobConfig, is_main: bool, resuming: bool = False) -> list[Sink]:
+    """The sinks a job turns on, on the main rank (none elsewhere); ``resuming``: the job
+    continues from a checkpoint (W&B then continues its run)."""
     if not is_main:
         return []
     sinks: list[Sink] = []
     if job.metrics.enable_tensorboard:
         sinks.append(TensorBoardSink(Path(job.job.dump_folder) / job.metrics.save_tb_folder))
     if job.metrics.enable_wandb:
-        sinks.append(WandbSink(job))
+        sinks.append(WandbSink(job, resuming))
     return sinks

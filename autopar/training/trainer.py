@@ -128,7 +128,7 @@ class Trainer:
             world.device,
             world.size,
             world.is_main,
-            build_sinks(job, world.is_main),
+            build_sinks(job, world.is_main, resuming=self.checkpointer.resume_candidate() is not None),
         )
         self.timeout = CollectiveTimeout(job.comm.init_timeout_seconds)  # what init_world made the group with
         self.step = 0
