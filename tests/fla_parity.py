@@ -99,12 +99,61 @@ def compare(case: dict, device: str, dtype: torch.dtype) -> dict[str, float]:
     }
 
 
+def compare_entry(case: dict, device: str, dtype: torch.dtype) -> dict[str, float]:
+    """What context parallelism asks of a kernel: the rule from a given entry state (taken
+    only by rows whose first token continues ``previous_document``), and a range's map
+    [M | U], with gradients of every input and of the entry state."""
+    from autopar.models.qwen3_5.delta_rule import AUTOPAR
+    from autopar.models.qwen3_5.fla_delta_rule import FLA
+
+    gen = torch.Generator().manual_seed(2)
+    results = {}
+    for kernel in (AUTOPAR, FLA):
+        inputs, documents = _inputs(case, device, dtype)
+        q, k, v, g, beta = inputs
+        bsz, _, key_heads, key_dim = k.shape
+        shape = (bsz, key_heads, v.shape[2] // key_heads, key_dim, v.shape[-1])
+        entry = (torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 0.5).to(device)
+        entry.requires_grad_()
+        previous = None
+        if documents is not None:  # the first row continues, the others start a document
+            previous = documents[:, 0].clone()
+            previous[1:] -= 1
+        out = kernel.rule(q, k, v, g, beta, documents, entry, previous)
+        maps = kernel.map(k, v, g, beta, documents, previous)
+        weights = torch.randn(out.shape, generator=gen).to(device, out.dtype)
+        map_weights = torch.randn(maps.shape, generator=gen).to(device)
+        ((out * weights).sum() + (maps * map_weights).sum()).backward()
+        results[kernel.name] = [out, maps] + [x.grad for x in (*inputs, entry)]
+        gen.manual_seed(2)
+    names = ["out", "map", "grad_q", "grad_k", "grad_v", "grad_g", "grad_beta", "grad_entry"]
+    return {
+        name: ((fla.float() - ours.float()).abs().max() / ours.float().abs().max()).item()
+        for name, fla, ours in zip(names, results["fla"], results["autopar"])
+    }
+
+
+def _layer_under_cp() -> dict[str, float]:
+    """On one CP rank: a Gated DeltaNet layer passing states with FLA's kernels against the
+    whole sequence by ours (``test_qwen3_5_context_parallel._layer_gaps``), four cases."""
+    interpret_on_cpu()
+    from test_qwen3_5_context_parallel import _layer_gaps
+
+    return {
+        f"cp_{'head_tail' if ht else 'in_order'}_{'documents' if packed else 'one_document'}": max(
+            _layer_gaps(ht, packed, "fla")
+        )
+        for ht in (True, False)
+        for packed in (False, True)
+    }
+
+
 def compare_layer(device: str, compiled: bool) -> dict[str, float]:
     """A debug Qwen3.5 Gated DeltaNet layer on packed documents, its kernel set by
     ``apply_delta_rule_kernel`` (FLA's compiled with ``fullgraph=True`` when ``compiled``)
     against autopar's, eager: largest relative errors of the output and every gradient."""
     from autopar.models import get_flavor
-    from autopar.models.qwen3_5.gated_deltanet import GatedDeltaNet, WholeSequence
+    from autopar.models.qwen3_5.gated_deltanet import GatedDeltaNet
     from autopar.parallel.delta_rule_kernel import apply_delta_rule_kernel
 
     gen = torch.Generator().manual_seed(0)
@@ -127,7 +176,7 @@ def compare_layer(device: str, compiled: bool) -> dict[str, float]:
         inputs = x.clone().requires_grad_()
         out = forward(inputs, documents)
         out.backward(upstream)
-        layer.core.sequence = WholeSequence()
+        apply_delta_rule_kernel(layer, "autopar")
         return [out.detach(), inputs.grad] + [p.grad.clone() for p in layer.parameters()]
 
     ours, fla = run("autopar"), run("fla")
@@ -137,6 +186,12 @@ def compare_layer(device: str, compiled: bool) -> dict[str, float]:
 
 if __name__ == "__main__":
     interpret_on_cpu()
+    from autopar.cli.spawn import run_on_ranks
+
     results = {name: compare(case, "cpu", torch.float32) for name, case in CASES.items()}
+    for name in ("grouped_values", "documents"):
+        results[f"{name}_entry"] = compare_entry(CASES[name], "cpu", torch.float32)
     results["layer_compiled"] = compare_layer("cpu", compiled=True)
+    by_rank = run_on_ranks(_layer_under_cp, 2)
+    results["layer_cp"] = {case: max(r[case] for r in by_rank) for case in by_rank[0]}
     print(json.dumps(results))

@@ -44,8 +44,10 @@ def test_cu_seqlens_start_a_sequence_at_each_row_and_each_document():
     not HAS_FLA, reason=f"needs fla-core and triton, which the test extra leaves out: {WHY_APART}"
 )
 def test_fla_kernel_equals_autopar_kernel_in_triton_interpreter():
-    """Outputs and gradients of the op (plain, grouped value heads, packed documents) and of a
-    Gated DeltaNet layer compiled with fullgraph=True, in fp32."""
+    """Outputs and gradients, in fp32: of the op (plain, grouped value heads, packed
+    documents), of its run from an entry state and its range map (context parallelism's
+    needs), of a Gated DeltaNet layer compiled with fullgraph=True, and of a layer passing
+    states over two CP ranks (head-tail and in order, documents crossing ranks)."""
     script = Path(__file__).with_name("fla_parity.py")
     root = str(script.parent.parent)
     env = {
@@ -57,7 +59,15 @@ def test_fla_kernel_equals_autopar_kernel_in_triton_interpreter():
     assert done.returncode == 0, done.stderr[-3000:]
     errors = json.loads(done.stdout.strip().splitlines()[-1])
     worst = {case: max(found.values()) for case, found in errors.items()}
-    assert set(worst) == {"plain", "grouped_values", "documents", "layer_compiled"}
+    expected = {
+        "plain",
+        "grouped_values",
+        "documents",
+        "grouped_values_entry",
+        "documents_entry",
+        "layer_compiled",
+    }
+    assert set(worst) == expected | {"layer_cp"}
     assert max(worst.values()) < INTERPRETER_TOLERANCE, worst
 
 
@@ -66,9 +76,11 @@ def test_fla_kernel_equals_autopar_kernel_in_triton_interpreter():
 def test_fla_kernel_equals_autopar_kernel_on_cuda():
     """fp32 inputs; FLA's fp32 dots run in TF32 (10-bit mantissa) on Hopper, ours in fp32."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from fla_parity import CASES, compare, compare_layer
+    from fla_parity import CASES, compare, compare_entry, compare_layer
 
     worst = {name: max(compare(case, "cuda", torch.float32).values()) for name, case in CASES.items()}
+    for name in ("grouped_values", "documents"):
+        worst[f"{name}_entry"] = max(compare_entry(CASES[name], "cuda", torch.float32).values())
     worst["layer_compiled"] = max(compare_layer("cuda", compiled=True).values())
     print(json.dumps(worst))
     assert max(worst.values()) < 1e-2, worst
@@ -78,16 +90,6 @@ def test_fla_kernel_is_refused_on_cpu(tmp_path):
     job = hybrid_job(tmp_path, "--training.delta_rule_kernel", "fla")
     with pytest.raises(ConfigError, match="delta_rule_kernel='fla' runs Triton CUDA kernels; on cpu"):
         check_job(job, 1, "cpu")
-
-
-def test_fla_kernel_is_refused_with_context_parallel(tmp_path):
-    job = hybrid_job(
-        tmp_path, "--training.delta_rule_kernel", "fla", "--parallelism.context_parallel_degree", "2"
-    )
-    with pytest.raises(
-        ConfigError, match=r"context_parallel_degree=2 use training\.delta_rule_kernel autopar"
-    ):
-        check_job(job, 2, "cuda")
 
 
 def test_fla_kernel_is_refused_for_a_model_without_gated_deltanet_layers(tmp_path):

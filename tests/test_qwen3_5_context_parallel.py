@@ -42,14 +42,16 @@ are 12 tokens, in-order ones 24. Starts inside a range, at a range's first token
 one token past one (25), and documents that span two or three ranges, on one rank or two."""
 
 
-def _layer_gaps(head_tail: bool, packed: bool) -> tuple[float, float, float]:
+def _layer_gaps(head_tail: bool, packed: bool, kernel: str = "autopar") -> tuple[float, float, float]:
     """Max |CP - whole| over max |whole| of one Gated DeltaNet's outputs and input
-    gradients on this rank's tokens, and of its (CP-summed) weight gradients."""
+    gradients on this rank's tokens, and of its (CP-summed) weight gradients; CP runs
+    ``kernel``'s delta rule, the whole sequence autopar's (``fla_parity.py`` runs FLA's)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.models.flavors import get_flavor
     from autopar.models.qwen3_5.gated_deltanet import GatedDeltaNet, WholeSequence
+    from autopar.parallel.delta_rule_kernel import KERNELS
     from autopar.parallel.state_passing import StatePassing
 
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -81,7 +83,7 @@ def _layer_gaps(head_tail: bool, packed: bool) -> tuple[float, float, float]:
     shard = lambda t: None if t is None else shard_sequence(t, rank, size, head_tail)  # noqa: E731
     local_x = shard(x.detach()).requires_grad_()
     cp_out, cp_x_grad, cp_weight_grads = run(
-        StatePassing(mesh, head_tail), local_x, shard(documents), shard(upstream)
+        StatePassing(mesh, head_tail, KERNELS[kernel]), local_x, shard(documents), shard(upstream)
     )
     for grad in cp_weight_grads:
         dist.all_reduce(grad)

@@ -25,7 +25,7 @@ import torch
 from autopar.cli.bench import source_commit
 from autopar.models import get_flavor
 from autopar.models.qwen3_5.delta_rule import gated_delta_rule
-from autopar.models.qwen3_5.fla_delta_rule import FlaKernels, fla_gated_delta_rule, fla_version_problem
+from autopar.models.qwen3_5.fla_delta_rule import FLA, fla_gated_delta_rule, fla_version_problem
 from autopar.models.qwen3_5.gated_deltanet import GatedDeltaNet
 
 HEADS = {"key_heads": 16, "value_heads": 32, "key_dim": 128, "value_dim": 128}
@@ -103,7 +103,7 @@ def layer_seconds(
     torch.manual_seed(0)
     layer = GatedDeltaNet(args).to(device=device, dtype=dtype)
     if fla:
-        layer.core.sequence = FlaKernels()
+        layer.core.sequence.kernel = FLA
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.02)
     x = torch.randn(1, seq, args.hidden_size, device=device, dtype=dtype)

@@ -100,10 +100,10 @@ class Training:
     (torch._grouped_mm), a matmul per expert (any device), or auto: grouped where the device
     and shapes allow it (bf16 on Hopper or newer; on CPU, rows of whole 16-byte multiples)."""
     delta_rule_kernel: Literal["autopar", "fla"] = "autopar"
-    """Qwen3.5's Gated DeltaNet kernel: autopar's chunked delta rule (plain torch, any device,
-    context parallel by state passing), or fla: flash-linear-attention's Triton kernels
-    (CUDA, one context-parallel rank; pip install 'autopar[fla]'). Both compute the same rule
-    and compile whole; compare them with python -m autopar.bench --variants compiled fla."""
+    """Qwen3.5's Gated DeltaNet kernel: autopar's chunked delta rule (plain torch, any device),
+    or fla: flash-linear-attention's Triton kernels (CUDA; pip install 'autopar[fla]'). Both
+    compute the same rule, compile whole and pass states under context parallelism; compare
+    them with python -m autopar.bench --variants compiled fla."""
     document_masking: bool = False
     """Packed documents (conversations, or text up to each end-of-text) do not see each other:
     attention stays within a document, RoPE positions restart at each, and no target is

@@ -9,13 +9,15 @@ from torch import nn
 from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
-from autopar.models.qwen3_5.fla_delta_rule import FlaKernels, fla_version_problem
+from autopar.models.qwen3_5.delta_rule import AUTOPAR
+from autopar.models.qwen3_5.fla_delta_rule import FLA, fla_version_problem
 from autopar.models.qwen3_5.gated_deltanet import DeltaRuleCore
+
+KERNELS = {kernel.name: kernel for kernel in (AUTOPAR, FLA)}
 
 
 def check_delta_rule_kernel(job: JobConfig, args: ModelArgs, device_type: str) -> None:
-    """FLA's kernels need a hybrid model, CUDA and one context-parallel rank (context
-    parallelism passes the state through autopar's kernel, ``parallel/state_passing.py``)."""
+    """FLA's kernels need a hybrid model and CUDA."""
     if job.training.delta_rule_kernel != "fla":
         return
     field = "training.delta_rule_kernel='fla'"
@@ -27,12 +29,6 @@ def check_delta_rule_kernel(job: JobConfig, args: ModelArgs, device_type: str) -
         raise ConfigError(
             f"{field} runs Triton CUDA kernels; on {device_type} use training.delta_rule_kernel autopar"
         )
-    if job.parallelism.context_parallel_degree > 1:
-        raise ConfigError(
-            f"{field} does not pass the delta rule's state between context-parallel ranks; with "
-            f"parallelism.context_parallel_degree={job.parallelism.context_parallel_degree} use "
-            "training.delta_rule_kernel autopar"
-        )
 
 
 def check_fla_installed(job: JobConfig) -> None:
@@ -43,9 +39,8 @@ def check_fla_installed(job: JobConfig) -> None:
 
 
 def apply_delta_rule_kernel(model: nn.Module, kernel: str) -> None:
-    """Every Gated DeltaNet layer's delta rule by ``kernel`` (autopar's is the built default)."""
-    if kernel != "fla":
-        return
+    """Every Gated DeltaNet layer's delta rule by ``kernel``, whole sequence or under context
+    parallelism (the layer's ``sequence`` keeps its kind and takes the kernel)."""
     for module in model.modules():
         if isinstance(module, DeltaRuleCore):
-            module.sequence = FlaKernels()
+            module.sequence.kernel = KERNELS[kernel]

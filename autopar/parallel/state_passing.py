@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from autopar.models.qwen3_5.delta_rule import delta_rule_map, gated_delta_rule
+from autopar.models.qwen3_5.delta_rule import AUTOPAR, DeltaRuleKernel
 from autopar.models.qwen3_5.gated_deltanet import DeltaRuleCore, causal_conv
 from autopar.parallel.context_parallel import all_gather
 
@@ -43,8 +43,10 @@ class StatePassing:
     """``DeltaRuleCore.sequence`` under context parallelism: the convolution and the delta
     rule over this rank's ranges, reading the earlier ranges' tails and states."""
 
-    def __init__(self, mesh: DeviceMesh, head_tail: bool) -> None:
+    def __init__(self, mesh: DeviceMesh, head_tail: bool, kernel: DeltaRuleKernel = AUTOPAR) -> None:
         self.mesh = mesh
+        self.kernel = kernel
+        """Forms the maps and runs the rule from the entry states (ours or FLA's)."""
         size = mesh.size()
         self.ranges = local_ranges(mesh.get_local_rank(), size, head_tail)
         gathered = [j for rank in range(size) for j in local_ranges(rank, size, head_tail)]
@@ -102,10 +104,10 @@ class StatePassing:
         if documents is not None:
             last = self._gather([d[:, -1] for d in split[5]])  # (ranges, B) each range's last document
             previous = [d[:, 0] if j == 0 else last[self.row[j - 1]] for j, d in zip(self.ranges, split[5])]
-        maps = self._gather([delta_rule_map(*r[1:], before) for r, before in zip(per_range, previous)])
+        maps = self._gather([self.kernel.map(*r[1:], before) for r, before in zip(per_range, previous)])
         entries = self._entry_states(maps, q.shape[-1])
         out = [
-            gated_delta_rule(*r, entries[j], before) for j, r, before in zip(self.ranges, per_range, previous)
+            self.kernel.rule(*r, entries[j], before) for j, r, before in zip(self.ranges, per_range, previous)
         ]
         return torch.cat(out, dim=1)
 
@@ -123,8 +125,9 @@ class StatePassing:
 
 
 def apply_state_passing(model: nn.Module, mesh: DeviceMesh, head_tail: bool) -> int:
-    """Make every Gated DeltaNet layer of ``model`` span the CP ranks; returns how many."""
+    """Make every Gated DeltaNet layer of ``model`` span the CP ranks, with the kernel it
+    has; returns how many."""
     cores = [m for m in model.modules() if isinstance(m, DeltaRuleCore)]
     for core in cores:
-        core.sequence = StatePassing(mesh, head_tail)
+        core.sequence = StatePassing(mesh, head_tail, core.sequence.kernel)
     return len(cores)

@@ -284,6 +284,9 @@ def state_passing(z: Sizes) -> StatePassing | None:
         ranges=z.ranges,
         cp_ranges=z.cp_ranges,
         range_tokens=z.seq // z.ranges,
+        fla=z.fla,
+        key_heads=z.linear_key_heads,
+        dtype_bytes=z.dtype_bytes,
     )
 
 

@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.models.qwen3_5.delta_rule import CHUNK, SEGMENT
+from autopar.models.qwen3_5.fla_delta_rule import CHUNK as FLA_CHUNK
 
 FP32 = 4
 
@@ -49,6 +50,9 @@ class StatePassing:
     ranges: int  # this rank's token ranges of each sequence
     cp_ranges: int  # every CP rank's: cp * ranges
     range_tokens: int  # tokens of one range
+    fla: bool = False  # FLA's kernels: the map pass keeps FLA's tensors, no segment states
+    key_heads: int = 0  # per TP rank (FLA's normed keys)
+    dtype_bytes: int = 2
 
     @property
     def map_bytes(self) -> float:
@@ -61,8 +65,22 @@ class StatePassing:
         return FP32 * self.batch * self.value_heads * self.key_dim * self.value_dim
 
     def map_pass_states(self) -> float:
-        """The map pass's saved state per ``SEGMENT`` of each local range (``dk + dv`` columns)."""
+        """What the map pass keeps for backward beyond the main pass's inputs: ours, its state
+        per ``SEGMENT`` of each local range (``dk + dv`` columns); FLA's, its per-token tensors
+        (``_fla_map_pass``), its [0 | v] values and its [I | 0] entry."""
+        if self.fla:
+            columns = self.key_dim + self.value_dim
+            values = self.dtype_bytes * self.value_heads * columns * self.batch * self.range_tokens
+            return self._fla_map_pass() + self.ranges * (values + self.map_bytes)
         return self.ranges * math.ceil(self.range_tokens / SEGMENT) * self.map_bytes
+
+    def _fla_map_pass(self) -> float:
+        """FLA's map pass, per local range: k normed (standing in for q, and as k) with their
+        float32 reciprocal norms, the summed decay (float32) and the per-chunk solve A."""
+        c = self.dtype_bytes
+        per_token = c * (2 * self.key_heads * self.key_dim + self.value_heads * FLA_CHUNK)
+        per_token += FP32 * (2 * self.key_heads + self.value_heads)
+        return self.ranges * self.batch * self.range_tokens * per_token
 
     def saved(self) -> float:
         """What the layer saves for backward beyond its local tokens' saves (no checkpointing)."""
@@ -72,7 +90,13 @@ class StatePassing:
 
     def kept_per_op(self) -> float:
         """What per-op checkpointing keeps of it: the map pass's outputs (its states and this
-        rank's maps) and the chain's matmul outputs; the gathered maps are gathered again."""
+        rank's maps; FLA's, its per-token tensors and the output it computes unused) and the
+        chain's matmul outputs; the gathered maps are gathered again."""
+        if self.fla:
+            unused = self.dtype_bytes * self.value_heads * (self.key_dim + self.value_dim)
+            return (
+                self._fla_map_pass() + self.ranges * self.batch * self.range_tokens * unused + self.op_only()
+            )
         return self.map_pass_states() + self.op_only()
 
     def op_only(self) -> float:

@@ -129,6 +129,6 @@ def check_job(job: JobConfig, world_size: int, device_type: str | None = None) -
     check_load_step(job.checkpoint, job.job.dump_folder)
     check_output_folders(job)
     check_wandb(job)
-    if device_type == "cuda":
+    if device_type == "cuda" and torch.cuda.is_available():  # where it runs, not where it is planned
         check_fla_installed(job)
     return args

@@ -26,6 +26,9 @@ runs ``gated_delta_rule`` from it (``autopar/parallel/state_passing.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -330,6 +333,20 @@ def delta_rule_map(
     identity = torch.eye(key_dim, key_dim + v.shape[-1], device=k.device, dtype=torch.float32)
     entry = identity.expand(bsz, key_heads, groups, key_dim, key_dim + v.shape[-1]).contiguous()
     return torch.ops.autopar.gated_delta_rule(None, k, v, g, beta, documents, entry, previous_document)[2]
+
+
+@dataclass(frozen=True)
+class DeltaRuleKernel:
+    """A delta-rule implementation as the model and context parallelism call it: ``rule`` as
+    ``gated_delta_rule`` (from a zero or given entry state) and ``map`` as ``delta_rule_map``."""
+
+    name: str
+    rule: Callable[..., torch.Tensor]
+    map: Callable[..., torch.Tensor]
+
+
+AUTOPAR = DeltaRuleKernel("autopar", gated_delta_rule, delta_rule_map)
+"""This module's kernel: plain torch, any device."""
 
 
 def reference_gated_delta_rule(

@@ -14,13 +14,20 @@ with fake implementations, as ours are: the compiled graph calls them whole, ``f
 included. They call FLA's forward and backward functions (not its public entry point), which
 is why the version is pinned; the forward keeps what FLA's own autograd function keeps (the
 normed q and k with their reciprocal norms, the chunk-summed decay and the per-chunk solve A).
+
+Context parallelism needs what ours gives it: a run from a given entry state, the exit
+state, and gradients for both. FLA takes an initial state per sequence and returns its
+gradient, and returns each sequence's final state and takes its gradient: the entry state
+goes to each row's first sequence (if that row's first token continues ``previous_document``),
+and a row's exit is its last sequence's final state. A range's map [M | U] is FLA's run from
+[I | 0] with values [0 | v], as ours is (``delta_rule.delta_rule_map``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from autopar.models.qwen3_5.gated_deltanet import WholeSequence
+from autopar.models.qwen3_5.delta_rule import DeltaRuleKernel
 
 FLA_VERSION = "0.6"
 """The fla-core minor version whose internal forward and backward functions this calls."""
@@ -52,19 +59,70 @@ def _cu_seqlens(documents: torch.Tensor) -> torch.Tensor:
     return torch.cat((bounds, bounds.new_tensor([bsz * seqlen])))
 
 
+def _row_sequences(cu_seqlens: torch.Tensor, bsz: int, seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index of each row's first sequence, of its last) among the flattened batch's."""
+    rows = torch.arange(bsz, device=cu_seqlens.device) * seqlen
+    first = torch.searchsorted(cu_seqlens, rows, right=True) - 1
+    return first, torch.searchsorted(cu_seqlens, rows + seqlen - 1, right=True) - 1
+
+
 def _flat(x: torch.Tensor, varlen: bool) -> torch.Tensor:
     """(B, S, ...) -> (1, B * S, ...) for FLA's variable-length path, contiguous either way."""
     x = x.contiguous()
     return x.flatten(0, 1)[None] if varlen else x
 
 
-def _indices(documents: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    from fla.ops.utils.index import prepare_chunk_indices
+class _Layout:
+    """How the batch's rows map to FLA's sequences: plain (one per row) or variable-length
+    (``cu_seqlens`` over the flattened batch, with chunk indices and each row's first and
+    last sequence)."""
 
-    if documents is None:
-        return None, None
-    cu_seqlens = _cu_seqlens(documents)
-    return cu_seqlens, prepare_chunk_indices(cu_seqlens, CHUNK)
+    def __init__(self, documents: torch.Tensor | None, previous_document: torch.Tensor | None) -> None:
+        self.varlen = documents is not None
+        self.cu_seqlens = self.chunk_indices = self.first = self.last = None
+        self.continues = None
+        if documents is None:
+            return
+        from fla.ops.utils.index import prepare_chunk_indices
+
+        bsz, seqlen = documents.shape
+        self.cu_seqlens = _cu_seqlens(documents)
+        self.chunk_indices = prepare_chunk_indices(self.cu_seqlens, CHUNK)
+        self.first, self.last = _row_sequences(self.cu_seqlens, bsz, seqlen)
+        before = documents[:, 0] if previous_document is None else previous_document
+        self.continues = documents[:, 0] == before  # (B,) a row's first token takes the entry state
+
+    def initial_states(self, entry: torch.Tensor | None) -> torch.Tensor | None:
+        """(B, HK, R, dk, c) entry states -> FLA's (N, HV, dk, c), one per sequence."""
+        if entry is None:
+            return None
+        per_row = entry.flatten(1, 2).contiguous()  # (B, HV, dk, c): value head h reads key head h // R
+        if not self.varlen:
+            return per_row
+        states = per_row.new_zeros(len(self.cu_seqlens) - 1, *per_row.shape[1:])
+        states[self.first] = per_row * self.continues[:, None, None, None]
+        return states
+
+    def entry_grads(self, grads: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """FLA's (N, HV, dk, c) initial-state gradients -> the (B, HK, R, dk, c) entry's."""
+        per_row = grads if not self.varlen else grads[self.first] * self.continues[:, None, None, None]
+        return per_row.reshape(like.shape).to(like.dtype)
+
+    def exits(self, finals: torch.Tensor, bsz: int, key_heads: int) -> torch.Tensor:
+        """FLA's (N, HV, dk, c) final states -> each row's exit state (B, HK, R, dk, c)."""
+        per_row = finals if not self.varlen else finals[self.last]
+        return per_row.unflatten(1, (key_heads, -1))
+
+    def final_grads(self, grad_exit: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        """Each row's exit-state gradient (B, HK, R, dk, c) -> FLA's (N, HV, dk, c)."""
+        if grad_exit is None:
+            return None
+        per_row = grad_exit.flatten(1, 2).float().contiguous()
+        if not self.varlen:
+            return per_row
+        grads = per_row.new_zeros(n, *per_row.shape[1:])
+        grads[self.last] = per_row
+        return grads
 
 
 @torch.library.custom_op("autopar::fla_gated_delta_rule", mutates_args=())
@@ -75,54 +133,61 @@ def _forward(
     g: torch.Tensor,
     beta: torch.Tensor,
     documents: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(output, normed q, q's reciprocal norms, normed k, k's, chunk-summed decay, A), each in
-    its input's (B, S, ...) layout."""
+    initial_state: torch.Tensor | None,
+    previous_document: torch.Tensor | None,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+    torch.Tensor,
+]:
+    """(output, exit state, then what backward needs: normed q, q's reciprocal norms, normed
+    k, k's, chunk-summed decay, A), the tokens' in their input's (B, S, ...) layout."""
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
 
-    varlen = documents is not None
-    cu_seqlens, chunk_indices = _indices(documents)
-    q_normed, q_rstd = l2norm_fwd(_flat(q, varlen))
-    k_normed, k_rstd = l2norm_fwd(_flat(k, varlen))
-    g_sum, out, solve, *_ = chunk_gated_delta_rule_fwd(
+    layout = _Layout(documents, previous_document)
+    q_normed, q_rstd = l2norm_fwd(_flat(q, layout.varlen))
+    k_normed, k_rstd = l2norm_fwd(_flat(k, layout.varlen))
+    g_sum, out, solve, finals, *_ = chunk_gated_delta_rule_fwd(
         q=q_normed,
         k=k_normed,
-        v=_flat(v, varlen),
-        g=_flat(g, varlen),
-        beta=_flat(beta, varlen),
+        v=_flat(v, layout.varlen),
+        g=_flat(g, layout.varlen),
+        beta=_flat(beta, layout.varlen),
         scale=q.shape[-1] ** -0.5,
-        initial_state=None,
-        output_final_state=False,
-        cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices,
+        initial_state=layout.initial_states(initial_state),
+        output_final_state=True,
+        cu_seqlens=layout.cu_seqlens,
+        chunk_indices=layout.chunk_indices,
     )
+    bsz, seqlen, key_heads = k.shape[:3]
     saved = (out.to(q.dtype), q_normed, q_rstd, k_normed, k_rstd, g_sum, solve)
-    bsz, seqlen = q.shape[:2]
-    return tuple(x.reshape(bsz, seqlen, *x.shape[2:]) for x in saved)
+    saved = tuple(x.reshape(bsz, seqlen, *x.shape[2:]) for x in saved)
+    return saved[0], layout.exits(finals, bsz, key_heads), *saved[1:]
 
 
 @_forward.register_fake
-def _(q, k, v, g, beta, documents):
+def _(q, k, v, g, beta, documents, initial_state, previous_document):
     bsz, seqlen, value_heads = g.shape
-    norms = (torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) for x in (q, k))
-    q_rstd, k_rstd = norms
+    key_heads, key_dim = k.shape[2:]
+    columns = v.shape[-1] if initial_state is None else initial_state.shape[-1]
+    exit_state = g.new_empty(bsz, key_heads, value_heads // key_heads, key_dim, columns, dtype=torch.float32)
+    q_rstd, k_rstd = (torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) for x in (q, k))
     g_sum = torch.empty_like(g, dtype=torch.float32)
     solve = k.new_empty(bsz, seqlen, value_heads, CHUNK)
-    return (
-        v.new_empty(v.shape, dtype=q.dtype),
-        torch.empty_like(q),
-        q_rstd,
-        torch.empty_like(k),
-        k_rstd,
-        g_sum,
-        solve,
-    )
+    out = v.new_empty(v.shape, dtype=q.dtype)
+    return out, exit_state, torch.empty_like(q), q_rstd, torch.empty_like(k), k_rstd, g_sum, solve
 
 
 @torch.library.custom_op("autopar::fla_gated_delta_rule_backward", mutates_args=())
 def _backward(
-    grad_out: torch.Tensor,
+    grad_out: torch.Tensor | None,
+    grad_exit: torch.Tensor | None,
     q_normed: torch.Tensor,
     q_rstd: torch.Tensor,
     k_normed: torch.Tensor,
@@ -132,16 +197,21 @@ def _backward(
     beta: torch.Tensor,
     solve: torch.Tensor,
     documents: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of the raw q, k, v, the log decay g and beta."""
+    initial_state: torch.Tensor | None,
+    previous_document: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of the raw q, k, v, the log decay g, beta and the entry state (empty
+    without one)."""
     from fla.modules.norm.l2norm import l2norm_bwd
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
 
-    varlen = documents is not None
-    cu_seqlens, chunk_indices = _indices(documents)
-    flat = [_flat(x, varlen) for x in (q_normed, q_rstd, k_normed, k_rstd, v, g_sum, beta, solve)]
+    layout = _Layout(documents, previous_document)
+    flat = [_flat(x, layout.varlen) for x in (q_normed, q_rstd, k_normed, k_rstd, v, g_sum, beta, solve)]
     q_flat, q_rstd_flat, k_flat, k_rstd_flat, v_flat, g_flat, beta_flat, solve_flat = flat
-    grad_q, grad_k, grad_v, grad_beta, grad_g, *_ = chunk_gated_delta_rule_bwd(
+    initial = layout.initial_states(initial_state)
+    sequences = q_flat.shape[0] if not layout.varlen else len(layout.cu_seqlens) - 1
+    upstream = torch.zeros_like(v_flat) if grad_out is None else _flat(grad_out, layout.varlen)
+    grad_q, grad_k, grad_v, grad_beta, grad_g, grad_initial, *_ = chunk_gated_delta_rule_bwd(
         q=q_flat,
         k=k_flat,
         v=v_flat,
@@ -149,37 +219,70 @@ def _backward(
         beta=beta_flat,
         A=solve_flat,
         scale=q_normed.shape[-1] ** -0.5,
-        initial_state=None,
-        do=_flat(grad_out, varlen),
-        dht=None,
-        cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices,
+        initial_state=initial,
+        do=upstream,
+        dht=layout.final_grads(grad_exit, sequences),
+        cu_seqlens=layout.cu_seqlens,
+        chunk_indices=layout.chunk_indices,
     )
     grad_q = l2norm_bwd(q_flat, q_rstd_flat, grad_q)
     grad_k = l2norm_bwd(k_flat, k_rstd_flat, grad_k)
     grads = (grad_q, grad_k, grad_v, grad_g, grad_beta)
     likes = (q_normed, k_normed, v, g_sum, beta)
-    return tuple(grad.reshape(like.shape).to(like.dtype) for grad, like in zip(grads, likes))
+    grads = tuple(grad.reshape(like.shape).to(like.dtype) for grad, like in zip(grads, likes))
+    entry = v.new_empty(0) if initial_state is None else layout.entry_grads(grad_initial, initial_state)
+    return (*grads, entry)
 
 
 @_backward.register_fake
-def _(grad_out, q_normed, q_rstd, k_normed, k_rstd, v, g_sum, beta, solve, documents):
-    return tuple(torch.empty_like(x) for x in (q_normed, k_normed, v, g_sum, beta))
+def _(
+    grad_out,
+    grad_exit,
+    q_normed,
+    q_rstd,
+    k_normed,
+    k_rstd,
+    v,
+    g_sum,
+    beta,
+    solve,
+    documents,
+    initial_state,
+    previous_document,
+):
+    grads = tuple(torch.empty_like(x) for x in (q_normed, k_normed, v, g_sum, beta))
+    return (*grads, v.new_empty(0) if initial_state is None else torch.empty_like(initial_state))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    _q, _k, v, g, beta, documents = inputs
-    _out, q_normed, q_rstd, k_normed, k_rstd, g_sum, solve = output
+    _q, _k, v, g, beta, documents, initial_state, previous_document = inputs
+    _out, _exit, q_normed, q_rstd, k_normed, k_rstd, g_sum, solve = output
     ctx.g_dtype = g.dtype
-    ctx.save_for_backward(q_normed, q_rstd, k_normed, k_rstd, v, g_sum, beta, solve, documents)
-
-
-def _autograd_backward(ctx, grad_out: torch.Tensor, *_unused: torch.Tensor | None):
-    q_normed, q_rstd, k_normed, k_rstd, v, g_sum, beta, solve, documents = ctx.saved_tensors
-    grad_q, grad_k, grad_v, grad_g, grad_beta = torch.ops.autopar.fla_gated_delta_rule_backward(
-        grad_out.contiguous(), q_normed, q_rstd, k_normed, k_rstd, v, g_sum, beta, solve, documents
+    ctx.entry_grad = initial_state is not None and ctx.needs_input_grad[6]
+    saved = (
+        q_normed,
+        q_rstd,
+        k_normed,
+        k_rstd,
+        v,
+        g_sum,
+        beta,
+        solve,
+        documents,
+        initial_state,
+        previous_document,
     )
-    return grad_q, grad_k, grad_v, grad_g.to(ctx.g_dtype), grad_beta, None
+    ctx.save_for_backward(*saved)
+
+
+def _autograd_backward(ctx, grad_out: torch.Tensor | None, grad_exit: torch.Tensor | None, *_unused):
+    saved = ctx.saved_tensors
+    upstream = None if grad_out is None else grad_out.contiguous()
+    grad_q, grad_k, grad_v, grad_g, grad_beta, grad_entry = torch.ops.autopar.fla_gated_delta_rule_backward(
+        upstream, grad_exit, *saved
+    )
+    entry = grad_entry if ctx.entry_grad else None
+    return grad_q, grad_k, grad_v, grad_g.to(ctx.g_dtype), grad_beta, None, entry, None
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -192,14 +295,35 @@ def fla_gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     documents: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    previous_document: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``delta_rule.gated_delta_rule`` from a zero state, by FLA's kernels: the same arguments
-    (q, k (B, S, HK, dk), v (B, S, HV, dv), g and beta (B, S, HV), documents (B, S)) and the
-    same (B, S, HV, dv) result in q's dtype."""
-    return torch.ops.autopar.fla_gated_delta_rule(q, k, v, g, beta, documents)[0]
+    """``delta_rule.gated_delta_rule`` by FLA's kernels: the same arguments and result."""
+    out = torch.ops.autopar.fla_gated_delta_rule(
+        q, k, v, g, beta, documents, initial_state, previous_document
+    )
+    return out[0]
 
 
-class FlaKernels(WholeSequence):
-    """``WholeSequence`` with FLA's delta rule (the convolution stays ours: compile fuses it)."""
+def fla_delta_rule_map(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    documents: torch.Tensor | None = None,
+    previous_document: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``delta_rule.delta_rule_map`` by FLA's kernels: the run from [I | 0] with values
+    [0 | v] (k stands in for the queries, whose output is not used)."""
+    bsz, _, key_heads, key_dim = k.shape
+    groups = v.shape[2] // key_heads
+    values = torch.cat((v.new_zeros(*v.shape[:-1], key_dim), v), dim=-1)
+    identity = torch.eye(key_dim, key_dim + v.shape[-1], device=k.device, dtype=torch.float32)
+    entry = identity.expand(bsz, key_heads, groups, *identity.shape).contiguous()
+    return torch.ops.autopar.fla_gated_delta_rule(k, k, values, g, beta, documents, entry, previous_document)[
+        1
+    ]
 
-    delta_rule = staticmethod(fla_gated_delta_rule)
+
+FLA = DeltaRuleKernel("fla", fla_gated_delta_rule, fla_delta_rule_map)
+"""FLA's kernels, as ``delta_rule.AUTOPAR`` is ours."""

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.models.args import ModelArgs
-from autopar.models.qwen3_5.delta_rule import gated_delta_rule
+from autopar.models.qwen3_5.delta_rule import AUTOPAR, DeltaRuleKernel
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
@@ -44,7 +44,11 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, documents: torch.Tensor |
 
 
 class WholeSequence:
-    """The steps that read along the sequence, for a sequence held whole by this process."""
+    """The steps that read along the sequence, for a sequence held whole by this process;
+    ``kernel`` runs the delta rule (``training.delta_rule_kernel`` may swap in FLA's)."""
+
+    def __init__(self, kernel: DeltaRuleKernel = AUTOPAR) -> None:
+        self.kernel = kernel
 
     @staticmethod
     def convolve(
@@ -53,7 +57,17 @@ class WholeSequence:
         """``causal_conv`` of each input (B, S, C_i) with its weight."""
         return tuple(causal_conv(x, w, documents) for x, w in zip(inputs, weights))
 
-    delta_rule = staticmethod(gated_delta_rule)
+    def delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        documents: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The kernel's rule over the sequence from a zero state."""
+        return self.kernel.rule(q, k, v, g, beta, documents)
 
 
 class DeltaRuleCore(nn.Module):
