@@ -328,11 +328,15 @@ def delta_rule_map(
     """The affine map of a token range on the state, [M | U] (B, HK, HV / HK, dk, dk + dv)
     fp32: the range turns an entry state S into its exit state ``M S + U`` (M is zero when a
     document starts inside the range or at its first token). Arguments as ``gated_delta_rule``."""
-    bsz, _, key_heads, key_dim = k.shape
-    groups = v.shape[2] // key_heads
-    identity = torch.eye(key_dim, key_dim + v.shape[-1], device=k.device, dtype=torch.float32)
-    entry = identity.expand(bsz, key_heads, groups, key_dim, key_dim + v.shape[-1]).contiguous()
+    entry = identity_entry(k, v)
     return torch.ops.autopar.gated_delta_rule(None, k, v, g, beta, documents, entry, previous_document)[2]
+
+
+def identity_entry(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[I | 0] (B, HK, HV / HK, dk, dk + dv) fp32: the entry state whose exit is a range's map."""
+    bsz, _, key_heads, key_dim = k.shape
+    identity = torch.eye(key_dim, key_dim + v.shape[-1], device=k.device, dtype=torch.float32)
+    return identity.expand(bsz, key_heads, v.shape[2] // key_heads, *identity.shape).contiguous()
 
 
 @dataclass(frozen=True)

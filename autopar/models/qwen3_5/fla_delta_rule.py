@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from autopar.models.qwen3_5.delta_rule import DeltaRuleKernel
+from autopar.models.qwen3_5.delta_rule import DeltaRuleKernel, identity_entry
 
 FLA_VERSION = "0.6"
 """The fla-core minor version whose internal forward and backward functions this calls."""
@@ -315,11 +315,8 @@ def fla_delta_rule_map(
 ) -> torch.Tensor:
     """``delta_rule.delta_rule_map`` by FLA's kernels: the run from [I | 0] with values
     [0 | v] (k stands in for the queries, whose output is not used)."""
-    bsz, _, key_heads, key_dim = k.shape
-    groups = v.shape[2] // key_heads
-    values = torch.cat((v.new_zeros(*v.shape[:-1], key_dim), v), dim=-1)
-    identity = torch.eye(key_dim, key_dim + v.shape[-1], device=k.device, dtype=torch.float32)
-    entry = identity.expand(bsz, key_heads, groups, *identity.shape).contiguous()
+    values = torch.cat((v.new_zeros(*v.shape[:-1], k.shape[-1]), v), dim=-1)
+    entry = identity_entry(k, v)
     return torch.ops.autopar.fla_gated_delta_rule(k, k, values, g, beta, documents, entry, previous_document)[
         1
     ]
