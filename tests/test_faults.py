@@ -19,8 +19,8 @@ import torch
 from autopar.cli.train import main as train_main
 from autopar.data.chat import CHATML_TOKENIZER
 from autopar.data.errors import DataError
-from autopar.training.checkpoint import broken_file
 from autopar.training.faults import TrainingStopped
+from autopar.training.manifest import broken_file
 from autopar.training.preflight import check_job
 from autopar.training.run_lock import LOCK_NAME, dump_folder_lock
 from autopar.training.trainer import Trainer

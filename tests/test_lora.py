@@ -28,7 +28,7 @@ from autopar.training.adapters import (
     our_name,
     save_adapter,
 )
-from autopar.training.checkpoint import saved_keys
+from autopar.training.dcp_state import saved_keys
 from autopar.training.faults import TrainingStopped
 from autopar.training.preflight import check_job
 from autopar.training.resolve import model_args

@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file
 
 from autopar.cli.train import main as train_main
-from autopar.training.checkpoint import complete_steps
+from autopar.training.dcp_state import complete_steps
 from autopar.training.metrics import read_metrics
 from autopar.training.trainer import Trainer
 

@@ -11,7 +11,7 @@ import torch
 from autopar.config.sections import LRScheduler
 from autopar.data.loader import Batch
 from autopar.models import Qwen, from_hf, get_flavor
-from autopar.training.checkpoint import complete_steps
+from autopar.training.dcp_state import complete_steps
 from autopar.training.faults import TrainingStopped
 from autopar.training.metrics import read_metrics
 from autopar.training.optim import lr_factor

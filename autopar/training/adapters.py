@@ -25,7 +25,7 @@ from autopar.models.args import ModelArgs
 from autopar.models.family import build_model, family_of
 from autopar.models.hf import save_hf_streaming
 from autopar.models.hf_names import to_hf_name
-from autopar.training.checkpoint import read_model_tensors
+from autopar.training.dcp_state import read_model_tensors
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -28,7 +28,7 @@ from autopar.parallel.mesh import ParallelDims, check_model_split
 from autopar.parallel.mixed_precision import compute_dtype
 from autopar.parallel.pipelining.schedule import check_pipeline
 from autopar.parallel.sdpa_backend import check_sdpa_backend
-from autopar.training.checkpoint import check_initial_load, check_load_step
+from autopar.training.initial_load import check_initial_load, check_load_step
 from autopar.training.profiling import check_profiling
 from autopar.training.resolve import model_args, tokenizer_path
 from autopar.training.sinks import check_wandb

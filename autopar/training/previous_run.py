@@ -28,7 +28,7 @@ from autopar.config.errors import ConfigError
 from autopar.config.parse import to_toml
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
-from autopar.training.checkpoint import complete_steps, saved_train_state
+from autopar.training.dcp_state import complete_steps, saved_train_state
 from autopar.training.metrics import whole_records
 from autopar.training.resolve import parse_job
 

@@ -2,43 +2,27 @@
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
-import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors import SafetensorError
 
 from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig
 from autopar.data.dataset import SampleSource
 from autopar.data.errors import DataError
 from autopar.data.loader import StepLoader, build_samples
-from autopar.data.tokenizer import Tokenizer, build_tokenizer, tokenizer_file
+from autopar.data.tokenizer import Tokenizer, build_tokenizer
 from autopar.models.args import ModelArgs
-from autopar.models.dtypes import DTYPES
-from autopar.models.family import build_model
-from autopar.models.hf import HFTensors, copy_assets
-from autopar.models.hf_config import CONFIG_FILE
-from autopar.parallel.lora import apply_lora
+from autopar.models.hf import HFTensors
 from autopar.parallel.materialize import FullValue, seeded_values, tensor_values
 from autopar.parallel.mesh import ParallelDims, build_meshes
 from autopar.parallel.parallelize import build_parts
 from autopar.parallel.world import CollectiveTimeout, World
-from autopar.training.adapters import BaseTensors, export_merged, save_adapter, saved_adapters
-from autopar.training.checkpoint import (
-    Checkpointer,
-    export_hf,
-    finish_interrupted_swap,
-    read_model_tensors,
-    swap_into_place,
-)
+from autopar.training.announce import announce
+from autopar.training.checkpoint import Checkpointer
 from autopar.training.faults import (
     StopRequest,
     TrainingStopped,
@@ -49,11 +33,20 @@ from autopar.training.faults import (
     ranks_not_finite,
     skipped_too_often,
 )
-from autopar.training.metrics import MetricsLogger, flops_per_token, matmul_params
-from autopar.training.optim import follow_config, lr_factor
-from autopar.training.previous_run import changed_settings, listed, settings_record
+from autopar.training.hf_export import export_run
+from autopar.training.metrics import MetricsLogger, flops_per_token
+from autopar.training.optim import lr_factor
+from autopar.training.previous_run import settings_record
 from autopar.training.profiling import Profiler
-from autopar.training.resolve import chat_format, flavor_mismatch, model_source, tokenizer_path
+from autopar.training.resolve import chat_format, tokenizer_path
+from autopar.training.resume_checks import (
+    check_resumed_base,
+    check_resumed_tokenizer,
+    data_identity,
+    follow_this_job,
+    lora_base,
+    warn_changed_data_shape,
+)
 from autopar.training.sinks import build_sinks
 from autopar.training.step import TrainStep
 from autopar.training.validation import Validator, validation_samples
@@ -68,22 +61,6 @@ class StepRecord:
     grad_norm: float
     aux_loss: float | None = None
     """A mixture-of-experts model's load-balancing loss."""
-
-
-def data_identity(job: JobConfig, samples: SampleSource) -> dict[str, str]:
-    """What the job trains on, as a checkpoint records it: the tokenizer (its file and a digest
-    of it) and the dataset with its format."""
-    path = tokenizer_path(job)
-    if path is None:
-        tokenizer, digest = "the built-in byte tokenizer", "byte"
-    else:
-        file = tokenizer_file(path)
-        tokenizer, digest = str(file), hashlib.sha256(file.read_bytes()).hexdigest()
-    return {
-        "tokenizer": tokenizer,
-        "tokenizer_sha256": digest,
-        "dataset": f"{samples.describe()} as {job.training.dataset_format}",
-    }
 
 
 class Trainer:
@@ -137,101 +114,9 @@ class Trainer:
         self.weights_from: Path | None = None
         """The checkpoint holding the weights of ``self.step``: the one resumed or last saved."""
         self.data = data_identity(job, samples)
-        self._check_resumed_tokenizer()
-        self._check_resumed_base()
-        self._announce(samples)
-
-    def _check_resumed_tokenizer(self) -> None:
-        """Refuse, before any step, to resume a checkpoint trained with another tokenizer: its
-        embeddings were learned for other token ids."""
-        step = self.checkpointer.resume_candidate()
-        if step is None:
-            return
-        try:
-            saved = self.checkpointer.train_state(step)
-        except Exception:  # a broken checkpoint: resume verifies it and falls back (or says why)
-            return
-        if saved.get("tokenizer_sha256", self.data["tokenizer_sha256"]) == self.data["tokenizer_sha256"]:
-            return
-        path = self.checkpointer.folder / f"step-{step}"
-        raise DataError(
-            f"{path} was trained with tokenizer {saved['tokenizer']}, this job uses {self.data['tokenizer']}: "
-            f"resuming would continue on other token ids. Give this job its own --job.dump_folder "
-            f"(to start from those weights anyway: --checkpoint.initial_load_path {path})"
-        )
-
-    def _lora_base(self) -> str:
-        """The frozen weights a LoRA run's adapters were trained on, as its checkpoints record it."""
-        checkpoint = self.job.checkpoint
-        return checkpoint.initial_load_path or f"seeded initialization (debug.seed {self.job.debug.seed})"
-
-    def _check_resumed_base(self) -> None:
-        """Refuse, before any step, to resume LoRA adapters on another base than they were
-        trained on: a LoRA checkpoint holds the adapters only."""
-        step = self.checkpointer.resume_candidate()
-        if step is None or not self.job.lora.enable:
-            return
-        try:
-            saved = self.checkpointer.train_state(step).get("lora_base")
-        except Exception:  # a broken checkpoint: resume verifies it and falls back (or says why)
-            return
-        if saved is None or saved == self._lora_base():
-            return
-        path = self.checkpointer.folder / f"step-{step}"
-        raise TrainingStopped(
-            f"{path} holds LoRA adapters trained on {saved}, but this job's base is {self._lora_base()}: "
-            f"resume with the base they were trained on (--checkpoint.initial_load_path {saved}), or give "
-            "this job its own --job.dump_folder"
-        )
-
-    def _announce(self, samples: SampleSource) -> None:
-        """The start-up summary: model, plan, data and tokenizer, and what was adjusted."""
-        job, dims = self.job, self.dims
-        with torch.device("meta"):
-            params = sum(p.numel() for p in build_model(self.args).parameters())
-        active = f" ({matmul_params(self.args) / 1e6:.3g}M active in matmuls)" if self.args.moe else ""
-        if job.lora.enable:
-            with torch.device("meta"):
-                adapted = build_model(self.args)
-                apply_lora(adapted, job.lora, torch.float32)
-            trained = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
-            active += f" ({trained / 1e6:.3g}M trained: LoRA rank {job.lora.rank})"
-        tokenizer = tokenizer_path(job) or "the built-in byte tokenizer (no tokenizer.json given)"
-        shape = model_source(job)
-        mismatch = flavor_mismatch(job)
-        if mismatch:
-            logger.warning(mismatch)
-        if job.model.overrides:
-            shape += f" with {job.model.overrides}"
-        logger.info(
-            "%s %s: %.3gM parameters%s, %d layers | dp_replicate=%d dp_shard=%d tp=%d cp=%d pp=%d%s on %d %s "
-            "rank(s) | data: %s; tokenizer: %s | %d steps of %d x %d tokens",
-            job.model.name,
-            shape,
-            params / 1e6,
-            active,
-            self.args.num_hidden_layers,
-            dims.dp_replicate,
-            dims.dp_shard,
-            dims.tp,
-            dims.cp,
-            dims.pp,
-            f" ep={dims.ep}" if dims.ep > 1 else "",
-            self.world.size,
-            self.world.device.type,
-            samples.describe(),
-            tokenizer,
-            job.training.steps,
-            self.loader.global_batch,
-            job.training.seq_len,
-        )
-        if job.lr_scheduler.warmup_steps > job.training.steps:
-            logger.warning(
-                "lr_scheduler.warmup_steps=%d exceeds training.steps=%d: warming up over all %d steps",
-                job.lr_scheduler.warmup_steps,
-                job.training.steps,
-                job.training.steps,
-            )
+        check_resumed_tokenizer(self.checkpointer, self.data)
+        check_resumed_base(self.checkpointer, job)
+        announce(job, args, self.dims, world, samples, self.loader.global_batch)
 
     def _initial_values(self) -> FullValue:
         checkpoint = self.job.checkpoint
@@ -280,36 +165,14 @@ class Trainer:
                 self.checkpointer.load_model_only(checkpoint.initial_load_path)  # the adapters' frozen base
             state = self.checkpointer.load(step)
             self.step = state["step"]
-            self._follow_this_job(state)
-            self._warn_changed_data_shape(state)
+            follow_this_job(self.job, self.args, self.optimizers, self.checkpointer, self.step, state)
+            warn_changed_data_shape(self.step, state, self.data, self._batch_shape())
             self.loader.load_state_dict({"consumed_samples": state["consumed_samples"]})
         elif checkpoint.initial_load_path is not None and not checkpoint.initial_load_in_hf:
             logger.info("initial weights from DCP folder %s", checkpoint.initial_load_path)
             self.checkpointer.load_model_only(checkpoint.initial_load_path)
         self._check_loaded_weights(f"checkpoint step-{step}" if step is not None else None)
         self.metrics.forget_after(self.step)  # steps logged after it (by a run that died) run again
-
-    def _follow_this_job(self, saved: dict[str, Any]) -> None:
-        """After a resume: AdamW's hyperparameters are this job's (loading the checkpoint put
-        back the saved ones), the settings changed since the checkpoint are said in one line,
-        and a rewind to an explicit checkpoint.load_step discards the later checkpoints."""
-        follow_config(self.optimizers, self.job.optimizer)
-        changes = changed_settings(saved, self.job, self.args)
-        if changes and self.step < self.job.training.steps:  # else nothing runs with them
-            logger.info(
-                "resuming step %d with settings changed since its checkpoint, applied from here on: %s",
-                self.step,
-                listed(changes, most=len(changes)),
-            )
-        if self.job.checkpoint.load_step >= 0:
-            discarded = self.checkpointer.discard_after(self.step)
-            if discarded:
-                logger.warning(
-                    "rewound to step %d (checkpoint.allow_rewind): discarded checkpoints %s and the "
-                    "metrics of the steps after it",
-                    self.step,
-                    ", ".join(f"step-{s}" for s in discarded),
-                )
 
     def _check_loaded_weights(self, resumed: str | None) -> None:
         """Weights read from files are finite: a NaN in a download would otherwise surface
@@ -321,42 +184,14 @@ class Trainer:
                 "re-export them, or start from other weights"
             )
 
+    def _batch_shape(self) -> dict[str, int]:
+        """How samples are cut and batched."""
+        return {"seq_len": self.job.training.seq_len, "global_batch_size": self.loader.global_batch}
+
     def _data_shape(self) -> dict[str, int | str]:
         """What a checkpoint records of the data: how samples were cut and batched, and from
         which files and tokenizer."""
-        return {
-            "seq_len": self.job.training.seq_len,
-            "global_batch_size": self.loader.global_batch,
-            **self.data,
-        }
-
-    def _warn_changed_data_shape(self, saved: dict[str, int | str]) -> None:
-        """Resuming with other data, seq_len or batch works, but is not the run that was saved
-        (another tokenizer is refused at start)."""
-        if saved.get("dataset", self.data["dataset"]) != self.data["dataset"]:
-            logger.warning(
-                "resuming step %d on other data: the checkpoint was trained on %s, this job reads %s; "
-                "the data position (%d samples) is carried over to it. For a new run on this data use "
-                "another --job.dump_folder",
-                self.step,
-                saved["dataset"],
-                self.data["dataset"],
-                saved["consumed_samples"],
-            )
-        now = {"seq_len": self.job.training.seq_len, "global_batch_size": self.loader.global_batch}
-        changed = [f"{k} {saved[k]} -> {v}" for k, v in now.items() if k in saved and saved[k] != v]
-        if not changed:
-            return
-        logger.warning(
-            "resuming step %d with %s since the checkpoint: the data position is kept in samples "
-            "(%d so far), so with another seq_len the next text is not where the saved run stopped "
-            "(some is skipped or seen twice), and with another batch each later step takes another "
-            "number of tokens under the same learning-rate schedule; the losses will not match an "
-            "uninterrupted run",
-            self.step,
-            ", ".join(changed),
-            saved["consumed_samples"],
-        )
+        return {**self._batch_shape(), **self.data}
 
     def run_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next optimizer step on the loader's next batches; (loss, grad norm) as device
@@ -513,7 +348,7 @@ class Trainer:
             "step": self.step,
             "consumed_samples": self.loader.consumed_samples,
             **self._data_shape(),
-            **({"lora_base": self._lora_base()} if self.job.lora.enable else {}),
+            **({"lora_base": lora_base(self.job)} if self.job.lora.enable else {}),
             "settings": settings_record(self.job, self.args),
         }
         with self.timeout.longer(self.job.comm.init_timeout_seconds):  # writing may keep some ranks long
@@ -524,55 +359,10 @@ class Trainer:
         """Write ``<dump_folder>/hf/step-N`` of this step: the model, or under LoRA its peft
         adapter folder (and, with lora.merge_on_export, the merged model beside it as
         ``step-N-merged``). Returns the first."""
-        checkpoint, lora = self.job.checkpoint, self.job.lora
         ckpt = self.weights_from
         if ckpt is None or ckpt.name != f"step-{self.step}":  # not an earlier run's step-N
             ckpt = self._save()
         out = Path(self.job.job.dump_folder) / "hf" / f"step-{self.step}"
-        if not self.world.is_main:
-            return out
-        dtype = DTYPES[checkpoint.export_dtype]
-        if not lora.enable:
-            source = checkpoint.initial_load_path if checkpoint.initial_load_in_hf else None
-            self._write_export(ckpt, out, lambda folder: export_hf(ckpt, self.args, folder, dtype, source))
-            return out
-        adapters = saved_adapters(ckpt)
-        base_model = self.job.model.hf_assets_path or checkpoint.initial_load_path
-        cast = {n: t.to(dtype) for n, t in adapters.items()}
-        self._write_export(ckpt, out, lambda folder: save_adapter(cast, lora, folder, self.args, base_model))
-        if lora.merge_on_export:
-            merged = out.with_name(f"{out.name}-merged")
-            base = self._base_tensors()
-            self._write_export(
-                ckpt, merged, lambda folder: export_merged(adapters, base, self.args, lora, folder, dtype)
-            )
+        if self.world.is_main:
+            export_run(self.job, self.args, ckpt, out, self._initial_values)
         return out
-
-    def _base_tensors(self) -> BaseTensors:
-        """The weights this run started from (a LoRA run's frozen base), by name."""
-        checkpoint = self.job.checkpoint
-        if checkpoint.initial_load_path is not None and not checkpoint.initial_load_in_hf:
-            return functools.partial(read_model_tensors, checkpoint.initial_load_path)
-        value = self._initial_values()
-        return lambda shapes: {n: value(n, shape) for n, shape in shapes.items()}
-
-    def _write_export(self, ckpt: Path, out: Path, write: Callable[[Path], None]) -> None:
-        """``write`` into a ``.partial`` folder renamed to ``out`` when complete, so a full disk
-        leaves no half export (and says so); the tokenizer files go with a model folder."""
-        partial = out.with_name(out.name + ".partial")
-        finish_interrupted_swap(out, out.with_name(out.name + ".old"))
-        shutil.rmtree(partial, ignore_errors=True)
-        try:
-            write(partial)
-            assets: list[str] = []
-            source = self.job.model.hf_assets_path or tokenizer_path(self.job)
-            if source is not None and (partial / CONFIG_FILE).is_file():
-                assets = copy_assets(source, partial)
-            swap_into_place(partial, out, out.with_name(out.name + ".old"))
-        except (OSError, SafetensorError) as err:  # safetensors reports a full disk as its own error
-            shutil.rmtree(partial, ignore_errors=True)
-            raise TrainingStopped(
-                f"could not write the HF export {out}: {err}; nothing was left there, and checkpoint "
-                f"{ckpt} is kept: free space and run the same command again to export it"
-            ) from err
-        logger.info("exported HF folder %s (with %s)", out, ", ".join(assets) or "no tokenizer files")

@@ -1,0 +1,86 @@
+"""Checks, before any work, of the checkpoints a job names: ``checkpoint.initial_load_path``
+(the right kind, this model's shape) and ``checkpoint.load_step`` (a complete step)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from autopar.config.errors import ConfigError
+from autopar.config.sections import Checkpoint
+from autopar.models.args import ModelArgs
+from autopar.models.hf import HFTensors
+from autopar.models.hf_config import HFCheckpointError, read_hf_config
+from autopar.training.dcp_state import complete_steps, model_mismatch
+
+
+def check_initial_load(cfg: Checkpoint, args: ModelArgs, model_label: str) -> None:
+    """``initial_load_path`` names a checkpoint of the right kind, and an HF one this model's
+    shape (``model_label`` names the model in the message, e.g. ``qwen3/8B``)."""
+    if cfg.initial_load_path is None:
+        if cfg.initial_load_in_hf:
+            raise ConfigError("checkpoint.initial_load_in_hf=true needs checkpoint.initial_load_path")
+        return
+    path = Path(cfg.initial_load_path)
+    if not path.exists():
+        raise ConfigError(f"checkpoint.initial_load_path={cfg.initial_load_path!r}: no such folder")
+    if not cfg.initial_load_in_hf:
+        _check_initial_dcp(path, args, model_label)
+        return
+    try:
+        hf_args = read_hf_config(path)
+    except HFCheckpointError as err:
+        raise ConfigError(f"checkpoint.initial_load_path: {err}") from None
+    for field in ModelArgs.__dataclass_fields__:
+        if field in ("initializer_range", "max_position_embeddings"):
+            continue
+        ours, theirs = getattr(args, field), getattr(hf_args, field)
+        if ours != theirs:
+            raise ConfigError(
+                f"model {model_label} has {field}={ours}, but {path / 'config.json'} has "
+                f"{field}={theirs}; pick the matching flavor or set --model.{field} {theirs}"
+            )
+    try:
+        HFTensors(path, args)  # every file readable, every tensor there in its shape
+    except HFCheckpointError as err:
+        raise ConfigError(f"checkpoint.initial_load_path: {err}") from None
+
+
+def _check_initial_dcp(path: Path, args: ModelArgs, model_label: str) -> None:
+    """A DCP ``initial_load_path`` holds every weight of this model, each in its shape (the
+    load itself is not strict: a missing or extra weight would pass unnoticed)."""
+    field = f"checkpoint.initial_load_path={str(path)!r}"
+    if not (path / ".metadata").is_file():
+        raise ConfigError(
+            f"{field} is not a DCP checkpoint (no .metadata); for an HF folder set "
+            "checkpoint.initial_load_in_hf=true"
+        )
+    try:
+        mismatch = model_mismatch(path, args)
+    except Exception as err:  # DCP unpickles .metadata: any error means a damaged file
+        raise ConfigError(f"{field}: {path / '.metadata'} is not readable ({type(err).__name__})") from None
+    if mismatch is not None:
+        raise ConfigError(
+            f"{field} was saved from another model than {model_label}: {mismatch}; start from a "
+            "checkpoint of this model (a LoRA run's saves hold its adapters only), or set the "
+            "--model.* fields it was saved with"
+        )
+
+
+def check_load_step(cfg: Checkpoint, dump_folder: str) -> None:
+    """An explicit ``load_step`` names a complete checkpoint of this job (whether its files
+    are intact is checked when resuming, by every rank)."""
+    if cfg.load_step < -1:
+        raise ConfigError(
+            f"checkpoint.load_step={cfg.load_step}: use -1 (the latest complete checkpoint) or a saved step number"
+        )
+    if cfg.load_step == -1:
+        return
+    if not cfg.enable:
+        raise ConfigError(f"checkpoint.load_step={cfg.load_step} needs checkpoint.enable=true")
+    folder = Path(dump_folder) / cfg.folder
+    steps = complete_steps(folder)
+    if cfg.load_step not in steps:
+        raise ConfigError(
+            f"checkpoint.load_step={cfg.load_step}: no complete checkpoint {folder}/step-{cfg.load_step}; "
+            f"complete steps there: {steps}"
+        )
