@@ -18,7 +18,9 @@ from __future__ import annotations
 import logging
 import shutil
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -34,14 +36,16 @@ from autopar.config.sections import Checkpoint, LoRA
 from autopar.models.args import ModelArgs
 from autopar.parallel.world import background_save_group
 from autopar.training.dcp_state import (
+    READ_ERRORS,
     ModelPart,
     ModelState,
     OptimizerState,
     complete_steps,
     model_mismatch,
+    newest_readable,
     run_dcp,
     saved_keys,
-    saved_train_state,
+    step_folders,
 )
 from autopar.training.faults import TrainingStopped, peer_gone
 from autopar.training.folder_swap import finish_interrupted_swap, swap_into_place
@@ -223,17 +227,20 @@ class Checkpointer:
         if self.rank == 0:
             self._put_back_stale()
         _barrier()
-        steps = complete_steps(self.folder)
         if self.cfg.load_step >= 0:  # present: checked by check_load_step
-            problem = broken_file(self.folder / f"step-{self.cfg.load_step}")
+            problem = self._problem(self.cfg.load_step)
             if problem is not None:
+                others = [s for s in step_folders(self.folder) if s != self.cfg.load_step]
+                intact = [s for s in others if self._problem(s) is None]
                 raise TrainingStopped(
                     f"checkpoint.load_step={self.cfg.load_step} is broken: {problem}; "
-                    f"pick another of {steps}, or leave load_step unset to use the newest intact one"
+                    + (f"pick another of {intact}, or " if intact else "")
+                    + "leave load_step unset to use the newest intact one"
                 )
             return self._unverified_said(self.cfg.load_step)
+        steps = step_folders(self.folder)
         for step in reversed(steps):
-            problem = broken_file(self.folder / f"step-{step}")
+            problem = self._problem(step)
             if problem is None:
                 return self._unverified_said(step)
             logger.warning("checkpoint step-%d is broken (%s); trying the one before", step, problem)
@@ -244,9 +251,41 @@ class Checkpointer:
             )
         return None
 
+    def _problem(self, step: int) -> str | None:
+        """What is wrong with the checkpoint of ``step`` (collective), or None: its
+        ``.metadata`` gone (checked first: a checkpoint without a manifest is not verified
+        otherwise), or a file that does not match its manifest."""
+        metadata = self.folder / f"step-{step}" / ".metadata"
+        if not metadata.is_file():
+            return f"{metadata} is missing"
+        return broken_file(metadata.parent)
+
+    @contextmanager
+    def _reading(self, step: int) -> Iterator[None]:
+        """Reading the checkpoint of ``step``: a file that cannot be read (damaged in a
+        checkpoint without a manifest, which nothing verified) stops training with one line."""
+        try:
+            yield
+        except TrainingStopped:
+            raise
+        except READ_ERRORS as err:
+            rank, cause = _first_failure(err, self.rank)
+            if peer_gone(cause):  # not this checkpoint's fault: the trainer reports it
+                raise cause from None
+            raise TrainingStopped(
+                f"rank {rank} could not read checkpoint {self.folder / f'step-{step}'} "
+                f"({type(cause).__name__}: {cause}): a file of it is damaged; resume from another with "
+                f"--checkpoint.load_step (one of {[s for s in complete_steps(self.folder) if s != step]}), "
+                "or move it away"
+            ) from None
+
     def load(self, step: int) -> dict[str, Any]:
         """Restore everything saved at ``step``; returns the train state saved with it
         ({"step", "consumed_samples"}, and the data shape of newer saves)."""
+        with self._reading(step):
+            return self._load(step)
+
+    def _load(self, step: int) -> dict[str, Any]:
         path = self.folder / f"step-{step}"
         mismatch = model_mismatch(path, self.args, self.lora)
         if mismatch is not None:
@@ -281,9 +320,14 @@ class Checkpointer:
             )
         return step
 
-    def train_state(self, step: int) -> dict[str, Any]:
-        """The train entries saved at ``step`` (see ``saved_train_state``)."""
-        return saved_train_state(self.folder / f"step-{step}")
+    def candidate_train_state(self) -> tuple[int, dict[str, Any]] | None:
+        """The step a resume will start from and its train entries, read before building
+        anything (``newest_readable``: checkpoint.load_step, else the newest complete one whose
+        train entries read); None for a fresh start."""
+        if not self.cfg.enable:
+            return None
+        steps = [self.cfg.load_step] if self.cfg.load_step >= 0 else complete_steps(self.folder)
+        return newest_readable(self.folder, steps)
 
     def discard_after(self, step: int) -> list[int]:
         """Delete the complete checkpoints after ``step`` (a rewind to it; collective: rank 0
@@ -308,7 +352,8 @@ class Checkpointer:
 
     def model_only(self, step: int) -> bool:
         """Whether the checkpoint of ``step`` holds the model without its optimizer."""
-        return not any(k.startswith("optimizer.") for k in saved_keys(self.folder / f"step-{step}"))
+        with self._reading(step):
+            return not any(k.startswith("optimizer.") for k in saved_keys(self.folder / f"step-{step}"))
 
     def load_model_only(self, path: str | Path) -> None:
         """Initial weights from a DCP folder (model entries only)."""

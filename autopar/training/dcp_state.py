@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -77,16 +78,23 @@ class OptimizerState(Stateful):
             set_optimizer_state_dict(part, opt, state, options=self._OPTIONS)
 
 
-def complete_steps(folder: Path) -> list[int]:
-    """Steps with a complete checkpoint in ``folder``, ascending."""
+READ_ERRORS = (Exception, CheckpointException)
+"""What reading a damaged checkpoint raises: unpickling and I/O errors, or DCP's
+``CheckpointException`` gathering them (a ``BaseException``, which ``except Exception`` misses)."""
+
+
+def step_folders(folder: Path) -> list[int]:
+    """Steps with a ``step-N`` folder in ``folder``, ascending: complete checkpoints, and
+    damaged ones (a save is renamed into place whole, so a step-N without its ``.metadata``
+    lost it afterwards)."""
     if not folder.is_dir():
         return []
-    steps = []
-    for entry in folder.iterdir():
-        match = _STEP_DIR.match(entry.name)
-        if match and (entry / ".metadata").is_file():
-            steps.append(int(match.group(1)))
-    return sorted(steps)
+    return sorted(int(m.group(1)) for e in folder.iterdir() if (m := _STEP_DIR.match(e.name)) and e.is_dir())
+
+
+def complete_steps(folder: Path) -> list[int]:
+    """Steps with a complete checkpoint in ``folder`` (its ``.metadata`` there), ascending."""
+    return [s for s in step_folders(folder) if (folder / f"step-{s}" / ".metadata").is_file()]
 
 
 def run_dcp(op, state: dict[str, Any], path: Path | str) -> None:
@@ -138,6 +146,26 @@ def saved_train_state(folder: Path) -> dict[str, Any]:
     state: dict[str, Any] = {"train": dict.fromkeys(keys, 0)}
     run_dcp(dcp.load, state, folder)
     return state["train"]
+
+
+def readable_train_state(folder: Path) -> dict[str, Any] | None:
+    """``saved_train_state`` of ``folder``, or None when its files cannot be read (a damaged
+    checkpoint: the resume verifies it and falls back to the one before, saying why)."""
+    try:
+        return saved_train_state(folder)
+    except READ_ERRORS:
+        return None
+
+
+def newest_readable(folder: Path, steps: list[int]) -> tuple[int, dict[str, Any]] | None:
+    """The newest of ``steps`` whose train state reads, with it: the checkpoint a resume will
+    start from, for checks before any work (a resume verifies every file; this reads the train
+    entries only)."""
+    for step in reversed(steps):
+        state = readable_train_state(folder / f"step-{step}")
+        if state is not None:
+            return step, state
+    return None
 
 
 def read_model_tensors(

@@ -28,7 +28,7 @@ from autopar.config.errors import ConfigError
 from autopar.config.parse import to_toml
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
-from autopar.training.dcp_state import complete_steps, saved_train_state
+from autopar.training.dcp_state import complete_steps, newest_readable
 from autopar.training.metrics import whole_records
 from autopar.training.resolve import parse_job
 
@@ -136,14 +136,16 @@ def check_previous_run(job: JobConfig, args: ModelArgs) -> None:
     """Refuse a run that would replace, discard or contradict what an earlier run in its
     dump folder left, naming the flag that allows it (see the module's docstring)."""
     checkpoint = job.checkpoint
-    steps = complete_steps(Path(job.job.dump_folder) / checkpoint.folder) if checkpoint.enable else []
+    folder = Path(job.job.dump_folder) / checkpoint.folder
+    steps = complete_steps(folder) if checkpoint.enable else []
     if checkpoint.load_step >= 0:
         _check_rewind(job, steps)
-    resumed = checkpoint.load_step if checkpoint.load_step >= 0 else (steps[-1] if steps else None)
-    if resumed is None:
+    if checkpoint.load_step < 0 and not steps:
         _check_fresh_start(job)
-    else:
-        _check_resume(job, args, Path(job.job.dump_folder) / checkpoint.folder / f"step-{resumed}")
+        return
+    resumed = newest_readable(folder, [checkpoint.load_step] if checkpoint.load_step >= 0 else steps)
+    if resumed is not None:  # else every one is damaged: the resume says so
+        _check_resume(job, args, folder / f"step-{resumed[0]}", resumed[1])
 
 
 def _logged_steps(folder: Path) -> list[int]:
@@ -235,11 +237,9 @@ def _check_fresh_start(job: JobConfig) -> None:
     )
 
 
-def _check_resume(job: JobConfig, args: ModelArgs, path: Path) -> None:
-    try:
-        saved = saved_train_state(path)
-    except Exception:  # a broken checkpoint: resume verifies it and falls back (or says why)
-        return
+def _check_resume(job: JobConfig, args: ModelArgs, path: Path, saved: dict[str, Any]) -> None:
+    """Refuse to resume ``path`` (whose train state is ``saved``) with settings that change
+    what its weights compute."""
     changes = changed_settings(saved, job, args)
     refused = {
         k: v for k, v in changes.items() if _is(k, REFUSED_ON_RESUME) and not _is(k, APPLIED_MODEL_ARGS)

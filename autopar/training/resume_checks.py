@@ -49,13 +49,10 @@ def lora_base(job: JobConfig) -> str:
 def check_resumed_tokenizer(checkpointer: Checkpointer, data: dict[str, str]) -> None:
     """Refuse, before any step, to resume a checkpoint trained with another tokenizer: its
     embeddings were learned for other token ids."""
-    step = checkpointer.resume_candidate()
-    if step is None:
+    candidate = checkpointer.candidate_train_state()
+    if candidate is None:
         return
-    try:
-        saved = checkpointer.train_state(step)
-    except Exception:  # a broken checkpoint: resume verifies it and falls back (or says why)
-        return
+    step, saved = candidate
     if saved.get("tokenizer_sha256", data["tokenizer_sha256"]) == data["tokenizer_sha256"]:
         return
     path = checkpointer.folder / f"step-{step}"
@@ -69,13 +66,10 @@ def check_resumed_tokenizer(checkpointer: Checkpointer, data: dict[str, str]) ->
 def check_resumed_base(checkpointer: Checkpointer, job: JobConfig) -> None:
     """Refuse, before any step, to resume LoRA adapters on another base than they were
     trained on: a LoRA checkpoint holds the adapters only."""
-    step = checkpointer.resume_candidate()
-    if step is None or not job.lora.enable:
+    candidate = checkpointer.candidate_train_state() if job.lora.enable else None
+    if candidate is None:
         return
-    try:
-        saved = checkpointer.train_state(step).get("lora_base")
-    except Exception:  # a broken checkpoint: resume verifies it and falls back (or says why)
-        return
+    step, saved = candidate[0], candidate[1].get("lora_base")
     if saved is None or saved == lora_base(job):
         return
     path = checkpointer.folder / f"step-{step}"
