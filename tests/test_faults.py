@@ -141,7 +141,7 @@ def test_a_metrics_line_cut_off_mid_write_is_dropped_on_resume_and_said(tmp_path
         f.write('{"step": 3, "loss": 2.7')  # a kill or a full disk while appending step 3
     trainer(tmp_path, "--training.steps", "4", *CHECKPOINTS).train()
     assert [r["step"] for r in strict_records(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
-    assert "dropped 1 cut-off line(s)" in caplog.text
+    assert "metrics.jsonl: dropped its last line, a record a stopped run cut off mid-write" in caplog.text
 
 
 def test_metrics_that_cannot_be_written_stop_training_with_one_message(tmp_path):

@@ -3,6 +3,7 @@ changed since its checkpoint and applies or refuses it."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -233,3 +234,30 @@ def test_a_finished_run_run_again_with_other_settings_keeps_its_config(tmp_path,
         train(capsys, tmp_path, "--training.steps", "2", "--optimizer.lr", "1e-4")[0] == 0
     )  # nothing to train
     assert (tmp_path / "config.toml").read_text() == before
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        "my notes: lr 0.01 looked fine\n",
+        '{"note": "rerun with more steps"}\n',
+        "[1, 2, 3]\n",
+        '{"step": 3, "loss": 2.7\n{"step": 4, "loss": 2.6}\n',  # cut off, then more after it
+        "my notes, not ended by a newline",
+    ],
+    ids=["text", "json-object", "json-list", "cut-in-the-middle", "last-text"],
+)
+@pytest.mark.parametrize("steps", ["3", "2"], ids=["resume", "same-job-again"])
+def test_metrics_lines_that_are_not_autopars_records_are_refused_untouched(tmp_path, capsys, lines, steps):
+    assert train(capsys, tmp_path, "--training.steps", "2", *CHECKPOINTS)[0] == 0
+    if steps == "2":  # no checkpoint: the same job runs again from step 1
+        shutil.rmtree(tmp_path / "checkpoint")
+    metrics = tmp_path / "metrics.jsonl"
+    with metrics.open("a") as f:
+        f.write(lines)
+    before = metrics.read_bytes()
+    code, said = train(capsys, tmp_path, "--training.steps", steps, *CHECKPOINTS)
+    assert code == 2 and len(said) == 1, said
+    assert said[0].startswith(f"config error: {metrics} line 3 is not a record autopar wrote (")
+    assert said[0].endswith("move it (or that line) elsewhere, then rerun")
+    assert metrics.read_bytes() == before

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from autopar.config.errors import ConfigError
 from autopar.models.args import ModelArgs
 from autopar.models.qwen3_5.delta_rule import CHUNK as DELTA_RULE_CHUNK
 from autopar.training.sinks import Sink
@@ -251,14 +252,17 @@ class MetricsLogger:
         self._write({"step": step, "val_loss": loss if math.isfinite(loss) else None, "val_tokens": tokens})
 
     def forget_after(self, step: int) -> None:
-        """Drop the records of steps after ``step`` (a resumed run replays them), and lines a
-        stopped run left cut off mid-write (a full disk, a kill while appending), saying so."""
+        """Drop the records of steps after ``step`` (a resumed run replays them), and a last
+        line a stopped run left cut off mid-write (a full disk, a kill while appending), saying
+        so; a line that is not a record of ours is refused (``whole_records``)."""
         if not self.is_main or not self.path.is_file():
             return
-        records, cut = whole_records(self.path)
-        if cut:
-            logger.warning("%s: dropped %d cut-off line(s) a stopped run left", self.path, cut)
-        kept = [r for r in records if r.get("step", 0) <= step]
+        records, cut = whole_records(self.path) if step > 0 else ([], None)  # a fresh start: none kept
+        if cut is not None:
+            logger.warning(
+                "%s: dropped its last line, a record a stopped run cut off mid-write: %r", self.path, cut
+            )
+        kept = [r for r in records if r["step"] <= step]
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         tmp.replace(self.path)
@@ -268,17 +272,39 @@ class MetricsLogger:
             sink.close()
 
 
-def whole_records(path: Path) -> tuple[list[dict[str, Any]], int]:
-    """The records of a metrics.jsonl file that parse, and how many lines did not."""
-    records, cut = [], 0
-    for line in path.read_text(errors="replace").splitlines():
+RECORD_START = '{"step": '
+"""How every record this module writes begins (``step`` is the first key of each)."""
+
+
+def whole_records(path: Path) -> tuple[list[dict[str, Any]], str | None]:
+    """The records of a metrics.jsonl file, and its last line when that is a record cut off
+    mid-write (a kill or a full disk while appending: no newline after it, and the start of
+    one of ours). Any other line is not ours: refused, naming it, since a resume rewrites the
+    file and would delete it."""
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    records: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
-            cut += 1
-    return records, cut
+            record = None
+        if isinstance(record, dict) and type(record.get("step")) is int:
+            records.append(record)
+        elif number == len(lines) and not text.endswith("\n") and _starts_a_record(line):
+            return records, line
+        else:
+            raise ConfigError(
+                f"{path} line {number} is not a record autopar wrote ({line[:60]!r}); runs in this "
+                "job.dump_folder rewrite that file: move it (or that line) elsewhere, then rerun"
+            )
+    return records, None
+
+
+def _starts_a_record(line: str) -> bool:
+    return line.startswith(RECORD_START) or RECORD_START.startswith(line)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

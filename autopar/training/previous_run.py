@@ -143,19 +143,19 @@ def check_previous_run(job: JobConfig, args: ModelArgs) -> None:
     if checkpoint.load_step < 0 and not steps:
         _check_fresh_start(job)
         return
+    _logged_steps(Path(job.job.dump_folder))  # a resume rewrites metrics.jsonl: lines not ours are refused
     resumed = newest_readable(folder, [checkpoint.load_step] if checkpoint.load_step >= 0 else steps)
     if resumed is not None:  # else every one is damaged: the resume says so
         _check_resume(job, args, folder / f"step-{resumed[0]}", resumed[1])
 
 
 def _logged_steps(folder: Path) -> list[int]:
-    """The steps metrics.jsonl in ``folder`` has rows of (lines cut off mid-write skipped)."""
+    """The steps metrics.jsonl in ``folder`` has rows of (a last line cut off mid-write
+    skipped); ConfigError when a line is not a record of ours."""
     path = folder / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [
-        r["step"] for r in whole_records(path)[0] if isinstance(r, dict) and isinstance(r.get("step"), int)
-    ]
+    return [r["step"] for r in whole_records(path)[0]]
 
 
 def _span(steps: list[int]) -> str:
@@ -214,8 +214,10 @@ def write_config(job: JobConfig, resumed: int | None) -> None:
 
 def _check_fresh_start(job: JobConfig) -> None:
     folder = Path(job.job.dump_folder)
+    if job.job.overwrite_dump_folder:
+        return
     config, rows = folder / "config.toml", _logged_steps(folder)
-    if job.job.overwrite_dump_folder or (not rows and not config.exists()):
+    if not rows and not config.exists():
         return
     held = [f"metrics.jsonl ({_span(rows)})"] if rows else []
     if config.exists():
