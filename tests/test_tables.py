@@ -207,7 +207,7 @@ def bad_tables(tmp_path: Path) -> dict[str, tuple[Path, str, str]]:
         "unknown role": (
             {"messages": [[{"role": "user", "content": "hi"}], [{"role": "robot", "content": "x"}]]},
             "chat",
-            r"row 1, column 'messages': unknown role 'robot'",
+            r"row 1: messages\[0\]: unknown role 'robot'",
         ),
     }
     out = {}

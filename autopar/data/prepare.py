@@ -58,7 +58,7 @@ def prepare(
     """Tokenize every input (files, folders, tables) into ``output``.bin/.idx/.json (and
     .mask with ``chat``): (.bin path, tokens)."""
     tokenizer = build_tokenizer(tokenizer_path)
-    columns, encode_row = row_encoder(tokenizer, chat, text_field)
+    columns, encode_row = row_encoder(tokenizer, chat, text_field, "--text-field")
     parts = [
         TableRows(Path(item), columns) if is_table(Path(item)) else source_files(Path(item))
         for item in inputs

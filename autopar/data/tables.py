@@ -108,7 +108,7 @@ class Columns:
                     f"{self.text_field} to the column that holds the text"
                 )
             kind = schema.field(self.text).type
-            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or _is_string_view(pa, kind)):
+            if not _is_text(pa, kind):
                 raise DataError(
                     f"{file}: column {self.text!r} is {kind}, not text (string); set {self.text_field} "
                     "to the column that holds the text"
@@ -131,9 +131,13 @@ class Columns:
         return [chat, "tools"] if "tools" in names else [chat]
 
 
-def _is_string_view(pa: Any, kind: Any) -> bool:
-    check = getattr(pa.types, "is_string_view", None)
-    return bool(check and check(kind))
+def _is_text(pa: Any, kind: Any) -> bool:
+    """A string column of any of Arrow's layouts: plain, large, view, or dictionary-encoded
+    (pandas' categoricals and many writers store repeated strings so)."""
+    if pa.types.is_dictionary(kind):
+        return _is_text(pa, kind.value_type)
+    view = getattr(pa.types, "is_string_view", None)
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or bool(view and view(kind))
 
 
 class TableRows:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from autopar.data.errors import DataError, not_utf8
+from autopar.data.errors import DataError, check_unicode, not_utf8
 from autopar.data.tokenizer import Tokenizer
 
 TEXT_SUFFIXES = (".txt", ".md")
@@ -84,6 +84,7 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
                 raise DataError(f'{path}:{lineno}: not a JSON object with a "{field}" field') from None
             if not isinstance(text, str):
                 raise DataError(f'{path}:{lineno}: "{field}" is {type(text).__name__} {text!r}, not a string')
+            check_unicode(text, f'{path}:{lineno}: "{field}"')
             yield text
 
 
