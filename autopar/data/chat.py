@@ -37,6 +37,7 @@ from autopar.data.chat_template import (
 from autopar.data.errors import DataError
 from autopar.data.records import Conversation, parse_record, read_conversations, read_records
 from autopar.data.specials import Specials
+from autopar.data.splits import folder_files, one_split
 from autopar.data.tokenizer import tokenizer_file
 
 __all__ = [
@@ -220,10 +221,13 @@ def encode_files(files: list[Path], chat: ChatFormat) -> tuple[np.ndarray, np.nd
     return (np.concatenate(ids) if ids else np.zeros(0, np.int64)), mask, ends
 
 
-def load_chat(path: Path, chat: ChatFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def load_chat(
+    path: Path, chat: ChatFormat, section: str = "training"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, learned, conversation ends) of every conversation in a .jsonl file or a
-    folder of them."""
-    files = [path] if path.is_file() else sorted(path.rglob("*.jsonl"))
+    folder of them (of the split ``section`` reads)."""
+    files = [path] if path.is_file() else [p for p in folder_files(path) if p.suffix == ".jsonl"]
+    files = one_split(path, files, section) if files else files
     if not files:
         raise DataError(f"{path}: holds no .jsonl chat files")
     return encode_files(files, chat)

@@ -145,10 +145,12 @@ class LearnedMask:
         return mask
 
 
-def open_table(path: Path, tokenizer: Tokenizer, chat: ChatFormat | None, text_column: str) -> RowTokens:
-    """The token stream of the table dataset at ``path``."""
+def open_table(
+    path: Path, tokenizer: Tokenizer, chat: ChatFormat | None, text_column: str, section: str = "training"
+) -> RowTokens:
+    """The token stream of the table dataset at ``path`` (of the split ``section`` reads)."""
     columns, encode = row_encoder(tokenizer, chat, text_column)
-    stream = RowTokens(TableRows(path, columns), encode)
+    stream = RowTokens(TableRows(path, columns, section), encode)
     if stream.num_tokens == 0:
         raise DataError(f"{path}: holds no rows")
     if chat is not None and not stream.num_learned:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from autopar.data.errors import DataError, check_unicode, not_utf8
+from autopar.data.splits import folder_files, one_split
 from autopar.data.tokenizer import Tokenizer
 
 TEXT_SUFFIXES = (".txt", ".md")
@@ -29,9 +30,10 @@ BUILTIN_DATASETS = {"autopar_corpus": Path(__file__).parent / "corpus"}
 logger = logging.getLogger(__name__)
 
 
-def source_files(path: Path) -> list[Path]:
-    """The text / jsonl files under ``path`` (itself, or a folder's files in sorted order);
-    a folder's other files are named in a warning, not read."""
+def source_files(path: Path, section: str = "training") -> list[Path]:
+    """The text / jsonl files under ``path`` (itself, or a folder's files in sorted order, of
+    the split ``section`` reads when they name several: ``splits.py``); a folder's other files
+    are named in a warning, not read."""
     if path.is_file():
         return [path]
     if path.exists() and not path.is_dir():
@@ -40,7 +42,7 @@ def source_files(path: Path) -> list[Path]:
         )
     if not path.is_dir():
         raise DataError(f"{path}: no such file or folder")
-    found = sorted(p for p in path.rglob("*") if p.is_file())
+    found = folder_files(path)
     files = [p for p in found if p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES]
     if not files:
         raise DataError(f"{path}: holds no {', '.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} files")
@@ -56,7 +58,7 @@ def source_files(path: Path) -> list[Path]:
             ", ".join(other[:3]),
             more,
         )
-    return files
+    return one_split(path, files, section)
 
 
 def documents(path: Path, text_field: str = "text") -> Iterator[str]:
@@ -276,8 +278,11 @@ def read_prepared(path: Path, tokenizer: Tokenizer) -> np.ndarray:
     return np.memmap(bin_path, dtype=dtype, mode="r")
 
 
-def load_tokens(path: Path, tokenizer: Tokenizer, text_field: str = "text") -> np.ndarray:
-    """The token stream of a prepared dataset, or of text/jsonl files tokenized now."""
+def load_tokens(
+    path: Path, tokenizer: Tokenizer, text_field: str = "text", section: str = "training"
+) -> np.ndarray:
+    """The token stream of a prepared dataset, or of text/jsonl files tokenized now (of the
+    split ``section`` reads)."""
     if is_prepared(path):
         return read_prepared(path, tokenizer)
-    return tokenize_files(source_files(path), tokenizer, text_field)
+    return tokenize_files(source_files(path, section), tokenizer, text_field)
