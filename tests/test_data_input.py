@@ -135,6 +135,35 @@ def test_a_dictionary_encoded_text_column_reads_as_plain_strings(tmp_path):
         np.testing.assert_array_equal(got.sample(i), expected.sample(i))
 
 
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    # Windows' Notepad starts UTF-8 files with one; json.loads refuses it, a file reader drops it
+    bom = "\ufeff"
+    lines = [json.dumps({"text": "first document"}), json.dumps({"text": "second one"})]
+    (tmp_path / "bom.jsonl").write_text(bom + "\n".join(lines), encoding="utf-8")
+    (tmp_path / "plain.jsonl").write_text("\n".join(lines), encoding="utf-8")
+    got, expected = (windows_of(tmp_path / name) for name in ("bom.jsonl", "plain.jsonl"))
+    assert_same(got, expected)
+    (tmp_path / "bom.txt").write_text(bom + "one text file", encoding="utf-8")
+    (tmp_path / "plain.txt").write_text("one text file", encoding="utf-8")
+    assert_same(windows_of(tmp_path / "bom.txt"), windows_of(tmp_path / "plain.txt"))
+    chat = write_lines(tmp_path / "chat.jsonl", {"messages": CHAT})
+    chat.write_text(bom + chat.read_text(), encoding="utf-8")
+    assert_same(
+        chat_windows(chat), chat_windows(write_lines(tmp_path / "plain_chat.jsonl", {"messages": CHAT}))
+    )
+
+
+def windows_of(path: Path) -> list[np.ndarray]:
+    samples = build_samples("", str(path), [], ByteTokenizer(), 4, 0)
+    return [samples.sample(i) for i in range(samples.num_windows)]
+
+
+def assert_same(got: list[np.ndarray], expected: list[np.ndarray]) -> None:
+    assert len(got) == len(expected) > 0
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)
+
+
 # a message's own text is text
 
 
@@ -277,6 +306,19 @@ def test_a_lone_surrogate_in_text_jsonl_is_one_line_naming_the_file_and_line(tmp
     path.write_text('{"text": "fine"}\n{"text": "cut \\ud800 pair"}\n')  # JSON's own escape, as files hold it
     with pytest.raises(DataError, match=rf'^{path}:2: "text": character 4 is a lone surrogate'):
         build_samples("", str(path), [], ByteTokenizer(), 4, 0)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_number_past_pythons_digit_limit_is_one_line_naming_the_line(tmp_path, chat):
+    path = tmp_path / "big.jsonl"
+    path.write_text(
+        json.dumps({"messages": CHAT} if chat else {"text": "fine"}) + '\n{"text": 1' + "0" * 5000 + "}\n"
+    )
+    with pytest.raises(DataError, match=rf"^{path}:2: not JSON \(Exceeds the limit"):
+        if chat:
+            load_chat(path, ChatFormat(str(CHATML_TOKENIZER)))
+        else:
+            build_samples("", str(path), [], ByteTokenizer(), 4, 0)
 
 
 # lines that name the right setting

@@ -137,8 +137,10 @@ def _tools(record: dict[str, Any], where: str) -> list[dict[str, Any]] | None:
     if isinstance(tools, str):
         try:
             tools = json.loads(tools) if tools.strip() else None
-        except json.JSONDecodeError as err:
-            raise DataError(f'{where}: "tools" is a string but not JSON ({err.msg})') from None
+        except ValueError as err:
+            raise DataError(
+                f'{where}: "tools" is a string but not JSON ({getattr(err, "msg", err)})'
+            ) from None
     if tools is None:
         return None
     if isinstance(tools, list):
@@ -198,13 +200,13 @@ def read_conversations(path: str | Path) -> Iterator[list[dict[str, Any]]]:
 
 
 def _conversations(path: str | Path) -> Iterator[Conversation]:
-    with Path(path).open(encoding="utf-8") as f:
+    with Path(path).open(encoding="utf-8-sig") as f:  # -sig: a byte-order mark (Notepad's) is no text
         for number, line in enumerate(f, 1):
             if not line.strip():
                 continue
             where = f"{path}:{number}"
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{where}: not JSON ({err.msg})") from None
+            except ValueError as err:  # bad JSON, or a number past Python's digit limit
+                raise DataError(f"{where}: not JSON ({getattr(err, 'msg', err)})") from None
             yield parse_record(record, where)

@@ -68,7 +68,7 @@ def documents(path: Path, text_field: str = "text") -> Iterator[str]:
         if path.suffix in JSONL_SUFFIXES:
             yield from _jsonl_documents(path, text_field)
         elif path.suffix in TEXT_SUFFIXES:
-            yield path.read_text(encoding="utf-8")
+            yield path.read_text(encoding="utf-8-sig")
         else:
             raise DataError(f"{path}: unsupported file type; use {TEXT_SUFFIXES + JSONL_SUFFIXES}")
     except UnicodeDecodeError as err:
@@ -76,14 +76,17 @@ def documents(path: Path, text_field: str = "text") -> Iterator[str]:
 
 
 def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:  # -sig: a byte-order mark (Notepad's) is no text
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                text = json.loads(line)[field]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise DataError(f'{path}:{lineno}: not a JSON object with a "{field}" field') from None
+                record = json.loads(line)
+            except ValueError as err:  # bad JSON, or a number past Python's digit limit
+                raise DataError(f"{path}:{lineno}: not JSON ({getattr(err, 'msg', err)})") from None
+            if not isinstance(record, dict) or field not in record:
+                raise DataError(f'{path}:{lineno}: not a JSON object with a "{field}" field')
+            text = record[field]
             if not isinstance(text, str):
                 raise DataError(f'{path}:{lineno}: "{field}" is {type(text).__name__} {text!r}, not a string')
             check_unicode(text, f'{path}:{lineno}: "{field}"')
