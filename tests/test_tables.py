@@ -302,6 +302,16 @@ def test_jsonl_splits_are_read_as_table_splits_are(tmp_path, caplog):
     assert "training reads 'train' (1 file(s))" in caplog.text
 
 
+def test_prepare_writes_the_train_split_of_a_folder_of_splits(tmp_path, caplog):
+    for split, rows in (("train", TRAIN), ("test", TEST)):
+        save_to_disk(rows, tmp_path / "dd" / split)
+    with caplog.at_level("INFO"):
+        whole, _ = prepare([str(tmp_path / "dd")], str(tmp_path / "a"), None)
+    train, _ = prepare([str(tmp_path / "dd" / "train")], str(tmp_path / "b"), None)
+    assert whole.read_bytes() == train.read_bytes()
+    assert "prepare reads 'train' (3 file(s)); to read another, point --input at its folder" in caplog.text
+
+
 @pytest.mark.parametrize(
     "files, message",
     [

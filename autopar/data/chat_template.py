@@ -103,7 +103,7 @@ def _pick(found: dict[str, tuple[str, str]], tools: list[Any] | None, folder: Pa
         return found["default"]
     raise DataError(
         f"{folder}: chat templates {sorted(found)} and none is the default ({CHAT_TEMPLATE_FILE}); "
-        "name one with training.chat_template (its file)"
+        "name one with training.chat_template (its file; prepare: --template)"
     )
 
 

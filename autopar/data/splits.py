@@ -39,8 +39,9 @@ recognizes)."""
 WANTED = {
     "training": ("train", "training"),
     "validation": ("validation", "valid", "val", "dev", "test", "testing", "eval", "evaluation"),
+    "prepare": ("train", "training"),
 }
-"""The split each section reads, first found wins."""
+"""The split each reader reads (prepare writes training data), first found wins."""
 DATASET_CARDS = ("readme.md",)
 _SHARD = re.compile(r"^(?P<split>\w+?)-\d{5}-of-\d{5}")
 _WORD = re.compile(rf"^({'|'.join(SPLIT_WORDS)})(?=[-._ 0-9]|$)", re.IGNORECASE)
@@ -84,9 +85,15 @@ def one_split(root: Path, files: list[Path], section: str, announce: bool = True
         raise DataError(
             f"{root}: holds the files of splits {', '.join(named)} and files of none "
             f"({groups[None][0].relative_to(root)}), an unknown layout; move the files to train on "
-            f"into a folder of their own and point {section}.dataset_path there"
+            f"into a folder of their own and point {setting(section)} there"
         )
     return choose(root, {name: groups[name] for name in named}, section, announce)
+
+
+def setting(section: str) -> str:
+    """What names the data of ``section``: a job's ``<section>.dataset_path``, or prepare's
+    ``--input``."""
+    return "--input" if section == "prepare" else f"{section}.dataset_path"
 
 
 def choose(root: Path, splits: dict[str, list[Path]], section: str, announce: bool = True) -> list[Path]:
@@ -94,24 +101,24 @@ def choose(root: Path, splits: dict[str, list[Path]], section: str, announce: bo
     DataError naming the splits when none of them is one it reads."""
     if len(splits) == 1:
         return next(iter(splits.values()))
-    order = WANTED.get(section, WANTED["training"])
+    order = WANTED[section]
     wanted = next((name for name in order if name in splits), None)
     names = ", ".join(sorted(splits))
     if wanted is None:
         reads = " or ".join(repr(name) for name in order if name in ("train", "validation", "test"))
         raise DataError(
             f"{root}: holds the splits {names}, and {section} reads {reads}; point "
-            f"{section}.dataset_path at one split's folder or files"
+            f"{setting(section)} at one split's folder or files"
         )
     if announce:
         logger.info(
             "%s: holds the splits %s; %s reads %r (%d file(s)); to read another, point "
-            "%s.dataset_path at its folder or files",
+            "%s at its folder or files",
             root,
             names,
             section,
             wanted,
             len(splits[wanted]),
-            section,
+            setting(section),
         )
     return splits[wanted]
