@@ -35,6 +35,10 @@ CHAT = [
 ]
 
 
+def call(name: object = "weather", arguments: object = None) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": arguments or {"city": "Bern"}}}
+
+
 def write_lines(path: Path, *records: object) -> Path:
     path.write_text("".join(json.dumps(record) + "\n" for record in records))
     return path
@@ -108,6 +112,32 @@ def test_tools_as_a_json_string_read_alike_in_jsonl_and_parquet(tmp_path):
     lines = write_lines(tmp_path / "three.jsonl", *[{"messages": CHAT, "tools": json.dumps(TOOLS)}] * 3)
     for a, b in zip(chat_windows(table), chat_windows(lines)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_llama_factory_sharegpt_reads_as_the_same_messages(tmp_path):
+    # LLaMA-Factory's ShareGPT: a top-level "system", function_call and observation turns
+    arguments = {"city": "Bern"}
+    sharegpt = {
+        "system": "Be brief.",
+        "conversations": [
+            {"from": "human", "value": "Weather in Bern?"},
+            {"from": "function_call", "value": json.dumps({"name": "weather", "arguments": arguments})},
+            {"from": "observation", "value": "21 degrees"},
+            {"from": "gpt", "value": "Sunny, 21 degrees."},
+        ],
+        "tools": json.dumps(TOOLS),
+    }
+    messages = [
+        *CHAT[:2],
+        {"role": "assistant", "content": "", "tool_calls": [call(arguments=arguments)]},
+        {"role": "tool", "content": "21 degrees"},
+        {"role": "assistant", "content": "Sunny, 21 degrees."},
+    ]
+    (got,) = read_records(write_lines(tmp_path / "sharegpt.jsonl", sharegpt))
+    for template in ("qwen2.5", "qwen3", "qwen3.5"):
+        assert encode(got.messages, CHATML_TOKENIZER, template, tools=got.tools) == encode(
+            messages, CHATML_TOKENIZER, template, tools=TOOLS
+        )
 
 
 def test_an_assistant_message_with_tool_calls_may_leave_content_out():
@@ -224,10 +254,6 @@ def test_special_tokens_in_tool_calls_and_tools_are_text_too():
 # refused in one line
 
 
-def call(name: object = "weather") -> dict:
-    return {"function": {"name": name, "arguments": {"city": "Bern"}}}
-
-
 REFUSED = {
     "image part": (
         {"messages": [{"role": "user", "content": [{"type": "image", "image": "cat.png"}]}, CHAT[2]]},
@@ -269,6 +295,28 @@ REFUSED = {
     "sharegpt message without value": (
         {"conversations": [{"from": "human"}, {"from": "gpt", "value": "x"}]},
         r"conversations\[0\] \(user\) has no 'value'",
+    ),
+    "system field and a system turn": (
+        {"system": "Be brief.", "messages": CHAT},
+        r'has a "system" field and a system turn; keep one of them',
+    ),
+    "function_call not JSON": (
+        {
+            "conversations": [
+                {"from": "human", "value": "x"},
+                {"from": "function_call", "value": "weather(Bern)"},
+            ]
+        },
+        r"conversations\[1\].value is not JSON",
+    ),
+    "function_call without a name": (
+        {
+            "conversations": [
+                {"from": "human", "value": "x"},
+                {"from": "function_call", "value": '{"arguments": {}}'},
+            ]
+        },
+        r"conversations\[1\].tool_calls\[0\] has no function name",
     ),
     "starts with a tool message": (
         {"messages": [{"role": "tool", "content": "21"}, CHAT[1], CHAT[2]]},

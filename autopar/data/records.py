@@ -1,8 +1,10 @@
 """Conversation records (a chat JSONL line, a table row) read into what a chat template renders.
 
 A record is ``{"messages": [{"role", "content", ...}], "tools": [...]}`` or ShareGPT's
-``{"conversations": [{"from", "value"}]}``. What the templates would render wrongly without a
-word is refused here, one line naming the file, the row and the field (``messages[2].tool_calls``):
+``{"conversations": [{"from", "value"}]}`` (LLaMA-Factory's too: a ``function_call`` turn is
+the assistant's tool call, a ``"system"`` field the first turn). What the templates would
+render wrongly without a word is refused here, one line naming the file, the row and the field
+(``messages[2].tool_calls``):
 a message without content (an assistant's with ``tool_calls`` may have none), ``tool_calls``
 that are not a list of named calls, a function spec without a name, reasoning that is not text,
 a conversation opening with a tool response (Qwen's templates then drop the turn's header), and
@@ -105,6 +107,39 @@ def _tool_calls(calls: Any, where: str) -> None:
             )
 
 
+def _function_call(value: Any, where: str) -> dict[str, Any]:
+    """LLaMA-Factory's ShareGPT ``function_call`` turn: its value is the call, or a list of
+    calls, as JSON (``{"name", "arguments"}``); it is the assistant's ``tool_calls``, which is
+    how Qwen's templates render a call."""
+    try:
+        calls = json.loads(value) if isinstance(value, str) else value
+    except ValueError as err:
+        raise DataError(
+            f"{where}.value is not JSON ({getattr(err, 'msg', err)}); a function_call holds the call "
+            '({"name": ..., "arguments": {...}}) as JSON'
+        ) from None
+    tool_calls = [
+        {"type": "function", "function": call} for call in (calls if isinstance(calls, list) else [calls])
+    ]
+    _tool_calls(tool_calls, where)
+    return {"role": "assistant", "content": "", "tool_calls": tool_calls}
+
+
+def _system(record: dict[str, Any], messages: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+    """The messages with a record's own ``"system"`` prompt (LLaMA-Factory's ShareGPT and
+    Alpaca records keep it beside the turns) as their first turn."""
+    system = record.get("system")
+    if system is None or system == "":
+        return messages
+    if not isinstance(system, str):
+        raise DataError(
+            f'{where}: "system" is {type(system).__name__}, not text; write the system prompt as a string'
+        )
+    if messages[0]["role"] == "system":
+        raise DataError(f'{where}: has a "system" field and a system turn; keep one of them')
+    return [{"role": "system", "content": system}, *messages]
+
+
 def _message(raw: Any, where: str, sharegpt: bool) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise DataError(f"{where}: a message must be an object, not {type(raw).__name__}")
@@ -112,6 +147,8 @@ def _message(raw: Any, where: str, sharegpt: bool) -> dict[str, Any]:
     if role_key not in raw:
         raise DataError(f"{where}: a message has no {role_key!r}")
     role = raw[role_key]
+    if sharegpt and role == "function_call":
+        return _function_call(raw.get("value"), where)
     if sharegpt:
         if role not in SHAREGPT_ROLES:
             raise DataError(f"{where}: unknown role {role!r}; ShareGPT roles are {sorted(SHAREGPT_ROLES)}")
@@ -175,6 +212,7 @@ def parse_record(record: Any, where: str) -> Conversation:
         raise DataError(f"{where}: messages must be a non-empty list")
     check_unicode(record, where)
     parsed = [_message(m, f"{where}: {key}[{i}]", sharegpt) for i, m in enumerate(messages)]
+    parsed = _system(record, parsed, where)
     if parsed[0]["role"] == "tool":
         raise DataError(
             f"{where}: {key}[0] is a tool response, which answers an assistant's tool call; "
