@@ -194,6 +194,16 @@ def assert_same(got: list[np.ndarray], expected: list[np.ndarray]) -> None:
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_chat_folder_of_splits_trains_on_train(tmp_path):
+    (tmp_path / "train").mkdir(), (tmp_path / "test").mkdir()
+    write_lines(tmp_path / "train" / "chat.jsonl", *[{"messages": CHAT}] * 3)
+    write_lines(
+        tmp_path / "test" / "chat.jsonl",
+        {"messages": [CHAT[1], {"role": "assistant", "content": "held out"}]},
+    )
+    assert_same(chat_windows(tmp_path), chat_windows(tmp_path / "train"))
+
+
 # a message's own text is text
 
 
@@ -321,6 +331,10 @@ REFUSED = {
     "starts with a tool message": (
         {"messages": [{"role": "tool", "content": "21"}, CHAT[1], CHAT[2]]},
         r"messages\[0\] is a tool response, which answers an assistant's tool call",
+    ),
+    "lone surrogate in tools written as JSON": (
+        {"messages": CHAT, "tools": json.dumps([{"function": {"name": "f", "description": "\ud800"}}])},
+        r'"tools": character 0 is a lone surrogate',
     ),
     "lone surrogate": (
         {"messages": [CHAT[0], {"role": "user", "content": "broken \ud800 text"}, CHAT[2]]},
