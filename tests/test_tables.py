@@ -342,6 +342,16 @@ def test_a_folder_of_unknown_layout_is_refused_in_one_line(tmp_path, files, mess
     assert "\n" not in str(err.value)
 
 
+def test_a_datasetdict_folder_without_split_folders_is_one_line(tmp_path):
+    (tmp_path / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    with pytest.raises(DataError, match=rf"^{tmp_path}: has dataset_dict.json but no split's folder"):
+        windows_of(tmp_path)
+    save_to_disk(TRAIN, tmp_path / "train")
+    pq.write_table(pa.Table.from_pylist(TEST), tmp_path / "stray.parquet")
+    with pytest.raises(DataError, match=r"but stray.parquet is in no split's folder"):
+        windows_of(tmp_path)
+
+
 def test_a_hub_dataset_name_is_refused_with_the_way_to_local_files(tmp_path):
     job = tiny_job(tmp_path, "--training.dataset_path", "HuggingFaceH4/ultrachat_200k")
     with pytest.raises(

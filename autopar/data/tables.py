@@ -67,10 +67,15 @@ def table_files(path: Path, section: str = "training", announce: bool = True) ->
     tables = [p for p in found if p.suffix in TABLE_SUFFIXES]
     if saved or (path / "dataset_dict.json").is_file():  # DatasetDict.save_to_disk: a folder a split
         stray = [p for p in tables if not any(folder in p.parents for folder in saved)]
-        if stray or not saved:
+        if not saved:
             raise DataError(
-                f"{path}: a datasets DatasetDict folder, but {stray[0].relative_to(path) if stray else 'no split'} "
-                "is in no split's folder (one with state.json), an unknown layout; point at one split's folder"
+                f"{path}: has dataset_dict.json but no split's folder (one with state.json); save the "
+                "DatasetDict again, or point at the folder of one split's files"
+            )
+        if stray:
+            raise DataError(
+                f"{path}: a datasets DatasetDict folder, but {stray[0].relative_to(path)} is in no split's "
+                "folder (one with state.json), an unknown layout; point at one split's folder"
             )
         return choose(path, {str(f.relative_to(path)): saved_files(f) for f in saved}, section, announce)
     others = [p for p in found if p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES]
