@@ -140,6 +140,26 @@ def test_llama_factory_sharegpt_reads_as_the_same_messages(tmp_path):
         )
 
 
+def test_sharegpt_turns_read_alike_under_either_column(tmp_path):
+    turns = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]
+    path = write_lines(
+        tmp_path / "chat.jsonl", {"conversations": turns}, {"messages": turns}, {"conversations": CHAT}
+    )
+    a, b, c = (r.messages for r in read_records(path))
+    assert a == b == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    assert c == CHAT
+
+
+def test_a_text_line_without_the_field_names_its_keys_and_the_setting(tmp_path):
+    path = write_lines(tmp_path / "text.jsonl", {"content": "a document", "id": 3})
+    with pytest.raises(
+        DataError,
+        match=r'text.jsonl:1: not a JSON object with a "text" field \(its keys: content, id\); set '
+        r"training.dataset_text_field \(prepare: --text-field\)",
+    ):
+        build_samples("", str(path), [], ByteTokenizer(), 4, 0)
+
+
 def test_an_assistant_message_with_tool_calls_may_leave_content_out():
     call = {"function": {"name": "weather", "arguments": {"city": "Bern"}}}
     with_none = [*CHAT[:2], {"role": "assistant", "tool_calls": [call]}]
@@ -371,12 +391,15 @@ def test_a_lone_surrogate_in_text_jsonl_is_one_line_naming_the_file_and_line(tmp
 
 
 @pytest.mark.parametrize("chat", [False, True])
-def test_a_number_past_pythons_digit_limit_is_one_line_naming_the_line(tmp_path, chat):
+@pytest.mark.parametrize(
+    "line, message",
+    [('{"text": 1' + "0" * 5000 + "}", "Exceeds the limit"), ("[" * 100_000, "maximum recursion depth")],
+    ids=["number past the digit limit", "nesting past the stack"],
+)
+def test_a_line_python_cannot_parse_is_one_line_naming_it(tmp_path, chat, line, message):
     path = tmp_path / "big.jsonl"
-    path.write_text(
-        json.dumps({"messages": CHAT} if chat else {"text": "fine"}) + '\n{"text": 1' + "0" * 5000 + "}\n"
-    )
-    with pytest.raises(DataError, match=rf"^{path}:2: not JSON \(Exceeds the limit"):
+    path.write_text(json.dumps({"messages": CHAT} if chat else {"text": "fine"}) + "\n" + line + "\n")
+    with pytest.raises(DataError, match=rf"^{path}:2: not JSON \(.*{message}"):
         if chat:
             load_chat(path, ChatFormat(str(CHATML_TOKENIZER)))
         else:

@@ -207,11 +207,12 @@ def parse_record(record: Any, where: str) -> Conversation:
     ``where`` and the field."""
     if not isinstance(record, dict) or not ({"messages", "conversations"} & record.keys()):
         raise DataError(f'{where}: a line must be an object with "messages" (or ShareGPT "conversations")')
-    sharegpt = "messages" not in record
-    key = "conversations" if sharegpt else "messages"
+    key = "messages" if "messages" in record else "conversations"
     messages = record[key]
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: messages must be a non-empty list")
+    first = messages[0]
+    sharegpt = isinstance(first, dict) and "from" in first and "role" not in first  # in either column
     check_unicode(record, where)
     parsed = [_message(m, f"{where}: {key}[{i}]", sharegpt) for i, m in enumerate(messages)]
     parsed = _system(record, parsed, where)
@@ -247,6 +248,9 @@ def _conversations(path: str | Path) -> Iterator[Conversation]:
             where = f"{path}:{number}"
             try:
                 record = json.loads(line)
-            except ValueError as err:  # bad JSON, or a number past Python's digit limit
+            except (
+                ValueError,
+                RecursionError,
+            ) as err:  # bad JSON, a number past Python's digit limit, nesting past its stack
                 raise DataError(f"{where}: not JSON ({getattr(err, 'msg', err)})") from None
             yield parse_record(record, where)

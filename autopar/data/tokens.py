@@ -82,10 +82,17 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
                 continue
             try:
                 record = json.loads(line)
-            except ValueError as err:  # bad JSON, or a number past Python's digit limit
+            except (
+                ValueError,
+                RecursionError,
+            ) as err:  # bad JSON, a number past Python's digit limit, nesting past its stack
                 raise DataError(f"{path}:{lineno}: not JSON ({getattr(err, 'msg', err)})") from None
             if not isinstance(record, dict) or field not in record:
-                raise DataError(f'{path}:{lineno}: not a JSON object with a "{field}" field')
+                keys = f" (its keys: {', '.join(map(str, record))})" if isinstance(record, dict) else ""
+                raise DataError(
+                    f'{path}:{lineno}: not a JSON object with a "{field}" field{keys}; set '
+                    "training.dataset_text_field (prepare: --text-field) to the key that holds the text"
+                )
             text = record[field]
             if not isinstance(text, str):
                 raise DataError(f'{path}:{lineno}: "{field}" is {type(text).__name__} {text!r}, not a string')
