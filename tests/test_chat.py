@@ -268,7 +268,10 @@ def test_sharegpt_lines_read_as_messages(tmp_path):
             json.dumps({"messages": [{"role": "user", "content": 3}]}),
             "'content' of a user message must be a string",
         ),
-        (json.dumps({"messages": CONVERSATIONS[0], "tools": "weather"}), '"tools" must be a list.*it is str'),
+        (
+            json.dumps({"messages": CONVERSATIONS[0], "tools": json.dumps("weather")}),
+            '"tools" must be a list.*it is str',
+        ),
         (
             json.dumps({"messages": CONVERSATIONS[0], "tools": {"name": "f"}}),
             '"tools" must be a list.*it is dict',

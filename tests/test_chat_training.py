@@ -155,7 +155,7 @@ def test_a_bad_chat_line_leaves_nothing_prepared(tmp_path):
     )
     bad.write_text(f"{good}\n{json.dumps({'messages': [{'role': 'robot', 'content': 'x'}]})}\n")
     chat = ChatFormat(str(CHATML_TOKENIZER))
-    with pytest.raises(DataError, match=r"chats.jsonl:2: unknown role 'robot'"):
+    with pytest.raises(DataError, match=r"chats.jsonl:2: messages\[0\]: unknown role 'robot'"):
         prepare([str(bad.parent)], str(tmp_path / "out" / "sft"), str(CHATML_TOKENIZER), chat)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 

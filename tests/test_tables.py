@@ -207,7 +207,7 @@ def bad_tables(tmp_path: Path) -> dict[str, tuple[Path, str, str]]:
         "unknown role": (
             {"messages": [[{"role": "user", "content": "hi"}], [{"role": "robot", "content": "x"}]]},
             "chat",
-            r"row 1, column 'messages': unknown role 'robot'",
+            r"row 1: messages\[0\]: unknown role 'robot'",
         ),
     }
     out = {}
@@ -248,14 +248,108 @@ def test_a_tables_missing_or_mistyped_column_is_refused_before_any_work(tmp_path
         check_job(job, 1)
 
 
-def test_a_datasetdict_folder_is_refused_naming_its_splits(tmp_path):
-    for split in ("train", "test"):  # as DatasetDict.save_to_disk lays it out
-        save_to_disk(corpus_rows()[:4], tmp_path / "dd" / split)
-    (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
-    with pytest.raises(
-        DataError, match=r"a datasets DatasetDict \(splits: test, train\); point at one split's folder"
-    ):
-        build_samples("", str(tmp_path / "dd"), [], ByteTokenizer(), 8, 0)
+def windows_of(path: Path, section: str = "training", **kw) -> list[np.ndarray]:
+    samples = build_samples("", str(path), [], ByteTokenizer(), 16, 0, section, **kw)
+    return [samples.sample(i) for i in range(samples.num_windows)]
+
+
+def assert_same_windows(got: list[np.ndarray], expected: list[np.ndarray]) -> None:
+    assert len(got) == len(expected) > 2
+    for a, b in zip(got, expected):
+        np.testing.assert_array_equal(a, b)
+
+
+TRAIN, TEST = corpus_rows()[:6], [{"text": "the test split, which training must never see"}] * 3
+
+
+@pytest.mark.parametrize("with_dataset_dict_json", [True, False])
+def test_a_datasetdict_folder_trains_on_its_train_split_and_says_so(tmp_path, caplog, with_dataset_dict_json):
+    for split, rows in (("train", TRAIN), ("test", TEST)):  # as DatasetDict.save_to_disk lays it out
+        save_to_disk(rows, tmp_path / "dd" / split)
+    if with_dataset_dict_json:
+        (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    with caplog.at_level("INFO"):
+        got = windows_of(tmp_path / "dd")
+    assert_same_windows(got, windows_of(tmp_path / "dd" / "train"))
+    assert "holds the splits test, train; training reads 'train'" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ("train/0000.parquet", "test/0000.parquet"),  # the Hub's parquet conversion
+        ("data/train-00000-of-00001.parquet", "data/test-00000-of-00001.parquet"),  # hf download
+    ],
+)
+def test_a_folder_of_parquet_splits_trains_on_train_and_validates_on_test(tmp_path, layout):
+    for name, rows in zip(layout, (TRAIN, TEST)):
+        (tmp_path / "ds" / name).parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / "ds" / name)
+    (tmp_path / "ds" / "README.md").write_text("# the dataset card, not data")
+    assert_same_windows(windows_of(tmp_path / "ds"), windows_of(tmp_path / "ds" / layout[0]))
+    test = windows_of(tmp_path / "ds", "validation")
+    assert_same_windows(test, windows_of(tmp_path / "ds" / layout[1]))
+
+
+def test_jsonl_splits_are_read_as_table_splits_are(tmp_path, caplog):
+    write_jsonl(tmp_path / "train.jsonl", TRAIN), write_jsonl(tmp_path / "test.jsonl", TEST)
+    (tmp_path / "README.md").write_text("# the dataset card: " + "not data " * 20)
+    (tmp_path / ".cache").mkdir()
+    write_jsonl(tmp_path / ".cache" / "leftover.jsonl", TEST)  # what hf download leaves: hidden
+    with caplog.at_level("INFO"):
+        got = windows_of(tmp_path)
+    assert_same_windows(got, windows_of(tmp_path / "train.jsonl"))
+    assert "training reads 'train' (1 file(s))" in caplog.text
+
+
+def test_prepare_writes_the_train_split_of_a_folder_of_splits(tmp_path, caplog):
+    for split, rows in (("train", TRAIN), ("test", TEST)):
+        save_to_disk(rows, tmp_path / "dd" / split)
+    with caplog.at_level("INFO"):
+        whole, _ = prepare([str(tmp_path / "dd")], str(tmp_path / "a"), None)
+    train, _ = prepare([str(tmp_path / "dd" / "train")], str(tmp_path / "b"), None)
+    assert whole.read_bytes() == train.read_bytes()
+    assert "prepare reads 'train' (3 file(s)); to read another, point --input at its folder" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "files, message",
+    [
+        (
+            ("train/a.parquet", "test/b.parquet", "c.parquet"),
+            r"holds the files of splits test, train and files of none \(c.parquet\), an unknown layout",
+        ),
+        (
+            ("data/train_sft-00000-of-00001.parquet", "data/test_sft-00000-of-00001.parquet"),
+            r"holds the splits test_sft, train_sft, and training reads 'train'; point training.dataset_path",
+        ),
+        (
+            ("a.parquet", "b.jsonl"),
+            r"holds tables \(a.parquet\) and text or JSONL files \(b.jsonl\); a folder is read as one kind",
+        ),
+    ],
+    ids=["files of no split", "no train split", "tables and jsonl"],
+)
+def test_a_folder_of_unknown_layout_is_refused_in_one_line(tmp_path, files, message):
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        if name.endswith(".jsonl"):
+            write_jsonl(tmp_path / name, TRAIN)
+        else:
+            pq.write_table(pa.Table.from_pylist(TRAIN), tmp_path / name)
+    with pytest.raises(DataError, match=rf"^{tmp_path}: {message}") as err:
+        windows_of(tmp_path)
+    assert "\n" not in str(err.value)
+
+
+def test_a_datasetdict_folder_without_split_folders_is_one_line(tmp_path):
+    (tmp_path / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    with pytest.raises(DataError, match=rf"^{tmp_path}: has dataset_dict.json but no split's folder"):
+        windows_of(tmp_path)
+    save_to_disk(TRAIN, tmp_path / "train")
+    pq.write_table(pa.Table.from_pylist(TEST), tmp_path / "stray.parquet")
+    with pytest.raises(DataError, match=r"but stray.parquet is in no split's folder"):
+        windows_of(tmp_path)
 
 
 def test_a_hub_dataset_name_is_refused_with_the_way_to_local_files(tmp_path):

@@ -5,7 +5,9 @@ beside the tokenizer, else the ``chat_template`` of its ``tokenizer_config.json`
 file given by name, or Qwen2.5's official template when none exists; it is found and rendered
 as transformers does (``chat_template.py``), with a record's ``tools``. The rendered text is
 tokenized whole (special tokens are single tokens), so the ids equal
-``apply_chat_template(messages, tools=tools, tokenize=True)``.
+``apply_chat_template(messages, tools=tools, tokenize=True)``; special tokens written inside a
+message's own text stay text (``specials.py``), so they never open or close a turn. Records are
+read and checked in ``records.py``.
 
 Which tokens are learned is read off the rendered ChatML text: an assistant turn is
 ``<|im_start|>assistant\\n`` ... ``<|im_end|>``, and everything after the header up to and
@@ -16,13 +18,11 @@ and the newline after ``<|im_end|>`` are not.
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import numpy as np
 
@@ -34,7 +34,10 @@ from autopar.data.chat_template import (
     template_text,
     tokenizer_config,
 )
-from autopar.data.errors import DataError, not_utf8
+from autopar.data.errors import DataError
+from autopar.data.records import Conversation, parse_record, read_conversations, read_records
+from autopar.data.specials import Specials
+from autopar.data.splits import folder_files, one_split
 from autopar.data.tokenizer import tokenizer_file
 
 __all__ = [
@@ -59,17 +62,6 @@ CHATML_TOKENIZER = Path(__file__).parent / "tokenizers" / "chatml"
 vocabulary), for tests and examples."""
 CHAT_EXAMPLE = Path(__file__).parent / "chat_example" / "conversations.jsonl"
 """24 short conversations written for autopar: the SFT walk-through's data."""
-ROLES = ("system", "user", "assistant", "tool")
-SHAREGPT_ROLES = {
-    "system": "system",
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "tool": "tool",
-    "function": "tool",
-    "observation": "tool",
-}
 SPECIALS = ("<|im_start|>", "<|im_end|>")
 """What a ChatML template writes as single tokens; a tokenizer without them is refused."""
 _HEADER = "<|im_start|>assistant\n"
@@ -108,6 +100,16 @@ def _tokenizer(path: str) -> Any:
     return tokenizer
 
 
+@lru_cache(maxsize=4)
+def _specials(path: str) -> Specials:
+    """The tokenizer at ``path`` with a copy that reads special tokens as text."""
+    from tokenizers import Tokenizer
+
+    plain = Tokenizer.from_file(str(tokenizer_file(path)))
+    plain.encode_special_tokens = True
+    return Specials(_tokenizer(path), plain)
+
+
 def encode(
     messages: list[dict[str, Any]],
     tokenizer_path: str | Path,
@@ -131,18 +133,18 @@ def _encode(
     tools: list[dict[str, Any]] | None = None,
 ) -> tuple[list[int], np.ndarray]:
     """``encode`` with the template text already read (once per dataset, not per line)."""
-    text = render(messages, template, tools)
-    encoding = _tokenizer(tokenizer_path).encode(text, add_special_tokens=False)
+    specials = _specials(tokenizer_path)
+    text = render(specials.masked(messages), template, specials.masked(tools))
+    ids, offsets = specials.encode(text)
     spans = learned_spans(text, loss_on)
     starts = np.array([s for s, _ in spans], dtype=np.int64)
     ends = np.array([e for _, e in spans], dtype=np.int64)
-    offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
     # a token is learned when it ends inside a span (a token straddling the header's newline
     # and the content belongs to the content); spans are sorted and disjoint, so the only
     # candidate is the last span starting before the token's end
     candidate = np.searchsorted(starts, offsets[:, 1], side="left") - 1
     inside = (candidate >= 0) & (offsets[:, 1] <= ends[candidate.clip(0)] if ends.size else False)
-    return list(encoding.ids), inside & (offsets[:, 1] > offsets[:, 0])
+    return ids, inside & (offsets[:, 1] > offsets[:, 0])
 
 
 @dataclass(frozen=True)
@@ -219,10 +221,13 @@ def encode_files(files: list[Path], chat: ChatFormat) -> tuple[np.ndarray, np.nd
     return (np.concatenate(ids) if ids else np.zeros(0, np.int64)), mask, ends
 
 
-def load_chat(path: Path, chat: ChatFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def load_chat(
+    path: Path, chat: ChatFormat, section: str = "training"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, learned, conversation ends) of every conversation in a .jsonl file or a
-    folder of them."""
-    files = [path] if path.is_file() else sorted(path.rglob("*.jsonl"))
+    folder of them (of the split ``section`` reads)."""
+    files = [path] if path.is_file() else [p for p in folder_files(path) if p.suffix == ".jsonl"]
+    files = one_split(path, files, section) if files else files
     if not files:
         raise DataError(f"{path}: holds no .jsonl chat files")
     return encode_files(files, chat)
@@ -238,101 +243,3 @@ def pad_to_windows(
         np.concatenate([tokens, np.full(short, pad_id, dtype=tokens.dtype)]),
         np.concatenate([learned, np.zeros(short, dtype=bool)]),
     )
-
-
-def _message(raw: Any, where: str, sharegpt: bool) -> dict[str, Any]:
-    if not isinstance(raw, dict):
-        raise DataError(f"{where}: a message must be an object, not {type(raw).__name__}")
-    role_key, content_key = ("from", "value") if sharegpt else ("role", "content")
-    if role_key not in raw:
-        raise DataError(f"{where}: a message has no {role_key!r}")
-    role = raw[role_key]
-    if sharegpt:
-        if role not in SHAREGPT_ROLES:
-            raise DataError(f"{where}: unknown role {role!r}; ShareGPT roles are {sorted(SHAREGPT_ROLES)}")
-        role = SHAREGPT_ROLES[role]
-    elif role not in ROLES:
-        raise DataError(f"{where}: unknown role {role!r}; roles are {list(ROLES)}")
-    content = raw.get(content_key, "")
-    if content is None:
-        content = ""
-    if not isinstance(content, str):
-        raise DataError(f"{where}: {content_key!r} of a {role} message must be a string")
-    message = {k: v for k, v in raw.items() if k not in (role_key, content_key)}
-    return {"role": role, "content": content, **message}
-
-
-class Conversation(NamedTuple):
-    """One line of chat JSONL: its messages and the function specs it offers (None: no tools)."""
-
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = None
-
-
-def read_records(path: str | Path) -> Iterator[Conversation]:
-    """The conversations of a chat JSONL file: one ``{"messages": [{"role", "content"}, ...],
-    "tools": [...]}`` (``tools`` optional; or ShareGPT's ``{"conversations": [{"from", "value"},
-    ...]}``) per line; a bad line is a DataError naming the file and line."""
-    try:
-        yield from _conversations(path)
-    except UnicodeDecodeError as err:
-        raise not_utf8(path, err) from None
-
-
-def read_conversations(path: str | Path) -> Iterator[list[dict[str, Any]]]:
-    """The messages of each conversation of a chat JSONL file (``read_records`` without tools)."""
-    for conversation in read_records(path):
-        yield conversation.messages
-
-
-def _tools(record: dict[str, Any], where: str, json_string: bool) -> list[dict[str, Any]] | None:
-    """A record's ``tools``: a list of JSON-schema function specs, or None. ShareGPT files
-    (LLaMA-Factory's) may hold the list as a JSON string."""
-    tools = record.get("tools")
-    if json_string and isinstance(tools, str):
-        try:
-            tools = json.loads(tools) if tools.strip() else None
-        except json.JSONDecodeError as err:
-            raise DataError(f'{where}: "tools" is a string but not JSON ({err.msg})') from None
-    if tools is None:
-        return None
-    if isinstance(tools, list):
-        bad = [i for i, t in enumerate(tools, 1) if not isinstance(t, dict)]
-        if not bad:
-            return tools
-        found = f"item {bad[0]} is {type(tools[bad[0] - 1]).__name__}"
-    else:
-        found = f"it is {type(tools).__name__}"
-    raise DataError(
-        f'{where}: "tools" must be a list of function specs (JSON objects, as apply_chat_template '
-        f"takes them), but {found}"
-    )
-
-
-def parse_record(record: Any, where: str, tools_as_json: bool = False) -> Conversation:
-    """One conversation record (a JSONL line, a table row): ``{"messages": [...], "tools":
-    [...]}`` or ShareGPT's ``{"conversations": [...]}``; ``tools_as_json``: ``tools`` may be a
-    JSON string (as ShareGPT files and Parquet sets hold it). A bad record is a DataError
-    naming ``where``."""
-    if not isinstance(record, dict) or not ({"messages", "conversations"} & record.keys()):
-        raise DataError(f'{where}: a line must be an object with "messages" (or ShareGPT "conversations")')
-    sharegpt = "messages" not in record
-    messages = record["conversations" if sharegpt else "messages"]
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: messages must be a non-empty list")
-    return Conversation(
-        [_message(m, where, sharegpt) for m in messages], _tools(record, where, sharegpt or tools_as_json)
-    )
-
-
-def _conversations(path: str | Path) -> Iterator[Conversation]:
-    with Path(path).open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"{where}: not JSON ({err.msg})") from None
-            yield parse_record(record, where)

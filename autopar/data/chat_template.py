@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.data.errors import DataError, not_utf8
+from autopar.data.records import REASONING_FIELDS
 from autopar.data.tokenizer import tokenizer_file
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -28,8 +29,6 @@ DEFAULT_TEMPLATE = TEMPLATES / "qwen2.5.jinja"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
 """transformers' names (``utils/hub.py``) for the template files beside a tokenizer."""
-REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-"""A message's reasoning under the names transformers accepts, first found wins."""
 
 
 def template_text(
@@ -104,7 +103,7 @@ def _pick(found: dict[str, tuple[str, str]], tools: list[Any] | None, folder: Pa
         return found["default"]
     raise DataError(
         f"{folder}: chat templates {sorted(found)} and none is the default ({CHAT_TEMPLATE_FILE}); "
-        "name one with training.chat_template (its file)"
+        "name one with training.chat_template (its file; prepare: --template)"
     )
 
 

@@ -12,3 +12,25 @@ def not_utf8(path: object, err: UnicodeDecodeError) -> DataError:
         f"{path}: not UTF-8 text (byte {err.start} is {byte!r}); convert it, e.g. "
         "iconv -f latin1 -t utf-8, or move it out of the dataset"
     )
+
+
+def check_unicode(value: object, where: str) -> None:
+    """A DataError naming ``where`` when a string in ``value`` (at any depth of lists and dicts)
+    holds a lone surrogate: JSON may write one (``"\\ud800"``), but it is no character, and no
+    tokenizer can encode it."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise DataError(
+                    f"{where}: character {err.start} is a lone surrogate ({value[err.start]!r}), not "
+                    "valid Unicode (half of a UTF-16 pair cut apart); fix or drop this text"
+                ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, where)
+            check_unicode(item, where)
+    elif isinstance(value, list):
+        for item in value:
+            check_unicode(item, where)

@@ -118,15 +118,15 @@ def windows(
     learned mask of a prepared chat file). Documents are conversations or table rows, or the
     text between end-of-text tokens (a prepared file's index)."""
     if is_table(source):
-        stream = open_table(source, tokenizer, chat, text_field)
+        stream = open_table(source, tokenizer, chat, text_field, section)
         if chat is not None:
             stream.pad(seq_len, chat.pad_id())
         tokens, learned, ends = stream, stream.learned, stream.ends
     elif chat is not None and not is_prepared(source):
-        tokens, learned, ends = load_chat(source, chat)
+        tokens, learned, ends = load_chat(source, chat, section)
         tokens, learned = pad_to_windows(tokens, learned, seq_len, chat.pad_id())
     else:
-        tokens, learned = load_tokens(source, tokenizer, text_field), read_learned(source)
+        tokens, learned = load_tokens(source, tokenizer, text_field, section), read_learned(source)
         ends = document_ends(source, tokens, tokenizer.eos_id) if document_masking else None
         rendered = prepared_chat(source)
         if chat is not None and rendered is not None and rendered["loss_on"] != chat.loss_on:
@@ -236,7 +236,7 @@ def check_data(
         )
         raise DataError(f"{section}.dataset_path={str(source)!r}: no such file or folder{hub}")
     if columns is not None and is_table(source):
-        TableRows(source, columns)
+        TableRows(source, columns, section, announce=False)
 
 
 def check_training_data(

@@ -58,9 +58,11 @@ def prepare(
     """Tokenize every input (files, folders, tables) into ``output``.bin/.idx/.json (and
     .mask with ``chat``): (.bin path, tokens)."""
     tokenizer = build_tokenizer(tokenizer_path)
-    columns, encode_row = row_encoder(tokenizer, chat, text_field)
+    columns, encode_row = row_encoder(tokenizer, chat, text_field, "--text-field")
     parts = [
-        TableRows(Path(item), columns) if is_table(Path(item)) else source_files(Path(item))
+        TableRows(Path(item), columns, "prepare")
+        if is_table(Path(item))
+        else source_files(Path(item), "prepare")
         for item in inputs
     ]
     prefix = Path(output)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from autopar.data.chat import ChatFormat, ConversationEncoder, parse_record
-from autopar.data.errors import DataError
+from autopar.data.errors import DataError, check_unicode
 from autopar.data.tables import Columns, TableRows, without_nulls
 from autopar.data.tokenizer import Tokenizer
 
@@ -34,6 +34,7 @@ def text_encoder(tokenizer: Tokenizer, column: str) -> Callable[[dict[str, Any],
         text = row[column]
         if not isinstance(text, str):
             raise DataError(f"{where}, column {column!r}: {text!r}, not a string; drop or fill the row")
+        check_unicode(text, f"{where}, column {column!r}")
         return np.asarray([*tokenizer.encode(text), tokenizer.eos_id], dtype=np.int64), None
 
     return encode
@@ -44,20 +45,22 @@ def chat_encoder(chat: ChatFormat) -> Callable[[dict[str, Any], str], Encoded]:
     conversations = ConversationEncoder(chat)
 
     def encode(row: dict[str, Any], where: str) -> Encoded:
-        column = "messages" if "messages" in row else "conversations"
-        at = f"{where}, column {column!r}"
-        return conversations(parse_record(without_nulls(row), at, tools_as_json=True), at)
+        return conversations(parse_record(without_nulls(row), where), where)
 
     return encode
 
 
 def row_encoder(
-    tokenizer: Tokenizer, chat: ChatFormat | None, text_column: str
+    tokenizer: Tokenizer,
+    chat: ChatFormat | None,
+    text_column: str,
+    text_field: str = "training.dataset_text_field",
 ) -> tuple[Columns, Callable[[dict[str, Any], str], Encoded]]:
-    """The columns a job reads from a table and how a row becomes tokens."""
+    """The columns a job reads from a table and how a row becomes tokens; ``text_field``: the
+    setting that names the text column (for the errors: a job's field, prepare's flag)."""
     if chat is not None:
         return Columns(text=None), chat_encoder(chat)
-    return Columns(text=text_column), text_encoder(tokenizer, text_column)
+    return Columns(text=text_column, text_field=text_field), text_encoder(tokenizer, text_column)
 
 
 class RowTokens:
@@ -142,10 +145,12 @@ class LearnedMask:
         return mask
 
 
-def open_table(path: Path, tokenizer: Tokenizer, chat: ChatFormat | None, text_column: str) -> RowTokens:
-    """The token stream of the table dataset at ``path``."""
+def open_table(
+    path: Path, tokenizer: Tokenizer, chat: ChatFormat | None, text_column: str, section: str = "training"
+) -> RowTokens:
+    """The token stream of the table dataset at ``path`` (of the split ``section`` reads)."""
     columns, encode = row_encoder(tokenizer, chat, text_column)
-    stream = RowTokens(TableRows(path, columns), encode)
+    stream = RowTokens(TableRows(path, columns, section), encode)
     if stream.num_tokens == 0:
         raise DataError(f"{path}: holds no rows")
     if chat is not None and not stream.num_learned:

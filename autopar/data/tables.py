@@ -15,7 +15,6 @@ that does not hold what its column promises is refused naming the file, the row 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,13 +23,14 @@ from typing import Any
 import numpy as np
 
 from autopar.data.errors import DataError
+from autopar.data.splits import choose, folder_files, one_split
+from autopar.data.tokens import JSONL_SUFFIXES, TEXT_SUFFIXES
 
 TABLE_SUFFIXES = (".parquet", ".arrow")
 CHAT_COLUMNS = ("messages", "conversations")
 """The column that holds a conversation (ShareGPT's is ``conversations``); ``tools`` is read
 beside it when present."""
 INSTALL_HINT = "pip install 'autopar[data]' (or pip install pyarrow)"
-_SPLIT = re.compile(r"^(train|test|validation|valid|dev|eval)[-_.]")
 
 
 def pyarrow() -> Any:
@@ -52,37 +52,53 @@ def is_table(path: Path) -> bool:
         return False
     if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
         return True
-    return any(p.suffix in TABLE_SUFFIXES for p in path.rglob("*") if p.is_file())
+    return any(p.suffix in TABLE_SUFFIXES for p in folder_files(path))
 
 
-def table_files(path: Path) -> list[Path]:
-    """The files of a table dataset, in reading order."""
+def table_files(path: Path, section: str = "training", announce: bool = True) -> list[Path]:
+    """The files of a table dataset, in reading order: of the split ``section`` reads when
+    the folder holds several (``splits.py``)."""
     if path.is_file():
         return [path]
-    if (path / "dataset_dict.json").is_file():
-        splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
-        raise DataError(
-            f"{path}: a datasets DatasetDict (splits: {', '.join(splits)}); point at one split's "
-            f"folder, e.g. {path / (splits[0] if splits else 'train')}"
-        )
     if (path / "state.json").is_file():
-        try:
-            names = [f["filename"] for f in json.loads((path / "state.json").read_text())["_data_files"]]
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise DataError(f"{path / 'state.json'}: not a datasets save_to_disk state ({err})") from None
-        files = [path / name for name in names]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
+        return saved_files(path)
+    found = folder_files(path)
+    saved = [p.parent for p in found if p.name == "state.json"]
+    tables = [p for p in found if p.suffix in TABLE_SUFFIXES]
+    if saved or (path / "dataset_dict.json").is_file():  # DatasetDict.save_to_disk: a folder a split
+        stray = [p for p in tables if not any(folder in p.parents for folder in saved)]
+        if not saved:
             raise DataError(
-                f"{path / 'state.json'}: names {missing[0]}, which is missing; save the dataset again"
+                f"{path}: has dataset_dict.json but no split's folder (one with state.json); save the "
+                "DatasetDict again, or point at the folder of one split's files"
             )
-        return files
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TABLE_SUFFIXES)
-    splits = sorted({m.group(1) for m in (_SPLIT.match(f.name) for f in files) if m})
-    if len(splits) > 1:
+        if stray:
+            raise DataError(
+                f"{path}: a datasets DatasetDict folder, but {stray[0].relative_to(path)} is in no split's "
+                "folder (one with state.json), an unknown layout; point at one split's folder"
+            )
+        return choose(path, {str(f.relative_to(path)): saved_files(f) for f in saved}, section, announce)
+    others = [p for p in found if p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES]
+    if others:
         raise DataError(
-            f"{path}: holds the files of several splits ({', '.join(splits)}); move one split's files "
-            "into a folder of their own and point at it"
+            f"{path}: holds tables ({tables[0].relative_to(path)}) and text or JSONL files "
+            f"({others[0].relative_to(path)}); a folder is read as one kind: move the other kind "
+            "out (or prepare each with autopar-prepare and blend them with training.dataset_blend)"
+        )
+    return one_split(path, tables, section, announce)
+
+
+def saved_files(path: Path) -> list[Path]:
+    """The Arrow files of a ``save_to_disk`` folder, in its ``state.json`` order."""
+    try:
+        names = [f["filename"] for f in json.loads((path / "state.json").read_text())["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DataError(f"{path / 'state.json'}: not a datasets save_to_disk state ({err})") from None
+    files = [path / name for name in names]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise DataError(
+            f"{path / 'state.json'}: names {missing[0]}, which is missing; save the dataset again"
         )
     return files
 
@@ -108,7 +124,7 @@ class Columns:
                     f"{self.text_field} to the column that holds the text"
                 )
             kind = schema.field(self.text).type
-            if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or _is_string_view(pa, kind)):
+            if not _is_text(pa, kind):
                 raise DataError(
                     f"{file}: column {self.text!r} is {kind}, not text (string); set {self.text_field} "
                     "to the column that holds the text"
@@ -131,18 +147,25 @@ class Columns:
         return [chat, "tools"] if "tools" in names else [chat]
 
 
-def _is_string_view(pa: Any, kind: Any) -> bool:
-    check = getattr(pa.types, "is_string_view", None)
-    return bool(check and check(kind))
+def _is_text(pa: Any, kind: Any) -> bool:
+    """A string column of any of Arrow's layouts: plain, large, view, or dictionary-encoded
+    (pandas' categoricals and many writers store repeated strings so)."""
+    if pa.types.is_dictionary(kind):
+        return _is_text(pa, kind.value_type)
+    view = getattr(pa.types, "is_string_view", None)
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or bool(view and view(kind))
 
 
 class TableRows:
     """The rows of a table dataset as dicts of the read columns, chunk by chunk."""
 
-    def __init__(self, path: Path, columns: Columns) -> None:
+    def __init__(
+        self, path: Path, columns: Columns, section: str = "training", announce: bool = True
+    ) -> None:
+        """The rows of the split ``section`` reads; ``announce``: log which split that is."""
         pa = pyarrow()
         self.path = path
-        self.files = table_files(path)
+        self.files = table_files(path, section, announce)
         if not self.files:
             raise DataError(f"{path}: holds no {'/'.join(TABLE_SUFFIXES)} files")
         self._columns: list[list[str]] = []

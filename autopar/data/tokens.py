@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from autopar.data.errors import DataError, not_utf8
+from autopar.data.errors import DataError, check_unicode, not_utf8
+from autopar.data.splits import folder_files, one_split
 from autopar.data.tokenizer import Tokenizer
 
 TEXT_SUFFIXES = (".txt", ".md")
@@ -29,9 +30,10 @@ BUILTIN_DATASETS = {"autopar_corpus": Path(__file__).parent / "corpus"}
 logger = logging.getLogger(__name__)
 
 
-def source_files(path: Path) -> list[Path]:
-    """The text / jsonl files under ``path`` (itself, or a folder's files in sorted order);
-    a folder's other files are named in a warning, not read."""
+def source_files(path: Path, section: str = "training") -> list[Path]:
+    """The text / jsonl files under ``path`` (itself, or a folder's files in sorted order, of
+    the split ``section`` reads when they name several: ``splits.py``); a folder's other files
+    are named in a warning, not read."""
     if path.is_file():
         return [path]
     if path.exists() and not path.is_dir():
@@ -40,7 +42,7 @@ def source_files(path: Path) -> list[Path]:
         )
     if not path.is_dir():
         raise DataError(f"{path}: no such file or folder")
-    found = sorted(p for p in path.rglob("*") if p.is_file())
+    found = folder_files(path)
     files = [p for p in found if p.suffix in TEXT_SUFFIXES + JSONL_SUFFIXES]
     if not files:
         raise DataError(f"{path}: holds no {', '.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} files")
@@ -56,7 +58,7 @@ def source_files(path: Path) -> list[Path]:
             ", ".join(other[:3]),
             more,
         )
-    return files
+    return one_split(path, files, section)
 
 
 def documents(path: Path, text_field: str = "text") -> Iterator[str]:
@@ -66,7 +68,7 @@ def documents(path: Path, text_field: str = "text") -> Iterator[str]:
         if path.suffix in JSONL_SUFFIXES:
             yield from _jsonl_documents(path, text_field)
         elif path.suffix in TEXT_SUFFIXES:
-            yield path.read_text(encoding="utf-8")
+            yield path.read_text(encoding="utf-8-sig")
         else:
             raise DataError(f"{path}: unsupported file type; use {TEXT_SUFFIXES + JSONL_SUFFIXES}")
     except UnicodeDecodeError as err:
@@ -74,16 +76,27 @@ def documents(path: Path, text_field: str = "text") -> Iterator[str]:
 
 
 def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding="utf-8-sig") as f:  # -sig: a byte-order mark (Notepad's) is no text
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             try:
-                text = json.loads(line)[field]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise DataError(f'{path}:{lineno}: not a JSON object with a "{field}" field') from None
+                record = json.loads(line)
+            except (
+                ValueError,
+                RecursionError,
+            ) as err:  # bad JSON, a number past Python's digit limit, nesting past its stack
+                raise DataError(f"{path}:{lineno}: not JSON ({getattr(err, 'msg', err)})") from None
+            if not isinstance(record, dict) or field not in record:
+                keys = f" (its keys: {', '.join(map(str, record))})" if isinstance(record, dict) else ""
+                raise DataError(
+                    f'{path}:{lineno}: not a JSON object with a "{field}" field{keys}; set '
+                    "training.dataset_text_field (prepare: --text-field) to the key that holds the text"
+                )
+            text = record[field]
             if not isinstance(text, str):
                 raise DataError(f'{path}:{lineno}: "{field}" is {type(text).__name__} {text!r}, not a string')
+            check_unicode(text, f'{path}:{lineno}: "{field}"')
             yield text
 
 
@@ -275,8 +288,11 @@ def read_prepared(path: Path, tokenizer: Tokenizer) -> np.ndarray:
     return np.memmap(bin_path, dtype=dtype, mode="r")
 
 
-def load_tokens(path: Path, tokenizer: Tokenizer, text_field: str = "text") -> np.ndarray:
-    """The token stream of a prepared dataset, or of text/jsonl files tokenized now."""
+def load_tokens(
+    path: Path, tokenizer: Tokenizer, text_field: str = "text", section: str = "training"
+) -> np.ndarray:
+    """The token stream of a prepared dataset, or of text/jsonl files tokenized now (of the
+    split ``section`` reads)."""
     if is_prepared(path):
         return read_prepared(path, tokenizer)
-    return tokenize_files(source_files(path), tokenizer, text_field)
+    return tokenize_files(source_files(path, section), tokenizer, text_field)
