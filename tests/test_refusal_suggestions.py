@@ -14,6 +14,7 @@ from autopar.config.sections import Parallelism
 from autopar.models.args import ModelArgs
 from autopar.models.flavors import get_flavor
 from autopar.parallel.mesh import ParallelDims, check_model_split
+from autopar.parallel.pipelining.schedule import check_pipeline
 
 SHAPES = {
     "qwen3 8 heads / 4 kv": get_flavor("qwen3", "debug"),
@@ -29,7 +30,7 @@ SHAPES = {
     ),
 }
 
-SUGGESTS = re.compile(r"use one of|e\.g\.|at least|at most|set it to")
+SUGGESTS = re.compile(r"use one of|e\.g\.|at least|at most|set it to|multiple of")
 """Words with which a refusal offers values; each such refusal must be one the test reads."""
 
 OFFERS = [
@@ -130,3 +131,29 @@ def test_every_offered_value_passes_every_rule_of_its_kind():
         "parallelism.pipeline_parallel_degree",
         "training.seq_len",
     }, refused
+
+
+def test_every_local_batch_size_a_pipeline_refusal_offers_runs_its_schedule():
+    args = get_flavor("qwen3", "debug", tie_word_embeddings=False, num_hidden_layers=12)
+    offered_by = set()
+    for pp, schedule, local_batch, mbs in itertools.product(
+        (2, 3, 4), ("1F1B", "Interleaved1F1B", "DualPipeV"), range(1, 25), (1, 2, 3)
+    ):
+        if local_batch % mbs:
+            continue
+        cfg = Parallelism(
+            pipeline_parallel_degree=pp,
+            pipeline_parallel_schedule=schedule,
+            pipeline_parallel_microbatch_size=mbs,
+        )
+        try:
+            check_pipeline(cfg, args, local_batch)
+            continue
+        except ConfigError as err:
+            message = str(err)
+        found = re.search(r"; use (?:a )?training\.local_batch_size (?:of at least )?(.*)$", message)
+        assert found or not SUGGESTS.search(message), message
+        for value in re.findall(r"(?:^|or )(\d+)", found[1]) if found else []:
+            offered_by.add(message.split()[0])
+            check_pipeline(cfg, args, int(value))  # raises if the offered size is refused
+    assert offered_by == {"1F1B", "DualPipeV", "Interleaved1F1B"}
