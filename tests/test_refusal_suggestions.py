@@ -13,6 +13,7 @@ from autopar.config import ConfigError
 from autopar.config.sections import Parallelism
 from autopar.models.args import ModelArgs
 from autopar.models.flavors import get_flavor
+from autopar.parallel.context_parallel import check_cp
 from autopar.parallel.mesh import ParallelDims, check_model_split
 from autopar.parallel.pipelining.schedule import check_pipeline
 
@@ -157,3 +158,45 @@ def test_every_local_batch_size_a_pipeline_refusal_offers_runs_its_schedule():
             offered_by.add(message.split()[0])
             check_pipeline(cfg, args, int(value))  # raises if the offered size is refused
     assert offered_by == {"1F1B", "DualPipeV", "Interleaved1F1B"}
+
+
+CP_FLAGS = {
+    "--parallelism.context_parallel_impl": "impl",
+    "--parallelism.pipeline_parallel_degree": "pp",
+    "--activation_checkpoint.mode": "ac_mode",
+    "--compile.enable": "compiled",
+}
+"""The flags a context-parallel refusal may offer, as the knobs of ``cp_refusal``."""
+
+
+def cp_refusal(impl: str, device: str, compiled: bool, ac_mode: str, masking: bool, pp: int) -> str | None:
+    cfg = Parallelism(context_parallel_degree=2, context_parallel_impl=impl, pipeline_parallel_degree=pp)
+    try:
+        check_cp(cfg, device, compiled, ac_mode, masking)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def test_the_flags_a_context_parallel_refusal_offers_first_break_no_rule_of_their_own():
+    offered = 0
+    for knobs in itertools.product(
+        ("auto", "ring", "allgather"), ("cpu", "cuda"), (True, False), ("none", "full"), (True, False), (1, 2)
+    ):
+        message = cp_refusal(*knobs)
+        if message is None:
+            continue
+        first = message.split("; use ", 1)[1].split(" or ")[0]  # the first fix offered, whole
+        flags = re.findall(r"(--[\w.]+) (\w+)", first)
+        assert flags, message
+        changed = dict(zip(("impl", "device", "compiled", "ac_mode", "masking", "pp"), knobs))
+        for flag, value in flags:
+            changed[CP_FLAGS[flag]] = {"true": True, "false": False}.get(
+                value, int(value) if value.isdigit() else value
+            )
+        again = cp_refusal(**changed)  # may still break a rule the job broke besides: not one the fix set
+        assert again is None or not any(flag.split(".")[-1] in again for flag, _ in flags), (
+            f"{message}\n  but {first} is refused: {again}"
+        )
+        offered += 1
+    assert offered > 0
