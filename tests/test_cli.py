@@ -263,6 +263,18 @@ def test_parity_cli_refuses_an_impossible_plan():
     assert "plan 'tp=3': parallelism.tensor_parallel_degree=3 does not divide" in result.stderr
 
 
+def test_bench_json_to_a_folder_is_one_line_before_any_variant_runs(tmp_path, capsys):
+    from autopar.cli.bench import main as bench_main
+
+    code = bench_main(["--job.config", "train_configs/debug_model.toml", "--json", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert (code, out) == (2, "")
+    assert (
+        err.strip()
+        == f"config error: --json {tmp_path} is a folder; name a file in it, e.g. --json {tmp_path / 'bench.json'}"
+    )
+
+
 @pytest.mark.slow
 def test_bench_prints_the_table_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"

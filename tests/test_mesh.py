@@ -49,12 +49,12 @@ INVALID = [
     (
         3,
         ["--parallelism.tensor_parallel_degree", "3"],
-        "tensor_parallel_degree=3 does not divide num_attention_heads=8; use one of 1, 2, 4, 8",
+        "tensor_parallel_degree=3 does not divide model.num_attention_heads=8; use one of 1, 2, 4$",
     ),
     (
         8,
         ["--parallelism.tensor_parallel_degree", "8"],
-        "tensor_parallel_degree=8 does not divide num_key_value_heads=4; use one of 1, 2, 4",
+        "tensor_parallel_degree=8 does not divide model.num_key_value_heads=4; use one of 1, 2, 4$",
     ),
     (
         2,
@@ -74,7 +74,7 @@ INVALID = [
     (
         2,
         ["--parallelism.context_parallel_degree", "2", "--training.seq_len", "66"],
-        "seq_len=66 is not divisible by 4 = 2 x context_parallel_degree=4",
+        "seq_len=66 is not divisible by 4 = 2 x context_parallel_degree=2 .*; use a multiple of 4, e.g. 64 or 68$",
     ),
     (
         4,

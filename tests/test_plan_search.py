@@ -207,6 +207,25 @@ def test_plan_cli_prints_the_best_plans_and_writes_json(tmp_path):
     assert set(plans[0]) >= {"degrees", "overrides", "predicted_peak_gib", "breakdown_gib", "predicted_mfu"}
 
 
+@pytest.mark.parametrize(
+    "where, why",
+    [
+        ("", " is a folder; name a file in it, e.g. --json {tmp}/plans.json"),
+        ("file/plans.json", ": cannot write it: {tmp}/file is a file, not a folder; name a file in a folder"),
+        ("/proc/plans.json", ": cannot write it: nothing can be created in /proc"),
+    ],
+)
+def test_plan_json_that_cannot_be_written_is_one_line_before_the_search(tmp_path, capsys, where, why):
+    (tmp_path / "file").write_text("")
+    path = tmp_path / where if where else tmp_path  # a folder; under a file; where nothing is made
+    argv = ["--job.config", "qwen3_8b", "--world-size", "16", "--json", str(path)]
+    assert plan_main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # refused before the search
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"plan error: --json {path}{why.format(tmp=tmp_path)}"), line
+
+
 def test_plan_cli_says_how_to_launch_a_plan_that_spans_nodes():
     line = "on 2 nodes (torchrun --nnodes 2 --nproc-per-node 8), with --parallelism.gpus_per_node=8"
     spans = run(

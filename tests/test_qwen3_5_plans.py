@@ -170,5 +170,5 @@ def test_a_tp_degree_that_does_not_divide_the_heads_names_them(tmp_path, degree,
         num_attention_heads=8,
         num_key_value_heads=8,
     )
-    with pytest.raises(ConfigError, match=f"does not divide {field}"):
+    with pytest.raises(ConfigError, match=f"does not divide model.{field}"):
         check_job(job, degree, "cpu")

@@ -139,6 +139,19 @@ def test_val_loss_under_a_plan_equals_one_device(plan_val_losses, plan):
             ),
             "validation.local_batch_size=4 and seq_len=32 under pipeline_parallel_degree=2",
         ),
+        (
+            (
+                "--validation.dataset_path",
+                str(HELD_OUT),
+                "--parallelism.context_parallel_degree",
+                "2",
+                "--parallelism.data_parallel_shard_degree",
+                "1",
+                "--validation.seq_len",
+                "30",
+            ),
+            "^validation.seq_len=30 is not divisible by 4 = 2 x context_parallel_degree=2",
+        ),
     ],
 )
 def test_bad_validation_settings_are_refused_naming_the_field(tmp_path, flags, message):

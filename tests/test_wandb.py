@@ -1,10 +1,13 @@
 """Weights & Biases (``metrics.enable_wandb``) gets what metrics.jsonl gets: an offline run,
-read back from the file it wrote, holds every record at its step, and the job as its config."""
+read back from the file it wrote, holds every record at its step, and the job as its config.
+A setting W&B would refuse is one line naming it and its fix, before any work where it can be."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,8 +17,22 @@ import pytest
 from autopar.config import ConfigError
 from autopar.training.metrics import read_metrics
 from autopar.training.preflight import check_job
+from autopar.training.sinks import WANDB_RUN_ID, WandbSink
 
-from jobs import one_process_trainer, tiny_job
+from jobs import one_process_trainer, tiny_job, train_py
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def fresh_wandb():
+    """W&B reads its environment once per process (``wandb.setup``): each test starts it anew,
+    so the variables a test sets are the ones W&B sees."""
+    wandb = pytest.importorskip("wandb")
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
 
 _BLOCK, _HEADER = 32768, 7
 """The run file is a LevelDB-style log: 32 KiB blocks of records, each behind a 7-byte header
@@ -124,3 +141,100 @@ def test_a_job_started_afresh_in_a_used_folder_starts_a_new_wandb_run(tmp_path, 
     one_process_trainer(tiny_job(dump, *flags, "--job.overwrite_dump_folder", "true")).train()
     first, second = sorted(dump.glob("wandb/offline-run-*/run-*.wandb"))
     assert first.name != second.name
+
+
+def test_a_wandb_mode_wandb_does_not_know_is_refused_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "bogus")
+    job = tiny_job(tmp_path / "run", "--metrics.enable_wandb", "true")
+    with pytest.raises(
+        ConfigError, match=r"^WANDB_MODE='bogus' is not a W&B mode .*: set it to online, offline"
+    ):
+        check_job(job, 1)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("project", ["team/project", "a:b", "p" * 129])
+def test_a_project_name_wandb_refuses_is_refused_before_any_work(tmp_path, project):
+    job = tiny_job(tmp_path, "--metrics.enable_wandb", "true", "--metrics.wandb_project", project)
+    with pytest.raises(
+        ConfigError,
+        match=r"^metrics.wandb_project='.*': Invalid project name .*; choose another project name$",
+    ):
+        check_job(job, 1)
+
+
+def test_the_run_goes_under_wandb_dir_when_it_is_set(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))
+    dump = tmp_path / "run"
+    job = tiny_job(dump, "--metrics.enable_wandb", "true")
+    check_job(job, 1)
+    sink = WandbSink(job)
+    sink.write({"step": 1, "loss": 2.5})
+    sink.close()
+    assert len(list((tmp_path / "elsewhere").glob("wandb/offline-run-*/run-*.wandb"))) == 1
+    assert not (dump / "wandb").exists()
+    assert (dump / WANDB_RUN_ID).read_text().strip() == sink.run.id  # the id stays with the job
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file"])
+def test_a_wandb_dir_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch, where):
+    (tmp_path / "file").write_text("")
+    wandb_dir = tmp_path / "file" if where == "a file" else tmp_path / "file" / "wandb"
+    monkeypatch.setenv("WANDB_DIR", str(wandb_dir))
+    job = tiny_job(tmp_path / "run", "--metrics.enable_wandb", "true")
+    with pytest.raises(
+        ConfigError,
+        match=r"^WANDB_DIR='.*': cannot write the W&B run there: .* is a file, not a folder; point it",
+    ):
+        check_job(job, 1)
+
+
+@pytest.mark.parametrize("damage", [b"", b"\x00\xff\xfe\x01", b"abc:def\n", b"  \n\n"])
+def test_a_damaged_run_id_file_starts_a_new_run_and_says_so(tmp_path, monkeypatch, caplog, damage):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    dump = tmp_path / "run"
+    dump.mkdir()
+    (dump / WANDB_RUN_ID).write_bytes(damage)
+    sink = WandbSink(tiny_job(dump, "--metrics.enable_wandb", "true"), resuming=True)
+    sink.close()
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.startswith(f"{dump / WANDB_RUN_ID} is damaged (") and "starts a new W&B run" in warning
+    assert (dump / WANDB_RUN_ID).read_text() == sink.run.id + "\n"
+
+
+def offline_wandb_home(tmp_path: Path) -> dict[str, str]:
+    """An environment where W&B runs online with no API key anywhere, and would reach only a
+    closed port on this machine if it tried the network."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    return env | {
+        "HOME": str(tmp_path / "home"),  # no ~/.netrc, no ~/.config/wandb
+        "NETRC": str(tmp_path / "home" / ".netrc"),
+        "WANDB_CONFIG_DIR": str(tmp_path / "home" / "wandb"),
+        "WANDB_MODE": "online",
+        "WANDB_BASE_URL": "http://127.0.0.1:9",  # the discard port: nothing leaves the machine
+        "WANDB_INIT_TIMEOUT": "30",
+        "PYTHONPATH": str(ROOT),
+    }
+
+
+def test_online_with_no_api_key_is_one_line_naming_the_fixes(tmp_path):
+    result = subprocess.run(
+        [*train_py(tmp_path / "run", "--training.steps", "1", "--metrics.enable_wandb", "true")],
+        cwd=ROOT,
+        env=offline_wandb_home(tmp_path),
+        stdin=subprocess.DEVNULL,  # no terminal: W&B cannot prompt for a key
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "config error: metrics.enable_wandb=true: W&B did not start the run (UsageError: No API key configured"
+    ), result.stderr[-3000:]
+    assert last.endswith("or turn W&B off (--metrics.enable_wandb false)")
+    assert "Traceback" not in result.stderr
+    assert "step 1 " not in result.stderr  # refused before the first step

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from autopar.cli.bench_torchtitan import check_torchtitan_job, torchtitan_on_rank, write_torchtitan_job
+from autopar.config.checks import check_output_file
 from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig
 from autopar.parallel.mesh import ParallelDims
@@ -229,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(0)
     try:
         base, jobs = _checked_variants(known, job_argv)
+        if known.json:  # before the variants run, not after
+            check_output_file(Path(known.json), "--json", "bench.json")
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
@@ -255,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
             "results": [asdict(r) for r in results],
             "metrics": curves,
         }
+        Path(known.json).parent.mkdir(parents=True, exist_ok=True)
         with open(known.json, "w") as f:
             json.dump(payload, f, indent=2)
     return 0

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from autopar.config import ConfigError
+from autopar.config.checks import check_output_file
 from autopar.config.parse import explicit_keys
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
@@ -115,6 +116,8 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         options, job_argv = split_options(argv)
+        if "--json" in options:  # before the search, not after it
+            check_output_file(Path(str(options["--json"])), "--json", "plans.json")
         job = parse_job(job_argv)
         args = model_args(job)
         world = int(options["--world-size"])
@@ -138,8 +141,12 @@ def main(argv: list[str]) -> int:
     top = fitting[: int(options.get("--top", 10))]
     if "--json" in options:
         path = Path(str(options["--json"]))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"plans": [p.to_json() for p in top]}, indent=2))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"plans": [p.to_json() for p in top]}, indent=2))
+        except OSError as err:  # checked before the search; this is what changed since (a full disk)
+            print(f"plan error: --json {path}: cannot write it: {err.strerror}", file=sys.stderr)
+            return 2
     if not top:
         print(no_fit_message(plans[0], device, world, pinned), file=sys.stderr)
         return 2

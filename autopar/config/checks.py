@@ -96,6 +96,20 @@ def unwritable(folder: Path) -> str | None:
     return None
 
 
+def check_output_file(path: Path, option: str, example: str) -> None:
+    """``path``, named by command-line ``option``, can be written as a file: checked before the
+    work whose result goes there. ``example`` is a file name to suggest inside a folder."""
+    if path.is_dir():
+        raise ConfigError(f"{option} {path} is a folder; name a file in it, e.g. {option} {path / example}")
+    problem = unwritable(path.parent)
+    if problem is None and path.exists() and not os.access(path, os.W_OK):
+        problem = f"{path} is not writable"
+    if problem is not None:
+        raise ConfigError(
+            f"{option} {path}: cannot write it: {problem}; name a file in a folder you can write"
+        )
+
+
 def check_output_folders(job: JobConfig) -> None:
     """The folders the job writes (metrics, checkpoints) can be written, so a mistake there is
     found now rather than at the first save."""

@@ -237,7 +237,7 @@ class Metrics:
     enable_wandb: bool = False
     """Also log to Weights & Biases (pip install 'autopar[wandb]'): the metrics.jsonl records
     from rank 0, the resolved job as the run's config; WANDB_MODE=offline needs no account
-    and writes the run under job.dump_folder/wandb."""
+    and writes the run under job.dump_folder/wandb (under $WANDB_DIR/wandb when set)."""
     wandb_project: str = "autopar"
     """W&B project of the run."""
     wandb_run_name: str | None = None

@@ -52,8 +52,8 @@ def check_cp(
     if impl == "ring" and document_masking:
         raise ConfigError(
             "training.document_masking=true with context_parallel_impl='ring': torch's ring "
-            "attention runs causal attention only; use --parallelism.context_parallel_impl allgather "
-            "(it masks by document id and global position)"
+            f"attention runs causal attention only; use {_allgather(compiled, ac_mode)} (it masks by "
+            "document id and global position)"
         )
     if document_masking and cfg.pipeline_parallel_degree > 1:
         raise ConfigError(
@@ -64,7 +64,7 @@ def check_cp(
     if impl == "ring" and device_type != "cuda":
         raise ConfigError(
             "parallelism.context_parallel_impl='ring' needs CUDA: torch's ring attention has no "
-            "CPU kernel; use --parallelism.context_parallel_impl allgather"
+            f"CPU kernel; use {_allgather(compiled, ac_mode)}"
         )
     if impl == "allgather" and compiled and ac_mode != "none":
         # measured: the compiled backward recomputes attention over the local k/v only
@@ -73,6 +73,14 @@ def check_cp(
             f"mode={ac_mode!r} gives wrong gradients (the compiled recomputation drops the k/v "
             "all-gather); use --activation_checkpoint.mode none or --compile.enable false"
         )
+
+
+def _allgather(compiled: bool, ac_mode: str) -> str:
+    """The flags that switch to the all-gather implementation, with those its rule below needs."""
+    flags = "--parallelism.context_parallel_impl allgather"
+    if compiled and ac_mode != "none":
+        flags += " and --activation_checkpoint.mode none (or --compile.enable false: compiled, its recomputation drops the all-gather)"
+    return flags
 
 
 def shard_sequence(x: torch.Tensor, rank: int, size: int, head_tail: bool, dim: int = 1) -> torch.Tensor:

@@ -40,8 +40,10 @@ class ParallelDims:
     ep: int = 1
 
     @classmethod
-    def resolve(cls, cfg: Parallelism, world_size: int) -> ParallelDims:
-        """Fill ``data_parallel_shard_degree=-1`` with the ranks left over; check the product."""
+    def resolve(cls, cfg: Parallelism, world_size: int, num_experts: int | None = None) -> ParallelDims:
+        """Fill ``data_parallel_shard_degree=-1`` with the ranks left over; check the product.
+        ``num_experts`` (the model's, when known; 0: no experts) narrows the expert degrees a
+        refusal offers to those the model also accepts."""
         fixed = {
             "data_parallel_replicate_degree": cfg.data_parallel_replicate_degree,
             "context_parallel_degree": cfg.context_parallel_degree,
@@ -78,7 +80,7 @@ class ParallelDims:
             cp=cfg.context_parallel_degree,
             tp=cfg.tensor_parallel_degree,
             pp=cfg.pipeline_parallel_degree,
-            ep=_expert_degree(cfg, shard),
+            ep=_expert_degree(cfg, shard, num_experts),
         )
 
     @property
@@ -96,7 +98,7 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard * self.cp > 1
 
 
-def _expert_degree(cfg: Parallelism, dp_shard: int) -> int:
+def _expert_degree(cfg: Parallelism, dp_shard: int, num_experts: int | None) -> int:
     """``expert_parallel_degree``, which must divide the dp_shard x cp ranks it borrows."""
     ep, borrowed = cfg.expert_parallel_degree, dp_shard * cfg.context_parallel_degree
     if ep < 1:
@@ -105,23 +107,62 @@ def _expert_degree(cfg: Parallelism, dp_shard: int) -> int:
         raise ConfigError(
             f"parallelism.expert_parallel_degree={ep} does not divide data_parallel_shard_degree x "
             f"context_parallel_degree = {dp_shard} x {cfg.context_parallel_degree} = {borrowed}, the "
-            f"ranks it borrows; use one of {_divisors(borrowed)}"
+            f"ranks it borrows; use one of {_listed(_expert_degrees(borrowed, num_experts))}"
         )
     return ep
+
+
+def _expert_degrees(borrowed: int, num_experts: int | None) -> list[int]:
+    """The expert degrees that divide the ranks they borrow and the model's experts (1 alone
+    for a model without experts; any divisor of the ranks while the model is unknown)."""
+    if num_experts == 0:
+        return [1]
+    return _degrees(borrowed, num_experts or borrowed)
 
 
 def _product_text(degrees: dict[str, int]) -> str:
     return ", ".join(f"{k}={v}" for k, v in degrees.items() if v != 1) or "all others 1"
 
 
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 64)
+def _degrees(*sizes: int) -> list[int]:
+    """The degrees (up to 64) that divide every one of ``sizes``: what a refusal offers, so
+    that each offered degree passes every rule of its kind, not only the one that refused."""
+    return [d for d in range(1, 65) if all(size % d == 0 for size in sizes)]
+
+
+def _listed(degrees: list[int]) -> str:
+    return ", ".join(str(d) for d in degrees)
+
+
+def tp_split_sizes(args: ModelArgs) -> dict[str, int]:
+    """Every size tensor parallelism splits (head counts, widths), by its field name."""
+    fields = ["num_attention_heads", "num_key_value_heads"]
+    if args.hybrid:  # Gated DeltaNet layers are split by key and by value head
+        fields += ["linear_num_key_heads", "linear_num_value_heads"]
+    if args.has_dense_layers:
+        fields.append("intermediate_size")
+    fields.append("vocab_size")
+    return {field: getattr(args, field) for field in fields}
+
+
+def _seq_lens(seq_len: int, split: int, lowest: int) -> list[int]:
+    """The multiples of ``split`` nearest ``seq_len`` (below it, above it) that are at least
+    ``lowest`` (itself one): the sequence lengths a refusal offers."""
+    below = seq_len // split * split
+    above = max(below + split, lowest)
+    return [below, above] if below >= lowest else [above]
 
 
 def check_model_split(
-    dims: ParallelDims, args: ModelArgs, seq_len: int, sequence_parallel: bool, head_tail: bool = True
+    dims: ParallelDims,
+    args: ModelArgs,
+    seq_len: int,
+    sequence_parallel: bool,
+    head_tail: bool = True,
+    seq_field: str = "training.seq_len",
 ) -> None:
-    """Raise ConfigError when the model or sequence cannot be split by these degrees."""
+    """Raise ConfigError when the model or sequence cannot be split by these degrees;
+    ``seq_field`` names the setting ``seq_len`` came from."""
     tp = dims.tp
     if dims.ep > 1 and not args.moe:
         raise ConfigError(
@@ -131,46 +172,37 @@ def check_model_split(
     if dims.ep > 1 and args.num_experts % dims.ep:
         raise ConfigError(
             f"parallelism.expert_parallel_degree={dims.ep} does not divide model.num_experts="
-            f"{args.num_experts}; use one of {_divisors(args.num_experts)}"
+            f"{args.num_experts}; use one of {_listed(_expert_degrees(dims.dp_shard * dims.cp, args.num_experts))}"
         )
-    heads = ("num_attention_heads", "num_key_value_heads")
-    if args.hybrid:  # Gated DeltaNet layers are split by key and by value head
-        heads += ("linear_num_key_heads", "linear_num_value_heads")
-    for field in heads:
-        value = getattr(args, field)
-        if value % tp:
-            raise ConfigError(
-                f"parallelism.tensor_parallel_degree={tp} does not divide {field}={value}; "
-                f"use one of {_divisors(value)}"
-            )
-    split_widths = ("intermediate_size", "vocab_size") if args.has_dense_layers else ("vocab_size",)
-    for field in split_widths:
-        value = getattr(args, field)
+    sizes = tp_split_sizes(args)
+    for field, value in sizes.items():
         if value % tp:
             raise ConfigError(
                 f"parallelism.tensor_parallel_degree={tp} does not divide model.{field}={value}; "
-                f"use a degree dividing it or change model.{field}"
+                f"use one of {_listed(_degrees(*sizes.values()))}"
             )
     cp_chunks = (2 if head_tail else 1) * dims.cp if dims.cp > 1 else 1
     split = (tp if sequence_parallel else 1) * cp_chunks
+    halo = args.linear_conv_kernel_dim - 1
+    least = halo * cp_chunks if args.hybrid and dims.cp > 1 else 1  # see the halo rule below
+    lowest = -(-least // split) * split  # the shortest sequence both rules accept
     if seq_len % split:
         parts = []
         if sequence_parallel and tp > 1:
             parts.append(f"tensor_parallel_degree={tp} (sequence parallel)")
         if dims.cp > 1 and head_tail:
-            parts.append(f"2 x context_parallel_degree={2 * dims.cp} (load-balanced chunks)")
+            parts.append(f"2 x context_parallel_degree={dims.cp} (load-balanced chunks)")
         elif dims.cp > 1:
             parts.append(f"context_parallel_degree={dims.cp}")
         raise ConfigError(
-            f"training.seq_len={seq_len} is not divisible by {split} = {' x '.join(parts)}; "
-            f"use a seq_len that is a multiple of {split}"
+            f"{seq_field}={seq_len} is not divisible by {split} = {' x '.join(parts)}; "
+            f"use a multiple of {split}, e.g. {' or '.join(map(str, _seq_lens(seq_len, split, lowest)))}"
         )
-    halo = args.linear_conv_kernel_dim - 1
-    if args.hybrid and dims.cp > 1 and seq_len // cp_chunks < halo:
+    if seq_len < least:
         raise ConfigError(
-            f"training.seq_len={seq_len} gives each of the {cp_chunks} context-parallel ranges "
+            f"{seq_field}={seq_len} gives each of the {cp_chunks} context-parallel ranges "
             f"{seq_len // cp_chunks} tokens, fewer than the {halo} the Gated DeltaNet's convolution "
-            f"reads from the range before; use a seq_len of at least {halo * cp_chunks}"
+            f"reads from the range before; use a seq_len of at least {lowest}"
         )
     if dims.pp > args.num_hidden_layers:
         raise ConfigError(

@@ -60,7 +60,7 @@ def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: st
     """The parallel plan and its transformations fit this model on ``world_size`` ranks of
     ``device_type``; returns the resolved degrees."""
     parallelism = job.parallelism
-    dims = ParallelDims.resolve(parallelism, world_size)
+    dims = ParallelDims.resolve(parallelism, world_size, args.num_experts)
     check_model_split(
         dims,
         args,

@@ -58,16 +58,14 @@ def check_validation(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> Non
             f"pipeline_parallel_degree={dims.pp}: the pipeline's stages and micro-batches are built "
             f"for training's {job.training.local_batch_size} x {job.training.seq_len}; set both to those"
         )
-    try:
-        check_model_split(
-            dims,
-            args,
-            seq_len,
-            job.parallelism.enable_sequence_parallel,
-            head_tail=job.parallelism.context_parallel_load_balancer == "headtail",
-        )
-    except ConfigError as err:
-        raise ConfigError(f"validation.seq_len: {err}") from None
+    check_model_split(
+        dims,
+        args,
+        seq_len,
+        job.parallelism.enable_sequence_parallel,
+        head_tail=job.parallelism.context_parallel_load_balancer == "headtail",
+        seq_field="validation.seq_len",
+    )
     try:
         check_data(cfg.dataset or "", cfg.dataset_path, [], "validation", table_columns(job.training))
     except DataError as err:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -114,18 +115,35 @@ def check_schedule(cfg: Parallelism, stages: int, microbatches: int) -> None:
             f"parallelism.pipeline_parallel_schedule={name!r} runs exactly {per_rank} stage(s) per "
             f"rank, but the split gives {stages} stages for {pp} ranks; use {pp * per_rank} stages"
         )
+    mbs = cfg.pipeline_parallel_microbatch_size
     if name in ("1F1B", "DualPipeV") and microbatches < stages:
         raise ConfigError(
             f"{name} needs at least as many micro-batches as stages: local_batch_size / "
-            f"pipeline_parallel_microbatch_size = {microbatches} < {stages}; raise local_batch_size "
-            "or lower pipeline_parallel_microbatch_size"
+            f"pipeline_parallel_microbatch_size = {microbatches} < {stages}; use a "
+            f"training.local_batch_size of at least {stages * mbs} (or a smaller microbatch size)"
         )
-    if name == "Interleaved1F1B":
-        rounds = max(1, microbatches // pp)
-        if microbatches % rounds:
-            raise ConfigError(
-                f"Interleaved1F1B needs micro-batches ({microbatches}) to be a multiple of {rounds}"
-            )
+    if name == "Interleaved1F1B" and not interleaved_rounds_fit(microbatches, pp):
+        rounds = microbatches // pp
+        fits = _nearest(microbatches, lambda m: interleaved_rounds_fit(m, pp))
+        raise ConfigError(
+            f"Interleaved1F1B runs local_batch_size / pipeline_parallel_microbatch_size = {microbatches} "
+            f"micro-batches as {rounds} equal rounds (of pipeline_parallel_degree={pp} or more), and "
+            f"{rounds} does not divide {microbatches}; use training.local_batch_size "
+            + " or ".join(f"{m * mbs} ({m} micro-batches)" for m in fits)
+        )
+
+
+def interleaved_rounds_fit(microbatches: int, pp: int) -> bool:
+    """torch's Interleaved1F1B rule: ``max(1, microbatches // pp)`` rounds of equal size."""
+    return microbatches % max(1, microbatches // pp) == 0
+
+
+def _nearest(n: int, fits: Callable[[int], bool]) -> list[int]:
+    """The nearest counts below and above ``n`` (> 1) that ``fits`` accepts, which must
+    accept 1 and some count above ``n``."""
+    below = next(m for m in range(n - 1, 0, -1) if fits(m))
+    above = next(m for m in itertools.count(n + 1) if fits(m))
+    return [below, above]
 
 
 def stage_modules(cfg: Parallelism, args: ModelArgs) -> list[list[str]]:
