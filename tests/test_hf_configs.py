@@ -168,3 +168,25 @@ def test_yarn_on_qwen3_5_is_refused_in_one_line(tmp_path):
     )
     with pytest.raises(HFCheckpointError, match=r"Qwen3\.5 with rope type 'yarn' is not supported"):
         read_hf_config(config_folder(tmp_path, config))
+
+
+def test_plan_names_a_config_json_model_by_the_size_that_config_gives(tmp_path, capsys):
+    """Not the flavor's ("qwen2.5 8B" for any config.json): Qwen2.5-7B-Instruct's real sizes."""
+    from autopar.cli.plan import main as plan_main
+
+    sizes = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28}
+    heads = {"num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064}
+    folder = config_folder(tmp_path, {**released("qwen2_5_7b_instruct"), **sizes, **heads})
+    flags = [
+        "--model.name",
+        "qwen2.5",
+        "--model.hf_assets_path",
+        str(folder),
+        "--world-size",
+        "8",
+        "--top",
+        "1",
+    ]
+    assert plan_main(flags) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"qwen2.5 7.62B ({folder}/config.json), seq_len")
