@@ -191,7 +191,7 @@ class ModelArgs:
             if getattr(self, name) > limit:
                 raise ValueError(
                     f"model.{name}={getattr(self, name)} is beyond any Qwen model (at most {limit}); "
-                    "the config is damaged or not a Qwen one"
+                    "fix the value, or the config.json it came from"
                 )
         positive = (
             "vocab_size",
