@@ -13,6 +13,7 @@ does not fit as measured. Exit 2 with one paragraph when no plan fits.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -23,10 +24,11 @@ from autopar.config.parse import explicit_keys
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.planner.devices import DeviceSpec, device_spec
+from autopar.planner.memory import param_shapes
 from autopar.planner.search import Plan, evaluate, no_fit_message, pinned_fields, search
 from autopar.planner.verify import verify
 from autopar.training.preflight import check_plan
-from autopar.training.resolve import model_args, parse_job
+from autopar.training.resolve import model_args, model_source, parse_job
 
 MAX_WORLD = 131072
 """The largest world the planner searches (its divisor walk grows with the world size)."""
@@ -110,6 +112,17 @@ def table(plans: list[Plan]) -> str:
     return "\n".join(rows)
 
 
+def model_label(job: JobConfig, args: ModelArgs) -> str:
+    """The model as the first line names it: its flavor, or, for a config.json (which wins over
+    the flavor), the size that config gives, counted from its args."""
+    source = model_source(job)
+    if not source.endswith("config.json"):
+        return f"{job.model.name} {job.model.flavor}"
+    total = sum(math.prod(shape) for shape in param_shapes(args).values())
+    size = f"{total / 1e9:.3g}B" if total >= 1e9 else f"{total / 1e6:.3g}M"
+    return f"{job.model.name} {size} ({source})"
+
+
 def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         print(__doc__)
@@ -132,7 +145,7 @@ def main(argv: list[str]) -> int:
     elapsed = time.perf_counter() - start
     fitting = [p for p in plans if p.fits]
     print(
-        f"{job.model.name} {job.model.flavor}, seq_len {job.training.seq_len}, on {world} x {device.name} "
+        f"{model_label(job, args)}, seq_len {job.training.seq_len}, on {world} x {device.name} "
         f"({device.memory_gib:.1f} GiB, {gpus_per_node} per node): {len(plans)} valid plans, "
         f"{len(fitting)} fit ({elapsed:.2f} s)"
     )

@@ -14,6 +14,29 @@ FeedForward = Literal["mlp", "moe"]
 LayerKind = tuple[Mixer, FeedForward]
 HF_LAYER_TYPES = {"full_attention": "gated_attention", "linear_attention": "linear_attention"}
 """Qwen3.5 ``config.json`` ``layer_types`` values -> our mixers."""
+ROPE_TYPES = ("default", "yarn")
+"""The RoPE variants autopar computes (HF ``rope_parameters.rope_type``)."""
+SIZE_LIMITS = {
+    "vocab_size": 1 << 22,
+    "hidden_size": 1 << 16,
+    "intermediate_size": 1 << 20,
+    "num_hidden_layers": 1 << 12,
+    "num_attention_heads": 1 << 12,
+    "num_key_value_heads": 1 << 12,
+    "head_dim": 1 << 12,
+    "num_experts": 1 << 14,
+    "moe_intermediate_size": 1 << 20,
+    "shared_expert_intermediate_size": 1 << 20,
+    "linear_num_key_heads": 1 << 12,
+    "linear_num_value_heads": 1 << 12,
+    "linear_key_head_dim": 1 << 12,
+    "linear_value_head_dim": 1 << 12,
+    "max_position_embeddings": 1 << 26,
+}
+"""Largest value of each size field: 10x and more beyond any Qwen released (the largest:
+vocabulary 248,320, hidden 8,192, MLP 29,568, 94 layers, 96 heads, 512 experts, 1M positions),
+so a damaged or hostile config.json (``intermediate_size`` 2**40, a million layers) is one
+line before anything is allocated or looped over per layer."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +100,21 @@ class ModelArgs:
     linear_value_head_dim: int = 128
     linear_conv_kernel_dim: int = 4
     """Width of the causal depthwise convolution before the delta rule."""
+    rope_type: Literal["default", "yarn"] = "default"
+    """RoPE variant (HF ``rope_parameters.rope_type`` / ``rope_scaling.type``): 'yarn' stretches
+    the context ``rope_factor`` times (Qwen2.5 / Qwen3 beyond 32K tokens, Qwen2.5-1M)."""
+    rope_factor: float = 1.0
+    """YaRN: context extension factor; low-frequency dims are interpolated by it."""
+    rope_original_max_position_embeddings: int = 0
+    """YaRN: the context length the model was pretrained at (Qwen: 32768)."""
+    rope_attention_factor: float = 0.0
+    """YaRN: scale of cos and sin; 0: 0.1 ln(rope_factor) + 1, the YaRN paper's."""
+    rope_beta_fast: float = 32.0
+    """YaRN: rotations per context above which a dim is extrapolated (kept)."""
+    rope_beta_slow: float = 1.0
+    """YaRN: rotations per context below which a dim is interpolated (divided by the factor)."""
+    rope_truncate: bool = True
+    """YaRN: round the interpolation ramp's ends to whole dims (HF ``truncate``)."""
 
     @property
     def moe(self) -> bool:
@@ -112,6 +150,28 @@ class ModelArgs:
         return self.mixer(layer), "moe" if self.is_moe_layer(layer) else "mlp"
 
     @property
+    def yarn_attention_factor(self) -> float:
+        """YaRN's scale of cos and sin (``rope_attention_factor``, or the paper's from the factor)."""
+        if self.rope_attention_factor:
+            return self.rope_attention_factor
+        return 0.1 * math.log(self.rope_factor) + 1.0 if self.rope_factor > 1 else 1.0
+
+    def yarn_ramp(self, dim: int) -> tuple[float, float]:
+        """YaRN's (low, high) dims of ``dim`` rotated ones: dims below ``low`` turn more than
+        ``rope_beta_fast`` times over the original context and are kept, dims above ``high``
+        fewer than ``rope_beta_slow`` times and are interpolated; a linear blend in between
+        (transformers' ``find_correction_range``)."""
+
+        def correction_dim(rotations: float) -> float:
+            turns = self.rope_original_max_position_embeddings / (rotations * 2 * math.pi)
+            return dim * math.log(turns) / (2 * math.log(self.rope_theta))
+
+        low, high = correction_dim(self.rope_beta_fast), correction_dim(self.rope_beta_slow)
+        if self.rope_truncate:
+            low, high = math.floor(low), math.ceil(high)
+        return max(low, 0), min(high, dim - 1)
+
+    @property
     def rotary_dim(self) -> int:
         """Dims of each head that RoPE rotates."""
         return int(self.head_dim * self.partial_rotary_factor)
@@ -127,6 +187,12 @@ class ModelArgs:
 
     def check(self) -> None:
         """Raise ValueError naming the field when the shape is not a valid model."""
+        for name, limit in SIZE_LIMITS.items():
+            if getattr(self, name) > limit:
+                raise ValueError(
+                    f"model.{name}={getattr(self, name)} is beyond any Qwen model (at most {limit}); "
+                    "fix the value, or the config.json it came from"
+                )
         positive = (
             "vocab_size",
             "hidden_size",
@@ -155,6 +221,8 @@ class ModelArgs:
             self._check_moe()
         if self.hybrid:
             self._check_hybrid()
+        if self.rope_type != "default":
+            self._check_yarn()
 
     @property
     def has_dense_layers(self) -> bool:
@@ -212,3 +280,23 @@ class ModelArgs:
             raise ValueError(
                 f"model.router_aux_loss_coef={self.router_aux_loss_coef} must be finite and >= 0"
             )
+
+    def _check_yarn(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"model.rope_type={self.rope_type!r} is not one of {list(ROPE_TYPES)}")
+        if self.hybrid:
+            raise ValueError(
+                "model.rope_type='yarn' is for Qwen2.5 / Qwen3; Qwen3.5 runs its multimodal RoPE "
+                "('default'), set model.rope_type='default'"
+            )
+        if self.rope_original_max_position_embeddings < 1:
+            raise ValueError(
+                "model.rope_type='yarn' needs model.rope_original_max_position_embeddings, the "
+                "pretrained context length (Qwen: 32768)"
+            )
+        for name in ("rope_factor", "rope_beta_fast", "rope_beta_slow"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"model.{name}={value} must be a finite number > 0")
+        if not (math.isfinite(self.rope_attention_factor) and self.rope_attention_factor >= 0):
+            raise ValueError(f"model.rope_attention_factor={self.rope_attention_factor} must be >= 0")

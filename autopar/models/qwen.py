@@ -35,13 +35,36 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables for ``positions`` in fp32, shape (*positions.shape, head_dim)."""
+def rotary_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, yarn: ModelArgs | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for ``positions`` in fp32, shape (*positions.shape, head_dim).
+
+    ``yarn``: the args of a ``rope_type='yarn'`` model, whose frequencies are blended and
+    tables scaled by YaRN (transformers' ``_compute_yarn_parameters``)."""
     exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
     inv_freq = 1.0 / (theta**exponent)  # (D/2,)
+    scale = 1.0
+    if yarn is not None:
+        inv_freq, scale = _yarn_frequencies(theta**exponent, yarn, head_dim)
     freqs = positions.float()[..., None] * inv_freq  # (..., S, D/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (..., S, D)
-    return emb.cos(), emb.sin()
+    if scale == 1.0:
+        return emb.cos(), emb.sin()
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def _yarn_frequencies(wavelengths: torch.Tensor, args: ModelArgs, dim: int) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies from ``wavelengths`` = theta ** (2i / dim), and its scale of
+    cos and sin: fast dims kept, slow ones divided by the factor, a linear ramp between."""
+    low, high = args.yarn_ramp(dim)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    index = torch.arange(dim // 2, device=wavelengths.device, dtype=torch.float32)
+    kept = 1 - ((index - low) / (high - low)).clamp(0, 1)  # (D/2,) 1: extrapolated, 0: interpolated
+    extrapolated = 1.0 / wavelengths
+    interpolated = 1.0 / (args.rope_factor * wavelengths)
+    return interpolated * (1 - kept) + extrapolated * kept, args.yarn_attention_factor
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -119,6 +142,7 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = args.head_dim
         self.rope_theta = args.rope_theta
+        self.yarn = args if args.rope_type == "yarn" else None
         q_out = args.num_attention_heads * args.head_dim
         kv_out = args.num_key_value_heads * args.head_dim
         self.q_proj = nn.Linear(args.hidden_size, q_out, bias=args.attention_bias)
@@ -142,7 +166,7 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         if positions is None:
             positions = torch.arange(seqlen, device=x.device)
-        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta)
+        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta, self.yarn)
         q = apply_rotary(q, cos, sin).transpose(1, 2)  # (B, Hq, S, D)
         k = apply_rotary(k, cos, sin).transpose(1, 2)  # (B, Hkv, S, D)
         v = v.transpose(1, 2)  # (B, Hkv, S, D)

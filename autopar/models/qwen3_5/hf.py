@@ -97,7 +97,7 @@ def qwen3_5_args(fields: ConfigFields, rope: ConfigFields, moe: bool) -> dict[st
             num_experts=fields.int("num_experts"),
             num_experts_per_tok=fields.int("num_experts_per_tok"),
             moe_intermediate_size=fields.int("moe_intermediate_size"),
-            shared_expert_intermediate_size=fields.int("shared_expert_intermediate_size", 0, minimum=0),
+            shared_expert_intermediate_size=fields.int("shared_expert_intermediate_size", 512, minimum=0),
             norm_topk_prob=True,
             router_aux_loss_coef=fields.float("router_aux_loss_coef", 0.001, zero_ok=True),
         )
