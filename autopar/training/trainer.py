@@ -532,8 +532,8 @@ class Trainer:
         if not self.world.is_main:
             return out
         dtype = DTYPES[checkpoint.export_dtype]
+        source = checkpoint.initial_load_path if checkpoint.initial_load_in_hf else None
         if not lora.enable:
-            source = checkpoint.initial_load_path if checkpoint.initial_load_in_hf else None
             self._write_export(ckpt, out, lambda folder: export_hf(ckpt, self.args, folder, dtype, source))
             return out
         adapters = saved_adapters(ckpt)
@@ -544,7 +544,9 @@ class Trainer:
             merged = out.with_name(f"{out.name}-merged")
             base = self._base_tensors()
             self._write_export(
-                ckpt, merged, lambda folder: export_merged(adapters, base, self.args, lora, folder, dtype)
+                ckpt,
+                merged,
+                lambda folder: export_merged(adapters, base, self.args, lora, folder, dtype, source),
             )
         return out
 
