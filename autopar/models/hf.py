@@ -21,6 +21,7 @@ from autopar.models.family import build_model
 from autopar.models.hf_config import CONFIG_FILE, HFCheckpointError, hf_config_from_args, read_hf_config
 from autopar.models.hf_files import (
     SINGLE_FILE,
+    check_folder,
     open_safetensors,
     shard_file,
     tensor_files,
@@ -145,6 +146,7 @@ def from_hf(
     """Load an HF Qwen2.5 / Qwen3 / Qwen3.5 checkpoint directory (a Qwen3.5 vision-language
     one too: its text model) as a ``Qwen`` module. ``dtype=None`` keeps the checkpoint's dtype.
     """
+    check_folder(Path(path))
     args = read_hf_config(path)
     tensors = HFTensors(path, args)
     if dtype is None:

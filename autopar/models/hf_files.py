@@ -33,19 +33,32 @@ def open_safetensors(file: Path) -> Iterator[Any]:
         yield f
 
 
-def tensor_files(path: Path) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file of the folder ``path`` that holds it, from the
-    index if there is one (every shard checked to hold what the index says), else from
-    ``model.safetensors``."""
+def check_folder(path: Path) -> None:
+    """``path`` is a folder (an HF model is one: config.json beside its safetensors)."""
     if path.is_file():
         raise HFCheckpointError(
             f"{path}: a file, not a folder; name the model's folder (the one holding config.json "
             f"and the safetensors, here {path.parent})"
         )
+    if not path.is_dir():
+        raise HFCheckpointError(f"{path}: no such folder; download the model there")
+
+
+def tensor_files(path: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file of the folder ``path`` that holds it, from the
+    index if there is one (every shard checked to hold what the index says), else from
+    ``model.safetensors``."""
+    check_folder(path)
     if (path / INDEX_FILE).is_file():
         return _indexed_files(path)
     single = path / SINGLE_FILE
     if not single.is_file():
+        if any(path.glob("*.bin")):
+            raise HFCheckpointError(
+                f"{path}: holds PyTorch .bin weights, no {SINGLE_FILE} or {INDEX_FILE}; autopar reads "
+                "safetensors: download the model's safetensors, or convert with transformers "
+                "(from_pretrained, then save_pretrained)"
+            )
         raise HFCheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found; {_REDOWNLOAD}")
     with open_safetensors(single) as f:
         return dict.fromkeys(f.keys(), single)
@@ -87,11 +100,16 @@ def _weight_map(index: Path) -> dict[str, str]:
         raise HFCheckpointError(
             f"{index}: not an index with a weight_map ({type(err).__name__}: {err}); {_REDOWNLOAD}"
         ) from None
-    if not isinstance(weight_map, Mapping) or not all(isinstance(v, str) for v in weight_map.values()):
+    if not isinstance(weight_map, Mapping):
         raise HFCheckpointError(
-            f"{index}: weight_map must map each tensor name to its shard file, found "
-            f"{type(weight_map).__name__} {str(weight_map)[:60]}; {_REDOWNLOAD}"
+            f"{index}: weight_map is a {type(weight_map).__name__}, not an object mapping each tensor "
+            f"name to its shard file; {_REDOWNLOAD}"
         )
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise HFCheckpointError(
+                f"{index}: weight_map[{name!r}] is {shard!r}, not a shard file name; {_REDOWNLOAD}"
+            )
     return dict(weight_map)
 
 
