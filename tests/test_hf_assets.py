@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 
 import pytest
 
@@ -14,7 +15,7 @@ from autopar.data import ByteTokenizer, build_tokenizer
 from autopar.data.tokens import BUILTIN_DATASETS, load_tokens
 from autopar.training.resolve import model_args, parse_job, tokenizer_path
 
-from jobs import TINY_MODEL, one_process_trainer, write_tiny_hf_folder
+from jobs import TINY_FLAGS, TINY_MODEL, one_process_trainer, tiny_job, write_tiny_hf_folder
 
 HF_ARGS = {**TINY_MODEL, "max_position_embeddings": 1234, "rope_theta": 500000.0}
 
@@ -126,3 +127,122 @@ def test_the_readme_hf_finetune_preset_takes_an_hf_folder_in_and_gives_one_back(
     assert job.checkpoint.initial_load_in_hf and job.checkpoint.last_save_in_hf
     one_process_trainer(job).train()
     assert (tmp_path / "hf" / "step-2" / "model.safetensors").is_file()
+
+
+def _index(folder) -> dict:
+    return json.loads((folder / "model.safetensors.index.json").read_text())
+
+
+def _rewrite_index(folder, change) -> None:
+    index = _index(folder)
+    change(index)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _shard_of(folder, name: str = "model.norm.weight") -> str:
+    return _index(folder)["weight_map"][name]
+
+
+def _point_norm_at_another_shard(folder) -> None:
+    other = _shard_of(folder, "model.embed_tokens.weight")
+    _rewrite_index(folder, lambda i: i["weight_map"].update({"model.norm.weight": other}))
+
+
+def _shard_outside(folder, outside: str) -> None:
+    shard = _shard_of(folder)
+    shutil.copyfile(folder / shard, folder.parent / shard)  # a real file there: it must not be read
+    target = f"../{shard}" if outside == "dotdot" else str(folder.parent / shard)
+    _rewrite_index(folder, lambda i: i["weight_map"].update({"model.norm.weight": target}))
+
+
+def _truncate(folder) -> None:
+    shard = folder / _shard_of(folder)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+
+
+DAMAGED_FOLDERS = {
+    "index names a shard that lacks the tensor": (
+        _point_norm_at_another_shard,
+        "model.safetensors.index.json: names model-0000",
+        "for 'model.norm.weight', but that file does not hold it",
+    ),
+    "index shard path with ../": (
+        lambda f: _shard_outside(f, "dotdot"),
+        "model.safetensors.index.json: shard '../model-",
+        "is outside the model's folder",
+    ),
+    "index shard path absolute": (
+        lambda f: _shard_outside(f, "absolute"),
+        "model.safetensors.index.json: shard '/",
+        "is outside the model's folder",
+    ),
+    "missing shard": (
+        lambda f: (f / _shard_of(f)).unlink(),
+        "model.safetensors.index.json: shard 'model-0000",
+        "is not in",
+    ),
+    "weight_map a list": (
+        lambda f: _rewrite_index(f, lambda i: i.update(weight_map=list(i["weight_map"]))),
+        "model.safetensors.index.json: weight_map is a list, not an object",
+        "download the model again",
+    ),
+    "weight_map entry not a file name": (
+        lambda f: _rewrite_index(f, lambda i: i["weight_map"].update({"model.norm.weight": 3})),
+        "model.safetensors.index.json: weight_map['model.norm.weight'] is 3, not a shard file name",
+        "download the model again",
+    ),
+    "truncated shard": (
+        _truncate,
+        ".safetensors: not a readable safetensors file",
+        "download the model again",
+    ),
+    "pytorch .bin weights only": (
+        lambda f: [p.unlink() for p in f.glob("model*")] + [(f / "pytorch_model.bin").write_bytes(b"")],
+        "holds PyTorch .bin weights",
+        "autopar reads safetensors",
+    ),
+}
+"""A sharded HF folder as downloads and hands damage it, each once."""
+
+
+@pytest.mark.parametrize("case", DAMAGED_FOLDERS, ids=list(DAMAGED_FOLDERS))
+def test_a_damaged_hf_folder_is_one_line_naming_its_file_and_the_fix(case, tmp_path, capsys):
+    from autopar.cli.train import main as train_main
+    from autopar.models import Qwen, save_hf
+
+    damage, where, fix = DAMAGED_FOLDERS[case]
+    folder = tmp_path / "model"
+    model = Qwen(model_args(tiny_job(tmp_path / "unused")))
+    model.init_weights()
+    save_hf(dict(model.named_parameters()), model.args, folder, max_shard_bytes=60_000)
+    damage(folder)
+    code = train_main(
+        [
+            *("--job.config", "train_configs/debug_model.toml", *TINY_FLAGS, "--training.steps", "2"),
+            *("--job.dump_folder", str(tmp_path / "out"), "--checkpoint.initial_load_path", str(folder)),
+            *("--checkpoint.initial_load_in_hf", "true"),
+        ]
+    )
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines[-20:]
+    assert lines[0].startswith(f"config error: checkpoint.initial_load_path: {folder}")
+    assert where in lines[0] and fix in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_hf_assets_path_naming_a_file_is_one_line_naming_its_folder(hf_folder):
+    folder, _ = hf_folder
+    with pytest.raises(
+        ConfigError, match=rf"config.json' is a file; name the model's folder \(here {folder}\)"
+    ):
+        model_args(hf_job(folder / "config.json"))
+
+
+def test_from_hf_given_a_file_names_its_folder(hf_folder):
+    from autopar.models import HFCheckpointError, from_hf
+
+    folder, _ = hf_folder
+    with pytest.raises(
+        HFCheckpointError, match=rf"model.safetensors: a file, not a folder; .* here {folder}\)"
+    ):
+        from_hf(folder / "model.safetensors")

@@ -7,21 +7,26 @@ embedding, so a silently untied checkpoint cannot load as tied.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from autopar.models.args import ModelArgs
 from autopar.models.family import build_model
 from autopar.models.hf_config import CONFIG_FILE, HFCheckpointError, hf_config_from_args, read_hf_config
+from autopar.models.hf_files import (
+    SINGLE_FILE,
+    check_folder,
+    open_safetensors,
+    shard_file,
+    tensor_files,
+    write_index,
+)
 from autopar.models.hf_layout import HFLayout, Piece
 from autopar.models.hf_names import (
     PASSED_THROUGH,
@@ -33,46 +38,12 @@ from autopar.models.hf_names import (
 )
 from autopar.models.qwen import Qwen
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 """The safetensors dtypes of weights autopar loads (as safetensors names them)."""
 
 
-@contextlib.contextmanager
-def _open(file: Path) -> Iterator[Any]:
-    """``safe_open`` whose failure names the file (a truncated download fails here, at its header)."""
-    try:
-        handle = safe_open(file, framework="pt")
-    except SafetensorError as err:
-        raise HFCheckpointError(
-            f"{file}: not a readable safetensors file ({err}); the download is incomplete or damaged"
-        ) from None
-    with handle as f:
-        yield f
-
-
-def _tensor_files(path: Path) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file holding it."""
-    if (path / INDEX_FILE).is_file():
-        try:
-            weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise HFCheckpointError(f"{path / INDEX_FILE}: not an index with a weight_map ({err})") from None
-        files = {name: path / file for name, file in weight_map.items()}
-        for file in set(files.values()):
-            if not file.is_file():
-                raise HFCheckpointError(f"{file}: listed in {INDEX_FILE} but not found")
-        return files
-    single = path / SINGLE_FILE
-    if not single.is_file():
-        raise HFCheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
-    with _open(single) as f:
-        return dict.fromkeys(f.keys(), single)
-
-
 def _read(file: Path, hf_name: str) -> torch.Tensor:
-    with _open(file) as f:
+    with open_safetensors(file) as f:
         return f.get_tensor(hf_name)
 
 
@@ -89,7 +60,7 @@ def _expected_shapes(pieces: Iterable[Piece]) -> dict[str, tuple[int, ...]]:
 
 
 def _read_piece(file: Path, piece: Piece) -> torch.Tensor:
-    with _open(file) as f:
+    with open_safetensors(file) as f:
         if piece.part is None:
             return f.get_tensor(piece.hf_name)
         dim, start, stop = piece.part
@@ -104,7 +75,7 @@ class HFTensors(Mapping[str, torch.Tensor]):
 
     def __init__(self, path: str | Path, args: ModelArgs) -> None:
         path = Path(path)
-        files = _tensor_files(path)
+        files = tensor_files(path)
         self.layout = detect_layout(files)
         params = _meta_params(args)
         ours = {n: hf_pieces(args, n, tuple(p.shape), self.layout) for n, p in params.items()}
@@ -122,7 +93,7 @@ class HFTensors(Mapping[str, torch.Tensor]):
                 f"{extra[0]!r}; the config.json does not describe these weights"
             )
         for hf_name, shape in expected.items():
-            with _open(files[hf_name]) as f:
+            with open_safetensors(files[hf_name]) as f:
                 piece = f.get_slice(hf_name)
                 found, dtype = tuple(piece.get_shape()), piece.get_dtype()
             if found != shape:
@@ -151,7 +122,7 @@ class HFTensors(Mapping[str, torch.Tensor]):
             return _read_piece(*pieces[0])
         parts: dict[str, torch.Tensor] = {}
         for file in dict.fromkeys(file for file, _ in pieces):  # each file opened once
-            with _open(file) as f:
+            with open_safetensors(file) as f:
                 parts.update({p.hf_name: f.get_tensor(p.hf_name) for where, p in pieces if where == file})
         return torch.stack([parts[p.hf_name] for _, p in pieces])
 
@@ -175,6 +146,7 @@ def from_hf(
     """Load an HF Qwen2.5 / Qwen3 / Qwen3.5 checkpoint directory (a Qwen3.5 vision-language
     one too: its text model) as a ``Qwen`` module. ``dtype=None`` keeps the checkpoint's dtype.
     """
+    check_folder(Path(path))
     args = read_hf_config(path)
     tensors = HFTensors(path, args)
     if dtype is None:
@@ -236,55 +208,89 @@ def save_hf_streaming(
     groups = _shard_groups(sizes, hf_names, max_shard_bytes)
     weight_map = {}
     for i, group in enumerate(groups, start=1):
-        file = SINGLE_FILE if len(groups) == 1 else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        file = SINGLE_FILE if len(groups) == 1 else shard_file(i, len(groups))
         tensors = load(group)
         parts = [part for n in group for part in hf_tensors(args, n, tensors[n], hf_layout)]
         shard = {hf_name: t.detach().contiguous().cpu() for hf_name, t in join_parts(parts).items()}
         save_file(shard, str(path / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file))
     if len(groups) > 1:
-        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
-        (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        write_index(path, weight_map)
     dtype = names["embed_tokens.weight"][1]
     (path / CONFIG_FILE).write_text(json.dumps(hf_config_from_args(args, dtype), indent=2) + "\n")
 
 
+def save_hf_like(
+    layout: Mapping[str, tuple[torch.Size, torch.dtype]],
+    load: Callable[[list[str]], Mapping[str, torch.Tensor]],
+    args: ModelArgs,
+    path: str | Path,
+    source: str | Path | None,
+    max_shard_bytes: int = 5 * 2**30,
+) -> None:
+    """``save_hf_streaming`` in the layout of ``source`` (the HF folder the run started from;
+    None: the text model's own): from a vision-language source, its vision tower, MTP head
+    and config.json come along, and the folder loads and serves as the whole model did."""
+    hf_layout = checkpoint_layout(source) if source is not None else HFLayout()
+    save_hf_streaming(layout, load, args, path, max_shard_bytes, hf_layout)
+    if hf_layout.vision_language:
+        carry_through(source, path)
+
+
 def checkpoint_layout(path: str | Path) -> HFLayout:
     """Where the tensors of the HF checkpoint folder ``path`` sit."""
-    return detect_layout(_tensor_files(Path(path)))
+    return detect_layout(tensor_files(Path(path)))
 
 
 def carry_through(source: str | Path, out: str | Path) -> list[str]:
     """Make ``out``, a text model exported in the vision-language layout of ``source``, the
     source's whole model again: the tensors text training leaves alone (vision tower, MTP
-    head) copied unchanged, one source file at a time, into shards of their own beside the
-    text model's, and the source's config.json. Returns the names of the tensors carried."""
+    head) copied unchanged, one source file at a time, into shards numbered after the text
+    model's, and the source's config.json in the text model's dtype. Returns the names of
+    the tensors carried."""
     source, out = Path(source), Path(out)
-    files = _tensor_files(source)
+    files = tensor_files(source)
     carried: dict[Path, list[str]] = {}
     for name in sorted(n for n in files if n.startswith(PASSED_THROUGH)):
         carried.setdefault(files[name], []).append(name)
     if carried:
-        _add_shards(out, carried)
-    shutil.copyfile(source / CONFIG_FILE, out / CONFIG_FILE)
+        _add_shards(out, list(carried.items()))
+    _copy_config(source, out)
     return [n for names in carried.values() for n in names]
 
 
-def _add_shards(out: Path, carried: dict[Path, list[str]]) -> None:
-    """Copy the named tensors of each source file into a shard of ``out`` and its index."""
-    index_path = out / INDEX_FILE
-    if index_path.is_file():
-        index = json.loads(index_path.read_text())
-    else:
-        with _open(out / SINGLE_FILE) as f:
-            index = {"metadata": {}, "weight_map": dict.fromkeys(f.keys(), SINGLE_FILE)}
-    for i, (file, names) in enumerate(carried.items(), start=1):
-        shard = f"model-carried-{i:05d}.safetensors"
-        with _open(file) as f:
-            save_file({n: f.get_tensor(n) for n in names}, str(out / shard), metadata={"format": "pt"})
-        index["weight_map"].update(dict.fromkeys(names, shard))
-    index["metadata"].pop("total_size", None)  # no longer the text model's sum; transformers needs none
-    index_path.write_text(json.dumps(index, indent=2) + "\n")
+def _add_shards(out: Path, carried: list[tuple[Path, list[str]]]) -> None:
+    """One scheme for the whole folder, as transformers reads it (a ``model.safetensors``
+    beside an index is read alone): the text model's files renamed to the first of
+    ``model-0000k-of-0000n`` shards (renaming never rewrites a tensor), each source file's
+    carried tensors one more, and an index naming every tensor."""
+    by_file: dict[str, list[str]] = {}
+    for name, file in tensor_files(out).items():
+        by_file.setdefault(file.name, []).append(name)
+    written = sorted(by_file.items())
+    count = len(written) + len(carried)
+    weight_map: dict[str, str] = {}
+    for k, (file, names) in enumerate(written, start=1):
+        (out / file).rename(out / shard_file(k, count))  # "-of-{count}" is new: no name is taken
+        weight_map.update(dict.fromkeys(names, shard_file(k, count)))
+    for k, (source_file, names) in enumerate(carried, start=len(written) + 1):
+        with open_safetensors(source_file) as f:
+            tensors = {n: f.get_tensor(n) for n in names}
+        save_file(tensors, str(out / shard_file(k, count)), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, shard_file(k, count)))
+    write_index(out, weight_map)
+
+
+def _copy_config(source: Path, out: Path) -> None:
+    """The source's config.json, its dtype the exported text model's: transformers loads in
+    the config's dtype, so a bf16 source's would round an fp32 export."""
+    dtype = json.loads((out / CONFIG_FILE).read_text())["dtype"]
+    config = json.loads((source / CONFIG_FILE).read_text())
+    config["dtype"] = dtype
+    for section in (config, config.get("text_config")):
+        if isinstance(section, dict):
+            section.update({k: dtype for k in ("dtype", "torch_dtype") if k in section})
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
 
 ASSET_FILES = (

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from autopar.config.sections import LoRA
 from autopar.models.args import ModelArgs
 from autopar.models.family import build_model, family_of
-from autopar.models.hf import save_hf_streaming
+from autopar.models.hf import save_hf_like
 from autopar.models.hf_names import to_hf_name
 from autopar.training.dcp_state import read_model_tensors
 
@@ -169,9 +169,11 @@ def export_merged(
     cfg: LoRA,
     out_dir: str | Path,
     dtype: torch.dtype,
+    source: str | Path | None = None,
 ) -> None:
-    """Write base + alpha / rank * B @ A for every adapted linear as a plain HF folder, one
-    safetensors shard in memory at a time."""
+    """Write base + alpha / rank * B @ A for every adapted linear as an HF folder, one
+    safetensors shard in memory at a time, in the layout of ``source`` (the HF folder the
+    base came from): a vision-language source's vision tower and MTP head come along."""
     with torch.device("meta"):
         layout = {n: (p.shape, dtype) for n, p in build_model(args).named_parameters()}
     scaling = cfg.alpha / cfg.rank
@@ -184,7 +186,7 @@ def export_merged(
             merged[name] = (tensor if update is None else tensor + scaling * update).to(dtype)
         return merged
 
-    save_hf_streaming(layout, load, args, out_dir)
+    save_hf_like(layout, load, args, out_dir, source)
 
 
 def low_rank_update(name: str, adapters: Mapping[str, torch.Tensor]) -> torch.Tensor | None:

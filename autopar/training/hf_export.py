@@ -60,8 +60,8 @@ def export_run(
     ``initial_values`` gives when the run did not start from a DCP folder)."""
     checkpoint, lora = job.checkpoint, job.lora
     dtype = DTYPES[checkpoint.export_dtype]
+    source = checkpoint.initial_load_path if checkpoint.initial_load_in_hf else None
     if not lora.enable:
-        source = checkpoint.initial_load_path if checkpoint.initial_load_in_hf else None
         write_export(job, ckpt, out, lambda folder: export_hf(ckpt, args, folder, dtype, source))
         return
     adapters = saved_adapters(ckpt)
@@ -72,7 +72,7 @@ def export_run(
         merged = out.with_name(f"{out.name}-merged")
         base = base_tensors(job, initial_values)
         write_export(
-            job, ckpt, merged, lambda folder: export_merged(adapters, base, args, lora, folder, dtype)
+            job, ckpt, merged, lambda folder: export_merged(adapters, base, args, lora, folder, dtype, source)
         )
 
 

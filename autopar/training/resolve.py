@@ -55,6 +55,11 @@ def model_args(job: JobConfig) -> ModelArgs:
     model = job.model
     if model.hf_assets_path is None:
         return _flavor_args(job)
+    if Path(model.hf_assets_path).is_file():
+        raise ConfigError(
+            f"model.hf_assets_path={model.hf_assets_path!r} is a file; name the model's folder (here "
+            f"{Path(model.hf_assets_path).parent}), or give a tokenizer.json as model.tokenizer_path"
+        )
     if not Path(model.hf_assets_path).is_dir():
         name = Path(model.hf_assets_path).name
         raise ConfigError(
