@@ -21,6 +21,7 @@ fills ``max_length``; autopar refuses it with one line naming the row.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,6 +31,7 @@ from autopar.data.chat import ChatFormat, _tokenizer
 from autopar.data.chat_template import _compiled, template_text, tokenizer_config, with_reasoning_aliases
 from autopar.data.errors import DataError
 from autopar.data.preference_records import PreferenceRecord, read_preferences
+from autopar.data.tokenizer import tokenizer_file
 
 PREFERENCE_EXAMPLE = Path(__file__).parent / "preference_example" / "pairs.jsonl"
 """300 short plain pairs (count, count down, repeat, spell) where chosen follows the rule and
@@ -108,7 +110,7 @@ class PairEncoder:
 
     def _text_ids(self, record: PreferenceRecord) -> tuple[list[int], list[int], list[int]]:
         eos = self.eos_token()
-        tokenizer = _tokenizer(self.tokenizer_path)
+        tokenizer = _text_tokenizer(self.tokenizer_path)
         texts = [record.prompt] + [
             c if c.endswith(eos) else c + eos for c in (record.chosen, record.rejected)
         ]
@@ -155,6 +157,18 @@ class PairEncoder:
         if isinstance(value, dict):
             value = value.get("content")
         return value if isinstance(value, str) else None
+
+
+@lru_cache(maxsize=4)
+def _text_tokenizer(path: str) -> Any:
+    """The tokenizer plain records are encoded with (no chat specials needed)."""
+    from tokenizers import Tokenizer
+
+    file = tokenizer_file(path)
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as err:  # the library raises a bare Exception for unreadable files
+        raise DataError(f"{file}: not a readable HF tokenizer.json ({err})") from None
 
 
 def shared_prefix(ids: list[int], other: list[int]) -> int:

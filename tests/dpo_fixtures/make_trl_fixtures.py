@@ -271,16 +271,31 @@ def token_ids(records: list[dict[str, Any]], processing: Any) -> list[dict[str, 
     ]
 
 
+def recording(model: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Record the (chosen, rejected) summed completion log-probs of every forward of ``model``:
+    the very numbers ``compute_loss`` uses. (Calling ``compute_ref_log_probs`` with the policy
+    instead gives log-probs ~3e-4 off on CPU, a path the loss never takes.)"""
+    found: list[tuple[torch.Tensor, torch.Tensor]] = []
+    forward = model.forward
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        out = forward(*args, **kwargs)
+        found.append(out.log_probs.detach().sum(dim=1).chunk(2))
+        return out
+
+    model.forward = recorded
+    return found
+
+
 def loss_fixture(records: list[dict[str, Any]], loss: dict[str, Any], processing: Any) -> dict[str, Any]:
     """TRL's loss, metrics and per-sequence log-probs on one batch of all records, in order."""
     built = trainer(records, loss, processing)
     rows = list(built.train_dataset)
     batch = built._prepare_inputs(built.data_collator(rows))
+    policy, reference = recording(built.model), recording(built.ref_model)
     built.model.train()
     loss_value = built.compute_loss(built.model, batch)
-    with torch.no_grad():
-        policy = built.compute_ref_log_probs(built.model, batch)
-        reference = built.compute_ref_log_probs(built.ref_model, batch)
+    (policy_chosen, policy_rejected), (reference_chosen, reference_rejected) = policy[0], reference[0]
     fixture = {
         "name": loss["name"],
         "dpo_config": config_fields(built.args),
@@ -288,10 +303,10 @@ def loss_fixture(records: list[dict[str, Any]], loss: dict[str, Any], processing
         "loss": loss_value.item(),
         "metrics": {k: v[-1] for k, v in built._metrics["train"].items()},
         "logps": {
-            "policy_chosen": policy[0].tolist(),
-            "policy_rejected": policy[1].tolist(),
-            "reference_chosen": reference[0].tolist(),
-            "reference_rejected": reference[1].tolist(),
+            "policy_chosen": policy_chosen.tolist(),
+            "policy_rejected": policy_rejected.tolist(),
+            "reference_chosen": reference_chosen.tolist(),
+            "reference_rejected": reference_rejected.tolist(),
         },
     }
     if loss["name"] in BATCH_KEPT:
