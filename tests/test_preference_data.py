@@ -148,6 +148,7 @@ ANSWER = [{"role": "assistant", "content": "Hello"}]
             r':1: "tools" is a string but not JSON',
         ),
         ({"prompt": "a", "chosen": ANSWER, "rejected": ANSWER}, r':1: "prompt" must be lists of messages'),
+        ({"prompt": [], "chosen": ANSWER, "rejected": ANSWER}, r':1, "prompt": an empty list of messages'),
         (
             {"prompt": "a", "chosen": "b", "rejected": ANSWER},
             r':1: "chosen" and "rejected" must both be text',

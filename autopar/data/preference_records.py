@@ -119,6 +119,10 @@ def parse_preference(record: Any, where: str) -> PreferenceRecord:
         prompt, chosen, rejected = extract_prompt(chosen, rejected, where)
     else:
         prompt = _text(prompt, f'{where}, "prompt"')
+        if prompt == []:
+            raise DataError(
+                f'{where}, "prompt": an empty list of messages; give the turns before the answers'
+            )
         if type(prompt) is not type(chosen):
             kind = "text" if isinstance(chosen, str) else "lists of messages"
             raise DataError(f'{where}: "prompt" must be {kind} as "chosen" and "rejected" are')
