@@ -205,6 +205,7 @@ def dpo_config(loss: dict[str, Any], batch_size: int) -> DPOConfig:
         output_dir=str(HERE / "_trl_output"),
         per_device_train_batch_size=batch_size,
         padding_free=False,
+        bf16=False,  # DPOConfig's default is True: bf16 autocast on CPU too
         precompute_ref_log_probs=False,
         report_to="none",
         use_cpu=True,
@@ -230,6 +231,7 @@ def config_fields(config: DPOConfig) -> dict[str, Any]:
         "use_weighting",
         "pad_to_multiple_of",
         "disable_dropout",
+        "bf16",
     ]
     return {name: getattr(config, name) for name in names}
 
@@ -273,8 +275,7 @@ def token_ids(records: list[dict[str, Any]], processing: Any) -> list[dict[str, 
 
 def recording(model: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Record the (chosen, rejected) summed completion log-probs of every forward of ``model``:
-    the very numbers ``compute_loss`` uses. (Calling ``compute_ref_log_probs`` with the policy
-    instead gives log-probs ~3e-4 off on CPU, a path the loss never takes.)"""
+    the very numbers ``compute_loss`` uses."""
     found: list[tuple[torch.Tensor, torch.Tensor]] = []
     forward = model.forward
 
