@@ -354,11 +354,11 @@ REFUSED = {
     ),
     "lone surrogate in tools written as JSON": (
         {"messages": CHAT, "tools": json.dumps([{"function": {"name": "f", "description": "\ud800"}}])},
-        r'"tools": character 0 is a lone surrogate',
+        r"tools\[0\].function.description: character 0 is a lone surrogate",
     ),
     "lone surrogate": (
         {"messages": [CHAT[0], {"role": "user", "content": "broken \ud800 text"}, CHAT[2]]},
-        r"character 7 is a lone surrogate \('\\ud800'\), not valid Unicode",
+        r"messages\[1\].content: character 7 is a lone surrogate \('\\ud800'\), not valid Unicode",
     ),
 }
 

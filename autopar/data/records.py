@@ -118,7 +118,7 @@ def _function_call(value: Any, where: str) -> dict[str, Any]:
             f"{where}.value is not JSON ({getattr(err, 'msg', err)}); a function_call holds the call "
             '({"name": ..., "arguments": {...}}) as JSON'
         ) from None
-    check_unicode(calls, f"{where}.value")  # JSON's escapes may write a lone surrogate
+    check_unicode(calls, where, "value")  # JSON's escapes may write a lone surrogate
     tool_calls = [
         {"type": "function", "function": call} for call in (calls if isinstance(calls, list) else [calls])
     ]
@@ -179,7 +179,7 @@ def _tools(record: dict[str, Any], where: str) -> list[dict[str, Any]] | None:
             raise DataError(
                 f'{where}: "tools" is a string but not JSON ({getattr(err, "msg", err)})'
             ) from None
-        check_unicode(tools, f'{where}: "tools"')  # JSON's escapes may write a lone surrogate
+        check_unicode(tools, where, "tools")  # JSON's escapes may write a lone surrogate
     if tools is None:
         return None
     if isinstance(tools, list):
