@@ -287,7 +287,7 @@ def test_special_tokens_in_tool_calls_and_tools_are_text_too():
 REFUSED = {
     "image part": (
         {"messages": [{"role": "user", "content": [{"type": "image", "image": "cat.png"}]}, CHAT[2]]},
-        r"messages\[0\].content\[0\] is image part: autopar trains text models on text only",
+        r"messages\[0\].content\[0\] is 'image' content: autopar trains text models on text only",
     ),
     "image_url part": (
         {
@@ -296,7 +296,7 @@ REFUSED = {
                 CHAT[2],
             ]
         },
-        r"messages\[0\].content\[0\] is image_url part",
+        r"messages\[0\].content\[0\] is 'image_url' content",
     ),
     "unknown part": (
         {"messages": [{"role": "user", "content": [{"type": "text"}]}, CHAT[2]]},

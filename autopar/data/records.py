@@ -53,7 +53,7 @@ def _content_parts(parts: list[Any], where: str) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if isinstance(part, dict) and (kind in MEDIA_PARTS or any(m in part for m in MEDIA_PARTS)):
             raise DataError(
-                f"{where}[{k}] is {kind or 'an image or video'} part: autopar trains text models on "
+                f"{where}[{k}] is {kind or 'image or video'!r} content: autopar trains text models on "
                 "text only; drop the conversations that hold images (or their media parts)"
             )
         if not isinstance(part, dict) or not isinstance(part.get("text"), str):
