@@ -287,7 +287,7 @@ def test_special_tokens_in_tool_calls_and_tools_are_text_too():
 REFUSED = {
     "image part": (
         {"messages": [{"role": "user", "content": [{"type": "image", "image": "cat.png"}]}, CHAT[2]]},
-        r"messages\[0\].content\[0\] is image part: autopar trains text models on text only",
+        r"messages\[0\].content\[0\] is 'image' content: autopar trains text models on text only",
     ),
     "image_url part": (
         {
@@ -296,7 +296,7 @@ REFUSED = {
                 CHAT[2],
             ]
         },
-        r"messages\[0\].content\[0\] is image_url part",
+        r"messages\[0\].content\[0\] is 'image_url' content",
     ),
     "unknown part": (
         {"messages": [{"role": "user", "content": [{"type": "text"}]}, CHAT[2]]},
@@ -354,11 +354,11 @@ REFUSED = {
     ),
     "lone surrogate in tools written as JSON": (
         {"messages": CHAT, "tools": json.dumps([{"function": {"name": "f", "description": "\ud800"}}])},
-        r'"tools": character 0 is a lone surrogate',
+        r"tools\[0\].function.description: character 0 is a lone surrogate",
     ),
     "lone surrogate": (
         {"messages": [CHAT[0], {"role": "user", "content": "broken \ud800 text"}, CHAT[2]]},
-        r"character 7 is a lone surrogate \('\\ud800'\), not valid Unicode",
+        r"messages\[1\].content: character 7 is a lone surrogate \('\\ud800'\), not valid Unicode",
     ),
 }
 

@@ -53,7 +53,7 @@ def _content_parts(parts: list[Any], where: str) -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if isinstance(part, dict) and (kind in MEDIA_PARTS or any(m in part for m in MEDIA_PARTS)):
             raise DataError(
-                f"{where}[{k}] is {kind or 'an image or video'} part: autopar trains text models on "
+                f"{where}[{k}] is {kind or 'image or video'!r} content: autopar trains text models on "
                 "text only; drop the conversations that hold images (or their media parts)"
             )
         if not isinstance(part, dict) or not isinstance(part.get("text"), str):
@@ -118,7 +118,7 @@ def _function_call(value: Any, where: str) -> dict[str, Any]:
             f"{where}.value is not JSON ({getattr(err, 'msg', err)}); a function_call holds the call "
             '({"name": ..., "arguments": {...}}) as JSON'
         ) from None
-    check_unicode(calls, f"{where}.value")  # JSON's escapes may write a lone surrogate
+    check_unicode(calls, where, "value")  # JSON's escapes may write a lone surrogate
     tool_calls = [
         {"type": "function", "function": call} for call in (calls if isinstance(calls, list) else [calls])
     ]
@@ -179,7 +179,7 @@ def _tools(record: dict[str, Any], where: str) -> list[dict[str, Any]] | None:
             raise DataError(
                 f'{where}: "tools" is a string but not JSON ({getattr(err, "msg", err)})'
             ) from None
-        check_unicode(tools, f'{where}: "tools"')  # JSON's escapes may write a lone surrogate
+        check_unicode(tools, where, "tools")  # JSON's escapes may write a lone surrogate
     if tools is None:
         return None
     if isinstance(tools, list):

@@ -1,7 +1,9 @@
 """Rows of Parquet files and ``datasets.save_to_disk`` folders, read a chunk at a time.
 
 A table dataset is a ``.parquet`` or ``.arrow`` file, a folder of them (the Hub's shards), or
-a folder ``datasets.save_to_disk`` wrote (``state.json`` naming Arrow stream files). A chunk is
+a folder ``datasets.save_to_disk`` wrote (``state.json`` naming Arrow stream files); of a
+folder of splits (a ``DatasetDict``, ``train/`` and ``test/``) one split is read (``splits.py``),
+and a folder of tables beside text or JSONL files is refused. A chunk is
 a Parquet row group (decoded when asked for, only the columns read) or an Arrow record batch
 (memory-mapped, as ``datasets`` itself reads them), so a file far larger than memory is read
 a chunk at a time. pyarrow alone reads both: ``datasets`` is not needed to train on what it
