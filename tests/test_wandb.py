@@ -66,6 +66,16 @@ def offline_records(run_file: Path) -> list[Any]:
     return records
 
 
+def run_files(folder: Path) -> list[Path]:
+    """The offline runs' files under ``folder``, oldest first, once W&B has written them out:
+    ``run.finish()`` returns before W&B's service has flushed the file (it was read with its
+    header alone about one time in four), so stop the service first."""
+    import wandb
+
+    wandb.teardown()
+    return sorted(folder.glob("wandb/offline-run-*/run-*.wandb"))
+
+
 def history(records: list[Any]) -> dict[int, dict[str, Any]]:
     """step -> the keys logged at it (W&B's own ``_runtime``, ``_timestamp`` left out)."""
     rows = {}
@@ -91,7 +101,7 @@ def test_an_offline_wandb_runs_history_equals_metrics_jsonl(tmp_path, monkeypatc
         *("--validation.dataset", "autopar_corpus", "--validation.steps", "1"),
     )
     one_process_trainer(job).train()  # finishes the W&B run as it closes metrics.jsonl
-    (run_file,) = dump.glob("wandb/offline-run-*/run-*.wandb")
+    (run_file,) = run_files(dump)
     records = offline_records(run_file)
 
     expected: dict[int, dict[str, Any]] = {}
@@ -126,7 +136,7 @@ def test_a_resumed_job_continues_its_wandb_run(tmp_path, monkeypatch):
     one_process_trainer(tiny_job(dump, *flags, "--training.steps", "4", "--checkpoint.interval", "2")).train()
     shutil.rmtree(dump / "checkpoint" / "step-4")  # as if killed after logging step 4, before saving it
     one_process_trainer(tiny_job(dump, *flags, "--training.steps", "4", "--checkpoint.interval", "2")).train()
-    first, second = sorted(dump.glob("wandb/offline-run-*/run-*.wandb"))
+    first, second = run_files(dump)
     assert first.name == second.name  # run-<id>.wandb: one W&B run
     assert sorted(history(offline_records(second))) == [3, 4]
 
@@ -139,7 +149,7 @@ def test_a_job_started_afresh_in_a_used_folder_starts_a_new_wandb_run(tmp_path, 
     flags = ("--metrics.log_freq", "1", "--metrics.enable_wandb", "true", "--training.steps", "2")
     one_process_trainer(tiny_job(dump, *flags)).train()
     one_process_trainer(tiny_job(dump, *flags, "--job.overwrite_dump_folder", "true")).train()
-    first, second = sorted(dump.glob("wandb/offline-run-*/run-*.wandb"))
+    first, second = run_files(dump)
     assert first.name != second.name
 
 
@@ -173,7 +183,7 @@ def test_the_run_goes_under_wandb_dir_when_it_is_set(tmp_path, monkeypatch):
     sink = WandbSink(job)
     sink.write({"step": 1, "loss": 2.5})
     sink.close()
-    assert len(list((tmp_path / "elsewhere").glob("wandb/offline-run-*/run-*.wandb"))) == 1
+    assert len(run_files(tmp_path / "elsewhere")) == 1
     assert not (dump / "wandb").exists()
     assert (dump / WANDB_RUN_ID).read_text().strip() == sink.run.id  # the id stays with the job
 
