@@ -9,6 +9,7 @@ import logging
 import shutil
 
 import pytest
+import torch
 
 from autopar.config import ConfigError
 from autopar.data import ByteTokenizer, build_tokenizer
@@ -246,3 +247,22 @@ def test_from_hf_given_a_file_names_its_folder(hf_folder):
         HFCheckpointError, match=rf"model.safetensors: a file, not a folder; .* here {folder}\)"
     ):
         from_hf(folder / "model.safetensors")
+
+
+def test_a_hub_cache_folder_of_links_to_its_blobs_loads(tmp_path):
+    """The hub cache's snapshot folders hold links into ``../../blobs``: a shard reached through
+    a link is inside the folder (only the index's own entries are held to it)."""
+    from autopar.models import Qwen, from_hf, save_hf
+
+    model = Qwen(model_args(tiny_job(tmp_path / "unused")))
+    model.init_weights()
+    save_hf(dict(model.named_parameters()), model.args, tmp_path / "written", max_shard_bytes=60_000)
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "abc123"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    for i, file in enumerate(sorted((tmp_path / "written").iterdir())):
+        shutil.move(file, blobs / f"blob{i}")
+        (snapshot / file.name).symlink_to(f"../../blobs/blob{i}")
+    loaded = from_hf(snapshot)
+    for name, param in model.named_parameters():
+        assert torch.equal(dict(loaded.named_parameters())[name], param), name
