@@ -203,3 +203,13 @@ def test_shipped_example_is_what_its_script_writes():
 def test_shipped_example_fits_the_debug_tokenizer_and_short_sequences():
     shipped = load_pairs(PREFERENCE_EXAMPLE, None, TOKENIZER, max_length=64, truncation="refuse")
     assert (len(shipped.pairs), shipped.identical, shipped.truncated) == (300, 0, 0)
+
+
+def test_plain_records_with_a_tokenizer_naming_no_eos_are_one_line(tmp_path):
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((CHATML_TOKENIZER / "tokenizer.json").read_bytes())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": None}))
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
+    with pytest.raises(DataError, match=r"tokenizer: tokenizer_config\.json names no eos_token"):
+        load_pairs(tmp_path / "pairs.jsonl", None, str(folder))
