@@ -213,3 +213,10 @@ def test_plain_records_with_a_tokenizer_naming_no_eos_are_one_line(tmp_path):
     (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
     with pytest.raises(DataError, match=r"tokenizer: tokenizer_config\.json names no eos_token"):
         load_pairs(tmp_path / "pairs.jsonl", None, str(folder))
+
+
+def test_tools_as_a_list_read_as_their_json_string(tmp_path):
+    record = json.loads((FIXTURES / "conversational.jsonl").read_text().splitlines()[2])
+    record["tools"] = json.loads(record["tools"])
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(record) + "\n")
+    assert ours("conversational", tmp_path / "pairs.jsonl") == trl_ids("conversational")["ids"][2:3]
