@@ -13,7 +13,8 @@ import pytest
 
 from autopar.data.chat import CHATML_TOKENIZER, ChatFormat
 from autopar.data.errors import DataError
-from autopar.data.preference import Pair, load_pairs, truncate
+from autopar.data.preference import PREFERENCE_EXAMPLE, Pair, load_pairs, truncate
+from autopar.data.preference_example import make_pairs
 from autopar.data.preference_records import extract_prompt
 
 FIXTURES = Path(__file__).parent / "dpo_fixtures"
@@ -192,3 +193,30 @@ def test_table_row_error_names_the_row_and_field(tmp_path):
     )
     with pytest.raises(DataError, match=r't\.parquet: row 1, "chosen": an empty completion'):
         load_pairs(tmp_path / "t.parquet", None, TOKENIZER)
+
+
+def test_shipped_example_is_what_its_script_writes():
+    lines = PREFERENCE_EXAMPLE.read_text().splitlines()
+    assert [json.loads(line) for line in lines] == make_pairs.pairs()
+
+
+def test_shipped_example_fits_the_debug_tokenizer_and_short_sequences():
+    shipped = load_pairs(PREFERENCE_EXAMPLE, None, TOKENIZER, max_length=64, truncation="refuse")
+    assert (len(shipped.pairs), shipped.identical, shipped.truncated) == (300, 0, 0)
+
+
+def test_plain_records_with_a_tokenizer_naming_no_eos_are_one_line(tmp_path):
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((CHATML_TOKENIZER / "tokenizer.json").read_bytes())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": None}))
+    (tmp_path / "pairs.jsonl").write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")
+    with pytest.raises(DataError, match=r"tokenizer: tokenizer_config\.json names no eos_token"):
+        load_pairs(tmp_path / "pairs.jsonl", None, str(folder))
+
+
+def test_tools_as_a_list_read_as_their_json_string(tmp_path):
+    record = json.loads((FIXTURES / "conversational.jsonl").read_text().splitlines()[2])
+    record["tools"] = json.loads(record["tools"])
+    (tmp_path / "pairs.jsonl").write_text(json.dumps(record) + "\n")
+    assert ours("conversational", tmp_path / "pairs.jsonl") == trl_ids("conversational")["ids"][2:3]

@@ -81,7 +81,11 @@ class PairEncoder:
     def __init__(self, tokenizer_path: str, chat: ChatFormat | None = None) -> None:
         self.tokenizer_path = str(tokenizer_path)
         self.chat = chat if chat is not None else ChatFormat(self.tokenizer_path)
-        self.config = tokenizer_config(self.tokenizer_path)
+        config = tokenizer_config(self.tokenizer_path)
+        self.specials = {
+            name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(config.get(name)))
+        }
+        """The tokenizer's special tokens by name, as transformers hands them to a template."""
         self._templates: dict[bool, str] = {}
 
     def __call__(self, record: PreferenceRecord, where: str) -> Pair:
@@ -98,10 +102,8 @@ class PairEncoder:
 
     def eos_token(self) -> str:
         """The text TRL appends to plain completions: the tokenizer's ``eos_token``."""
-        eos = self.config.get("eos_token")
-        if isinstance(eos, dict):  # an AddedToken written out
-            eos = eos.get("content")
-        if not isinstance(eos, str):
+        eos = self.specials.get("eos_token")
+        if eos is None:
             raise DataError(
                 f"{self.tokenizer_path}: tokenizer_config.json names no eos_token, which plain preference "
                 "completions end with; use the model's own tokenizer folder"
@@ -135,8 +137,7 @@ class PairEncoder:
         with_tools = record.tools is not None
         if with_tools not in self._templates:
             self._templates[with_tools] = template_text(self.tokenizer_path, self.chat.template, record.tools)
-        variables = {name: self._special(name) for name in SPECIAL_TOKEN_NAMES if self._special(name)}
-        variables.update(record.chat_template_kwargs or {})
+        variables = {**self.specials, **(record.chat_template_kwargs or {})}
         try:
             return _compiled(self._templates[with_tools]).render(
                 **{
@@ -152,11 +153,12 @@ class PairEncoder:
                 f"{where}: chat template failed on this record: {type(err).__name__}: {err}"
             ) from None
 
-    def _special(self, name: str) -> str | None:
-        value = self.config.get(name)
-        if isinstance(value, dict):
-            value = value.get("content")
-        return value if isinstance(value, str) else None
+
+def _token_text(value: Any) -> str | None:
+    """A special token of ``tokenizer_config.json``: a string, or an AddedToken written out."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 @lru_cache(maxsize=4)

@@ -2,9 +2,11 @@
 rejected one breaks it, for the DPO walk-through on the debug model.
 
 Four rules, in short English the debug tokenizer (``tokenizers/chatml``) covers: count up
-from a number, count down, repeat a phrase, spell a word. The rejected answer uses the same
-tokens in a wrong order (or one step off), so it is as long as the chosen one and only the
-rule tells them apart. Plain records (no chat template), so the sequences stay short.
+from a number, count down, repeat a phrase, spell a word. The rejected answer breaks the
+rule plainly (skips or sticks while counting, says another phrase, spells another word): the
+debug-sized Qwen3 from scratch, in TRL 1.16 (batch 8, lr 3e-3, beta 0.1, fp32), averaged
+rewards/accuracies 0.90 over steps 71-80, where rejected answers in the same tokens in another
+order reached 0.73. Plain records (no chat template), so the sequences stay short.
 Deterministic: ``python -m autopar.data.preference_example.make_pairs`` rewrites the same file.
 """
 
@@ -24,59 +26,47 @@ SPELLED = ("cat", "dog", "sun", "tree", "bird", "fish", "book", "rain", "milk", 
 PAIRS_PER_RULE = 75
 
 
-def shuffled(items: list[str], rng: random.Random) -> list[str]:
-    """The items in another order (never the same one)."""
-    out = list(items)
-    while out == items:
-        rng.shuffle(out)
-    return out
-
-
 def count_up(rng: random.Random) -> dict[str, str]:
     start, length = rng.randint(1, 60), rng.randint(4, 7)
-    numbers = [str(start + i) for i in range(length)]
-    return {
-        "prompt": f"Count from {start}:",
-        "chosen": " " + " ".join(numbers),
-        "rejected": _broken(numbers, rng),
-    }
+    return _count("Count from", start, 1, length, rng)
 
 
 def count_down(rng: random.Random) -> dict[str, str]:
-    start, length = rng.randint(10, 60), rng.randint(4, 7)
-    numbers = [str(start - i) for i in range(length)]
+    start, length = rng.randint(20, 90), rng.randint(4, 7)
+    return _count("Count down from", start, -1, length, rng)
+
+
+def _count(prompt: str, start: int, step: int, length: int, rng: random.Random) -> dict[str, str]:
+    """Chosen counts by ``step``; rejected starts right and then skips (two at a time) or
+    gets stuck (the same number again)."""
+    broken = 2 * step if rng.random() < 0.5 else 0
     return {
-        "prompt": f"Count down from {start}:",
-        "chosen": " " + " ".join(numbers),
-        "rejected": _broken(numbers, rng),
+        "prompt": f"{prompt} {start}:",
+        "chosen": _numbers(start, step, length),
+        "rejected": _numbers(start, broken, length),
     }
 
 
-def _broken(numbers: list[str], rng: random.Random) -> str:
-    """The count with its first number kept and the rest scrambled, or each one step off."""
-    if rng.random() < 0.5:
-        return " " + " ".join([numbers[0], *shuffled(numbers[1:], rng)])
-    return " " + " ".join([numbers[0]] + [str(int(n) + 1) for n in numbers[1:]])
+def _numbers(start: int, step: int, length: int) -> str:
+    return "".join(f" {start + i * step}" for i in range(length))
 
 
 def repeat(rng: random.Random) -> dict[str, str]:
-    start = rng.randrange(len(WORDS) - 6)
-    phrase = WORDS[start : start + rng.randint(3, 6)]
+    """Chosen repeats the phrase; rejected says another phrase of the passage as long."""
+    length = rng.randint(3, 6)
+    start, other = rng.sample(range(0, len(WORDS) - length, length), 2)
+    phrase = " ".join(WORDS[start : start + length])
     return {
-        "prompt": f"Repeat: {' '.join(phrase)}",
-        "chosen": " " + " ".join(phrase),
-        "rejected": " " + " ".join(shuffled(phrase, rng)),
+        "prompt": f"Repeat: {phrase}",
+        "chosen": f" {phrase}",
+        "rejected": " " + " ".join(WORDS[other : other + length]),
     }
 
 
 def spell(rng: random.Random) -> dict[str, str]:
-    word = rng.choice(SPELLED)
-    letters = list(word)
-    return {
-        "prompt": f"Spell {word}:",
-        "chosen": " " + " ".join(letters),
-        "rejected": " " + " ".join(shuffled(letters, rng)),
-    }
+    """Chosen spells the word; rejected spells another word."""
+    word, other = rng.sample(SPELLED, 2)
+    return {"prompt": f"Spell {word}:", "chosen": " " + " ".join(word), "rejected": " " + " ".join(other)}
 
 
 def pairs(seed: int = 0) -> list[dict[str, str]]:
