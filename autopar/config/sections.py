@@ -84,10 +84,12 @@ class Training:
     (Arrow), or a prepared .bin; overrides training.dataset."""
     dataset_blend: list[str] = field(default_factory=list)
     """Weighted blend of prepared datasets as 'weight:path' items; overrides the two above."""
-    dataset_format: Literal["text", "chat"] = "text"
+    dataset_format: Literal["text", "chat", "preference"] = "text"
     """text: documents (.txt, .jsonl "text", a table's text column, prepared tokens); chat:
     conversations in .jsonl lines or table rows ({"messages": [...], "tools": [...]} or
-    ShareGPT's "conversations") rendered with the chat template."""
+    ShareGPT's "conversations") rendered with the chat template; preference: TRL's
+    prompt / chosen / rejected records (plain text or conversational) trained by [dpo], the
+    batch sizes then counting pairs."""
     dataset_text_field: str = "text"
     """With text data: the .jsonl key or the Parquet / Arrow column that holds each document."""
     chat_template: str | None = None
@@ -306,6 +308,36 @@ class LoRA:
 
 
 @dataclass
+class DPO:
+    beta: float = 0.1
+    """Strength of the pull towards the reference (TRL's beta; IPO's tau)."""
+    loss_type: list[str] = field(default_factory=lambda: ["sigmoid"])
+    """TRL's loss types, summed with loss_weights: sigmoid, hinge, ipo (length-normalised),
+    robust, sft (the chosen tokens' cross-entropy), nca_pair, bco_pair, sigmoid_norm, exo_pair."""
+    loss_weights: list[float] | None = None
+    """One weight per loss_type; unset: 1 each."""
+    label_smoothing: float = 0.0
+    """The assumed share of flipped labels, in [0, 0.5): robust and exo_pair read it."""
+    reference: Literal["copy", "adapters_off", "precomputed"] = "copy"
+    """copy: a frozen copy of the weights (reference_path's, else the initial ones), sharded
+    under the same plan; adapters_off: with LoRA, the same model with its adapters bypassed;
+    precomputed: one pass over the data first writes the reference log-probs beside the job,
+    then no reference is held."""
+    reference_path: str | None = None
+    """The reference's weights (an HF folder, or a DCP checkpoint); unset: the policy's initial
+    weights."""
+    max_length: int = -1
+    """Tokens of one prompt + completion sequence (TRL's max_length); longer ones are cut as
+    truncation says; -1: half of training.seq_len, so a pair always fits one row."""
+    truncation: Literal["keep_start", "refuse"] = "keep_start"
+    """keep_start: keep a too-long sequence's first max_length tokens (TRL's), counted and said
+    once; refuse: stop with one line naming the record."""
+    packing: bool = True
+    """Pack several pairs into each row as documents (each pair whole, in one row); false: one
+    sequence per row, as TRL batches them (the same losses, more padding)."""
+
+
+@dataclass
 class Validation:
     enable: bool = False
     """Compute a held-out loss (val_loss) under the training plan every freq steps and at the end."""
@@ -371,6 +403,7 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     float8: Float8 = field(default_factory=Float8)
     lora: LoRA = field(default_factory=LoRA)
+    dpo: DPO = field(default_factory=DPO)
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)

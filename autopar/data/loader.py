@@ -40,6 +40,7 @@ class Batch:
     inputs: torch.Tensor  # (L, S) int64
     labels: torch.Tensor  # (L, S) int64, IGNORE_INDEX where no target
     documents: torch.Tensor | None = None  # (L, S) int64 document ids with document masking
+    pairs: torch.Tensor | None = None  # (P,) int64: preference data, the pairs' indices in the data
 
 
 def parse_blend(items: list[str]) -> list[tuple[float, Path]]:

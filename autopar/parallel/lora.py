@@ -23,6 +23,7 @@ then shards adapters as any other parameter.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -63,8 +64,12 @@ class LoRALinear(nn.Linear):
     lora_B: nn.Linear
     lora_dropout: nn.Module
     scaling: float
+    adapters_off = False
+    """Run the base alone (``adapters_off``: a preference job's reference is the base model)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.adapters_off:
+            return super().forward(x)
         return super().forward(x) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     def extra_repr(self) -> str:
@@ -75,8 +80,11 @@ class LoRAExperts(Experts):
     """``Experts`` with trainable low-rank updates of every expert's projections."""
 
     scaling: float
+    adapters_off = False
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.adapters_off:
+            return super().forward(x, counts)
         return run_lora_experts(
             x, counts, dict(self.named_parameters(recurse=False)), self.scaling, self.kernel
         )
@@ -86,8 +94,11 @@ class RoutedLoRAExperts(RoutedExperts):
     """Expert-parallel ``LoRAExperts``: this rank's experts with their adapters' shards."""
 
     scaling: float
+    adapters_off = False
 
     def local_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.adapters_off:
+            return super().local_experts(x, counts)
         tensors = {name: local(p) for name, p in self.named_parameters(recurse=False)}
         return run_lora_experts(x, counts, tensors, self.scaling, self.kernel)
 
@@ -109,6 +120,20 @@ def run_lora_experts(
         return matmul(hidden, w["down_proj"]) + down
 
     return on_expert_rows(swiglu, x, counts, list(w.values()), kernel)
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """While inside, every adapted module of ``model`` runs its frozen base alone: the model
+    LoRA started from, with no second copy of the weights (a preference job's reference)."""
+    adapted = [m for m in model.modules() if isinstance(m, (LoRALinear, LoRAExperts, RoutedLoRAExperts))]
+    for module in adapted:
+        module.adapters_off = True
+    try:
+        yield
+    finally:
+        for module in adapted:
+            module.adapters_off = False
 
 
 @functools.cache

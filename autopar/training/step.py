@@ -38,6 +38,12 @@ from autopar.training.loss import (
     vocab_parallel_chunk_loss_and_grad,
 )
 from autopar.training.optim import build_optimizers, set_lr
+from autopar.training.preference_loss import METRICS
+from autopar.training.preference_step import (
+    PreferenceContext,
+    preference_forward_backward,
+    step_chosen_tokens,
+)
 
 
 def all_reduce_sum(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
@@ -221,6 +227,10 @@ class TrainStep:
         """This rank's share of the last step's loss, to find where a non-finite loss came from."""
         self.aux_loss = torch.zeros(())
         """The last step's load-balancing loss (mean per sequence, before its coefficient)."""
+        self.preference: PreferenceContext | None = None
+        """Set for preference data (``training.preference``): the step is DPO's."""
+        self.preference_metrics = torch.zeros(len(METRICS))
+        """The last preference step's ``METRICS`` (means over its pairs)."""
         self.pipeline: Pipeline | None = None
         pp_mesh = self.meshes.get("pp")
         if pp_mesh is not None:
@@ -262,6 +272,8 @@ class TrainStep:
 
     def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
         """Gradients of the step's micro-batches; the step loss summed over all ranks."""
+        if self.preference is not None:
+            return self._preference_forward_backward(batches)
         # a step without targets (chat rows of prompts only) has loss 0, not 0/0
         targets = global_target_count(batches, self.meshes.get("dp")).clamp(min=1)
         sequences = sum(b.inputs.shape[0] for b in batches) * self.dims.dp
@@ -277,6 +289,31 @@ class TrainStep:
         self.aux_loss = all_reduce_sum(aux, self.meshes.get("loss"))
         self.local_loss = local_loss
         return all_reduce_sum(local_loss, self.meshes.get("loss"))
+
+    def _preference_forward_backward(self, batches: list[Batch]) -> torch.Tensor:
+        """A DPO step: the loss is a mean over the step's pairs (``preference_step``)."""
+        assert self.preference is not None
+        if self.pipeline is not None:
+            raise NotImplementedError("preference data under pipeline parallelism")  # refused by validate
+        dp_mesh = self.meshes.get("dp")
+        pairs = self.preference.pairs_per_micro_batch * len(batches) * self.dims.dp
+        rows = all_reduce_sum(torch.tensor(float(sum(b.inputs.shape[0] for b in batches))), dp_mesh)
+        balance = self.context.load_balancing
+        local_loss, metrics, aux = preference_forward_backward(
+            self.parts[0],
+            batches,
+            self.context,
+            self.preference,
+            pairs,
+            step_chosen_tokens(batches, dp_mesh),
+            None if balance is None else lambda routing: balance.sequence_sum(routing) / rows,
+            balance.coef if balance is not None else 0.0,
+        )
+        loss_mesh = self.meshes.get("loss")
+        self.preference_metrics = all_reduce_sum(metrics, loss_mesh)
+        self.aux_loss = all_reduce_sum(aux, loss_mesh)
+        self.local_loss = local_loss
+        return all_reduce_sum(local_loss, loss_mesh)
 
     @torch.no_grad()
     def forward_loss(self, batches: list[Batch], targets: torch.Tensor) -> torch.Tensor:

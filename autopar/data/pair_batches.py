@@ -1,0 +1,155 @@
+"""Preference pairs into micro-batches: each pair whole in one row, several pairs per row.
+
+A micro-batch holds ``local_batch_size`` pairs. Pair j of it becomes two documents of one
+row: prompt + chosen (document id ``2j``) and prompt + rejected (``2j + 1``); its targets are
+the completions' tokens only (TRL's completion mask), and padding is document -1 with no
+target. With document masking, a sequence sees only itself and its positions start at 0, so
+packing k pairs gives each pair the log-probabilities it has alone in a row of its own.
+
+Step t covers pairs ``[t*G, (t+1)*G)`` of a seeded per-epoch order; micro-step m of
+data-parallel rank r reads pairs ``start + m*D*L + r*L + [0, L)`` (as ``StepLoader`` does
+with samples), so the data a step sees does not depend on the plan, and resuming needs the
+number of pairs consumed only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from autopar.data.loader import IGNORE_INDEX, Batch
+
+
+class PairIds(Protocol):
+    """One tokenized preference pair: prompt ids and each completion's ids."""
+
+    prompt: np.ndarray
+    chosen: np.ndarray
+    rejected: np.ndarray
+
+
+def sequence_rows(pair: PairIds) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(tokens, targets) of the pair's chosen and rejected sequences: a target is the next
+    token where that token is part of the completion, else ``IGNORE_INDEX``."""
+    out = []
+    for completion in (pair.chosen, pair.rejected):
+        tokens = np.concatenate([pair.prompt, completion]).astype(np.int64)
+        targets = np.full(len(tokens), IGNORE_INDEX, dtype=np.int64)
+        start = max(len(pair.prompt) - 1, 0)
+        targets[start : len(tokens) - 1] = tokens[start + 1 :]
+        out.append((tokens, targets))
+    return out
+
+
+def pair_length(pair: PairIds) -> int:
+    return 2 * len(pair.prompt) + len(pair.chosen) + len(pair.rejected)
+
+
+def pack_pairs(pairs: Sequence[PairIds], seq_len: int, pad_id: int, packing: bool = True) -> Batch:
+    """The rows of one micro-batch: pairs in order, a new row when the next pair does not
+    fit (``packing``), or each sequence in a row of its own (TRL's layout, padded to
+    ``seq_len``). Every pair must fit in ``seq_len`` (``truncate`` to ``seq_len // 2`` per sequence)."""
+    rows: list[list[tuple[np.ndarray, np.ndarray, int]]] = [[]]
+    used = 0
+    for j, pair in enumerate(pairs):
+        sequences = [(tokens, targets, 2 * j + k) for k, (tokens, targets) in enumerate(sequence_rows(pair))]
+        length = pair_length(pair)
+        assert length <= seq_len, f"pair of {length} tokens in rows of {seq_len}: truncated before packing"
+        if packing:
+            if used + length > seq_len and rows[-1]:
+                rows.append([])
+                used = 0
+            rows[-1].extend(sequences)
+            used += length
+        else:
+            rows.extend([[s] for s in sequences])
+    rows = [row for row in rows if row]
+    inputs = np.full((len(rows), seq_len), pad_id, dtype=np.int64)
+    labels = np.full((len(rows), seq_len), IGNORE_INDEX, dtype=np.int64)
+    documents = np.full((len(rows), seq_len), -1, dtype=np.int64)
+    for r, row in enumerate(rows):
+        at = 0
+        for tokens, targets, doc in row:
+            end = at + len(tokens)
+            inputs[r, at:end], labels[r, at:end], documents[r, at:end] = tokens, targets, doc
+            at = end
+    return Batch(torch.from_numpy(inputs), torch.from_numpy(labels), torch.from_numpy(documents))
+
+
+def chosen_targets(batch: Batch) -> torch.Tensor:
+    """(B, S) bool: the targets that belong to chosen completions (even document ids)."""
+    assert batch.documents is not None
+    return (batch.labels != IGNORE_INDEX) & (batch.documents >= 0) & (batch.documents % 2 == 0)
+
+
+class PairLoader:
+    """Yields the micro-batches of one optimizer step for one data-parallel rank, each with
+    ``local_batch`` pairs (``Batch.pairs``: their indices in the data, for a precomputed
+    reference)."""
+
+    def __init__(
+        self,
+        pairs: Sequence[PairIds],
+        global_batch: int,
+        local_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        device: torch.device,
+        seq_len: int,
+        pad_id: int,
+        seed: int,
+        packing: bool = True,
+    ) -> None:
+        assert global_batch % (local_batch * dp_size) == 0, "validated by the job config"
+        self.pairs = pairs
+        self.global_batch = global_batch
+        self.local_batch = local_batch
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.device = device
+        self.seq_len = seq_len
+        self.pad_id = pad_id
+        self.seed = seed
+        self.packing = packing
+        self.consumed_samples = 0
+        self._order: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
+
+    @property
+    def micro_steps(self) -> int:
+        return self.global_batch // (self.local_batch * self.dp_size)
+
+    def pair_index(self, k: int) -> int:
+        """The data index of the k-th pair visited: epoch ``k // N`` visits them in a permutation
+        seeded by (seed, epoch)."""
+        epoch, at = divmod(k, len(self.pairs))
+        if self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self.pairs)))
+        return int(self._order[1][at])
+
+    def micro_batch(self, first: int) -> Batch:
+        """The micro-batch of the pairs visited at ``first`` onwards (``local_batch`` of them)."""
+        indices = [self.pair_index(k) for k in range(first, first + self.local_batch)]
+        batch = pack_pairs([self.pairs[i] for i in indices], self.seq_len, self.pad_id, self.packing)
+        return Batch(
+            batch.inputs.to(self.device),
+            batch.labels.to(self.device),
+            batch.documents.to(self.device),
+            torch.tensor(indices, device=self.device),
+        )
+
+    def next_step(self) -> list[Batch]:
+        batches = []
+        for m in range(self.micro_steps):
+            first = self.consumed_samples + (m * self.dp_size + self.dp_rank) * self.local_batch
+            batches.append(self.micro_batch(first))
+        self.consumed_samples += self.global_batch
+        return batches
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.consumed_samples = int(state["consumed_samples"])

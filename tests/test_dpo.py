@@ -1,0 +1,140 @@
+"""Preference tuning (DPO): pairs packed into rows give each pair the log-probabilities it has
+alone, and the losses are TRL's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autopar.data.pair_batches import PairLoader, chosen_targets, pack_pairs
+from autopar.models import Qwen
+from autopar.training.preference_loss import LOSS_TYPES, Objective, sequence_logps
+
+from jobs import tiny_args
+
+
+@dataclass(frozen=True)
+class Ids:
+    prompt: np.ndarray
+    chosen: np.ndarray
+    rejected: np.ndarray
+
+
+def random_pairs(count: int, seed: int = 0, vocab: int = 64) -> list[Ids]:
+    rng = np.random.default_rng(seed)
+    return [
+        Ids(*(rng.integers(0, vocab, size=int(rng.integers(1, 9))) for _ in range(3))) for _ in range(count)
+    ]
+
+
+def tiny_model(seed: int = 0) -> Qwen:
+    args = tiny_args(vocab_size=64, hidden_size=32, intermediate_size=48, head_dim=8, max_position_embeddings=64)
+    model = Qwen(args)
+    model.init_weights(seed=seed)
+    return model
+
+
+def alone_logps(model: Qwen, pair: Ids) -> tuple[float, float]:
+    """TRL's logps of one pair: each sequence by itself, summed over its completion's tokens."""
+    out = []
+    for completion in (pair.chosen, pair.rejected):
+        tokens = torch.from_numpy(np.concatenate([pair.prompt, completion]))[None]
+        logp = model(tokens)[0, :-1].log_softmax(-1).gather(1, tokens[0, 1:, None])[:, 0]
+        out.append(logp[len(pair.prompt) - 1 :].sum().item())
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "one_per_row"])
+def test_packed_pairs_get_the_log_probabilities_they_have_alone(packing):
+    model = tiny_model()
+    pairs = random_pairs(5)
+    batch = pack_pairs(pairs, seq_len=40, pad_id=0, packing=packing)
+    assert batch.inputs.shape[0] == (3 if packing else 10)
+    with torch.no_grad():
+        logits = model(batch.inputs, documents=batch.documents)
+        logps = sequence_logps(logits, batch.labels, batch.documents, len(pairs))
+    expected = torch.tensor([alone_logps(model, p) for p in pairs]).flatten()
+    # fp32, one forward each way: the order of sums only
+    torch.testing.assert_close(logps.logps, expected, rtol=1e-5, atol=1e-5)
+    lengths = torch.tensor([[len(p.chosen), len(p.rejected)] for p in pairs], dtype=torch.float32).flatten()
+    assert torch.equal(logps.tokens, lengths)
+
+
+def test_chosen_targets_are_the_chosen_completions_tokens():
+    pairs = random_pairs(3)
+    batch = pack_pairs(pairs, seq_len=40, pad_id=0)
+    assert chosen_targets(batch).sum().item() == sum(len(p.chosen) for p in pairs)
+
+
+def test_a_pair_never_splits_across_rows():
+    pairs = random_pairs(12, seed=3)
+    batch = pack_pairs(pairs, seq_len=40, pad_id=0)
+    for j in range(len(pairs)):
+        rows = {int(r) for r in torch.nonzero(batch.documents == 2 * j)[:, 0]}
+        rows |= {int(r) for r in torch.nonzero(batch.documents == 2 * j + 1)[:, 0]}
+        assert len(rows) == 1
+
+
+def trl_loss(name: str, chosen, rejected, ref_chosen, ref_rejected, lengths, beta, smoothing) -> torch.Tensor:
+    """TRL 1.16's ``_compute_loss`` per pair for ``name``, written out from its source."""
+    delta = (chosen - ref_chosen) - (rejected - ref_rejected)
+    if name == "sigmoid":
+        return -F.logsigmoid(beta * delta)
+    if name == "hinge":
+        return torch.relu(1 - beta * delta)
+    if name == "ipo":
+        d = (chosen - ref_chosen) / lengths[:, 0] - (rejected - ref_rejected) / lengths[:, 1]
+        return (d - 1 / (2 * beta)) ** 2
+    if name == "robust":
+        return (
+            -(1 - smoothing) * F.logsigmoid(beta * delta) + smoothing * F.logsigmoid(-beta * delta)
+        ) / (1 - 2 * smoothing)
+    raise KeyError(name)
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "hinge", "ipo", "robust"])
+def test_pair_losses_are_trls_formulas(name):
+    model = tiny_model()
+    reference = tiny_model(seed=1)
+    pairs = random_pairs(6, seed=2)
+    batch = pack_pairs(pairs, seq_len=48, pad_id=0)
+    with torch.no_grad():
+        policy = sequence_logps(model(batch.inputs, documents=batch.documents), batch.labels, batch.documents, 6)
+        ref = sequence_logps(reference(batch.inputs, documents=batch.documents), batch.labels, batch.documents, 6)
+    objective = Objective((name,), (1.0,), beta=0.3, label_smoothing=0.1)
+    loss = objective.loss(policy, ref.logps, 6.0, torch.tensor(1.0))
+    lengths = policy.tokens.view(-1, 2)
+    expected = trl_loss(
+        name, policy.chosen, policy.rejected, ref.chosen, ref.rejected, lengths, 0.3, 0.1
+    ).mean()
+    torch.testing.assert_close(loss, expected)
+
+
+def test_the_sft_term_is_the_mean_over_chosen_tokens():
+    model = tiny_model()
+    pairs = random_pairs(4, seed=5)
+    batch = pack_pairs(pairs, seq_len=48, pad_id=0)
+    with torch.no_grad():
+        logits = model(batch.inputs, documents=batch.documents)
+    policy = sequence_logps(logits, batch.labels, batch.documents, 4)
+    tokens = chosen_targets(batch).sum().float()
+    loss = Objective(("sft",), (1.0,), 0.1, 0.0).loss(policy, policy.logps, 4.0, tokens)
+    targets = torch.where(chosen_targets(batch), batch.labels, -100)
+    torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+
+
+def test_every_loss_type_is_known():
+    assert set(LOSS_TYPES) >= {"sigmoid", "ipo", "hinge", "robust", "sft"}
+
+
+def test_the_loader_gives_each_rank_its_own_pairs_of_the_step():
+    pairs = random_pairs(16)
+    ranks = [PairLoader(pairs, 8, 2, r, 2, torch.device("cpu"), 40, 0, seed=0) for r in range(2)]
+    one = PairLoader(pairs, 8, 2, 0, 1, torch.device("cpu"), 40, 0, seed=0)
+    seen = sorted(int(i) for loader in ranks for b in loader.next_step() for i in b.pairs)
+    assert seen == sorted(int(i) for b in one.next_step() for i in b.pairs)
+    assert len(set(seen)) == 8
