@@ -3,18 +3,26 @@ alone, and the losses are TRL's."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from autopar.config import JobConfig
+from autopar.data.chat import CHATML_TOKENIZER
 from autopar.data.pair_batches import PairLoader, chosen_targets, pack_pairs
+from autopar.data.preference import PREFERENCE_EXAMPLE
 from autopar.models import Qwen
-from autopar.training.preference_loss import LOSS_TYPES, Objective, sequence_logps
+from autopar.training.preference_loss import LOSS_TYPES, METRICS, Objective, sequence_logps
+from autopar.training.preference_step import objective_from
+from autopar.training.resolve import parse_job
 
-from jobs import tiny_args
+from jobs import CHAT_VOCAB, assert_fp32_parity, one_process_trainer, parity_runs, tiny_args, tiny_job
 
 
 @dataclass(frozen=True)
@@ -32,7 +40,9 @@ def random_pairs(count: int, seed: int = 0, vocab: int = 64) -> list[Ids]:
 
 
 def tiny_model(seed: int = 0) -> Qwen:
-    args = tiny_args(vocab_size=64, hidden_size=32, intermediate_size=48, head_dim=8, max_position_embeddings=64)
+    args = tiny_args(
+        vocab_size=64, hidden_size=32, intermediate_size=48, head_dim=8, max_position_embeddings=64
+    )
     model = Qwen(args)
     model.init_weights(seed=seed)
     return model
@@ -90,9 +100,9 @@ def trl_loss(name: str, chosen, rejected, ref_chosen, ref_rejected, lengths, bet
         d = (chosen - ref_chosen) / lengths[:, 0] - (rejected - ref_rejected) / lengths[:, 1]
         return (d - 1 / (2 * beta)) ** 2
     if name == "robust":
-        return (
-            -(1 - smoothing) * F.logsigmoid(beta * delta) + smoothing * F.logsigmoid(-beta * delta)
-        ) / (1 - 2 * smoothing)
+        return (-(1 - smoothing) * F.logsigmoid(beta * delta) + smoothing * F.logsigmoid(-beta * delta)) / (
+            1 - 2 * smoothing
+        )
     raise KeyError(name)
 
 
@@ -103,8 +113,12 @@ def test_pair_losses_are_trls_formulas(name):
     pairs = random_pairs(6, seed=2)
     batch = pack_pairs(pairs, seq_len=48, pad_id=0)
     with torch.no_grad():
-        policy = sequence_logps(model(batch.inputs, documents=batch.documents), batch.labels, batch.documents, 6)
-        ref = sequence_logps(reference(batch.inputs, documents=batch.documents), batch.labels, batch.documents, 6)
+        policy = sequence_logps(
+            model(batch.inputs, documents=batch.documents), batch.labels, batch.documents, 6
+        )
+        ref = sequence_logps(
+            reference(batch.inputs, documents=batch.documents), batch.labels, batch.documents, 6
+        )
     objective = Objective((name,), (1.0,), beta=0.3, label_smoothing=0.1)
     loss = objective.loss(policy, ref.logps, 6.0, torch.tensor(1.0))
     lengths = policy.tokens.view(-1, 2)
@@ -138,3 +152,108 @@ def test_the_loader_gives_each_rank_its_own_pairs_of_the_step():
     seen = sorted(int(i) for loader in ranks for b in loader.next_step() for i in b.pairs)
     assert seen == sorted(int(i) for b in one.next_step() for i in b.pairs)
     assert len(set(seen)) == 8
+
+
+FIXTURES = Path(__file__).parent / "dpo_fixtures"
+TRL_CASES = ["sigmoid", "sigmoid_beta0.5", "ipo", "hinge", "robust", "sigmoid_sft"]
+
+
+def trl_fixture(records: str) -> dict:
+    return json.loads((FIXTURES / f"{records}_losses.json").read_text())
+
+
+def fixture_job(folder: Path, records: str, case: dict) -> JobConfig:
+    """The fixture's policy trained on its records against its reference, one step of every pair."""
+    cfg = case["dpo_config"]
+    return parse_job(
+        [
+            "--job.config",
+            "debug_model",
+            "--model.hf_assets_path",
+            str(FIXTURES / "policy"),
+            "--model.tokenizer_path",
+            str(CHATML_TOKENIZER),
+            "--checkpoint.initial_load_path",
+            str(FIXTURES / "policy"),
+            "--checkpoint.initial_load_in_hf",
+            "true",
+            "--dpo.reference_path",
+            str(FIXTURES / "reference"),
+            "--training.dataset_format",
+            "preference",
+            "--training.dataset_path",
+            str(FIXTURES / f"{records}.jsonl"),
+            "--training.local_batch_size",
+            str(len(case["rows"])),
+            "--training.seq_len",
+            "256",
+            "--training.mixed_precision_param",
+            "float32",
+            "--dpo.beta",
+            str(cfg["beta"]),
+            "--dpo.loss_type",
+            ",".join(cfg["loss_type"]),
+            "--dpo.label_smoothing",
+            str(cfg["label_smoothing"]),
+            *(["--dpo.loss_weights", ",".join(map(str, cfg["loss_weights"]))] if cfg["loss_weights"] else []),
+            "--job.dump_folder",
+            str(folder),
+        ]
+    )
+
+
+@pytest.mark.parametrize("records", ["plain", "conversational"])
+def test_the_first_step_loss_and_metrics_are_trls(tmp_path, records):
+    fixture = trl_fixture(records)
+    cases = {c["name"]: c for c in fixture["losses"]}
+    trainer = one_process_trainer(fixture_job(tmp_path, records, cases["sigmoid"]))
+    for name in TRL_CASES:
+        case = cases[name]
+        enable_objective(trainer, fixture_job(tmp_path, records, case))
+        trainer.loader.consumed_samples = 0
+        loss = trainer.train_step.forward_backward(trainer.loader.next_step())
+        trainer.train_step.discard()
+        # fp32: TRL pads and runs one sequence per row, we pack rows; the order of sums only
+        assert loss.item() == pytest.approx(case["loss"], rel=1e-5), name
+        metrics = dict(zip(METRICS, trainer.train_step.preference_metrics.tolist()))
+        for key, value in metrics.items():
+            assert value == pytest.approx(case["metrics"][key], rel=1e-5, abs=1e-6), (name, key)
+
+
+def enable_objective(trainer, job: JobConfig) -> None:
+    step = trainer.train_step
+    step.preference = dataclasses.replace(step.preference, objective=objective_from(job.dpo))
+
+
+def preference_job(folder, *flags: str) -> JobConfig:
+    """``tiny_job`` preference-tuning on the shipped pairs against a frozen copy of its start."""
+    return tiny_job(
+        folder,
+        "--training.dataset_format",
+        "preference",
+        "--training.dataset_path",
+        str(PREFERENCE_EXAMPLE),
+        "--model.tokenizer_path",
+        str(CHATML_TOKENIZER),
+        "--training.local_batch_size",
+        "2",
+        "--training.seq_len",
+        "64",
+        *flags,
+        vocab_size=CHAT_VOCAB,
+    )
+
+
+PLANS = ["dp_shard=2", "dp_replicate=2", "tp=2", "tp=2,sp=false,loss_parallel=false", "cp=2"]
+
+
+@pytest.fixture(scope="module")
+def dpo_parity(tmp_path_factory):
+    return parity_runs(preference_job(tmp_path_factory.mktemp("dpo")), PLANS, steps=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", PLANS)
+def test_dpo_under_a_plan_matches_one_device(dpo_parity, plan):
+    reference, run = dpo_parity[plan]
+    assert_fp32_parity(run, reference)

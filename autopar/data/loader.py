@@ -251,10 +251,11 @@ def check_training_data(
     except DataError as err:
         raise ConfigError(f"model.tokenizer_path: {err}") from None
     try:
-        check_data(cfg.dataset, cfg.dataset_path, cfg.dataset_blend, columns=table_columns(cfg))
+        columns = None if cfg.dataset_format == "preference" else table_columns(cfg)  # read when loaded
+        check_data(cfg.dataset, cfg.dataset_path, cfg.dataset_blend, columns=columns)
     except DataError as err:
         raise ConfigError(str(err)) from None
-    if cfg.dataset_format == "chat":
+    if cfg.dataset_format in ("chat", "preference"):
         check_chat(cfg, tokenizer_path)
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError(
@@ -278,13 +279,13 @@ def check_chat(cfg: Training, tokenizer_path: str | None) -> None:
     exists."""
     if tokenizer_path is None:
         raise ConfigError(
-            "training.dataset_format='chat' needs the model's tokenizer (with <|im_start|> and "
-            "<|im_end|>): set model.hf_assets_path or model.tokenizer_path"
+            f"training.dataset_format={cfg.dataset_format!r} needs the model's tokenizer (with <|im_start|> "
+            "and <|im_end|>): set model.hf_assets_path or model.tokenizer_path"
         )
     try:
         ChatFormat(tokenizer_path, cfg.chat_template, cfg.loss_on).check()
     except DataError as err:
-        raise ConfigError(f"training.dataset_format='chat': {err}") from None
+        raise ConfigError(f"training.dataset_format={cfg.dataset_format!r}: {err}") from None
 
 
 def check_batch(cfg: Training, dp: int) -> None:

@@ -85,6 +85,24 @@ def chosen_targets(batch: Batch) -> torch.Tensor:
     return (batch.labels != IGNORE_INDEX) & (batch.documents >= 0) & (batch.documents % 2 == 0)
 
 
+class PairSource:
+    """A preference dataset's pairs, and what was done to them (for the start-up line)."""
+
+    def __init__(self, pairs: Sequence[PairIds], name: str, truncated: int = 0, identical: int = 0) -> None:
+        self.pairs = pairs
+        self.name = name
+        self.truncated = truncated
+        self.identical = identical
+
+    def describe(self) -> str:
+        notes = [f"{len(self.pairs)} pairs"]
+        if self.truncated:
+            notes.append(f"{self.truncated} truncated to dpo.max_length")
+        if self.identical:
+            notes.append(f"{self.identical} with chosen = rejected")
+        return f"{self.name} ({', '.join(notes)})"
+
+
 class PairLoader:
     """Yields the micro-batches of one optimizer step for one data-parallel rank, each with
     ``local_batch`` pairs (``Batch.pairs``: their indices in the data, for a precomputed

@@ -15,7 +15,7 @@ import math
 import resource
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -91,16 +91,20 @@ def delta_rule_flops(args: ModelArgs) -> float:
     return 3 * args.linear_num_value_heads * (6 * dk * dv + 2 * DELTA_RULE_CHUNK * (2 * dk + dv))
 
 
-def flops_per_token(args: ModelArgs, seq_len: int, frozen: bool = False) -> float:
+def flops_per_token(args: ModelArgs, seq_len: int, frozen: bool = False, reference: bool = False) -> float:
     """Training FLOPs per token, 6N + 12*L*H*Q*T (PaLM; causal attention not halved), L
     counting the attention layers; a hybrid model's Gated DeltaNet layers add their
     recurrence's (``delta_rule_flops``). With the weights ``frozen`` (LoRA) backward computes
-    no weight gradients: 4N (rank-r adapters add under 1%, left out)."""
+    no weight gradients: 4N (rank-r adapters add under 1%, left out). A preference step's
+    ``reference`` adds its forward, a third of 6N + attention."""
     mixers = [args.mixer(i) for i in range(args.num_hidden_layers)]
     attention_layers = len(mixers) - mixers.count("linear_attention")
     attention = 12 * attention_layers * args.num_attention_heads * args.head_dim * seq_len
     recurrence = mixers.count("linear_attention") * delta_rule_flops(args) if args.hybrid else 0.0
-    return (4 if frozen else 6) * matmul_params(args) + attention + recurrence
+    forward = 2 * matmul_params(args) + (attention + recurrence) / 3
+    return (
+        (4 if frozen else 6) * matmul_params(args) + attention + recurrence + (forward if reference else 0.0)
+    )
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -139,21 +143,29 @@ class StepMetrics:
     skipped: bool = False
     aux_loss: float | None = None
     """A mixture-of-experts model's load-balancing loss (absent for dense models)."""
+    extra: dict[str, float] = field(default_factory=dict)
+    """More of the step's numbers under their own keys: a preference step's TRL metrics."""
 
     def record(self) -> dict[str, Any]:
         """The JSON record: non-finite numbers become null (JSON has no NaN), ``skipped`` says
         the step made no update."""
+        fields = {k: v for k, v in self.__dict__.items() if k != "extra"}
         return {
             k: None if isinstance(v, float) and not math.isfinite(v) else v
-            for k, v in self.__dict__.items()
+            for k, v in {**fields, **self.extra}.items()
             if not (k == "aux_loss" and v is None)
         }
 
     def line(self) -> str:
         mfu = "n/a" if self.mfu is None else f"{self.mfu:.1f}%"
         aux = "" if self.aux_loss is None else f"  aux_loss {self.aux_loss:.4f}"
+        extra = "".join(  # a preference step: how often and by how much chosen wins
+            f"  {k.removeprefix('rewards/')} {self.extra[k]:.4g}"
+            for k in ("rewards/accuracies", "rewards/margins")
+            if k in self.extra
+        )
         return (
-            f"step {self.step}  loss {self.loss:.4f}{aux}  grad_norm {self.grad_norm:.4f}  "
+            f"step {self.step}  loss {self.loss:.4f}{aux}{extra}  grad_norm {self.grad_norm:.4f}  "
             f"lr {self.lr:.3g}  tps {self.tps:,.0f}  mfu {mfu}  mem {self.memory_gib:.2f}GiB  "
             f"{self.step_time_s:.3g}s/step  tokens {_si(self.tokens_seen)}  eta {_duration(self.eta_s)}"
         )
@@ -198,6 +210,8 @@ class MetricsLogger:
         self.is_main = is_main
         self.sinks = list(sinks)
         """Where the records also go (TensorBoard, W&B); the main rank's only."""
+        self.tokens_seen = 0
+        """Tokens trained so far where steps differ in size (``record``'s ``tokens``)."""
         if is_main:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -211,12 +225,18 @@ class MetricsLogger:
         seconds: float,
         skipped: bool = False,
         aux_loss: float | None = None,
+        tokens: int | None = None,
+        extra: dict[str, float] | None = None,
     ) -> StepMetrics:
         """Log one step; ``steps`` ran in ``seconds`` since the last log; ``skipped``: the step
         made no update (its loss or gradient norm was not finite); ``aux_loss``: a mixture of
-        experts' load-balancing loss."""
+        experts' load-balancing loss; ``tokens``: the tokens those steps trained, where steps
+        differ in size (packed preference pairs; else ``tokens_per_step`` each); ``extra``:
+        more numbers for the record."""
         step_time = seconds / max(steps, 1)
-        tps = steps * self.tokens_per_step / max(seconds, 1e-9) / self.world_size
+        window = steps * self.tokens_per_step if tokens is None else tokens
+        self.tokens_seen = step * self.tokens_per_step if tokens is None else self.tokens_seen + tokens
+        tps = window / max(seconds, 1e-9) / self.world_size
         mfu = mfu_percent(tps, self.flops_per_token, self.peak)
         metrics = StepMetrics(
             step,
@@ -227,10 +247,11 @@ class MetricsLogger:
             mfu,
             peak_memory_gib(self.device),
             step_time,
-            step * self.tokens_per_step,
+            self.tokens_seen,
             (self.total_steps - step) * step_time,
             skipped,
             aux_loss,
+            extra or {},
         )
         if self.is_main:
             logger.info(metrics.line())

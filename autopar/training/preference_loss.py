@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from autopar.data.loader import IGNORE_INDEX
 
@@ -50,10 +51,14 @@ class SequenceLogps:
 
 
 def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Each target's log-probability (0 where there is none), fp32, (B, S) from logits (B, S, V)."""
-    return -F.cross_entropy(
+    """Each target's log-probability (0 where there is none), fp32, (B, S) from logits (B, S, V);
+    vocab-sharded logits (loss parallel, inside its context) give the whole value on every rank."""
+    logps = -F.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX
-    ).view(labels.shape)
+    )
+    if isinstance(logps, DTensor):
+        logps = logps.full_tensor()
+    return logps.view(labels.shape)
 
 
 def sequence_sums(values: torch.Tensor, documents: torch.Tensor, sequences: int) -> torch.Tensor:

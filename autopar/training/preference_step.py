@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from autopar.config.sections import DPO
 from autopar.data.loader import Batch
@@ -59,11 +58,6 @@ def cp_sum(x: torch.Tensor, cp_mesh: DeviceMesh | None) -> torch.Tensor:
     return _SumOverRanks.apply(x, cp_mesh.get_group())
 
 
-def full(x: torch.Tensor) -> torch.Tensor:
-    """A loss-parallel result (a DTensor) as this rank's plain tensor of the whole value."""
-    return x.full_tensor() if isinstance(x, DTensor) else x
-
-
 @dataclass
 class PreferenceContext:
     """What a preference step needs beside the SFT step's ``TrainContext``."""
@@ -83,7 +77,7 @@ class PreferenceContext:
                 out = model(local.inputs, positions=positions, documents=local.documents)
             logits, routing = split_output(out)
             policy = sequence_logps(logits, local.labels, local.documents, self.pairs_per_micro_batch)
-        summed = SequenceLogps(cp_sum(full(policy.logps), self.cp_mesh), cp_sum(policy.tokens, self.cp_mesh))
+        summed = SequenceLogps(cp_sum(policy.logps, self.cp_mesh), cp_sum(policy.tokens, self.cp_mesh))
         return summed, routing
 
 
@@ -110,7 +104,7 @@ def model_reference(
                 out = model(local.inputs, positions=positions, documents=local.documents)
             logits, _ = split_output(out)
             logps = sequence_logps(logits, local.labels, local.documents, pairs)
-        return cp_sum(full(logps.logps), cp_mesh)
+        return cp_sum(logps.logps, cp_mesh)
 
     return reference
 

@@ -29,6 +29,7 @@ from autopar.parallel.mixed_precision import compute_dtype
 from autopar.parallel.pipelining.schedule import check_pipeline
 from autopar.parallel.sdpa_backend import check_sdpa_backend
 from autopar.training.initial_load import check_initial_load, check_load_step
+from autopar.training.preference import check_preference, is_preference
 from autopar.training.profiling import check_profiling
 from autopar.training.resolve import model_args, tokenizer_path
 from autopar.training.sinks import check_wandb
@@ -79,12 +80,13 @@ def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: st
         device_type,
         job.compile.enable,
         job.activation_checkpoint.mode,
-        job.training.document_masking,
+        job.training.document_masking or is_preference(job),  # pairs are packed as documents
     )
     check_pipeline(parallelism, args, job.training.local_batch_size)
     check_sdpa_backend(job, device_type)
     check_expert_kernel(job, args, device_type)
     check_delta_rule_kernel(job, args, device_type)
+    check_preference(job, dims)
     return dims
 
 

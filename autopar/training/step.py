@@ -231,6 +231,8 @@ class TrainStep:
         """Set for preference data (``training.preference``): the step is DPO's."""
         self.preference_metrics = torch.zeros(len(METRICS))
         """The last preference step's ``METRICS`` (means over its pairs)."""
+        self.step_tokens = 0
+        """The last preference step's tokens over every rank, padding left out."""
         self.pipeline: Pipeline | None = None
         pp_mesh = self.meshes.get("pp")
         if pp_mesh is not None:
@@ -297,7 +299,10 @@ class TrainStep:
             raise NotImplementedError("preference data under pipeline parallelism")  # refused by validate
         dp_mesh = self.meshes.get("dp")
         pairs = self.preference.pairs_per_micro_batch * len(batches) * self.dims.dp
-        rows = all_reduce_sum(torch.tensor(float(sum(b.inputs.shape[0] for b in batches))), dp_mesh)
+        device = batches[0].inputs.device
+        sizes = [[b.inputs.shape[0], int((b.documents >= 0).sum())] for b in batches]  # rows, real tokens
+        rows, tokens = all_reduce_sum(torch.tensor(sizes, device=device, dtype=torch.float32).sum(0), dp_mesh)
+        self.step_tokens = int(tokens)
         balance = self.context.load_balancing
         local_loss, metrics, aux = preference_forward_backward(
             self.parts[0],

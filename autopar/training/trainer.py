@@ -14,6 +14,7 @@ from autopar.config.sections import JobConfig
 from autopar.data.dataset import SampleSource
 from autopar.data.errors import DataError
 from autopar.data.loader import StepLoader, build_samples
+from autopar.data.pair_batches import PairLoader, PairSource
 from autopar.data.tokenizer import Tokenizer, build_tokenizer
 from autopar.models.args import ModelArgs
 from autopar.models.hf import HFTensors
@@ -36,6 +37,8 @@ from autopar.training.faults import (
 from autopar.training.hf_export import export_run
 from autopar.training.metrics import MetricsLogger, flops_per_token
 from autopar.training.optim import lr_factor
+from autopar.training.preference import is_preference, make_preference_step, pair_loader, preference_source
+from autopar.training.preference_loss import METRICS
 from autopar.training.previous_run import settings_record
 from autopar.training.profiling import Profiler
 from autopar.training.resolve import chat_format, tokenizer_path
@@ -78,8 +81,15 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         self.dims = ParallelDims.resolve(job.parallelism, world.size)
         self.meshes = build_meshes(self.dims, world.device.type, always_fsdp=job.training.enable_cpu_offload)
-        built = build_parts(args, job, self.meshes, world.device, self._initial_values())
+        initial = self._initial_values()
+        built = build_parts(args, job, self.meshes, world.device, initial)
         self.train_step = TrainStep(job, world, self.meshes, built)
+        self.reference = (
+            make_preference_step(self.train_step, job, args, world.device, initial)
+            if is_preference(job)
+            else []
+        )
+        """A preference job's frozen reference copy (``dpo.reference = "copy"``)."""
         self.parts, self.optimizers = self.train_step.parts, self.train_step.optimizers
         self.loader = self._build_loader(samples)
         self.validator = (
@@ -99,7 +109,7 @@ class Trainer:
         )
         self.metrics = MetricsLogger(
             job.job.dump_folder,
-            flops_per_token(args, job.training.seq_len, job.lora.enable),
+            flops_per_token(args, job.training.seq_len, job.lora.enable, reference=is_preference(job)),
             self.loader.global_batch * job.training.seq_len,
             job.training.steps,
             world.device,
@@ -111,6 +121,8 @@ class Trainer:
         self.step = 0
         self.bad: list[str] = []  # what was not finite at the last step
         self.skipped_in_a_row = 0
+        self.window_tokens = 0
+        """Tokens trained since the last log line (preference steps differ in size)."""
         self.weights_from: Path | None = None
         """The checkpoint holding the weights of ``self.step``: the one resumed or last saved."""
         self.data = data_identity(job, samples)
@@ -125,8 +137,10 @@ class Trainer:
             return tensor_values(HFTensors(checkpoint.initial_load_path, self.args), self.world.device)
         return seeded_values(self.args, self.job.debug.seed, self.world.device)
 
-    def _samples(self, tokenizer: Tokenizer) -> SampleSource:
+    def _samples(self, tokenizer: Tokenizer) -> SampleSource | PairSource:
         training = self.job.training
+        if is_preference(self.job):
+            return preference_source(self.job, tokenizer_path(self.job))
         return build_samples(
             training.dataset,
             training.dataset_path,
@@ -139,7 +153,7 @@ class Trainer:
             text_field=training.dataset_text_field,
         )
 
-    def _build_loader(self, samples: SampleSource) -> StepLoader:
+    def _build_loader(self, samples: SampleSource | PairSource) -> StepLoader | PairLoader:
         training = self.job.training
         dp_mesh = self.meshes.get("dp")
         dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
@@ -148,6 +162,11 @@ class Trainer:
             if training.global_batch_size > 0
             else training.local_batch_size * self.dims.dp
         )
+        if isinstance(samples, PairSource):
+            path = tokenizer_path(self.job)
+            return pair_loader(
+                self.job, samples, global_batch, dp_rank, self.dims.dp, self.world.device, path
+            )
         return StepLoader(
             samples, global_batch, training.local_batch_size, dp_rank, self.dims.dp, self.world.device
         )
@@ -255,10 +274,11 @@ class Trainer:
                 if self.step == first_step:  # compiled and warmed up: from now on steps are quick
                     self.timeout.set(self.job.comm.train_timeout_seconds)
                 window_steps += 1
+                self.window_tokens += self.train_step.step_tokens
                 if self.step % log_freq == 0 or self.step in (1, steps):
                     elapsed = time.perf_counter() - window_start
                     records.append(self._log(loss, norm, window_steps, elapsed))
-                    window_start, window_steps = time.perf_counter(), 0
+                    window_start, window_steps, self.window_tokens = time.perf_counter(), 0, 0
                 if self.validator is not None and (
                     self.step % self.job.validation.freq == 0 or self.step == steps
                 ):
@@ -314,8 +334,18 @@ class Trainer:
         aux = self.train_step.aux_loss.item() if self.args.moe else None
         record = StepRecord(self.step, loss.item(), norm.item(), aux)
         lr = self.optimizers[0].param_groups[0]["lr"]
+        preference = self.train_step.preference is not None
         self.metrics.record(
-            self.step, record.loss, record.grad_norm, lr, steps, seconds, skipped=bool(self.bad), aux_loss=aux
+            self.step,
+            record.loss,
+            record.grad_norm,
+            lr,
+            steps,
+            seconds,
+            skipped=bool(self.bad),
+            aux_loss=aux,
+            tokens=self.window_tokens if preference else None,
+            extra=dict(zip(METRICS, self.train_step.preference_metrics.tolist())) if preference else None,
         )
         return record
 

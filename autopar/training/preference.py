@@ -1,0 +1,196 @@
+"""A preference job's parts: its checks, its reference model and its step's context.
+
+The trainer asks this module, for ``training.dataset_format = "preference"``, what the SFT
+job gets from the loader and the loss: pairs instead of windows (``data.pair_batches``), the
+reference's log-probabilities (``dpo.reference``), and DPO's objective
+(``preference_loss``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from autopar.config.errors import ConfigError
+from autopar.config.sections import JobConfig
+from autopar.data.chat import ChatFormat
+from autopar.data.loader import dataset_path
+from autopar.data.pair_batches import PairLoader, PairSource
+from autopar.data.preference import load_pairs
+from autopar.models.args import ModelArgs
+from autopar.models.hf import HFTensors
+from autopar.models.hf_config import CONFIG_FILE
+from autopar.parallel.materialize import FullValue, tensor_values
+from autopar.parallel.mesh import Meshes, ParallelDims
+from autopar.parallel.parallelize import build_parts
+from autopar.training.dcp_state import ModelState, run_dcp
+from autopar.training.preference_loss import LOSS_TYPES
+from autopar.training.preference_step import PreferenceContext, model_reference, objective_from
+from autopar.training.step import TrainStep
+
+logger = logging.getLogger("autopar")
+
+
+def is_preference(job: JobConfig) -> bool:
+    return job.training.dataset_format == "preference"
+
+
+def max_sequence_length(job: JobConfig) -> int:
+    """The longest prompt + completion a pair keeps (``dpo.max_length``, else half a row)."""
+    return job.dpo.max_length if job.dpo.max_length > 0 else job.training.seq_len // 2
+
+
+def check_preference(job: JobConfig, dims: ParallelDims) -> None:
+    """``[dpo]`` and the plan agree with preference data (and ``[dpo]`` is not half-set
+    without it)."""
+    cfg = job.dpo
+    if not is_preference(job):
+        if cfg.reference != "copy" or cfg.reference_path is not None:
+            raise ConfigError(
+                f"dpo.reference={cfg.reference!r} / dpo.reference_path={cfg.reference_path!r} without "
+                "preference data; set --training.dataset_format preference (or leave [dpo] out)"
+            )
+        return
+    unknown = [name for name in cfg.loss_type if name not in LOSS_TYPES]
+    if unknown or not cfg.loss_type:
+        raise ConfigError(f"dpo.loss_type={cfg.loss_type} must name one or more of {list(LOSS_TYPES)}")
+    if cfg.loss_weights is not None and len(cfg.loss_weights) != len(cfg.loss_type):
+        raise ConfigError(
+            f"dpo.loss_weights={cfg.loss_weights} needs one weight per dpo.loss_type={cfg.loss_type}"
+        )
+    if cfg.beta <= 0:
+        raise ConfigError(f"dpo.beta={cfg.beta} must be > 0")
+    if not 0 <= cfg.label_smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing={cfg.label_smoothing} must be in [0, 0.5)")
+    if "exo_pair" in cfg.loss_type and cfg.label_smoothing == 0:
+        raise ConfigError(
+            "dpo.loss_type exo_pair needs dpo.label_smoothing > 0 (it takes log(label_smoothing))"
+        )
+    seq_len = job.training.seq_len
+    if cfg.max_length != -1 and not 2 <= 2 * cfg.max_length <= seq_len:
+        raise ConfigError(
+            f"dpo.max_length={cfg.max_length}: a pair (two sequences) must fit one row of training.seq_len="
+            f"{seq_len}; use at most {seq_len // 2}, or -1"
+        )
+    if cfg.reference == "adapters_off" and not job.lora.enable:
+        raise ConfigError(
+            "dpo.reference='adapters_off' is the LoRA model with its adapters bypassed, and lora.enable=false; "
+            "use --lora.enable true, or --dpo.reference copy"
+        )
+    if cfg.reference == "adapters_off" and cfg.reference_path is not None:
+        raise ConfigError(
+            "dpo.reference_path with dpo.reference='adapters_off': the reference is the LoRA base itself; "
+            "unset reference_path, or use --dpo.reference copy"
+        )
+    if dims.pp > 1:
+        raise ConfigError(
+            f"training.dataset_format='preference' with pipeline_parallel_degree={dims.pp}: DPO does not run "
+            "under pipeline parallelism yet; use FSDP, TP, CP or EP (--parallelism.pipeline_parallel_degree 1)"
+        )
+    if job.training.loss_chunk_tokens > 0:
+        raise ConfigError(
+            "training.loss_chunk_tokens > 0 with preference data: DPO reads each token's log-probability; "
+            "use --training.loss_chunk_tokens 0"
+        )
+    if job.validation.enable:
+        raise ConfigError(
+            "validation.enable=true with preference data: held-out DPO metrics are not computed yet; "
+            "use --validation.enable false"
+        )
+
+
+def _reference_values(job: JobConfig, args: ModelArgs, device: torch.device, initial: FullValue) -> FullValue:
+    path = job.dpo.reference_path
+    if path is not None and (Path(path) / CONFIG_FILE).is_file():
+        return tensor_values(HFTensors(path, args), device)
+    return initial
+
+
+def load_model(parts: list[nn.Module], path: str) -> None:
+    """Every weight of ``parts`` from the DCP checkpoint ``path`` (model entries only)."""
+    run_dcp(dcp.load, {"model": ModelState(parts, "all")}, path)
+
+
+def reference_dcp(job: JobConfig) -> str | None:
+    """The DCP folder the reference's weights come from, if any (else HF or the initial values)."""
+    path = job.dpo.reference_path
+    if path is not None:
+        return None if (Path(path) / CONFIG_FILE).is_file() else path
+    checkpoint = job.checkpoint
+    return checkpoint.initial_load_path if not checkpoint.initial_load_in_hf else None
+
+
+def build_reference_copy(
+    args: ModelArgs, job: JobConfig, meshes: Meshes, device: torch.device, initial: FullValue
+) -> list[nn.Module]:
+    """The frozen reference: the model under the job's plan (without LoRA), holding the
+    reference's weights; no optimizer state, no gradients. A DCP source is loaded by the
+    caller (``reference_dcp``)."""
+    plain = dataclasses.replace(job, lora=dataclasses.replace(job.lora, enable=False))
+    built = build_parts(args, plain, meshes, device, _reference_values(job, args, device, initial))
+    for part in built.parts:
+        part.requires_grad_(False)
+    return built.parts
+
+
+def make_preference_step(
+    step: TrainStep, job: JobConfig, args: ModelArgs, device: torch.device, initial: FullValue
+) -> list[nn.Module]:
+    """Make ``step`` a DPO step with the job's reference; returns the reference copy's parts
+    (none for ``adapters_off``)."""
+    pairs, cp_mesh = job.training.local_batch_size, step.meshes.get("cp")
+    copy: list[nn.Module] = []
+    if job.dpo.reference == "adapters_off":
+        reference = model_reference(step.parts[0], pairs, step.context, cp_mesh, bypass_adapters=True)
+    else:
+        copy = build_reference_copy(args, job, step.meshes, device, initial)
+        dcp_path = reference_dcp(job)
+        if dcp_path is not None:
+            load_model(copy, dcp_path)
+        logger.info("DPO reference: a frozen copy of %s", job.dpo.reference_path or "the initial weights")
+        reference = model_reference(copy[0], pairs, step.context, cp_mesh)
+    step.preference = PreferenceContext(objective_from(job.dpo), reference, pairs, cp_mesh)
+    return copy
+
+
+def preference_source(job: JobConfig, tokenizer: str) -> PairSource:
+    """The job's preference pairs, tokenized as TRL does and cut to ``max_sequence_length``."""
+    training = job.training
+    source = dataset_path(training.dataset, training.dataset_path)
+    loaded = load_pairs(
+        source,
+        ChatFormat(tokenizer, training.chat_template),
+        tokenizer,
+        max_sequence_length(job),
+        job.dpo.truncation,
+    )
+    return PairSource(loaded.pairs, str(source), loaded.truncated, loaded.identical)
+
+
+def pair_loader(
+    job: JobConfig,
+    source: PairSource,
+    global_batch: int,
+    dp_rank: int,
+    dp: int,
+    device: torch.device,
+    tokenizer: str,
+) -> PairLoader:
+    training = job.training
+    return PairLoader(
+        source.pairs,
+        global_batch,
+        training.local_batch_size,
+        dp_rank,
+        dp,
+        device,
+        training.seq_len,
+        ChatFormat(tokenizer).pad_id(),
+        job.debug.seed,
+        job.dpo.packing,
+    )
