@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,13 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autopar.config import JobConfig
+from autopar.config import ConfigError, JobConfig
 from autopar.data.chat import CHATML_TOKENIZER
 from autopar.data.pair_batches import PairLoader, chosen_targets, pack_pairs
 from autopar.data.preference import PREFERENCE_EXAMPLE
 from autopar.models import Qwen
 from autopar.training.preference_loss import LOSS_TYPES, METRICS, Objective, sequence_logps
 from autopar.training.preference_step import objective_from
+from autopar.training.reference_table import TABLE_FILE
 from autopar.training.resolve import parse_job
 
 from jobs import CHAT_VOCAB, assert_fp32_parity, one_process_trainer, parity_runs, tiny_args, tiny_job
@@ -257,3 +259,44 @@ def dpo_parity(tmp_path_factory):
 def test_dpo_under_a_plan_matches_one_device(dpo_parity, plan):
     reference, run = dpo_parity[plan]
     assert_fp32_parity(run, reference)
+
+
+def hybrid_preference_job(folder, *flags: str) -> JobConfig:
+    """``preference_job`` of the tiny Qwen3.5 (``hybrid_job``'s shape)."""
+    return preference_job(folder, "--model.name", "qwen3.5", "--model.num_hidden_layers", "4", *flags)
+
+
+def losses(job: JobConfig) -> list[float]:
+    return [r.loss for r in one_process_trainer(job).train()]
+
+
+def test_the_three_references_give_the_same_losses(tmp_path):
+    lora = ("--lora.enable", "true", "--optimizer.lr", "0.05", "--training.steps", "3")
+    runs = {
+        mode: losses(preference_job(tmp_path / mode, *lora, "--dpo.reference", mode))
+        for mode in ("copy", "adapters_off", "precomputed")
+    }
+    # fp32: the same forwards; precomputed packs the pairs in other rows (order of sums only)
+    assert runs["adapters_off"] == pytest.approx(runs["copy"], rel=1e-6)
+    assert runs["precomputed"] == pytest.approx(runs["copy"], rel=1e-5)
+    # a reference that followed the policy would keep every loss at log 2: the check can tell
+    assert abs(runs["adapters_off"][-1] - math.log(2)) > 1e-3
+
+
+def test_a_precomputed_reference_is_read_back_and_refused_for_another_reference(tmp_path):
+    flags = ("--dpo.reference", "precomputed", "--training.steps", "1")
+    losses(preference_job(tmp_path, *flags))
+    table = tmp_path / TABLE_FILE
+    written = table.stat().st_mtime_ns
+    losses(preference_job(tmp_path, *flags, "--training.steps", "2"))
+    assert table.stat().st_mtime_ns == written
+    other = preference_job(tmp_path, *flags, "--training.steps", "3", "--debug.seed", "1")
+    with pytest.raises(ConfigError, match="reference log-probs of other pairs"):
+        one_process_trainer(other)
+
+
+def test_packing_gives_the_losses_of_one_sequence_per_row(tmp_path):
+    packed = losses(preference_job(tmp_path / "packed", "--training.steps", "3"))
+    alone = losses(preference_job(tmp_path / "alone", "--training.steps", "3", "--dpo.packing", "false"))
+    # fp32: the same sequences in other rows (order of sums only)
+    assert packed == pytest.approx(alone, rel=1e-5)

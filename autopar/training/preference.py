@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
@@ -30,7 +31,14 @@ from autopar.parallel.mesh import Meshes, ParallelDims
 from autopar.parallel.parallelize import build_parts
 from autopar.training.dcp_state import ModelState, run_dcp
 from autopar.training.preference_loss import LOSS_TYPES
-from autopar.training.preference_step import PreferenceContext, model_reference, objective_from
+from autopar.training.preference_step import (
+    PreferenceContext,
+    model_reference,
+    objective_from,
+    table_reference,
+)
+from autopar.training.reference_table import TABLE_FILE, compute_table, read_table, save_table, table_key
+from autopar.training.resolve import tokenizer_path
 from autopar.training.step import TrainStep
 
 logger = logging.getLogger("autopar")
@@ -138,24 +146,80 @@ def build_reference_copy(
     return built.parts
 
 
+def reference_source(job: JobConfig, args: ModelArgs) -> str:
+    """Where the reference's weights come from, and the model they fill (a table's key)."""
+    checkpoint = job.checkpoint
+    weights = (
+        job.dpo.reference_path or checkpoint.initial_load_path or f"seeded (debug.seed {job.debug.seed})"
+    )
+    return f"{weights} | {args} | {job.training.mixed_precision_param}"
+
+
 def make_preference_step(
-    step: TrainStep, job: JobConfig, args: ModelArgs, device: torch.device, initial: FullValue
+    step: TrainStep,
+    job: JobConfig,
+    args: ModelArgs,
+    device: torch.device,
+    initial: FullValue,
+    source: PairSource,
 ) -> list[nn.Module]:
     """Make ``step`` a DPO step with the job's reference; returns the reference copy's parts
-    (none for ``adapters_off``)."""
+    (none for ``adapters_off`` and ``precomputed``)."""
     pairs, cp_mesh = job.training.local_batch_size, step.meshes.get("cp")
     copy: list[nn.Module] = []
     if job.dpo.reference == "adapters_off":
+        logger.info("DPO reference: the LoRA base (the policy with its adapters bypassed)")
         reference = model_reference(step.parts[0], pairs, step.context, cp_mesh, bypass_adapters=True)
+    elif job.dpo.reference == "precomputed":
+        reference = table_reference(reference_table(step, job, args, device, initial, source))
     else:
-        copy = build_reference_copy(args, job, step.meshes, device, initial)
-        dcp_path = reference_dcp(job)
-        if dcp_path is not None:
-            load_model(copy, dcp_path)
-        logger.info("DPO reference: a frozen copy of %s", job.dpo.reference_path or "the initial weights")
+        copy = reference_copy(step, job, args, device, initial)
         reference = model_reference(copy[0], pairs, step.context, cp_mesh)
     step.preference = PreferenceContext(objective_from(job.dpo), reference, pairs, cp_mesh)
     return copy
+
+
+def reference_copy(
+    step: TrainStep, job: JobConfig, args: ModelArgs, device: torch.device, initial: FullValue
+) -> list[nn.Module]:
+    copy = build_reference_copy(args, job, step.meshes, device, initial)
+    dcp_path = reference_dcp(job)
+    if dcp_path is not None:
+        load_model(copy, dcp_path)
+    logger.info("DPO reference: a frozen copy of %s", job.dpo.reference_path or "the initial weights")
+    return copy
+
+
+def reference_table(
+    step: TrainStep,
+    job: JobConfig,
+    args: ModelArgs,
+    device: torch.device,
+    initial: FullValue,
+    source: PairSource,
+) -> torch.Tensor:
+    """The precomputed table: read back, or computed now by a reference copy freed after."""
+    path = Path(job.job.dump_folder) / TABLE_FILE
+    key = table_key(source.pairs, reference_source(job, args))
+    table = read_table(path, key)
+    if table is not None:
+        logger.info("DPO reference: log-probs of %d pairs read from %s", len(table), path)
+        return table
+    copy = reference_copy(step, job, args, device, initial)
+    forward = model_reference(copy[0], job.training.local_batch_size, step.context, step.meshes.get("cp"))
+    table = compute_table(
+        forward,
+        source.pairs,
+        job.training.local_batch_size,
+        job.training.seq_len,
+        ChatFormat(str(tokenizer_path(job))).pad_id(),
+        device,
+        step.meshes.get("dp"),
+    )
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        save_table(path, table, key)
+    logger.info("DPO reference: log-probs of %d pairs computed and written to %s", len(table), path)
+    return table
 
 
 def preference_source(job: JobConfig, tokenizer: str) -> PairSource:

@@ -85,7 +85,7 @@ class Trainer:
         built = build_parts(args, job, self.meshes, world.device, initial)
         self.train_step = TrainStep(job, world, self.meshes, built)
         self.reference = (
-            make_preference_step(self.train_step, job, args, world.device, initial)
+            make_preference_step(self.train_step, job, args, world.device, initial, samples)
             if is_preference(job)
             else []
         )
