@@ -29,6 +29,7 @@ from jobs import (
     MOE_FLAGS,
     ac_flags,
     assert_fp32_parity,
+    assert_same_training,
     one_process_trainer,
     parity_runs,
     tiny_args,
