@@ -24,7 +24,10 @@ from autopar.data.tokenizer import Tokenizer
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)
 FORMAT_VERSION = 1
-BUILTIN_DATASETS = {"autopar_corpus": Path(__file__).parent / "corpus"}
+BUILTIN_DATASETS = {
+    "autopar_corpus": Path(__file__).parent / "corpus",
+    "preference_example": Path(__file__).parent / "preference_example" / "pairs.jsonl",
+}
 """Datasets shipped with autopar, by the name ``training.dataset`` uses."""
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from pathlib import Path
 from autopar.config import parse
 from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig, Model
-from autopar.data.chat import ChatFormat
+from autopar.data.chat import CHATML_TOKENIZER, ChatFormat
 from autopar.models.args import ModelArgs
 from autopar.models.flavors import get_flavor, with_overrides
 from autopar.models.hf_config import HFCheckpointError, read_hf_config
@@ -140,10 +140,19 @@ def flavor_mismatch(job: JobConfig) -> str | None:
     )
 
 
+SHIPPED_TOKENIZERS = {"chatml": CHATML_TOKENIZER}
+"""Tokenizers shipped with autopar, by the name ``model.tokenizer_path`` may give (a preset
+names one wherever the package is installed)."""
+
+
 def tokenizer_path(job: JobConfig) -> str | None:
-    """The tokenizer the job uses: ``model.tokenizer_path``, else the tokenizer.json of
-    ``model.hf_assets_path``; None for the built-in byte tokenizer."""
+    """The tokenizer the job uses: ``model.tokenizer_path`` (a path, or a name of
+    ``SHIPPED_TOKENIZERS``), else the tokenizer.json of ``model.hf_assets_path``; None for the
+    built-in byte tokenizer."""
     if job.model.tokenizer_path is not None:
+        shipped = SHIPPED_TOKENIZERS.get(job.model.tokenizer_path)
+        if shipped is not None and not Path(job.model.tokenizer_path).exists():
+            return str(shipped)
         return job.model.tokenizer_path
     assets = job.model.hf_assets_path
     if assets is not None and (Path(assets) / "tokenizer.json").is_file():
