@@ -71,6 +71,8 @@ from autopar.parallel.torch_internals import (
 )
 from autopar.parallel.world import World, init_world
 from autopar.planner.memory import predict
+from autopar.training.preference import is_preference
+from autopar.training.preference_step import PreferenceContext, model_reference, objective_from
 from autopar.training.preflight import check_job
 from autopar.training.step import TrainStep
 from autopar.training.trainer import Trainer
@@ -141,8 +143,33 @@ def _batches(job: JobConfig, dims: ParallelDims) -> list[Batch]:
     micro_steps = min(2, global_batch // (training.local_batch_size * dims.dp))
     shape = (training.local_batch_size, training.seq_len)
     tokens = torch.zeros(shape, dtype=torch.long)
-    documents = tokens if training.document_masking else None  # the masked attention path
+    # the masked attention path (preference pairs are documents too)
+    documents = tokens if training.document_masking or is_preference(job) else None
     return [Batch(tokens, tokens, documents)] * micro_steps
+
+
+def _fake_preference(step: TrainStep, job: JobConfig, copy: ModelParts | None) -> list[torch.nn.Module]:
+    """Make ``step`` a DPO step whose reference is the trainer's, with fake weights: a frozen
+    ``copy`` (parallelized on meta), or the policy's LoRA base, or a table (a few bytes per
+    pair, nothing to build). Returns the copy's parts."""
+    pairs, cp_mesh = job.training.local_batch_size, step.meshes.get("cp")
+    parts: list[torch.nn.Module] = []
+    if copy is not None:
+        parts = materialize_parts(copy, torch.device("cpu"), _fake_values).parts
+        for part in parts:
+            part.requires_grad_(False)
+        reference = model_reference(parts[0], pairs, step.context, cp_mesh)
+    elif job.dpo.reference == "adapters_off":
+        reference = model_reference(step.parts[0], pairs, step.context, cp_mesh, bypass_adapters=True)
+    else:
+        reference = lambda batch: torch.zeros(2 * pairs)  # noqa: E731
+    step.preference = PreferenceContext(objective_from(job.dpo), reference, pairs, cp_mesh)
+    return parts
+
+
+def _local_bytes(param: torch.Tensor) -> int:
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return local.numel() * local.element_size()
 
 
 def _fake_values(name: str, shape: torch.Size) -> torch.Tensor:
@@ -258,17 +285,23 @@ def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) ->
         # parallelizing on meta allocates nothing; FSDP builds meshes of its own from real
         # rank lists, so only materializing and the step run under fake tensors
         built = parallelized_parts(args, job, meshes, world.device)
+        copied = is_preference(job) and job.dpo.reference == "copy"
+        plain = replace(job, lora=replace(job.lora, enable=False))  # a DPO job's frozen reference
+        reference_built = parallelized_parts(args, plain, meshes, world.device) if copied else None
         for part in built.parts:
             apply_attention_kernel(part, gqa)
         with FakeTensorMode(allow_non_fake_inputs=True):
             parts = materialize_parts(built, world.device, _fake_values)
             io = _stage_io(job, meshes, parts) if dims.pp > 1 else None
             step = TrainStep(job, world, meshes, parts, io)
+            reference = _fake_preference(step, job, reference_built) if is_preference(job) else []
             if step.pipeline is not None:
                 # the schedule's warm-up vote on static metadata moves no data under the
                 # fake group; every stage has static shapes here (``_stage_io``)
                 assume_static_stage_metadata(step.pipeline.schedule)
             peak = measure_step(step, _batches(job, dims), job.optimizer.lr)
+            if reference:
+                peak["reference"] = sum(_local_bytes(p) for part in reference for p in part.parameters())
     finally:
         dist.destroy_process_group()
         forget_sharding_caches()  # keyed by meshes, which compare equal across fake groups

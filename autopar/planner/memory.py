@@ -537,10 +537,21 @@ def _weights_and_optimizer(
         "params": stored * numel + (FP32 * trained if job.lora.enable else 0.0),
         "optimizer": 2 * FP32 * trained,
         "grads": _landing_grads(args, job, dims, modules) if accumulating else 0.0,
+        "reference": _reference_bytes(args, job, dims, modules),
     }
     if job.training.enable_cpu_offload:
         return {}, {**static, "grads": FP32 * trained}
     return static, {}
+
+
+def _reference_bytes(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str]) -> float:
+    """A DPO job's frozen reference copy (``dpo.reference = "copy"``): the model's weights
+    stored as the policy's full weights are, sharded alike, with no gradients or optimizer
+    state; its forward runs before the policy's, so its activations are gone by the peak.
+    ``adapters_off`` and ``precomputed`` hold none."""
+    if job.training.dataset_format != "preference" or job.dpo.reference != "copy":
+        return 0.0
+    return FP32 * modules_numel(args, job, dims, modules)
 
 
 @dataclass

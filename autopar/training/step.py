@@ -231,7 +231,7 @@ class TrainStep:
         """Set for preference data (``training.preference``): the step is DPO's."""
         self.preference_metrics = torch.zeros(len(METRICS))
         """The last preference step's ``METRICS`` (means over its pairs)."""
-        self.step_tokens = 0
+        self.step_tokens = torch.zeros(())
         """The last preference step's tokens over every rank, padding left out."""
         self.pipeline: Pipeline | None = None
         pp_mesh = self.meshes.get("pp")
@@ -299,10 +299,15 @@ class TrainStep:
             raise NotImplementedError("preference data under pipeline parallelism")  # refused by validate
         dp_mesh = self.meshes.get("dp")
         pairs = self.preference.pairs_per_micro_batch * len(batches) * self.dims.dp
-        device = batches[0].inputs.device
-        sizes = [[b.inputs.shape[0], int((b.documents >= 0).sum())] for b in batches]  # rows, real tokens
-        rows, tokens = all_reduce_sum(torch.tensor(sizes, device=device, dtype=torch.float32).sum(0), dp_mesh)
-        self.step_tokens = int(tokens)
+        # rows and real tokens (padding left out) over every rank, kept on the device
+        sizes = torch.stack(
+            [
+                torch.stack([b.documents.new_tensor(len(b.documents)), (b.documents >= 0).sum()])
+                for b in batches
+            ]
+        )
+        rows, tokens = all_reduce_sum(sizes.sum(0).float(), dp_mesh)
+        self.step_tokens = tokens
         balance = self.context.load_balancing
         local_loss, metrics, aux = preference_forward_backward(
             self.parts[0],

@@ -121,7 +121,7 @@ class Trainer:
         self.step = 0
         self.bad: list[str] = []  # what was not finite at the last step
         self.skipped_in_a_row = 0
-        self.window_tokens = 0
+        self.window_tokens: torch.Tensor | int = 0
         """Tokens trained since the last log line (preference steps differ in size)."""
         self.weights_from: Path | None = None
         """The checkpoint holding the weights of ``self.step``: the one resumed or last saved."""
@@ -278,7 +278,8 @@ class Trainer:
                 if self.step % log_freq == 0 or self.step in (1, steps):
                     elapsed = time.perf_counter() - window_start
                     records.append(self._log(loss, norm, window_steps, elapsed))
-                    window_start, window_steps, self.window_tokens = time.perf_counter(), 0, 0
+                    window_start, window_steps = time.perf_counter(), 0
+                    self.window_tokens = 0
                 if self.validator is not None and (
                     self.step % self.job.validation.freq == 0 or self.step == steps
                 ):
@@ -344,7 +345,7 @@ class Trainer:
             seconds,
             skipped=bool(self.bad),
             aux_loss=aux,
-            tokens=self.window_tokens if preference else None,
+            tokens=int(self.window_tokens) if preference else None,
             extra=dict(zip(METRICS, self.train_step.preference_metrics.tolist())) if preference else None,
         )
         return record
