@@ -21,6 +21,7 @@ from autopar.data.preference import PREFERENCE_EXAMPLE
 from autopar.models import Qwen
 from autopar.training.preference_loss import LOSS_TYPES, METRICS, Objective, sequence_logps
 from autopar.training.preference_step import objective_from
+from autopar.training.preflight import check_job
 from autopar.training.reference_table import TABLE_FILE
 from autopar.training.resolve import parse_job
 
@@ -361,3 +362,35 @@ def test_packing_gives_the_losses_of_one_sequence_per_row(tmp_path):
     alone = losses(preference_job(tmp_path / "alone", "--training.steps", "3", "--dpo.packing", "false"))
     # fp32: the same sequences in other rows (order of sums only)
     assert packed == pytest.approx(alone, rel=1e-5)
+
+
+def test_a_resumed_dpo_run_continues_exactly(tmp_path):
+    flags = ("--checkpoint.enable", "true", "--checkpoint.interval", "2", "--training.steps", "4")
+    straight = losses(preference_job(tmp_path / "straight", *flags))
+    losses(preference_job(tmp_path / "resumed", *flags[:-1], "2"))
+    resumed = losses(preference_job(tmp_path / "resumed", *flags))
+    assert resumed == straight[2:]  # bit-exact: the same pairs, weights and optimizer state
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--dpo.reference", "adapters_off"), "dpo.reference='adapters_off' is the LoRA model"),
+        (("--dpo.loss_type", "sigmoid,dpop"), "dpo.loss_type=\\['sigmoid', 'dpop'\\] must name"),
+        (("--dpo.loss_type", "sigmoid,sft", "--dpo.loss_weights", "1"), "one weight per dpo.loss_type"),
+        (("--dpo.max_length", "40"), "dpo.max_length=40: a pair"),
+        (("--dpo.label_smoothing", "0.5"), "dpo.label_smoothing=0.5 must be in"),
+        (("--parallelism.pipeline_parallel_degree", "2"), "DPO does not run under pipeline parallelism"),
+        (("--validation.enable", "true", "--validation.dataset_path", "x"), "held-out DPO metrics"),
+    ],
+)
+def test_a_preference_job_that_cannot_run_is_one_line_before_any_work(tmp_path, flags, message):
+    job = preference_job(tmp_path, *flags)
+    with pytest.raises(ConfigError, match=message):
+        check_job(job, 2)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_dpo_settings_without_preference_data_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="without preference data"):
+        check_job(tiny_job(tmp_path, "--dpo.reference", "precomputed"), 1)
