@@ -127,12 +127,18 @@ def _bench_on_rank(job: JobConfig, warmup: int) -> dict:
     trainer.metrics.forget_after(0)  # each bench starts the variant's file afresh
     if world.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(world.device)
-    times, losses = [], []
+    times, losses, tokens = [], [], []
     for _ in range(job.training.steps):
         start = time.perf_counter()
         loss_t, norm_t = trainer.run_step()
         losses.append(loss_t.item())  # waits for the step, so the timer sees all of it
         times.append(time.perf_counter() - start)
+        preference = trainer.train_step.preference is not None  # packed pairs: steps differ in size
+        tokens.append(
+            int(trainer.train_step.step_tokens)
+            if preference
+            else trainer.loader.global_batch * job.training.seq_len
+        )
         lr = trainer.optimizers[0].param_groups[0]["lr"]
         trainer.metrics.record(trainer.step, losses[-1], norm_t.item(), lr, 1, times[-1], bool(trainer.bad))
     return {
@@ -140,7 +146,7 @@ def _bench_on_rank(job: JobConfig, warmup: int) -> dict:
         "peak_memory_gib": peak_memory_gib(world.device),
         "first_loss": losses[0],
         "final_loss": losses[-1],
-        "tokens_per_step": trainer.loader.global_batch * job.training.seq_len,
+        "tokens_per_step": statistics.mean(tokens[warmup:]),
         "peak_flops": trainer.metrics.peak,
         "flops_per_token": trainer.metrics.flops_per_token,
         "device": torch.cuda.get_device_name(world.device)
