@@ -15,7 +15,8 @@ from autopar.training.dcp_state import complete_steps
 from autopar.training.faults import TrainingStopped
 from autopar.training.metrics import read_metrics
 from autopar.training.optim import lr_factor
-from autopar.training.step import TrainContext, microbatches_forward_backward
+from autopar.training.step import microbatches_forward_backward
+from autopar.training.train_context import TrainContext
 
 from jobs import TINY_MODEL, one_process_trainer, tiny_job
 

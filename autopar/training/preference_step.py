@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,9 +27,7 @@ from autopar.data.pair_batches import chosen_targets
 from autopar.models.qwen import split_output
 from autopar.parallel.lora import adapters_off
 from autopar.training.preference_loss import METRICS, Objective, SequenceLogps, sequence_logps
-
-if TYPE_CHECKING:  # step.py runs this module's step
-    from autopar.training.step import TrainContext
+from autopar.training.train_context import TrainContext
 
 ReferenceLogps = Callable[[Batch], torch.Tensor]
 """A micro-batch (whole, before any CP split) -> its (2P,) reference log-probabilities."""
