@@ -199,7 +199,9 @@ def fixture_job(folder: Path, records: str, case: dict) -> JobConfig:
             "--training.local_batch_size",
             str(len(case["rows"])),
             "--training.seq_len",
-            "256",
+            "2048",  # pairs of up to TRL's max_length 1024 each
+            "--model.max_position_embeddings",
+            "2048",
             "--training.mixed_precision_param",
             "float32",
             "--dpo.beta",
@@ -226,11 +228,13 @@ def test_the_first_step_loss_and_metrics_are_trls(tmp_path, records):
         trainer.loader.consumed_samples = 0
         loss = trainer.train_step.forward_backward(trainer.loader.next_step())
         trainer.train_step.discard()
-        # fp32: TRL pads and runs one sequence per row, we pack rows; the order of sums only
+        # fp32: TRL pads and runs one sequence per row, we pack rows; the order of sums only.
+        # A reward is beta times a difference of log-probs of up to 200 in size, so its error
+        # is absolute: measured 1.3e-6 at beta 0.1, 6.5e-6 at 0.5 (on Intel AVX-512)
         assert loss.item() == pytest.approx(case["loss"], rel=1e-5), name
         metrics = dict(zip(METRICS, trainer.train_step.preference_metrics.tolist()))
         for key, value in metrics.items():
-            assert value == pytest.approx(case["metrics"][key], rel=1e-5, abs=1e-6), (name, key)
+            assert value == pytest.approx(case["metrics"][key], rel=1e-5, abs=5e-5), (name, key)
 
 
 def enable_objective(trainer, job: JobConfig) -> None:

@@ -138,7 +138,7 @@ ANSWER = [{"role": "assistant", "content": "Hello"}]
         ),
         (
             {"prompt": USER, "chosen": [{"role": "assistant", "content": 5}], "rejected": ANSWER},
-            r""":1, "chosen": 'content' of a assistant message must be a string""",
+            r""":1, "chosen": messages\[0\]: 'content' of a assistant message must be a string""",
         ),
         (
             {"prompt": USER, "chosen": ANSWER, "rejected": ANSWER, "tools": {"name": "f"}},

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from autopar.data.chat import parse_record
 from autopar.data.errors import DataError, not_utf8
+from autopar.data.records import parse_record
 from autopar.data.tables import Columns, TableRows, is_table, without_nulls
 
 FIELDS = ("prompt", "chosen", "rejected", "tools", "chat_template_kwargs")
@@ -151,7 +151,7 @@ def _text(value: Any, where: str) -> Text:
 def _tools(record: dict[str, Any], where: str) -> Messages | None:
     """``tools`` as apply_chat_template takes them (a JSON string is parsed, as TRL does)."""
     probe = {"messages": [{"role": "user", "content": ""}], "tools": record.get("tools")}
-    return parse_record(probe, where, tools_as_json=True).tools
+    return parse_record(probe, where).tools
 
 
 def _template_kwargs(value: Any, where: str) -> dict[str, Any] | None:
