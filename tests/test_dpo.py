@@ -13,7 +13,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_bf16_parity import DATA_PARALLEL_RTOL, MULTIPLE_OF_BF16_GAP
+from test_bf16_parity import STEPS as BF16_STEPS
+from test_bf16_parity import gaps as bf16_gaps
 
+from autopar.cli.parity import PlanRun, plan_job, run_job
 from autopar.config import ConfigError, JobConfig
 from autopar.data.chat import CHATML_TOKENIZER
 from autopar.data.pair_batches import PairLoader, chosen_targets, pack_pairs
@@ -398,3 +402,34 @@ def test_a_preference_job_that_cannot_run_is_one_line_before_any_work(tmp_path, 
 def test_dpo_settings_without_preference_data_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="without preference data"):
         check_job(tiny_job(tmp_path, "--dpo.reference", "precomputed"), 1)
+
+
+BF16_PLANS = ["dp_shard=2", "tp=2", "cp=2"]
+"""DPO in bf16: FSDP computes what one device does; TP and CP split sums, held as
+``test_bf16_parity`` holds them (a multiple of one device's bf16-to-fp32 distance)."""
+
+
+@pytest.fixture(scope="module")
+def bf16_dpo(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dpo_bf16")
+    flags = ("--training.steps", str(BF16_STEPS), "--optimizer.lr", "0.003")
+    bf16 = preference_job(tmp / "bf16", *flags, "--training.mixed_precision_param", "bfloat16")
+    runs = parity_runs(bf16, BF16_PLANS, steps=BF16_STEPS)
+    fp32 = PlanRun(
+        "fp32", 1, *run_job(plan_job(preference_job(tmp / "fp32", *flags), "", BF16_STEPS, str(tmp / "r")))
+    )
+    gap = bf16_gaps(fp32, runs[BF16_PLANS[0]][0])
+    return runs, tuple(MULTIPLE_OF_BF16_GAP * g for g in gap)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", BF16_PLANS)
+def test_dpo_in_bf16_under_a_plan_stays_within_bf16_rounding_of_one_device(bf16_dpo, plan):
+    runs, (loss_tol, norm_tol) = bf16_dpo
+    reference, run = runs[plan]
+    d_loss, d_norm = bf16_gaps(run, reference)
+    if plan.startswith("dp_shard"):  # data parallel: the same computation as one device
+        assert max(d_loss, d_norm) <= DATA_PARALLEL_RTOL
+    else:
+        assert d_loss <= loss_tol and d_norm <= norm_tol, (d_loss, loss_tol, d_norm, norm_tol)
+    assert loss_tol > 1e-4  # bf16 is measurably apart from fp32, else the bound would be fp32's
