@@ -105,6 +105,42 @@ def test_a_yarn_export_round_trips_and_loads_in_transformers(tmp_path):
     assert_same_logits(ours, exported.eval(), seqlen=40)
 
 
+YARN_SETTINGS = {
+    "qwen-docs": {"factor": 4.0, "original_max_position_embeddings": 16},
+    "no-truncate-betas": {
+        "factor": 8.0,
+        "original_max_position_embeddings": 2048,
+        "truncate": False,
+        "beta_fast": 16,
+        "beta_slow": 2,
+    },
+    "mscale-pair": {
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "mscale": 0.707,
+        "mscale_all_dim": 1.0,
+    },
+    "attention-factor": {"factor": 2.0, "original_max_position_embeddings": 16, "attention_factor": 0.9},
+    "factor-null": {"factor": None, "original_max_position_embeddings": 16},
+}
+
+
+@pytest.mark.parametrize("settings", list(YARN_SETTINGS), ids=list(YARN_SETTINGS))
+def test_yarn_tables_are_transformers(tmp_path, settings):
+    """Our cos / sin tables beside transformers' rotary embedding for each YaRN parameter."""
+    from autopar.models.qwen import rotary_cos_sin
+
+    config = {**released("qwen3_8b"), "max_position_embeddings": 64}
+    config["rope_scaling"] = {"rope_type": "yarn", **YARN_SETTINGS[settings]}
+    args = read_hf_config(config_folder(tmp_path, config))
+    rotary = transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding(transformers.Qwen3Config(**config))
+    positions = torch.arange(100)
+    theirs = rotary(torch.zeros(1, dtype=torch.float32), positions[None])
+    ours = rotary_cos_sin(positions, args.head_dim, args.rope_theta, args)
+    for mine, hf in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(mine, hf[0], rtol=0, atol=1e-6)  # fp32: the same formula
+
+
 @pytest.mark.parametrize("rope_type", ["linear", "dynamic", "llama3", "longrope"])
 def test_a_rope_type_autopar_does_not_compute_is_one_line(tmp_path, rope_type):
     config = {**released("qwen2_5_7b_instruct"), "rope_scaling": {"type": rope_type, "factor": 2.0}}
@@ -190,3 +226,17 @@ def test_plan_names_a_config_json_model_by_the_size_that_config_gives(tmp_path, 
     assert plan_main(flags) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith(f"qwen2.5 7.62B ({folder}/config.json), seq_len")
+
+
+def test_a_million_entry_layer_list_is_refused_before_any_per_layer_loop(tmp_path):
+    config = {**released("qwen3_30b_a3b"), "mlp_only_layers": [0] * 1_000_000}
+    with pytest.raises(HFCheckpointError, match="mlp_only_layers lists 1000000 layers, beyond any Qwen"):
+        from_hf(config_folder(tmp_path, config))
+
+
+def test_a_zero_sparse_step_is_one_line_not_a_division_by_zero():
+    from autopar.models import get_flavor
+    from autopar.models.flavors import with_overrides
+
+    with pytest.raises(ValueError, match=r"model\.decoder_sparse_step=0 must be positive"):
+        with_overrides(get_flavor("qwen3", "30B-A3B"), {"decoder_sparse_step": 0})

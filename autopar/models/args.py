@@ -193,6 +193,14 @@ class ModelArgs:
                     f"model.{name}={getattr(self, name)} is beyond any Qwen model (at most {limit}); "
                     "fix the value, or the config.json it came from"
                 )
+        for name in ("mlp_only_layers", "layer_types"):
+            if len(getattr(self, name)) > SIZE_LIMITS["num_hidden_layers"]:
+                raise ValueError(
+                    f"model.{name} lists {len(getattr(self, name))} layers, beyond any Qwen model "
+                    f"(at most {SIZE_LIMITS['num_hidden_layers']})"
+                )
+        if self.decoder_sparse_step <= 0:  # before has_dense_layers divides by it
+            raise ValueError(f"model.decoder_sparse_step={self.decoder_sparse_step} must be positive")
         positive = (
             "vocab_size",
             "hidden_size",
@@ -226,7 +234,10 @@ class ModelArgs:
 
     @property
     def has_dense_layers(self) -> bool:
-        return not all(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+        """Whether any layer has the dense SwiGLU of ``intermediate_size`` (one pass over the layers)."""
+        dense = set(self.mlp_only_layers)
+        step = self.decoder_sparse_step
+        return not self.moe or any(i in dense or (i + 1) % step for i in range(self.num_hidden_layers))
 
     def _check_hybrid(self) -> None:
         for name in ("linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim"):
@@ -274,8 +285,6 @@ class ModelArgs:
             )
         if self.moe_intermediate_size <= 0:
             raise ValueError(f"model.moe_intermediate_size={self.moe_intermediate_size} must be positive")
-        if self.decoder_sparse_step <= 0:
-            raise ValueError(f"model.decoder_sparse_step={self.decoder_sparse_step} must be positive")
         if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
             raise ValueError(
                 f"model.router_aux_loss_coef={self.router_aux_loss_coef} must be finite and >= 0"
