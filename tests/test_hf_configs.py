@@ -5,6 +5,7 @@ transformers 5.x gives transformers' logits; so does the folder transformers wri
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -31,7 +32,7 @@ def config_folder(tmp_path: Path, config: dict) -> Path:
 def hf_model(config: dict, text_only: bool = False):
     """The transformers model of a config.json dict (its text model's causal LM when
     ``text_only``), every weight randomized: HF starts norms, biases and routers at constants."""
-    hf_config = transformers.AutoConfig.for_model(**config)
+    hf_config = transformers.AutoConfig.for_model(**copy.deepcopy(config))  # it fills nested dicts in
     if text_only:
         hf_config = hf_config.get_text_config()
         hf_config.architectures = None
@@ -61,13 +62,22 @@ def assert_same_logits(ours: torch.nn.Module, hf, seqlen: int) -> None:
 def test_a_released_config_reads_as_transformers_reads_it(tmp_path, name):
     config = released(name)
     args = read_hf_config(config_folder(tmp_path, config))
-    theirs = transformers.AutoConfig.for_model(**config).get_text_config()
+    theirs = transformers.AutoConfig.for_model(**copy.deepcopy(config)).get_text_config()
     heads = theirs.num_attention_heads
     assert args.head_dim == getattr(theirs, "head_dim", None) or theirs.hidden_size // heads
     assert args.num_key_value_heads == theirs.num_key_value_heads
     assert args.rope_theta == theirs.rope_parameters["rope_theta"]
     assert args.rope_type == theirs.rope_parameters["rope_type"]
     assert args.num_experts == (getattr(theirs, "num_experts", None) or 0)
+    assert args.rotary_dim == int(args.head_dim * theirs.rope_parameters.get("partial_rotary_factor", 1.0))
+
+
+def test_a_partial_rotary_factor_beside_the_rope_parameters_is_read(tmp_path):
+    """transformers moves a text config's own ``partial_rotary_factor`` into its RoPE parameters."""
+    config = released("qwen3_5_27b")
+    del config["text_config"]["rope_parameters"]["partial_rotary_factor"]
+    config["text_config"]["partial_rotary_factor"] = 0.5
+    assert read_hf_config(config_folder(tmp_path, config)).partial_rotary_factor == 0.5
 
 
 @pytest.mark.parametrize("written_by", ["released", "transformers"])

@@ -77,7 +77,9 @@ def qwen3_5_args(fields: ConfigFields, rope: ConfigFields, moe: bool) -> dict[st
         "num_key_value_heads": fields.int("num_key_value_heads"),
         "head_dim": fields.int("head_dim", 256),
         "rope_theta": rope.float("rope_theta", fields.float("rope_theta", 10000.0)),
-        "partial_rotary_factor": rope.float("partial_rotary_factor", 0.25),
+        "partial_rotary_factor": rope.float(
+            "partial_rotary_factor", fields.float("partial_rotary_factor", 0.25)
+        ),
         "rms_norm_eps": fields.float("rms_norm_eps", 1e-6),
         "tie_word_embeddings": fields.bool("tie_word_embeddings", False),
         "attention_bias": fields.bool("attention_bias", False),
