@@ -162,18 +162,37 @@ def test_a_rope_type_autopar_does_not_compute_is_one_line(tmp_path, rope_type):
     assert "'yarn'" in message
 
 
-def test_null_optional_fields_take_transformers_defaults(tmp_path):
-    optional = ("head_dim", "num_key_value_heads", "rope_theta", "hidden_act", "rms_norm_eps")
-    config = {**released("qwen2_5_7b_instruct"), **dict.fromkeys(optional)}
-    config.update(tie_word_embeddings=None, max_position_embeddings=None, rope_scaling=None)
+OPTIONAL = (
+    "head_dim",
+    "rope_theta",
+    "hidden_act",
+    "rms_norm_eps",
+    "tie_word_embeddings",
+    "max_position_embeddings",
+)
+
+
+@pytest.mark.parametrize("absent", [False, True], ids=["null", "absent"])
+@pytest.mark.parametrize("name", ["qwen2_5_7b_instruct", "qwen3_8b", "qwen3_30b_a3b"])
+def test_optional_fields_null_or_absent_take_transformers_defaults(tmp_path, name, absent):
+    config = {**released(name), **dict.fromkeys(OPTIONAL), "rope_scaling": None}
+    if absent:
+        config = {k: v for k, v in config.items() if k not in OPTIONAL}
     args = read_hf_config(config_folder(tmp_path, config))
-    # transformers 5 refuses some of these nulls (hidden_act); its defaults are those of absent keys
+    # transformers 5 refuses some nulls (hidden_act, head_dim): compare with its defaults for absent keys
     theirs = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if v is not None})
-    assert args.head_dim == theirs.hidden_size // theirs.num_attention_heads
-    assert args.num_key_value_heads == theirs.num_attention_heads
+    assert args.head_dim == getattr(theirs, "head_dim", theirs.hidden_size // theirs.num_attention_heads)
     assert (args.rope_theta, args.rms_norm_eps) == (theirs.rope_parameters["rope_theta"], theirs.rms_norm_eps)
     assert args.max_position_embeddings == theirs.max_position_embeddings
-    assert not args.tie_word_embeddings
+    assert args.tie_word_embeddings == theirs.tie_word_embeddings
+
+
+def test_null_key_value_heads_are_the_attention_heads(tmp_path):
+    config = {**released("qwen2_5_7b_instruct"), "num_key_value_heads": None}
+    theirs = transformers.AutoConfig.for_model(**config)
+    assert (
+        read_hf_config(config_folder(tmp_path, config)).num_key_value_heads == theirs.num_key_value_heads == 4
+    )
 
 
 @pytest.mark.parametrize(
@@ -250,3 +269,14 @@ def test_a_zero_sparse_step_is_one_line_not_a_division_by_zero():
 
     with pytest.raises(ValueError, match=r"model\.decoder_sparse_step=0 must be positive"):
         with_overrides(get_flavor("qwen3", "30B-A3B"), {"decoder_sparse_step": 0})
+
+
+def test_sliding_window_layers_are_refused_in_one_line(tmp_path):
+    """transformers 5 runs a window where layer_types names one and sliding_window is set."""
+    config = {**released("qwen2_5_7b_instruct"), "layer_types": ["sliding_attention", "full_attention"]}
+    with pytest.raises(
+        HFCheckpointError, match="layer_types has 'sliding_attention' layers with sliding_window"
+    ):
+        read_hf_config(config_folder(tmp_path, config))
+    config["sliding_window"] = None  # no window: every layer attends fully, as in transformers
+    assert read_hf_config(config_folder(tmp_path, config)).num_hidden_layers == 2
