@@ -6,6 +6,7 @@ transformers 5.x gives transformers' logits; so does the folder transformers wri
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -280,3 +281,22 @@ def test_sliding_window_layers_are_refused_in_one_line(tmp_path):
         read_hf_config(config_folder(tmp_path, config))
     config["sliding_window"] = None  # no window: every layer attends fully, as in transformers
     assert read_hf_config(config_folder(tmp_path, config)).num_hidden_layers == 2
+
+
+def test_a_checkpoint_from_before_the_yarn_fields_resumes_without_a_change():
+    """Its recorded settings lack model.rope_type and the rest: it ran their defaults."""
+    from autopar.training.previous_run import changed_settings, settings_record
+    from autopar.training.resolve import model_args, parse_job
+
+    job = parse_job(["--model.name", "qwen3", "--model.flavor", "debug"])
+    args = model_args(job)
+    settings = {k: v for k, v in json.loads(settings_record(job, args)).items() if "rope_" not in k}
+    assert "model.rope_theta" not in settings
+    saved = {"settings": json.dumps({**settings, "model.rope_theta": args.rope_theta})}
+    assert changed_settings(saved, job, args) == {}
+    yarn = parse_job(["--model.name", "qwen3", "--model.flavor", "debug", "--model.rope_type", "yarn"])
+    yarn_args = dataclasses.replace(args, rope_type="yarn", rope_original_max_position_embeddings=16)
+    assert set(changed_settings(saved, yarn, yarn_args)) == {
+        "model.rope_type",
+        "model.rope_original_max_position_embeddings",
+    }
