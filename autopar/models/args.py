@@ -293,11 +293,6 @@ class ModelArgs:
     def _check_yarn(self) -> None:
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"model.rope_type={self.rope_type!r} is not one of {list(ROPE_TYPES)}")
-        if self.hybrid:
-            raise ValueError(
-                "model.rope_type='yarn' is for Qwen2.5 / Qwen3; Qwen3.5 runs its multimodal RoPE "
-                "('default'), set model.rope_type='default'"
-            )
         if self.rope_original_max_position_embeddings < 1:
             raise ValueError(
                 "model.rope_type='yarn' needs model.rope_original_max_position_embeddings, the "

@@ -161,15 +161,12 @@ def _mscale(factor: float, mscale: float) -> float:
 
 
 def _hybrid_args(config: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """Qwen3.5 / 3.6 (dense or MoE, text-only or vision-language config) as ModelArgs fields."""
+    """Qwen3.5 / 3.6 (dense or MoE, text-only or vision-language config) as ModelArgs fields;
+    YaRN from ``rope_parameters`` as Qwen3.6's model card gives it for long inputs."""
     fields = ConfigFields(config, source, HFCheckpointError)
     rope = _check_rope_and_activation(fields)
-    if _rope_type(rope) != "default":
-        raise HFCheckpointError(
-            f"{source}: Qwen3.5 with rope type {_rope_type(rope)!r} is not supported; "
-            "autopar runs Qwen3.5's multimodal RoPE ('default')"
-        )
-    return qwen3_5_args(fields, rope, moe=config.get("model_type") == "qwen3_5_moe_text")
+    args = qwen3_5_args(fields, rope, moe=config.get("model_type") == "qwen3_5_moe_text")
+    return {**args, **_rope_args(fields, rope)}
 
 
 def _moe_args(fields: ConfigFields) -> dict[str, Any]:
@@ -210,7 +207,8 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
         "dtype": dtype_name(dtype),
     }
     if args.hybrid:
-        return {**common, **qwen3_5_config(args)}
+        rope = {**_rope_parameters(args), "partial_rotary_factor": args.partial_rotary_factor}
+        return {**common, **qwen3_5_config(args), "rope_parameters": rope}
     moe = {
         "num_experts": args.num_experts,
         "num_local_experts": args.num_experts,
