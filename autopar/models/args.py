@@ -44,7 +44,8 @@ class ModelArgs:
     """Shape and numerics of one Qwen2.5 / Qwen3 / Qwen3.5 model, dense or mixture of experts.
 
     Field names match HF ``config.json`` so a config maps 1:1; ``qk_norm`` is the one
-    addition (it is what distinguishes the ``qwen3`` architecture from ``qwen2``).
+    addition (it is what distinguishes the ``qwen3`` architecture from ``qwen2``), and the
+    ``rope_*`` fields are the keys of HF's ``rope_parameters`` (``rope_scaling`` in v4 files).
     ``linear_num_value_heads > 0`` makes it the hybrid Qwen3.5: Gated DeltaNet layers with
     a gated attention layer every ``full_attention_interval``-th (or as ``layer_types`` say).
     ``num_experts > 0`` makes it Qwen3-MoE: layer ``i`` has a routed mixture of experts
