@@ -44,7 +44,8 @@ class ModelArgs:
     """Shape and numerics of one Qwen2.5 / Qwen3 / Qwen3.5 model, dense or mixture of experts.
 
     Field names match HF ``config.json`` so a config maps 1:1; ``qk_norm`` is the one
-    addition (it is what distinguishes the ``qwen3`` architecture from ``qwen2``).
+    addition (it is what distinguishes the ``qwen3`` architecture from ``qwen2``), and the
+    ``rope_*`` fields are the keys of HF's ``rope_parameters`` (``rope_scaling`` in v4 files).
     ``linear_num_value_heads > 0`` makes it the hybrid Qwen3.5: Gated DeltaNet layers with
     a gated attention layer every ``full_attention_interval``-th (or as ``layer_types`` say).
     ``num_experts > 0`` makes it Qwen3-MoE: layer ``i`` has a routed mixture of experts
@@ -193,6 +194,14 @@ class ModelArgs:
                     f"model.{name}={getattr(self, name)} is beyond any Qwen model (at most {limit}); "
                     "fix the value, or the config.json it came from"
                 )
+        for name in ("mlp_only_layers", "layer_types"):
+            if len(getattr(self, name)) > SIZE_LIMITS["num_hidden_layers"]:
+                raise ValueError(
+                    f"model.{name} lists {len(getattr(self, name))} layers, beyond any Qwen model "
+                    f"(at most {SIZE_LIMITS['num_hidden_layers']})"
+                )
+        if self.decoder_sparse_step <= 0:  # before has_dense_layers divides by it
+            raise ValueError(f"model.decoder_sparse_step={self.decoder_sparse_step} must be positive")
         positive = (
             "vocab_size",
             "hidden_size",
@@ -226,7 +235,10 @@ class ModelArgs:
 
     @property
     def has_dense_layers(self) -> bool:
-        return not all(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+        """Whether any layer has the dense SwiGLU of ``intermediate_size`` (one pass over the layers)."""
+        dense = set(self.mlp_only_layers)
+        step = self.decoder_sparse_step
+        return not self.moe or any(i in dense or (i + 1) % step for i in range(self.num_hidden_layers))
 
     def _check_hybrid(self) -> None:
         for name in ("linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim"):
@@ -274,8 +286,6 @@ class ModelArgs:
             )
         if self.moe_intermediate_size <= 0:
             raise ValueError(f"model.moe_intermediate_size={self.moe_intermediate_size} must be positive")
-        if self.decoder_sparse_step <= 0:
-            raise ValueError(f"model.decoder_sparse_step={self.decoder_sparse_step} must be positive")
         if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
             raise ValueError(
                 f"model.router_aux_loss_coef={self.router_aux_loss_coef} must be finite and >= 0"
@@ -284,11 +294,6 @@ class ModelArgs:
     def _check_yarn(self) -> None:
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"model.rope_type={self.rope_type!r} is not one of {list(ROPE_TYPES)}")
-        if self.hybrid:
-            raise ValueError(
-                "model.rope_type='yarn' is for Qwen2.5 / Qwen3; Qwen3.5 runs its multimodal RoPE "
-                "('default'), set model.rope_type='default'"
-            )
         if self.rope_original_max_position_embeddings < 1:
             raise ValueError(
                 "model.rope_type='yarn' needs model.rope_original_max_position_embeddings, the "

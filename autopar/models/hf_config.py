@@ -21,6 +21,9 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+_HEAD_DIM = {"qwen3": 128}
+"""transformers' ``head_dim`` where config.json has none: Qwen3Config's own default; Qwen2 and
+Qwen3-MoE take hidden_size / num_attention_heads."""
 _EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 QWEN3_5_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
@@ -49,6 +52,7 @@ def args_from_hf_config(config: Mapping[str, Any], source: str = CONFIG_FILE) ->
         )
     fields = ConfigFields(config, source, HFCheckpointError)
     rope = _check_rope_and_activation(fields)
+    _check_full_attention(fields)
     is_qwen3 = model_type in ("qwen3", "qwen3_moe")
     if is_qwen3 and fields.bool("attention_bias"):
         raise HFCheckpointError(
@@ -63,7 +67,7 @@ def args_from_hf_config(config: Mapping[str, Any], source: str = CONFIG_FILE) ->
         num_hidden_layers=fields.int("num_hidden_layers"),
         num_attention_heads=heads,
         num_key_value_heads=fields.int("num_key_value_heads", heads),
-        head_dim=fields.int("head_dim", None) or fields.int("hidden_size") // heads,
+        head_dim=fields.int("head_dim", _HEAD_DIM.get(model_type)) or fields.int("hidden_size") // heads,
         rms_norm_eps=fields.float("rms_norm_eps", 1e-6),
         tie_word_embeddings=fields.bool("tie_word_embeddings", False),
         attention_bias=not is_qwen3,
@@ -101,6 +105,18 @@ def _check_rope_and_activation(fields: ConfigFields) -> ConfigFields:
     if fields.str("hidden_act", "silu") != "silu":
         raise HFCheckpointError(f"{source}: hidden_act={fields.config['hidden_act']!r}; Qwen uses 'silu'")
     return rope
+
+
+def _check_full_attention(fields: ConfigFields) -> None:
+    """Refuse sliding-window layers, which transformers 5 runs where ``layer_types`` names them
+    and ``sliding_window`` is set; autopar runs full attention in every Qwen2.5 / Qwen3 layer."""
+    sliding = [t for t in fields.config.get("layer_types") or [] if t != "full_attention"]
+    if sliding and fields.config.get("sliding_window") is not None:
+        raise HFCheckpointError(
+            f"{fields.source}: layer_types has {sliding[0]!r} layers with sliding_window="
+            f"{fields.config['sliding_window']}; autopar runs full attention in every layer: set "
+            "sliding_window to null or every layer type to 'full_attention'"
+        )
 
 
 def _rope_type(rope: ConfigFields) -> Any:
@@ -145,15 +161,12 @@ def _mscale(factor: float, mscale: float) -> float:
 
 
 def _hybrid_args(config: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """Qwen3.5 / 3.6 (dense or MoE, text-only or vision-language config) as ModelArgs fields."""
+    """Qwen3.5 / 3.6 (dense or MoE, text-only or vision-language config) as ModelArgs fields;
+    YaRN from ``rope_parameters`` as Qwen3.6's model card gives it for long inputs."""
     fields = ConfigFields(config, source, HFCheckpointError)
     rope = _check_rope_and_activation(fields)
-    if _rope_type(rope) != "default":
-        raise HFCheckpointError(
-            f"{source}: Qwen3.5 with rope type {_rope_type(rope)!r} is not supported; "
-            "autopar runs Qwen3.5's multimodal RoPE ('default')"
-        )
-    return qwen3_5_args(fields, rope, moe=config.get("model_type") == "qwen3_5_moe_text")
+    args = qwen3_5_args(fields, rope, moe=config.get("model_type") == "qwen3_5_moe_text")
+    return {**args, **_rope_args(fields, rope)}
 
 
 def _moe_args(fields: ConfigFields) -> dict[str, Any]:
@@ -194,7 +207,8 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
         "dtype": dtype_name(dtype),
     }
     if args.hybrid:
-        return {**common, **qwen3_5_config(args)}
+        rope = {**_rope_parameters(args), "partial_rotary_factor": args.partial_rotary_factor}
+        return {**common, **qwen3_5_config(args), "rope_parameters": rope}
     moe = {
         "num_experts": args.num_experts,
         "num_local_experts": args.num_experts,

@@ -129,7 +129,11 @@ def changed_settings(saved: dict[str, Any], job: JobConfig, args: ModelArgs) -> 
     (none for a checkpoint that records none)."""
     if "settings" not in saved:
         return {}
-    return differences(json.loads(saved["settings"]), json.loads(settings_record(job, args)))
+    before = json.loads(saved["settings"])
+    for field in dataclasses.fields(ModelArgs):  # one added since: the checkpoint ran its default
+        if field.default is not dataclasses.MISSING:
+            before.setdefault(f"model.{field.name}", _plain(field.default))
+    return differences(before, json.loads(settings_record(job, args)))
 
 
 def check_previous_run(job: JobConfig, args: ModelArgs) -> None:

@@ -77,7 +77,9 @@ def qwen3_5_args(fields: ConfigFields, rope: ConfigFields, moe: bool) -> dict[st
         "num_key_value_heads": fields.int("num_key_value_heads"),
         "head_dim": fields.int("head_dim", 256),
         "rope_theta": rope.float("rope_theta", fields.float("rope_theta", 10000.0)),
-        "partial_rotary_factor": rope.float("partial_rotary_factor", 0.25),
+        "partial_rotary_factor": rope.float(
+            "partial_rotary_factor", fields.float("partial_rotary_factor", 0.25)
+        ),
         "rms_norm_eps": fields.float("rms_norm_eps", 1e-6),
         "tie_word_embeddings": fields.bool("tie_word_embeddings", False),
         "attention_bias": fields.bool("attention_bias", False),
@@ -105,18 +107,14 @@ def qwen3_5_args(fields: ConfigFields, rope: ConfigFields, moe: bool) -> dict[st
 
 
 def qwen3_5_config(args: ModelArgs) -> dict[str, Any]:
-    """The text-only config.json fields transformers needs to rebuild ``args``."""
+    """The text-only config.json fields transformers needs to rebuild ``args`` (the RoPE
+    parameters are written beside the other families' by ``hf_config_from_args``)."""
     model_type = "qwen3_5_moe_text" if args.moe else "qwen3_5_text"
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[model_type]],
         "model_type": model_type,
         "head_dim": args.head_dim,
         "attention_bias": args.attention_bias,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": args.rope_theta,
-            "partial_rotary_factor": args.partial_rotary_factor,
-        },
         "layer_types": [
             "linear_attention" if args.mixer(i) == "linear_attention" else "full_attention"
             for i in range(args.num_hidden_layers)

@@ -56,6 +56,7 @@ class GatedAttention(nn.Module):
         self.head_dim = args.head_dim
         self.rotary_dim = args.rotary_dim
         self.rope_theta = args.rope_theta
+        self.yarn = args if args.rope_type == "yarn" else None
         q_out = args.num_attention_heads * args.head_dim
         kv_out = args.num_key_value_heads * args.head_dim
         bias = args.attention_bias
@@ -83,7 +84,7 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, Hkv, D)
         if positions is None:
             positions = torch.arange(seqlen, device=x.device)
-        cos, sin = rotary_cos_sin(positions, self.rotary_dim, self.rope_theta)
+        cos, sin = rotary_cos_sin(positions, self.rotary_dim, self.rope_theta, self.yarn)
         q = self._rotate(q, cos, sin).transpose(1, 2)  # (B, Hq, S, D)
         k = self._rotate(k, cos, sin).transpose(1, 2)  # (B, Hkv, S, D)
         out = self.sdpa(q, k, v.transpose(1, 2), mask).transpose(1, 2)  # (B, S, Hq, D)
