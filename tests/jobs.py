@@ -137,6 +137,62 @@ def chat_job(folder, *flags: str) -> JobConfig:
     )
 
 
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+"""A chat record's ``tools``: one function, as transformers' templates take them."""
+
+
+def hf_folder_flags(source: Path) -> list[str]:
+    """Flags of a job that fine-tunes the HF folder ``source`` and exports an HF folder: its
+    assets and its weights read in HF's format, the last save written in it."""
+    return [
+        "--model.hf_assets_path",
+        str(source),
+        "--checkpoint.initial_load_path",
+        str(source),
+        "--checkpoint.initial_load_in_hf",
+        "true",
+        "--checkpoint.last_save_in_hf",
+        "true",
+    ]
+
+
+QWEN3_5_TEXT = {
+    "vocab_size": 320,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 8,
+}
+"""A tiny Qwen3.5 ``text_config`` for transformers' classes (three Gated DeltaNet layers and a
+gated attention one), as the tests of Qwen3.5 jobs and exports build their source folders."""
+QWEN3_5_VISION = {
+    "depth": 1,
+    "hidden_size": 16,
+    "num_heads": 2,
+    "intermediate_size": 16,
+    "out_hidden_size": 64,
+    "patch_size": 2,
+    "temporal_patch_size": 1,
+    "spatial_merge_size": 1,
+}
+"""The ``vision_config`` beside ``QWEN3_5_TEXT`` (its output width is the text model's)."""
+
+
 def chat_hf_base(folder: Path) -> tuple[Qwen, Path]:
     """The tiny chat model as an HF folder with the shipped ChatML tokenizer (what a
     fine-tuning job starts from): (the model, its folder ``folder/Qwen3-tiny``)."""

@@ -21,6 +21,8 @@ from autopar.data.chat import (
 )
 from autopar.data.errors import DataError
 
+from jobs import TOOLS
+
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Hi. How can I help?"}],
     [
@@ -108,18 +110,6 @@ def test_the_template_beside_the_tokenizer_is_used_and_qwen25_is_the_fallback(tm
     )
     assert template_text(tmp_path) == "{{ messages[0].content }}"
     assert template_text(None) == (TEMPLATES / "qwen2.5.jinja").read_text()
-
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "weather",
-            "description": "The weather in a city.",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-]
 
 
 def tokenizer_folder(tmp_path, config: dict | None = None, **files: str):

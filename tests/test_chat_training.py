@@ -168,21 +168,14 @@ def test_the_sft_walk_through_takes_an_hf_folder_and_gives_one_transformers_chat
 
     transformers = pytest.importorskip("transformers")
 
-    from jobs import TINY_MODEL, chat_hf_base
+    from jobs import TINY_MODEL, chat_hf_base, hf_folder_flags
 
     base, source = chat_hf_base(tmp_path)
     job = chat_job(
         tmp_path / "run",
-        "--model.hf_assets_path",
-        str(source),
+        *hf_folder_flags(source),
         "--model.tokenizer_path",
         str(source),
-        "--checkpoint.initial_load_path",
-        str(source),
-        "--checkpoint.initial_load_in_hf",
-        "true",
-        "--checkpoint.last_save_in_hf",
-        "true",
         "--training.document_masking",
         "true",
         "--training.steps",

@@ -15,19 +15,11 @@ from autopar.data.chat import CHATML_TOKENIZER, ChatFormat, encode, load_chat, r
 from autopar.data.prepare import main as prepare_main
 from autopar.data.tokenizer import build_tokenizer
 
+from jobs import TOOLS
+
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "weather",
-            "description": "The weather in a city.",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-]
 CHAT = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Bern?"},

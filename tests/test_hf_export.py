@@ -16,37 +16,16 @@ from safetensors.torch import load_file, save_file
 from autopar.models import from_hf
 from autopar.models.hf import save_hf_like
 
-from jobs import one_process_trainer, tiny_job
+from jobs import QWEN3_5_TEXT as TEXT
+from jobs import QWEN3_5_VISION as VISION
+from jobs import hf_folder_flags, one_process_trainer, tiny_job
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen3_5ForConditionalGeneration"):
     pytest.skip("transformers >= 5.2 has the Qwen3.5 classes", allow_module_level=True)
 
-TEXT = {
-    "vocab_size": 320,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 8,
-}
 MOE = {**TEXT, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 MOE.update(shared_expert_intermediate_size=32)
-VISION = {
-    "depth": 1,
-    "hidden_size": 16,
-    "num_heads": 2,
-    "intermediate_size": 16,
-    "out_hidden_size": 64,
-    "patch_size": 2,
-    "temporal_patch_size": 1,
-    "spatial_merge_size": 1,
-}
 SOURCES = {
     "dense": {},
     "sharded": {"max_shard_size": "100KB"},
@@ -151,14 +130,7 @@ def test_an_export_from_a_vision_language_folder_is_that_folder_in_transformers(
 def vl_job(source: Path, run: Path, *flags: str):
     job = tiny_job(
         run,
-        "--model.hf_assets_path",
-        str(source),
-        "--checkpoint.initial_load_path",
-        str(source),
-        "--checkpoint.initial_load_in_hf",
-        "true",
-        "--checkpoint.last_save_in_hf",
-        "true",
+        *hf_folder_flags(source),
         "--training.steps",
         "2",
         *flags,

@@ -22,18 +22,7 @@ from autopar.data.tokenizer import build_tokenizer  # noqa: E402
 from autopar.data.tokens import BUILTIN_DATASETS, read_learned, read_prepared  # noqa: E402
 from autopar.training.preflight import check_job  # noqa: E402
 
-from jobs import chat_job, one_process_trainer, tiny_job  # noqa: E402
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "weather",
-            "description": "The weather in a city.",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
-        },
-    }
-]
+from jobs import TOOLS, chat_job, one_process_trainer, tiny_job  # noqa: E402
 
 
 def jsonl_rows(path: Path) -> list[dict]:

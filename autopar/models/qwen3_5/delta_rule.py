@@ -169,15 +169,9 @@ def _forward(
     previous_document: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(outputs, the state entering each segment, the exit state); outputs empty without q."""
-    bsz, seqlen, key_heads, key_dim = k.shape
-    state = initial_state
-    if state is None:
-        value_heads = v.shape[2]
-        state = v.new_zeros(
-            bsz, key_heads, value_heads // key_heads, key_dim, v.shape[-1], dtype=torch.float32
-        )
+    state = v.new_zeros(state_shape(k, v), dtype=torch.float32) if initial_state is None else initial_state
     outputs, states = [], []
-    for start, end in _bounds(seqlen):
+    for start, end in _bounds(k.shape[1]):
         states.append(state)
         piece_q = None if q is None else q[:, start:end]
         pieces = (x[:, start:end] for x in (k, v, g, beta))
@@ -192,11 +186,9 @@ def _forward(
 
 @_forward.register_fake
 def _(q, k, v, g, beta, documents, initial_state, previous_document):
-    bsz, seqlen, key_heads, key_dim = k.shape
-    segments = (seqlen + SEGMENT - 1) // SEGMENT
-    columns = v.shape[-1] if initial_state is None else initial_state.shape[-1]
-    exit_state = v.new_empty(bsz, key_heads, v.shape[2] // key_heads, key_dim, columns, dtype=torch.float32)
-    states = exit_state.new_empty(bsz, segments, *exit_state.shape[1:])
+    exit_state = empty_exit_state(k, v, initial_state)
+    segments = (k.shape[1] + SEGMENT - 1) // SEGMENT
+    states = exit_state.new_empty(k.shape[0], segments, *exit_state.shape[1:])
     return (v.new_empty(0) if q is None else torch.empty_like(v)), states, exit_state
 
 
@@ -256,9 +248,9 @@ def _(grad_out, grad_exit, q, k, v, g, beta, documents, previous_document, state
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, g, beta, documents, initial_state, previous_document = inputs
+    q, k, v, g, beta, documents, _initial_state, previous_document = inputs
     ctx.has_q = q is not None
-    ctx.entry_grad = initial_state is not None and ctx.needs_input_grad[6]
+    ctx.entry_grad = entry_wants_grad(ctx, inputs)
     ctx.save_for_backward(q, k, v, g, beta, documents, previous_document, output[1])
 
 
@@ -292,31 +284,6 @@ def _autograd_backward(
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-def gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    documents: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-    previous_document: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The gated delta rule over a sequence, from a zero state or ``initial_state``.
-
-    q, k (B, S, HK, dk) and v (B, S, HV, dv) in the compute dtype, HV a multiple of HK;
-    g (B, S, HV) the log decay (<= 0, fp32) and beta (B, S, HV) the write strength;
-    ``documents`` (B, S) int64 ids of packed documents (equal ids contiguous): the state
-    restarts at each. ``initial_state`` (B, HK, HV / HK, dk, dv) fp32 enters at the first
-    token if that token continues ``previous_document`` (B,), the document of the token
-    before the sequence (default: the first token's own). Returns (B, S, HV, dv) in v's
-    dtype; the recurrence runs in fp32.
-    """
-    return torch.ops.autopar.gated_delta_rule(q, k, v, g, beta, documents, initial_state, previous_document)[
-        0
-    ]
-
-
 def delta_rule_map(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -327,30 +294,78 @@ def delta_rule_map(
 ) -> torch.Tensor:
     """The affine map of a token range on the state, [M | U] (B, HK, HV / HK, dk, dk + dv)
     fp32: the range turns an entry state S into its exit state ``M S + U`` (M is zero when a
-    document starts inside the range or at its first token). Arguments as ``gated_delta_rule``."""
+    document starts inside the range or at its first token). Arguments as ``DeltaRuleKernel.rule``."""
     entry = identity_entry(k, v)
     return torch.ops.autopar.gated_delta_rule(None, k, v, g, beta, documents, entry, previous_document)[2]
 
 
 def identity_entry(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """[I | 0] (B, HK, HV / HK, dk, dk + dv) fp32: the entry state whose exit is a range's map."""
-    bsz, _, key_heads, key_dim = k.shape
+    key_dim = k.shape[-1]
     identity = torch.eye(key_dim, key_dim + v.shape[-1], device=k.device, dtype=torch.float32)
-    return identity.expand(bsz, key_heads, v.shape[2] // key_heads, *identity.shape).contiguous()
+    return identity.expand(state_shape(k, v, key_dim + v.shape[-1])).contiguous()
+
+
+def state_shape(k: torch.Tensor, v: torch.Tensor, columns: int | None = None) -> tuple[int, ...]:
+    """(B, HK, HV / HK, dk, c): the state of a run over k (B, S, HK, dk) and v (B, S, HV, dv),
+    value heads grouped under the key head they read; c is dv, or ``columns`` for a state
+    wider than v (a map's [M | U] has dk + dv)."""
+    bsz, _, key_heads, key_dim = k.shape
+    return (bsz, key_heads, v.shape[2] // key_heads, key_dim, v.shape[-1] if columns is None else columns)
+
+
+def empty_exit_state(k: torch.Tensor, v: torch.Tensor, initial_state: torch.Tensor | None) -> torch.Tensor:
+    """The exit state a kernel's op returns, for its fake implementation: fp32, as wide as
+    the entry state (as v without one)."""
+    columns = None if initial_state is None else initial_state.shape[-1]
+    return v.new_empty(state_shape(k, v, columns), dtype=torch.float32)
+
+
+def entry_wants_grad(ctx, inputs: tuple) -> bool:
+    """Whether a kernel's backward computes the entry state's gradient: one was given
+    (``inputs`` are the forward op's: q, k, v, g, beta, documents, initial_state,
+    previous_document) and autograd asks for it."""
+    return inputs[6] is not None and ctx.needs_input_grad[6]
 
 
 @dataclass(frozen=True)
 class DeltaRuleKernel:
-    """A delta-rule implementation as the model and context parallelism call it: ``rule`` as
-    ``gated_delta_rule`` (from a zero or given entry state) and ``map`` as ``delta_rule_map``."""
+    """A delta-rule implementation as the model and context parallelism call it: ``rule``
+    (from a zero or given entry state) and ``map`` as ``delta_rule_map``. ``forward`` is the
+    kernel's custom op, taking ``rule``'s arguments, all given, and returning the outputs first."""
 
     name: str
-    rule: Callable[..., torch.Tensor]
+    forward: Callable[..., tuple[torch.Tensor, ...]]
     map: Callable[..., torch.Tensor]
 
+    def rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        documents: torch.Tensor | None = None,
+        initial_state: torch.Tensor | None = None,
+        previous_document: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The gated delta rule over a sequence, from a zero state or ``initial_state``.
 
-AUTOPAR = DeltaRuleKernel("autopar", gated_delta_rule, delta_rule_map)
+        q, k (B, S, HK, dk) and v (B, S, HV, dv) in the compute dtype, HV a multiple of HK;
+        g (B, S, HV) the log decay (<= 0, fp32) and beta (B, S, HV) the write strength;
+        ``documents`` (B, S) int64 ids of packed documents (equal ids contiguous): the state
+        restarts at each. ``initial_state`` (B, HK, HV / HK, dk, dv) fp32 enters at the first
+        token if that token continues ``previous_document`` (B,), the document of the token
+        before the sequence (default: the first token's own). Returns (B, S, HV, dv) in v's
+        dtype; the recurrence runs in fp32.
+        """
+        return self.forward(q, k, v, g, beta, documents, initial_state, previous_document)[0]
+
+
+AUTOPAR = DeltaRuleKernel("autopar", torch.ops.autopar.gated_delta_rule, delta_rule_map)
 """This module's kernel: plain torch, any device."""
+gated_delta_rule = AUTOPAR.rule
+"""``DeltaRuleKernel.rule`` by this module's kernel."""
 
 
 def reference_gated_delta_rule(

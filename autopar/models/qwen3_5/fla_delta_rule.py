@@ -27,7 +27,12 @@ from __future__ import annotations
 
 import torch
 
-from autopar.models.qwen3_5.delta_rule import DeltaRuleKernel, identity_entry
+from autopar.models.qwen3_5.delta_rule import (
+    DeltaRuleKernel,
+    empty_exit_state,
+    entry_wants_grad,
+    identity_entry,
+)
 
 FLA_VERSION = "0.6"
 """The fla-core minor version whose internal forward and backward functions this calls."""
@@ -174,9 +179,7 @@ def _forward(
 @_forward.register_fake
 def _(q, k, v, g, beta, documents, initial_state, previous_document):
     bsz, seqlen, value_heads = g.shape
-    key_heads, key_dim = k.shape[2:]
-    columns = v.shape[-1] if initial_state is None else initial_state.shape[-1]
-    exit_state = g.new_empty(bsz, key_heads, value_heads // key_heads, key_dim, columns, dtype=torch.float32)
+    exit_state = empty_exit_state(k, v, initial_state)
     q_rstd, k_rstd = (torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) for x in (q, k))
     g_sum = torch.empty_like(g, dtype=torch.float32)
     solve = k.new_empty(bsz, seqlen, value_heads, CHUNK)
@@ -258,7 +261,7 @@ def _setup_context(ctx, inputs, output) -> None:
     _q, _k, v, g, beta, documents, initial_state, previous_document = inputs
     _out, _exit, q_normed, q_rstd, k_normed, k_rstd, g_sum, solve = output
     ctx.g_dtype = g.dtype
-    ctx.entry_grad = initial_state is not None and ctx.needs_input_grad[6]
+    ctx.entry_grad = entry_wants_grad(ctx, inputs)
     saved = (
         q_normed,
         q_rstd,
@@ -288,23 +291,6 @@ def _autograd_backward(ctx, grad_out: torch.Tensor | None, grad_exit: torch.Tens
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
-def fla_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    documents: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-    previous_document: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``delta_rule.gated_delta_rule`` by FLA's kernels: the same arguments and result."""
-    out = torch.ops.autopar.fla_gated_delta_rule(
-        q, k, v, g, beta, documents, initial_state, previous_document
-    )
-    return out[0]
-
-
 def fla_delta_rule_map(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -322,5 +308,7 @@ def fla_delta_rule_map(
     ]
 
 
-FLA = DeltaRuleKernel("fla", fla_gated_delta_rule, fla_delta_rule_map)
+FLA = DeltaRuleKernel("fla", torch.ops.autopar.fla_gated_delta_rule, fla_delta_rule_map)
 """FLA's kernels, as ``delta_rule.AUTOPAR`` is ours."""
+fla_gated_delta_rule = FLA.rule
+"""``DeltaRuleKernel.rule`` by FLA's kernels: the same arguments and result as ours."""
