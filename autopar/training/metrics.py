@@ -2,7 +2,8 @@
 
 ``metrics.jsonl`` keys ``step, loss, grad_norm, lr, tps, mfu, memory_gib`` are a contract that
 other tools read (a mixture-of-experts run adds ``aux_loss``, its load-balancing loss; ``loss``
-stays the language-model cross-entropy); ``tps`` is tokens per second per device, ``mfu`` a percentage (null where no
+stays the language-model cross-entropy; a step whose batch had no learned token adds
+``no_learned_tokens: true``); ``tps`` is tokens per second per device, ``mfu`` a percentage (null where no
 peak is known, e.g. on CPU), ``memory_gib`` the peak so far (CUDA allocator, or process RSS on CPU).
 """
 
@@ -139,6 +140,8 @@ class StepMetrics:
     skipped: bool = False
     aux_loss: float | None = None
     """A mixture-of-experts model's load-balancing loss (absent for dense models)."""
+    no_learned_tokens: bool = False
+    """The step's batch had no learned token (chat rows of prompts only): its loss is 0."""
 
     def record(self) -> dict[str, Any]:
         """The JSON record: non-finite numbers become null (JSON has no NaN), ``skipped`` says
@@ -146,16 +149,17 @@ class StepMetrics:
         return {
             k: None if isinstance(v, float) and not math.isfinite(v) else v
             for k, v in self.__dict__.items()
-            if not (k == "aux_loss" and v is None)
+            if not (k == "aux_loss" and v is None) and not (k == "no_learned_tokens" and not v)
         }
 
     def line(self) -> str:
         mfu = "n/a" if self.mfu is None else f"{self.mfu:.1f}%"
         aux = "" if self.aux_loss is None else f"  aux_loss {self.aux_loss:.4f}"
+        nothing = "  (no learned token in this step)" if self.no_learned_tokens else ""
         return (
             f"step {self.step}  loss {self.loss:.4f}{aux}  grad_norm {self.grad_norm:.4f}  "
             f"lr {self.lr:.3g}  tps {self.tps:,.0f}  mfu {mfu}  mem {self.memory_gib:.2f}GiB  "
-            f"{self.step_time_s:.3g}s/step  tokens {_si(self.tokens_seen)}  eta {_duration(self.eta_s)}"
+            f"{self.step_time_s:.3g}s/step  tokens {_si(self.tokens_seen)}  eta {_duration(self.eta_s)}{nothing}"
         )
 
 
@@ -211,10 +215,11 @@ class MetricsLogger:
         seconds: float,
         skipped: bool = False,
         aux_loss: float | None = None,
+        no_learned_tokens: bool = False,
     ) -> StepMetrics:
         """Log one step; ``steps`` ran in ``seconds`` since the last log; ``skipped``: the step
         made no update (its loss or gradient norm was not finite); ``aux_loss``: a mixture of
-        experts' load-balancing loss."""
+        experts' load-balancing loss; ``no_learned_tokens``: the step's batch had none."""
         step_time = seconds / max(steps, 1)
         tps = steps * self.tokens_per_step / max(seconds, 1e-9) / self.world_size
         mfu = mfu_percent(tps, self.flops_per_token, self.peak)
@@ -231,6 +236,7 @@ class MetricsLogger:
             (self.total_steps - step) * step_time,
             skipped,
             aux_loss,
+            no_learned_tokens,
         )
         if self.is_main:
             logger.info(metrics.line())

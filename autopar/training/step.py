@@ -221,6 +221,8 @@ class TrainStep:
         """This rank's share of the last step's loss, to find where a non-finite loss came from."""
         self.aux_loss = torch.zeros(())
         """The last step's load-balancing loss (mean per sequence, before its coefficient)."""
+        self.targets = torch.zeros(())
+        """The last step's learned tokens over the whole global batch (0: prompts only)."""
         self.pipeline: Pipeline | None = None
         pp_mesh = self.meshes.get("pp")
         if pp_mesh is not None:
@@ -262,8 +264,8 @@ class TrainStep:
 
     def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
         """Gradients of the step's micro-batches; the step loss summed over all ranks."""
-        # a step without targets (chat rows of prompts only) has loss 0, not 0/0
-        targets = global_target_count(batches, self.meshes.get("dp")).clamp(min=1)
+        self.targets = global_target_count(batches, self.meshes.get("dp"))
+        targets = self.targets.clamp(min=1)  # a step without targets (prompts only) has loss 0, not 0/0
         sequences = sum(b.inputs.shape[0] for b in batches) * self.dims.dp
         if self.pipeline is not None:
             local_loss, aux = pipeline_forward_backward(

@@ -111,6 +111,8 @@ class Trainer:
         self.step = 0
         self.bad: list[str] = []  # what was not finite at the last step
         self.skipped_in_a_row = 0
+        self.nothing_learned = False  # the last step's batch had no learned token
+        self.steps_with_nothing_learned = 0
         self.weights_from: Path | None = None
         """The checkpoint holding the weights of ``self.step``: the one resumed or last saved."""
         self.data = data_identity(job, samples)
@@ -201,7 +203,9 @@ class Trainer:
         loss = self.train_step.forward_backward(self.loader.next_step())
         norm = self.train_step.grad_norm()
         self.step += 1
-        self.bad = nonfinite(*torch.stack([loss, norm]).tolist())
+        loss_value, norm_value, targets = torch.stack([loss, norm, self.train_step.targets]).tolist()
+        self._say_if_nothing_learned(targets)
+        self.bad = nonfinite(loss_value, norm_value)
         if not self.bad:
             self.train_step.apply(lr, norm)
             self.skipped_in_a_row = 0
@@ -216,6 +220,21 @@ class Trainer:
             "step %d: %s not finite (%s); skipped (no update)", self.step, " and ".join(self.bad), where
         )
         return loss, norm
+
+    def _say_if_nothing_learned(self, targets: float) -> None:
+        """Count a step with no learned token in its whole batch (chat rows whose answers are
+        all masked or cut off); the first is explained, each log line and the last line say it."""
+        self.nothing_learned = targets == 0
+        if not self.nothing_learned:
+            return
+        self.steps_with_nothing_learned += 1
+        if self.steps_with_nothing_learned == 1:
+            logger.warning(
+                "step %d: no learned token in this step's batch (every label masked: prompts only, or "
+                "answers cut off by training.seq_len), so its loss and grad_norm are 0; such steps are "
+                "marked in the log and metrics.jsonl (no_learned_tokens) and counted at the end",
+                self.step,
+            )
 
     def train(self) -> list[StepRecord]:
         """Train to training.steps; returns the logged steps' records."""
@@ -293,6 +312,8 @@ class Trainer:
         if ran <= 0:
             return
         last = f", last loss {records[-1].loss:.4f}" if records else ""
+        if self.steps_with_nothing_learned:
+            last += f", {self.steps_with_nothing_learned} with no learned token (loss 0)"
         outputs = [f"metrics {self.metrics.path}"]
         if self.checkpointer.last_saved is not None:  # never an earlier run's, left in the folder
             outputs.append(f"checkpoint {self.checkpointer.last_saved}")
@@ -315,7 +336,15 @@ class Trainer:
         record = StepRecord(self.step, loss.item(), norm.item(), aux)
         lr = self.optimizers[0].param_groups[0]["lr"]
         self.metrics.record(
-            self.step, record.loss, record.grad_norm, lr, steps, seconds, skipped=bool(self.bad), aux_loss=aux
+            self.step,
+            record.loss,
+            record.grad_norm,
+            lr,
+            steps,
+            seconds,
+            skipped=bool(self.bad),
+            aux_loss=aux,
+            no_learned_tokens=self.nothing_learned,
         )
         return record
 
