@@ -108,6 +108,7 @@ def _run(job: JobConfig, args: ModelArgs, auto: tuple[Plan, DeviceSpec, list[Ver
         timeout = job.comm.init_timeout_seconds
         message = f"rank {rank}: not every rank joined within comm.init_timeout_seconds={timeout}: {err}"
         print(f"comm error: {message}", file=sys.stderr)
+        tell_launcher(f"comm error: {message}")
         return 1
     setup_logging(world.rank)
     if world.is_main:

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from autopar.config.errors import ConfigError
 from autopar.config.sections import Checkpoint, LoRA
 from autopar.models.args import ModelArgs
 from autopar.parallel.world import background_save_group
@@ -60,6 +61,15 @@ def _first_failure(err: BaseException, rank: int) -> tuple[int, BaseException]:
         failed_rank, (cause, _) = next(iter(err.failures.items()))
         return failed_rank, cause
     return rank, err
+
+
+def _read_failure(err: BaseException, rank: int) -> tuple[int, BaseException]:
+    """The rank and error behind a failed read of a checkpoint; an error that says a peer is
+    gone is raised again as it is (not the checkpoint's fault: the trainer reports it)."""
+    failed_rank, cause = _first_failure(err, rank)
+    if peer_gone(cause):
+        raise cause from None
+    return failed_rank, cause
 
 
 def _barrier() -> None:
@@ -269,9 +279,7 @@ class Checkpointer:
         except TrainingStopped:
             raise
         except READ_ERRORS as err:
-            rank, cause = _first_failure(err, self.rank)
-            if peer_gone(cause):  # not this checkpoint's fault: the trainer reports it
-                raise cause from None
+            rank, cause = _read_failure(err, self.rank)
             raise TrainingStopped(
                 f"rank {rank} could not read checkpoint {self.folder / f'step-{step}'} "
                 f"({type(cause).__name__}: {cause}): a file of it is damaged; resume from another with "
@@ -356,8 +364,24 @@ class Checkpointer:
             return not any(k.startswith("optimizer.") for k in saved_keys(self.folder / f"step-{step}"))
 
     def load_model_only(self, path: str | Path) -> None:
-        """Initial weights from a DCP folder (model entries only)."""
-        run_dcp(dcp.load, {"model": ModelState(self.parts, "frozen" if self.lora.enable else "all")}, path)
+        """Initial weights from a DCP folder (model entries only), its files verified first
+        against its manifest when it has one (collective: the ranks share the checksumming)."""
+        field = f"checkpoint.initial_load_path={str(path)!r}"
+        problem = broken_file(Path(path))
+        if problem is not None:
+            raise ConfigError(
+                f"{field} is damaged: {problem}; copy or save it again, or start from other weights"
+            )
+        try:
+            run_dcp(
+                dcp.load, {"model": ModelState(self.parts, "frozen" if self.lora.enable else "all")}, path
+            )
+        except READ_ERRORS as err:
+            rank, cause = _read_failure(err, self.rank)
+            raise ConfigError(
+                f"{field}: rank {rank} could not read it ({type(cause).__name__}: {cause}), a file of it "
+                "is damaged; copy or save it again, or start from other weights"
+            ) from None
 
     def should_save(self, step: int, last_step: int) -> bool:
         return self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step)
