@@ -44,6 +44,7 @@ from autopar.training.dcp_state import (
     complete_steps,
     model_mismatch,
     newest_readable,
+    readable_train_state,
     run_dcp,
     saved_keys,
     step_folders,
@@ -263,12 +264,16 @@ class Checkpointer:
 
     def _problem(self, step: int) -> str | None:
         """What is wrong with the checkpoint of ``step`` (collective), or None: its
-        ``.metadata`` gone (checked first: a checkpoint without a manifest is not verified
-        otherwise), or a file that does not match its manifest."""
-        metadata = self.folder / f"step-{step}" / ".metadata"
-        if not metadata.is_file():
-            return f"{metadata} is missing"
-        return broken_file(metadata.parent)
+        ``.metadata`` gone, a file that does not match its manifest, or without a manifest
+        (deleted, or saved by an older autopar) train entries that cannot be read."""
+        folder = self.folder / f"step-{step}"
+        if not (folder / ".metadata").is_file():
+            return f"{folder / '.metadata'} is missing"
+        if (folder / MANIFEST).is_file():
+            return broken_file(folder)
+        if readable_train_state(folder) is None:
+            return f"its files cannot be read, and it has no {MANIFEST} to tell which is damaged"
+        return None
 
     @contextmanager
     def _reading(self, step: int) -> Iterator[None]:
