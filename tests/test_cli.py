@@ -131,7 +131,11 @@ def test_torchrun_prints_a_config_error_once_not_once_per_rank(tmp_path):
         str(tmp_path / "out"),
     )
     assert result.returncode != 0
-    assert result.stderr.count("config error: training.seq_len=1 must be >= 2") == 1, result.stderr[-3000:]
+    said = [line for line in result.stderr.splitlines() if line.startswith("config error:")]
+    assert said == ["config error: training.seq_len=1 must be >= 2"], result.stderr[-3000:]
+    # torchrun's own closing report (its ChildFailedError traceback) names that line as the cause
+    root_cause = result.stderr[result.stderr.index("Root Cause") :]
+    assert "exitcode  : 2" in root_cause and "traceback : config error: training.seq_len=1" in root_cause
     assert not (tmp_path / "out").exists()
 
 

@@ -124,9 +124,18 @@ def test_a_broken_load_step_is_refused_offering_only_intact_steps(run, capsys):
     "name, damage",
     [("__0_0.distcp", cut_to_1000_bytes), ("__0_0.distcp", first_64_bytes_flipped), (".metadata", emptied)],
 )
-def test_damage_in_a_checkpoint_without_manifest_stops_with_one_line(run, capsys, name, damage):
+def test_a_damaged_checkpoint_without_manifest_whose_train_state_fails_is_skipped(run, capsys, name, damage):
     (run / "checkpoint" / "step-3" / "manifest.json").unlink()  # as an older autopar saved it
     damage(run / "checkpoint" / "step-3" / name)
+    code, lines = train(capsys, run, "--training.steps", "4")
+    broken = [line for line in lines if "checkpoint step-3 is broken (its files cannot be read" in line]
+    assert code == 0 and len(broken) == 1, lines
+    assert any(line.endswith(f"resumed from {run / 'checkpoint' / 'step-2'}") for line in lines), lines
+
+
+def test_damage_in_the_weights_of_a_checkpoint_without_manifest_stops_with_one_line(run, capsys):
+    (run / "checkpoint" / "step-3" / "manifest.json").unlink()
+    cut_in_half(run / "checkpoint" / "step-3" / "__0_0.distcp")  # the train entries come first
     code, lines = train(capsys, run, "--training.steps", "4")
     assert code == 1 and "could not read checkpoint" in lines[-1], lines
     assert str(run / "checkpoint" / "step-3") in lines[-1]
@@ -134,3 +143,29 @@ def test_damage_in_a_checkpoint_without_manifest_stops_with_one_line(run, capsys
         "a file of it is damaged; resume from another with --checkpoint.load_step (one of [1, 2]), or move it away"
     )
     assert not any("Traceback" in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    "damage, manifest, said",
+    [
+        (cut_to_1000_bytes, True, " is damaged: {file} has 1000 bytes, "),
+        (middle_byte_flipped, True, " is damaged: {file} does not match the checksum written with it"),
+        (cut_to_1000_bytes, False, ": rank 0 could not read it ("),
+    ],
+    ids=["cut", "flipped", "cut-without-manifest"],
+)
+def test_a_damaged_initial_load_path_is_refused_before_step_1(
+    three_steps, tmp_path, capsys, damage, manifest, said
+):
+    source = tmp_path / "weights"
+    shutil.copytree(three_steps / "checkpoint" / "step-3", source)
+    if not manifest:
+        (source / "manifest.json").unlink()
+    damage(source / "__0_0.distcp")
+    code, lines = train(
+        capsys, tmp_path / "run", "--training.steps", "1", "--checkpoint.initial_load_path", str(source)
+    )
+    field = f"config error: checkpoint.initial_load_path={str(source)!r}"
+    assert code == 2 and lines[-1].startswith(field + said.format(file=source / "__0_0.distcp")), lines
+    assert lines[-1].endswith("copy or save it again, or start from other weights")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

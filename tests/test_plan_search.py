@@ -3,6 +3,7 @@ its time model reproduces measured runs, and its CLI and ``auto = true`` behave 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -15,8 +16,8 @@ from autopar.cli.plan import main as plan_main
 from autopar.cli.train import main as train_main
 from autopar.config import ConfigError
 from autopar.parallel.mesh import ParallelDims
-from autopar.planner.devices import PRESETS, device_spec
-from autopar.planner.search import candidates, evaluate, rank, search
+from autopar.planner.devices import PRESETS, device_spec, this_machine
+from autopar.planner.search import candidates, evaluate, no_fit_message, rank, search
 from autopar.planner.time import (
     block_forward_flops,
     bubble_fraction,
@@ -387,3 +388,19 @@ def test_full_checkpointing_recomputes_the_blocks_forward_flops_that_mfu_counts(
     seq = 4096
     head = 6 * args.hidden_size * args.vocab_size
     assert block_forward_flops(args, seq) == pytest.approx((flops_per_token(args, seq) - head) / 3, rel=1e-12)
+
+
+CPU_PROCESS = dataclasses.replace(this_machine("cpu", 2), memory_gib=8.0)
+"""A CPU rank with 8 GiB: what parallelism.auto plans for on a CPU run."""
+
+
+def test_a_plan_refusal_on_cpu_counts_cpu_processes_not_gpus():
+    pins = {f"parallelism.{kind}_parallel_degree" for kind in ("tensor", "context", "pipeline")}
+    job = parse_job(["--job.config", "debug_model", "--training.global_batch_size", "3"])
+    with pytest.raises(ConfigError, match=r"^no plan runs this job on 2 CPU processes \(pinned"):
+        search(job, model_args(job), 2, 2, CPU_PROCESS, pins | {"training.local_batch_size"}, "cpu")
+    job = preset("qwen3_32b")
+    best = search(job, model_args(job), 2, 2, CPU_PROCESS, set(), "cpu")[0]
+    message = no_fit_message(best, CPU_PROCESS, 2, set())
+    assert "GiB per CPU process: use more CPU processes (FSDP" in message, message
+    assert "GPU" not in message

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import shutil
 
 import pytest
@@ -18,7 +19,7 @@ from autopar.training.optim import lr_factor
 from autopar.training.step import microbatches_forward_backward
 from autopar.training.train_context import TrainContext
 
-from jobs import TINY_MODEL, one_process_trainer, tiny_job
+from jobs import TINY_MODEL, chat_job, one_process_trainer, tiny_job
 
 
 def train(job):
@@ -271,3 +272,25 @@ def test_hf_export_casts_to_the_export_dtype(tmp_path):
         hf_name = name if name == "lm_head.weight" else f"model.{name}"
         assert exported[hf_name].dtype == torch.bfloat16
         assert torch.equal(exported[hf_name], param.detach().to(torch.bfloat16)), name
+
+
+def test_a_step_with_no_learned_token_says_so_in_its_line_its_record_and_the_summary(tmp_path, caplog):
+    # answers of one token after prompts longer than a row: most 2 x 32-token batches learn nothing
+    talk = {
+        "messages": [{"role": "user", "content": "tell me " * 40}, {"role": "assistant", "content": "ok"}]
+    }
+    (tmp_path / "chat.jsonl").write_text((json.dumps(talk) + "\n") * 8)
+    caplog.set_level("INFO", logger="autopar")
+    data = ("--training.dataset_path", str(tmp_path / "chat.jsonl"), "--training.steps", "8")
+    one_process_trainer(chat_job(tmp_path / "run", *data)).train()
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    nothing = [r["step"] for r in records if r.get("no_learned_tokens")]
+    assert 0 < len(nothing) < 8 and all(
+        r["no_learned_tokens"] is True for r in records if r["step"] in nothing
+    )
+    assert all((r["loss"] == 0) == (r["step"] in nothing) for r in records)
+    said = [r.getMessage() for r in caplog.records]
+    marked = [int(m.split()[1]) for m in said if m.endswith("(no learned token in this step)")]
+    assert marked == nothing
+    assert sum("no learned token in this step's batch" in m for m in said) == 1  # explained once
+    assert f", {len(nothing)} with no learned token (loss 0) |" in said[-1]

@@ -28,7 +28,7 @@ from autopar.planner.devices import DeviceSpec
 from autopar.planner.dry_run import compare, report, title, write_dry_run
 from autopar.planner.search import Plan
 from autopar.planner.verify import Verified
-from autopar.training.faults import TrainingStopped, end_with_launcher
+from autopar.training.faults import TrainingStopped, end_with_launcher, tell_launcher
 from autopar.training.preflight import check_job, check_nodes
 from autopar.training.previous_run import check_previous_run, write_config
 from autopar.training.resolve import parse_job
@@ -108,6 +108,7 @@ def _run(job: JobConfig, args: ModelArgs, auto: tuple[Plan, DeviceSpec, list[Ver
         timeout = job.comm.init_timeout_seconds
         message = f"rank {rank}: not every rank joined within comm.init_timeout_seconds={timeout}: {err}"
         print(f"comm error: {message}", file=sys.stderr)
+        tell_launcher(f"comm error: {message}")
         return 1
     setup_logging(world.rank)
     if world.is_main:
@@ -124,6 +125,7 @@ def _run(job: JobConfig, args: ModelArgs, auto: tuple[Plan, DeviceSpec, list[Ver
         return _refuse("data error", err)
     except TrainingStopped as err:
         logging.getLogger("autopar").error("training stopped: %s", err)
+        tell_launcher(f"training stopped: {err}")
         return 1
     finally:
         if dist.is_initialized():
@@ -162,11 +164,11 @@ def _refuse(kind: str, err: object) -> int:
     missing on one node) is said by that rank after the wait, naming it."""
     launched = "MASTER_ADDR" in os.environ and os.environ.get("WORLD_SIZE", "1") not in ("", "1")
     rank = os.environ.get("RANK", "0")
-    if rank == "0" or not launched:
-        print(f"{kind}: {err}", file=sys.stderr)
-        return 2
-    time.sleep(REFUSAL_GRACE_S)
-    print(f"{kind}: rank {rank}: {err}", file=sys.stderr, flush=True)
+    line = f"{kind}: {err}" if rank == "0" or not launched else f"{kind}: rank {rank}: {err}"
+    if rank != "0" and launched:
+        time.sleep(REFUSAL_GRACE_S)
+    print(line, file=sys.stderr, flush=True)
+    tell_launcher(line)
     return 2
 
 

@@ -290,6 +290,10 @@ def _expert_degrees(space: _Space, args: ModelArgs, borrowable: int) -> list[int
     return space.options("ep", [d for d in _divisors(borrowable) if args.num_experts % d == 0])
 
 
+RANK_WORDS = {"cuda": ("GPU", "GPUs"), "cpu": ("CPU process", "CPU processes")}
+"""What a job's ranks are, in words (one, several), by device type."""
+
+
 def search(
     job: JobConfig,
     args: ModelArgs,
@@ -318,7 +322,9 @@ def search(
             "change or unpin one"
         )
     if not evaluated:
-        raise ConfigError(f"no plan runs this job on {world_size} GPUs (pinned: {pins}): {first_error}")
+        raise ConfigError(
+            f"no plan runs this job on {world_size} {RANK_WORDS[device_type][1]} (pinned: {pins}): {first_error}"
+        )
     return rank(evaluated)
 
 
@@ -346,8 +352,9 @@ def no_fit_message(best: Plan, device: DeviceSpec, world_size: int, pinned: set[
     over = best.peak_gib - device.memory_gib
     weights = parts["params"] + parts["optimizer"] + parts["grads"]
     if weights > device.memory_gib * 0.5:
+        one, more = RANK_WORDS["cpu" if device.name == "cpu" else "cuda"]
         fix = (
-            f"the weights, gradients and Adam state alone take {weights:.1f} GiB per GPU: use more GPUs "
+            f"the weights, gradients and Adam state alone take {weights:.1f} GiB per {one}: use more {more} "
             "(FSDP divides them by the data-parallel degree) or a device with more memory"
         )
     else:

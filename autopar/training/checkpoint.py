@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+from autopar.config.errors import ConfigError
 from autopar.config.sections import Checkpoint, LoRA
 from autopar.models.args import ModelArgs
 from autopar.parallel.world import background_save_group
@@ -43,6 +44,7 @@ from autopar.training.dcp_state import (
     complete_steps,
     model_mismatch,
     newest_readable,
+    readable_train_state,
     run_dcp,
     saved_keys,
     step_folders,
@@ -60,6 +62,15 @@ def _first_failure(err: BaseException, rank: int) -> tuple[int, BaseException]:
         failed_rank, (cause, _) = next(iter(err.failures.items()))
         return failed_rank, cause
     return rank, err
+
+
+def _read_failure(err: BaseException, rank: int) -> tuple[int, BaseException]:
+    """The rank and error behind a failed read of a checkpoint; an error that says a peer is
+    gone is raised again as it is (not the checkpoint's fault: the trainer reports it)."""
+    failed_rank, cause = _first_failure(err, rank)
+    if peer_gone(cause):
+        raise cause from None
+    return failed_rank, cause
 
 
 def _barrier() -> None:
@@ -253,12 +264,16 @@ class Checkpointer:
 
     def _problem(self, step: int) -> str | None:
         """What is wrong with the checkpoint of ``step`` (collective), or None: its
-        ``.metadata`` gone (checked first: a checkpoint without a manifest is not verified
-        otherwise), or a file that does not match its manifest."""
-        metadata = self.folder / f"step-{step}" / ".metadata"
-        if not metadata.is_file():
-            return f"{metadata} is missing"
-        return broken_file(metadata.parent)
+        ``.metadata`` gone, a file that does not match its manifest, or without a manifest
+        (deleted, or saved by an older autopar) train entries that cannot be read."""
+        folder = self.folder / f"step-{step}"
+        if not (folder / ".metadata").is_file():
+            return f"{folder / '.metadata'} is missing"
+        if (folder / MANIFEST).is_file():
+            return broken_file(folder)
+        if readable_train_state(folder) is None:
+            return f"its files cannot be read, and it has no {MANIFEST} to tell which is damaged"
+        return None
 
     @contextmanager
     def _reading(self, step: int) -> Iterator[None]:
@@ -269,9 +284,7 @@ class Checkpointer:
         except TrainingStopped:
             raise
         except READ_ERRORS as err:
-            rank, cause = _first_failure(err, self.rank)
-            if peer_gone(cause):  # not this checkpoint's fault: the trainer reports it
-                raise cause from None
+            rank, cause = _read_failure(err, self.rank)
             raise TrainingStopped(
                 f"rank {rank} could not read checkpoint {self.folder / f'step-{step}'} "
                 f"({type(cause).__name__}: {cause}): a file of it is damaged; resume from another with "
@@ -356,8 +369,24 @@ class Checkpointer:
             return not any(k.startswith("optimizer.") for k in saved_keys(self.folder / f"step-{step}"))
 
     def load_model_only(self, path: str | Path) -> None:
-        """Initial weights from a DCP folder (model entries only)."""
-        run_dcp(dcp.load, {"model": ModelState(self.parts, "frozen" if self.lora.enable else "all")}, path)
+        """Initial weights from a DCP folder (model entries only), its files verified first
+        against its manifest when it has one (collective: the ranks share the checksumming)."""
+        field = f"checkpoint.initial_load_path={str(path)!r}"
+        problem = broken_file(Path(path))
+        if problem is not None:
+            raise ConfigError(
+                f"{field} is damaged: {problem}; copy or save it again, or start from other weights"
+            )
+        try:
+            run_dcp(
+                dcp.load, {"model": ModelState(self.parts, "frozen" if self.lora.enable else "all")}, path
+            )
+        except READ_ERRORS as err:
+            rank, cause = _read_failure(err, self.rank)
+            raise ConfigError(
+                f"{field}: rank {rank} could not read it ({type(cause).__name__}: {cause}), a file of it "
+                "is damaged; copy or save it again, or start from other weights"
+            ) from None
 
     def should_save(self, step: int, last_step: int) -> bool:
         return self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step)

@@ -15,12 +15,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -182,3 +185,15 @@ def end_with_launcher(poll_s: float = LAUNCHER_POLL_S) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
+def tell_launcher(line: str) -> None:
+    """Under torchrun, leave this worker's one-line refusal where the launcher looks for a
+    worker's error (``TORCHELASTIC_ERROR_FILE``): torchrun's closing report, which follows
+    every failed worker with its own ``ChildFailedError`` traceback, then shows ``line`` as the
+    root cause in place of a link to its docs."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    with contextlib.suppress(OSError):  # the report is a courtesy: the line is on stderr already
+        Path(path).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))

@@ -2,7 +2,8 @@
 
 ``metrics.jsonl`` keys ``step, loss, grad_norm, lr, tps, mfu, memory_gib`` are a contract that
 other tools read (a mixture-of-experts run adds ``aux_loss``, its load-balancing loss; ``loss``
-stays the language-model cross-entropy); ``tps`` is tokens per second per device, ``mfu`` a percentage (null where no
+stays the language-model cross-entropy; a step whose batch had no learned token adds
+``no_learned_tokens: true``); ``tps`` is tokens per second per device, ``mfu`` a percentage (null where no
 peak is known, e.g. on CPU), ``memory_gib`` the peak so far (CUDA allocator, or process RSS on CPU).
 """
 
@@ -143,6 +144,8 @@ class StepMetrics:
     skipped: bool = False
     aux_loss: float | None = None
     """A mixture-of-experts model's load-balancing loss (absent for dense models)."""
+    no_learned_tokens: bool = False
+    """The step's batch had no learned token (chat rows of prompts only): its loss is 0."""
     extra: dict[str, float] = field(default_factory=dict)
     """More of the step's numbers under their own keys: a preference step's TRL metrics."""
 
@@ -153,7 +156,7 @@ class StepMetrics:
         return {
             k: None if isinstance(v, float) and not math.isfinite(v) else v
             for k, v in {**fields, **self.extra}.items()
-            if not (k == "aux_loss" and v is None)
+            if not (k == "aux_loss" and v is None) and not (k == "no_learned_tokens" and not v)
         }
 
     def line(self) -> str:
@@ -164,10 +167,11 @@ class StepMetrics:
             for k in ("rewards/accuracies", "rewards/margins")
             if k in self.extra
         )
+        nothing = "  (no learned token in this step)" if self.no_learned_tokens else ""
         return (
             f"step {self.step}  loss {self.loss:.4f}{aux}{extra}  grad_norm {self.grad_norm:.4f}  "
             f"lr {self.lr:.3g}  tps {self.tps:,.0f}  mfu {mfu}  mem {self.memory_gib:.2f}GiB  "
-            f"{self.step_time_s:.3g}s/step  tokens {_si(self.tokens_seen)}  eta {_duration(self.eta_s)}"
+            f"{self.step_time_s:.3g}s/step  tokens {_si(self.tokens_seen)}  eta {_duration(self.eta_s)}{nothing}"
         )
 
 
@@ -225,14 +229,15 @@ class MetricsLogger:
         seconds: float,
         skipped: bool = False,
         aux_loss: float | None = None,
+        no_learned_tokens: bool = False,
         tokens: int | None = None,
         extra: dict[str, float] | None = None,
     ) -> StepMetrics:
         """Log one step; ``steps`` ran in ``seconds`` since the last log; ``skipped``: the step
         made no update (its loss or gradient norm was not finite); ``aux_loss``: a mixture of
-        experts' load-balancing loss; ``tokens``: the tokens those steps trained, where steps
-        differ in size (packed preference pairs; else ``tokens_per_step`` each); ``extra``:
-        more numbers for the record."""
+        experts' load-balancing loss; ``no_learned_tokens``: the step's batch had none;
+        ``tokens``: the tokens those steps trained, where steps differ in size (packed
+        preference pairs; else ``tokens_per_step`` each); ``extra``: more numbers for the record."""
         step_time = seconds / max(steps, 1)
         window = steps * self.tokens_per_step if tokens is None else tokens
         self.tokens_seen = step * self.tokens_per_step if tokens is None else self.tokens_seen + tokens
@@ -251,6 +256,7 @@ class MetricsLogger:
             (self.total_steps - step) * step_time,
             skipped,
             aux_loss,
+            no_learned_tokens,
             extra or {},
         )
         if self.is_main:

@@ -133,6 +133,8 @@ class TrainStep:
         """This rank's share of the last step's loss, to find where a non-finite loss came from."""
         self.aux_loss = torch.zeros(())
         """The last step's load-balancing loss (mean per sequence, before its coefficient)."""
+        self.targets = torch.zeros(())
+        """The last step's learned tokens over the whole global batch (0: prompts only)."""
         self.preference: PreferenceContext | None = None
         """Set for preference data (``training.preference``): the step is DPO's."""
         self.preference_metrics = torch.zeros(len(METRICS))
@@ -182,8 +184,8 @@ class TrainStep:
         """Gradients of the step's micro-batches; the step loss summed over all ranks."""
         if self.preference is not None:
             return self._preference_forward_backward(batches)
-        # a step without targets (chat rows of prompts only) has loss 0, not 0/0
-        targets = global_target_count(batches, self.meshes.get("dp")).clamp(min=1)
+        self.targets = global_target_count(batches, self.meshes.get("dp"))
+        targets = self.targets.clamp(min=1)  # a step without targets (prompts only) has loss 0, not 0/0
         sequences = sum(b.inputs.shape[0] for b in batches) * self.dims.dp
         if self.pipeline is not None:
             local_loss, aux = pipeline_forward_backward(
@@ -215,13 +217,16 @@ class TrainStep:
         rows, tokens = all_reduce_sum(sizes.sum(0).float(), dp_mesh)
         self.step_tokens = tokens
         balance = self.context.load_balancing
+        self.targets = step_chosen_tokens(
+            batches, dp_mesh
+        )  # every pair has some (an empty completion is refused)
         local_loss, metrics, aux = preference_forward_backward(
             self.parts[0],
             batches,
             self.context,
             self.preference,
             pairs,
-            step_chosen_tokens(batches, dp_mesh),
+            self.targets,
             None if balance is None else lambda routing: balance.sequence_sum(routing) / rows,
             balance.coef if balance is not None else 0.0,
         )

@@ -121,6 +121,8 @@ class Trainer:
         self.step = 0
         self.bad: list[str] = []  # what was not finite at the last step
         self.skipped_in_a_row = 0
+        self.nothing_learned = False  # the last step's batch had no learned token
+        self.steps_with_nothing_learned = 0
         self.window_tokens: torch.Tensor | int = 0
         """Tokens trained since the last log line (preference steps differ in size)."""
         self.weights_from: Path | None = None
@@ -220,7 +222,9 @@ class Trainer:
         loss = self.train_step.forward_backward(self.loader.next_step())
         norm = self.train_step.grad_norm()
         self.step += 1
-        self.bad = nonfinite(*torch.stack([loss, norm]).tolist())
+        loss_value, norm_value, targets = torch.stack([loss, norm, self.train_step.targets]).tolist()
+        self._say_if_nothing_learned(targets)
+        self.bad = nonfinite(loss_value, norm_value)
         if not self.bad:
             self.train_step.apply(lr, norm)
             self.skipped_in_a_row = 0
@@ -235,6 +239,21 @@ class Trainer:
             "step %d: %s not finite (%s); skipped (no update)", self.step, " and ".join(self.bad), where
         )
         return loss, norm
+
+    def _say_if_nothing_learned(self, targets: float) -> None:
+        """Count a step with no learned token in its whole batch (chat rows whose answers are
+        all masked or cut off); the first is explained, each log line and the last line say it."""
+        self.nothing_learned = targets == 0
+        if not self.nothing_learned:
+            return
+        self.steps_with_nothing_learned += 1
+        if self.steps_with_nothing_learned == 1:
+            logger.warning(
+                "step %d: no learned token in this step's batch (every label masked: prompts only, or "
+                "answers cut off by training.seq_len), so its loss and grad_norm are 0; such steps are "
+                "marked in the log and metrics.jsonl (no_learned_tokens) and counted at the end",
+                self.step,
+            )
 
     def train(self) -> list[StepRecord]:
         """Train to training.steps; returns the logged steps' records."""
@@ -314,6 +333,8 @@ class Trainer:
         if ran <= 0:
             return
         last = f", last loss {records[-1].loss:.4f}" if records else ""
+        if self.steps_with_nothing_learned:
+            last += f", {self.steps_with_nothing_learned} with no learned token (loss 0)"
         outputs = [f"metrics {self.metrics.path}"]
         if self.checkpointer.last_saved is not None:  # never an earlier run's, left in the folder
             outputs.append(f"checkpoint {self.checkpointer.last_saved}")
@@ -345,6 +366,7 @@ class Trainer:
             seconds,
             skipped=bool(self.bad),
             aux_loss=aux,
+            no_learned_tokens=self.nothing_learned,
             tokens=int(self.window_tokens) if preference else None,
             extra=dict(zip(METRICS, self.train_step.preference_metrics.tolist())) if preference else None,
         )
