@@ -209,7 +209,25 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
     if args.hybrid:
         rope = {**_rope_parameters(args), "partial_rotary_factor": args.partial_rotary_factor}
         return {**common, **qwen3_5_config(args), "rope_parameters": rope}
-    moe = {
+    return {
+        **(_moe_config(args) if args.moe else {}),
+        "architectures": [_ARCHITECTURES[args.model_type]],
+        "model_type": args.model_type,
+        **common,
+        "head_dim": args.head_dim,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": _rope_parameters(args) if args.rope_type == "yarn" else None,
+        "rope_parameters": _rope_parameters(args),
+        "attention_bias": not args.qk_norm,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": args.num_hidden_layers,
+    }
+
+
+def _moe_config(args: ModelArgs) -> dict[str, Any]:
+    """A Qwen3-MoE's fields of config.json (v5 spells num_experts num_local_experts too)."""
+    return {
         "num_experts": args.num_experts,
         "num_local_experts": args.num_experts,
         "num_experts_per_tok": args.num_experts_per_tok,
@@ -219,34 +237,6 @@ def hf_config_from_args(args: ModelArgs, dtype: torch.dtype) -> dict[str, Any]:
         "mlp_only_layers": list(args.mlp_only_layers),
         "router_aux_loss_coef": args.router_aux_loss_coef,
         "output_router_logits": False,
-    }
-    return {
-        **(moe if args.moe else {}),
-        "architectures": [_ARCHITECTURES[args.model_type]],
-        "model_type": args.model_type,
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.hidden_size,
-        "intermediate_size": args.intermediate_size,
-        "num_hidden_layers": args.num_hidden_layers,
-        "num_attention_heads": args.num_attention_heads,
-        "num_key_value_heads": args.num_key_value_heads,
-        "head_dim": args.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": args.max_position_embeddings,
-        "initializer_range": args.initializer_range,
-        "rms_norm_eps": args.rms_norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": _rope_parameters(args) if args.rope_type == "yarn" else None,
-        "rope_parameters": _rope_parameters(args),
-        "tie_word_embeddings": args.tie_word_embeddings,
-        "attention_bias": not args.qk_norm,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": args.num_hidden_layers,
-        "attention_dropout": 0.0,
-        "use_cache": True,
-        "torch_dtype": dtype_name(dtype),
-        "dtype": dtype_name(dtype),
     }
 
 

@@ -11,11 +11,8 @@ import torch
 
 from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig
-from autopar.data.dataset import SampleSource
 from autopar.data.errors import DataError
-from autopar.data.loader import StepLoader, build_samples
-from autopar.data.pair_batches import PairLoader, PairSource
-from autopar.data.tokenizer import Tokenizer, build_tokenizer
+from autopar.data.tokenizer import build_tokenizer
 from autopar.models.args import ModelArgs
 from autopar.models.hf import HFTensors
 from autopar.parallel.materialize import FullValue, seeded_values, tensor_values
@@ -37,11 +34,11 @@ from autopar.training.faults import (
 from autopar.training.hf_export import export_run
 from autopar.training.metrics import MetricsLogger, flops_per_token
 from autopar.training.optim import lr_factor
-from autopar.training.preference import is_preference, make_preference_step, pair_loader, preference_source
+from autopar.training.preference import is_preference, make_preference_step
 from autopar.training.preference_loss import METRICS
 from autopar.training.previous_run import settings_record
 from autopar.training.profiling import Profiler
-from autopar.training.resolve import chat_format, tokenizer_path
+from autopar.training.resolve import tokenizer_path
 from autopar.training.resume_checks import (
     check_resumed_base,
     check_resumed_tokenizer,
@@ -50,6 +47,7 @@ from autopar.training.resume_checks import (
     lora_base,
     warn_changed_data_shape,
 )
+from autopar.training.samples import job_samples, step_loader
 from autopar.training.sinks import build_sinks
 from autopar.training.step import TrainStep
 from autopar.training.validation import Validator, validation_samples
@@ -74,7 +72,7 @@ class Trainer:
         self.args = args
         self.world = world
         tokenizer = build_tokenizer(tokenizer_path(job))
-        samples = self._samples(tokenizer)  # first: bad data is refused before any real work
+        samples = job_samples(job, tokenizer)  # first: bad data is refused before any real work
         held_out = validation_samples(job, tokenizer) if job.validation.enable else None
         torch.manual_seed(job.debug.seed)
         if job.debug.deterministic:
@@ -91,7 +89,7 @@ class Trainer:
         )
         """A preference job's frozen reference copy (``dpo.reference = "copy"``)."""
         self.parts, self.optimizers = self.train_step.parts, self.train_step.optimizers
-        self.loader = self._build_loader(samples)
+        self.loader = step_loader(job, samples, self.meshes, world.device)
         self.validator = (
             Validator(job, held_out, self.train_step, self.loader.dp_rank, world.device)
             if held_out is not None
@@ -107,16 +105,7 @@ class Trainer:
             job.comm.init_timeout_seconds,
             job.lora,
         )
-        self.metrics = MetricsLogger(
-            job.job.dump_folder,
-            flops_per_token(args, job.training.seq_len, job.lora.enable, reference=is_preference(job)),
-            self.loader.global_batch * job.training.seq_len,
-            job.training.steps,
-            world.device,
-            world.size,
-            world.is_main,
-            build_sinks(job, world.is_main, resuming=self.checkpointer.resume_candidate() is not None),
-        )
+        self.metrics = self._metrics_logger()
         self.timeout = CollectiveTimeout(job.comm.init_timeout_seconds)  # what init_world made the group with
         self.step = 0
         self.bad: list[str] = []  # what was not finite at the last step
@@ -132,46 +121,25 @@ class Trainer:
         check_resumed_base(self.checkpointer, job)
         announce(job, args, self.dims, world, samples, self.loader.global_batch)
 
+    def _metrics_logger(self) -> MetricsLogger:
+        job, world = self.job, self.world
+        return MetricsLogger(
+            job.job.dump_folder,
+            flops_per_token(self.args, job.training.seq_len, job.lora.enable, reference=is_preference(job)),
+            self.loader.global_batch * job.training.seq_len,
+            job.training.steps,
+            world.device,
+            world.size,
+            world.is_main,
+            build_sinks(job, world.is_main, resuming=self.checkpointer.resume_candidate() is not None),
+        )
+
     def _initial_values(self) -> FullValue:
         checkpoint = self.job.checkpoint
         if checkpoint.initial_load_path is not None and checkpoint.initial_load_in_hf:
             logger.info("initial weights from HF folder %s", checkpoint.initial_load_path)
             return tensor_values(HFTensors(checkpoint.initial_load_path, self.args), self.world.device)
         return seeded_values(self.args, self.job.debug.seed, self.world.device)
-
-    def _samples(self, tokenizer: Tokenizer) -> SampleSource | PairSource:
-        training = self.job.training
-        if is_preference(self.job):
-            return preference_source(self.job, tokenizer_path(self.job))
-        return build_samples(
-            training.dataset,
-            training.dataset_path,
-            training.dataset_blend,
-            tokenizer,
-            training.seq_len,
-            self.job.debug.seed,
-            chat=chat_format(self.job),
-            document_masking=training.document_masking,
-            text_field=training.dataset_text_field,
-        )
-
-    def _build_loader(self, samples: SampleSource | PairSource) -> StepLoader | PairLoader:
-        training = self.job.training
-        dp_mesh = self.meshes.get("dp")
-        dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
-        global_batch = (
-            training.global_batch_size
-            if training.global_batch_size > 0
-            else training.local_batch_size * self.dims.dp
-        )
-        if isinstance(samples, PairSource):
-            path = tokenizer_path(self.job)
-            return pair_loader(
-                self.job, samples, global_batch, dp_rank, self.dims.dp, self.world.device, path
-            )
-        return StepLoader(
-            samples, global_batch, training.local_batch_size, dp_rank, self.dims.dp, self.world.device
-        )
 
     def restore(self) -> None:
         """Resume from the latest checkpoint, or load initial weights from a DCP folder."""

@@ -1,0 +1,48 @@
+"""What a job trains on, per data-parallel rank: its samples (token windows, conversations, or
+preference pairs) and the loader that deals them into each step's micro-batches."""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.config.sections import JobConfig
+from autopar.data.dataset import SampleSource
+from autopar.data.loader import StepLoader, build_samples
+from autopar.data.pair_batches import PairLoader, PairSource
+from autopar.data.tokenizer import Tokenizer
+from autopar.parallel.mesh import Meshes
+from autopar.training.preference import is_preference, pair_loader, preference_source
+from autopar.training.resolve import chat_format, tokenizer_path
+
+
+def job_samples(job: JobConfig, tokenizer: Tokenizer) -> SampleSource | PairSource:
+    """The samples of the job's ``[training]`` data (read now: bad data is refused here)."""
+    training = job.training
+    if is_preference(job):
+        return preference_source(job, tokenizer_path(job))
+    return build_samples(
+        training.dataset,
+        training.dataset_path,
+        training.dataset_blend,
+        tokenizer,
+        training.seq_len,
+        job.debug.seed,
+        chat=chat_format(job),
+        document_masking=training.document_masking,
+        text_field=training.dataset_text_field,
+    )
+
+
+def step_loader(
+    job: JobConfig, samples: SampleSource | PairSource, meshes: Meshes, device: torch.device
+) -> StepLoader | PairLoader:
+    """This data-parallel rank's loader of ``samples`` (pairs count as samples)."""
+    training, dims = job.training, meshes.dims
+    dp_mesh = meshes.get("dp")
+    dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
+    global_batch = (
+        training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dims.dp
+    )
+    if isinstance(samples, PairSource):
+        return pair_loader(job, samples, global_batch, dp_rank, dims.dp, device, tokenizer_path(job))
+    return StepLoader(samples, global_batch, training.local_batch_size, dp_rank, dims.dp, device)
