@@ -61,6 +61,13 @@ def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return text
 
 
+def mtp_layers(config: Mapping[str, Any], source: str, error: type[Exception]) -> int:
+    """The decoder layers of the multi-token-prediction head a Qwen3.5 config.json describes
+    (``mtp_num_hidden_layers`` of its text model; 0 when absent)."""
+    fields = ConfigFields(text_config(config), source, error)
+    return fields.int("mtp_num_hidden_layers", 0, minimum=0)
+
+
 def qwen3_5_args(fields: ConfigFields, rope: ConfigFields, moe: bool) -> dict[str, Any]:
     """ModelArgs fields of a Qwen3.5 text config, each read by type (``ConfigFields``)."""
     layer_types = fields.config.get("layer_types") or []
@@ -127,6 +134,8 @@ def qwen3_5_config(args: ModelArgs) -> dict[str, Any]:
         "linear_value_head_dim": args.linear_value_head_dim,
         "linear_conv_kernel_dim": args.linear_conv_kernel_dim,
     }
+    if args.mtp_layers:
+        config["mtp_num_hidden_layers"] = args.mtp_layers
     if args.moe:
         config.update(
             num_experts=args.num_experts,

@@ -31,6 +31,7 @@ from autopar.models.qwen import (
 )
 from autopar.models.qwen import initial_value as dense_initial_value
 from autopar.models.qwen3_5.gated_deltanet import GatedDeltaNet
+from autopar.models.qwen3_5.mtp import MTPHead, head_inputs
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -169,7 +170,25 @@ def initial_value(
 
 
 class Qwen35(Qwen):
-    """The Qwen3.5 decoder: ``Qwen`` with hybrid blocks and a zero-centred final norm."""
+    """The Qwen3.5 decoder: ``Qwen`` with hybrid blocks and a zero-centred final norm, and,
+    when ``args.mtp_layers > 0``, the multi-token-prediction head ``mtp`` (see ``mtp.py``)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__(args)
+        self.mtp: MTPHead | None = MTPHead(args, self.make_block, self.make_norm) if args.mtp_layers else None
+
+    def mtp_logits(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """The head's logits (B, S-1, V) for tokens (B, S): position i predicts token i+2 from
+        the trunk's state at i and token i+1. Under ``documents`` (B, S) nothing crosses a
+        document's end (a document's last position predicts nothing of use)."""
+        if self.mtp is None:
+            raise ValueError(
+                "this model has no multi-token-prediction head; load one with from_hf(..., mtp=True) "
+                "from a Qwen3.5 folder that carries mtp.* tensors"
+            )
+        hidden, _ = self.trunk(tokens, documents=documents)
+        head_hidden, _ = self.mtp(*head_inputs(hidden, self.embed_tokens(tokens), documents))
+        return self.lm_head(head_hidden)
 
     @staticmethod
     def make_block(args: ModelArgs, layer: int) -> nn.Module:
