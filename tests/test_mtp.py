@@ -249,6 +249,10 @@ def test_packed_documents_give_each_document_its_own_head_logits():
                 continue
             alone = model.mtp_logits(x[:, start:stop])
             torch.testing.assert_close(packed[:, start : stop - 1], alone, rtol=0, atol=2e-5)
+        other = x.clone()
+        other[:, cuts[1]] = (x[:, cuts[1]] + 1) % args.vocab_size  # the next document's first token
+        again = model.mtp_logits(other, documents=documents)
+    assert torch.equal(again[:, : cuts[1]], packed[:, : cuts[1]])  # its last position included
 
 
 def test_a_model_without_the_head_is_unchanged():
