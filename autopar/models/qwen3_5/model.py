@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from autopar.models.args import ModelArgs
@@ -187,8 +188,27 @@ class Qwen35(Qwen):
                 "from a Qwen3.5 folder that carries mtp.* tensors"
             )
         hidden, _ = self.trunk(tokens, documents=documents)
-        head_hidden, _ = self.mtp(*head_inputs(hidden, self.embed_tokens(tokens), documents))
-        return self.lm_head(head_hidden)
+        return self.mtp_logits_from(hidden, tokens, documents)[0]
+
+    def mtp_logits_from(
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        documents: torch.Tensor | None = None,
+        detach: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's logits (B, S-1, V) from the trunk's final-normed ``hidden`` (B, S, H)
+        (``trunk``, so a training step runs the trunk once for both losses), and the routing
+        statistics of its experts. ``detach``: the head's loss trains only the head (no
+        gradient into the trunk, the shared embedding or the shared output head; Megatron's
+        ``mtp_detach_heads``)."""
+        assert self.mtp is not None, "mtp_logits checks for the head"
+        embedded = self.embed_tokens(tokens)  # (B, S, H)
+        if detach:
+            hidden, embedded = hidden.detach(), embedded.detach()
+        head_hidden, routing = self.mtp(*head_inputs(hidden, embedded, documents))
+        weight = self.lm_head.weight.detach() if detach else self.lm_head.weight
+        return F.linear(head_hidden, weight), routing
 
     @staticmethod
     def make_block(args: ModelArgs, layer: int) -> nn.Module:
