@@ -158,7 +158,7 @@ def released_folder(folder, moe: bool, tied: bool):
     tensors.update({f"mtp.{n}": t.detach().clone() for n, t in head.state_dict().items()})
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
-    config["text_config"]["mtp_num_hidden_layers"] = 1
+    config["text_config"].update(mtp_num_hidden_layers=1, mtp_use_dedicated_embeddings=False)  # as released
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return hf, head
 
@@ -274,3 +274,14 @@ def test_a_head_on_a_model_outside_qwen3_5_is_refused():
     args = dataclasses.replace(get_flavor("qwen3", "debug"), mtp_layers=1)
     with pytest.raises(ValueError, match=r"model\.mtp_layers=1"):
         args.check()
+
+
+def test_a_head_with_its_own_embedding_is_refused_in_one_line(released, tmp_path):
+    _, _, folder, _ = released
+    for file in folder.iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["mtp_use_dedicated_embeddings"] = True
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HFCheckpointError, match="mtp_use_dedicated_embeddings=true"):
+        from_hf(tmp_path, mtp=True)

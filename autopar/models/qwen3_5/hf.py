@@ -63,8 +63,14 @@ def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def mtp_layers(config: Mapping[str, Any], source: str, error: type[Exception]) -> int:
     """The decoder layers of the multi-token-prediction head a Qwen3.5 config.json describes
-    (``mtp_num_hidden_layers`` of its text model; 0 when absent)."""
+    (``mtp_num_hidden_layers`` of its text model; 0 when absent). Released heads share the
+    model's embedding (``mtp_use_dedicated_embeddings`` false); one with its own is refused."""
     fields = ConfigFields(text_config(config), source, error)
+    if fields.bool("mtp_use_dedicated_embeddings", False):
+        raise error(
+            f"{source}: mtp_use_dedicated_embeddings=true gives the MTP head its own embedding, which "
+            "autopar does not model (released Qwen3.5 heads share the model's); load without mtp"
+        )
     return fields.int("mtp_num_hidden_layers", 0, minimum=0)
 
 

@@ -182,11 +182,7 @@ class Qwen35(Qwen):
         """The head's logits (B, S-1, V) for tokens (B, S): position i predicts token i+2 from
         the trunk's state at i and token i+1. Under ``documents`` (B, S) nothing crosses a
         document's end (a document's last position predicts nothing of use)."""
-        if self.mtp is None:
-            raise ValueError(
-                "this model has no multi-token-prediction head; load one with from_hf(..., mtp=True) "
-                "from a Qwen3.5 folder that carries mtp.* tensors"
-            )
+        self._head()  # before the trunk's work
         hidden, _ = self.trunk(tokens, documents=documents)
         return self.mtp_logits_from(hidden, tokens, documents)[0]
 
@@ -202,13 +198,21 @@ class Qwen35(Qwen):
         statistics of its experts. ``detach``: the head's loss trains only the head (no
         gradient into the trunk, the shared embedding or the shared output head; Megatron's
         ``mtp_detach_heads``)."""
-        assert self.mtp is not None, "mtp_logits checks for the head"
+        head = self._head()
         embedded = self.embed_tokens(tokens)  # (B, S, H)
         if detach:
             hidden, embedded = hidden.detach(), embedded.detach()
-        head_hidden, routing = self.mtp(*head_inputs(hidden, embedded, documents))
+        head_hidden, routing = head(*head_inputs(hidden, embedded, documents))
         weight = self.lm_head.weight.detach() if detach else self.lm_head.weight
         return F.linear(head_hidden, weight), routing
+
+    def _head(self) -> MTPHead:
+        if self.mtp is None:
+            raise ValueError(
+                "this model has no multi-token-prediction head; load one with from_hf(..., mtp=True) "
+                "from a Qwen3.5 folder that carries mtp.* tensors"
+            )
+        return self.mtp
 
     @staticmethod
     def make_block(args: ModelArgs, layer: int) -> nn.Module:
