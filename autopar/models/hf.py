@@ -7,6 +7,7 @@ embedding, so a silently untied checkpoint cannot load as tied.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -29,6 +30,7 @@ from autopar.models.hf_files import (
 )
 from autopar.models.hf_layout import HFLayout, Piece
 from autopar.models.hf_names import (
+    MTP_PREFIX,
     PASSED_THROUGH,
     detect_layout,
     hf_pieces,
@@ -37,6 +39,7 @@ from autopar.models.hf_names import (
     to_hf_name,
 )
 from autopar.models.qwen import Qwen
+from autopar.models.qwen3_5.hf import mtp_layers
 
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 """The safetensors dtypes of weights autopar loads (as safetensors names them)."""
@@ -142,12 +145,16 @@ def from_hf(
     path: str | Path,
     dtype: torch.dtype | None = None,
     device: torch.device | str = "cpu",
+    mtp: bool = False,
 ) -> Qwen:
     """Load an HF Qwen2.5 / Qwen3 / Qwen3.5 checkpoint directory (a Qwen3.5 vision-language
     one too: its text model) as a ``Qwen`` module. ``dtype=None`` keeps the checkpoint's dtype.
+    ``mtp``: also load the folder's multi-token-prediction head (``mtp.*``; Qwen3.5 only).
     """
     check_folder(Path(path))
     args = read_hf_config(path)
+    if mtp:
+        args = dataclasses.replace(args, mtp_layers=head_layers(path, args))
     tensors = HFTensors(path, args)
     if dtype is None:
         dtype = tensors["embed_tokens.weight"].dtype
@@ -160,6 +167,20 @@ def from_hf(
         for name, param in model.named_parameters():
             param.copy_(tensors[name])
     return model
+
+
+def head_layers(path: str | Path, args: ModelArgs) -> int:
+    """The layers of the multi-token-prediction head in the HF folder ``path``; one line
+    naming the folder when it has none (not Qwen3.5, no ``mtp_num_hidden_layers``, or no
+    ``mtp.*`` tensors)."""
+    config_path = Path(path) / CONFIG_FILE
+    layers = mtp_layers(json.loads(config_path.read_text()), str(config_path), HFCheckpointError)
+    if not args.hybrid or not layers or f"{MTP_PREFIX}fc.weight" not in tensor_files(Path(path)):
+        raise HFCheckpointError(
+            f"{path}: no multi-token-prediction head (a Qwen3.5 config.json with mtp_num_hidden_layers "
+            "> 0 and mtp.* tensors); load it without mtp, or from the released checkpoint that has one"
+        )
+    return layers
 
 
 def _shard_groups(
@@ -234,7 +255,7 @@ def save_hf_like(
     hf_layout = checkpoint_layout(source) if source is not None else HFLayout()
     save_hf_streaming(layout, load, args, path, max_shard_bytes, hf_layout)
     if hf_layout.vision_language:
-        carry_through(source, path)
+        carry_through(source, path, skip=(MTP_PREFIX,) if args.mtp_layers else ())
 
 
 def checkpoint_layout(path: str | Path) -> HFLayout:
@@ -242,16 +263,18 @@ def checkpoint_layout(path: str | Path) -> HFLayout:
     return detect_layout(tensor_files(Path(path)))
 
 
-def carry_through(source: str | Path, out: str | Path) -> list[str]:
+def carry_through(source: str | Path, out: str | Path, skip: tuple[str, ...] = ()) -> list[str]:
     """Make ``out``, a text model exported in the vision-language layout of ``source``, the
     source's whole model again: the tensors text training leaves alone (vision tower, MTP
     head) copied unchanged, one source file at a time, into shards numbered after the text
-    model's, and the source's config.json in the text model's dtype. Returns the names of
+    model's, and the source's config.json in the text model's dtype. ``skip``: prefixes the
+    export wrote itself (the MTP head, when it was loaded and trained). Returns the names of
     the tensors carried."""
     source, out = Path(source), Path(out)
     files = tensor_files(source)
     carried: dict[Path, list[str]] = {}
-    for name in sorted(n for n in files if n.startswith(PASSED_THROUGH)):
+    passed = (n for n in files if n.startswith(PASSED_THROUGH) and not (skip and n.startswith(skip)))
+    for name in sorted(passed):
         carried.setdefault(files[name], []).append(name)
     if carried:
         _add_shards(out, list(carried.items()))

@@ -15,6 +15,10 @@ from autopar.models.qwen3_5.hf import qwen3_5_pieces
 _EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
 
+MTP_PREFIX = "mtp."
+"""Qwen3.5's multi-token-prediction head: ours and HF's names alike (no text-model prefix)."""
+
+
 def to_hf_name(name: str, prefix: str = TEXT_PREFIX) -> str:
     name = canonical_name(name)
     return name if name == "lm_head.weight" else f"{prefix}{name}"
@@ -27,6 +31,8 @@ def hf_pieces(
     default): itself, one per expert of a stacked expert weight, or a slice of a fused one."""
     layout = layout or HFLayout()
     name = canonical_name(name)
+    if name.startswith(MTP_PREFIX):  # Qwen3.5's head sits at the top of every layout
+        layout = layout._replace(prefix="")
     if args.hybrid:
         found = qwen3_5_pieces(args, name, shape, layout)
         if found is not None:
@@ -68,9 +74,10 @@ def join_parts(parts: list[Part]) -> dict[str, torch.Tensor]:
     return whole
 
 
-PASSED_THROUGH = ("model.visual.", "mtp.")
+PASSED_THROUGH = ("model.visual.", MTP_PREFIX)
 """Tensors of a vision-language checkpoint that text training leaves as they are (the vision
-tower, the multi-token-prediction head): ignored on load, copied through on export."""
+tower, the multi-token-prediction head): ignored on load, copied through on export (the head
+is loaded and written as the model's own when a job asks for it: ``from_hf(..., mtp=True)``)."""
 
 
 def detect_layout(names: Iterable[str]) -> HFLayout:

@@ -309,6 +309,25 @@ class Qwen(nn.Module):
         its MoE layers summed (B, 2, E), added to those of earlier pipeline stages
         (``routing``), so the last stage holds the whole model's (``moe.load_balancing_loss``).
         """
+        h, routing = self.trunk(tokens, routing, positions=positions, documents=documents)
+        out = self.lm_head(h) if self.lm_head is not None else h  # (B, S, V)
+        if not self.args.moe:
+            return out
+        if routing is None:  # a stage of dense layers only
+            routing = h.new_zeros(h.shape[0], 2, self.args.num_experts, dtype=torch.float32)
+        return out, routing
+
+    def trunk(
+        self,
+        tokens: torch.Tensor,
+        routing: torch.Tensor | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``forward`` up to the head: the final-normed hidden states (B, S, H) and the routing
+        statistics so far (None without experts). Heads that read the hidden states (Qwen3.5's
+        multi-token prediction) start here."""
         h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens  # (B, S, H)
         mask = None
         if documents is not None:
@@ -321,12 +340,7 @@ class Qwen(nn.Module):
                 routing = stats if routing is None else routing + stats
         if self.norm is not None:
             h = self.norm(h)
-        out = self.lm_head(h) if self.lm_head is not None else h  # (B, S, V)
-        if not self.args.moe:
-            return out
-        if routing is None:  # a stage of dense layers only
-            routing = h.new_zeros(h.shape[0], 2, self.args.num_experts, dtype=torch.float32)
-        return out, routing
+        return h, routing
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

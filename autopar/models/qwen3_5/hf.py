@@ -61,6 +61,19 @@ def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return text
 
 
+def mtp_layers(config: Mapping[str, Any], source: str, error: type[Exception]) -> int:
+    """The decoder layers of the multi-token-prediction head a Qwen3.5 config.json describes
+    (``mtp_num_hidden_layers`` of its text model; 0 when absent). Released heads share the
+    model's embedding (``mtp_use_dedicated_embeddings`` false); one with its own is refused."""
+    fields = ConfigFields(text_config(config), source, error)
+    if fields.bool("mtp_use_dedicated_embeddings", False):
+        raise error(
+            f"{source}: mtp_use_dedicated_embeddings=true gives the MTP head its own embedding, which "
+            "autopar does not model (released Qwen3.5 heads share the model's); load without mtp"
+        )
+    return fields.int("mtp_num_hidden_layers", 0, minimum=0)
+
+
 def qwen3_5_args(fields: ConfigFields, rope: ConfigFields, moe: bool) -> dict[str, Any]:
     """ModelArgs fields of a Qwen3.5 text config, each read by type (``ConfigFields``)."""
     layer_types = fields.config.get("layer_types") or []
@@ -125,6 +138,8 @@ def qwen3_5_config(args: ModelArgs) -> dict[str, Any]:
         "linear_value_head_dim": args.linear_value_head_dim,
         "linear_conv_kernel_dim": args.linear_conv_kernel_dim,
     }
+    if args.mtp_layers:
+        config["mtp_num_hidden_layers"] = args.mtp_layers
     if args.moe:
         config.update(
             num_experts=args.num_experts,

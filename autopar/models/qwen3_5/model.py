@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from autopar.models.args import ModelArgs
@@ -31,6 +32,7 @@ from autopar.models.qwen import (
 )
 from autopar.models.qwen import initial_value as dense_initial_value
 from autopar.models.qwen3_5.gated_deltanet import GatedDeltaNet
+from autopar.models.qwen3_5.mtp import MTPHead, head_inputs
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -170,7 +172,48 @@ def initial_value(
 
 
 class Qwen35(Qwen):
-    """The Qwen3.5 decoder: ``Qwen`` with hybrid blocks and a zero-centred final norm."""
+    """The Qwen3.5 decoder: ``Qwen`` with hybrid blocks and a zero-centred final norm, and,
+    when ``args.mtp_layers > 0``, the multi-token-prediction head ``mtp`` (see ``mtp.py``)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__(args)
+        self.mtp: MTPHead | None = MTPHead(args, self.make_block, self.make_norm) if args.mtp_layers else None
+
+    def mtp_logits(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+        """The head's logits (B, S-1, V) for tokens (B, S): position i predicts token i+2 from
+        the trunk's state at i and token i+1. Under ``documents`` (B, S) nothing crosses a
+        document's end (a document's last position predicts nothing of use)."""
+        self._head()  # before the trunk's work
+        hidden, _ = self.trunk(tokens, documents=documents)
+        return self.mtp_logits_from(hidden, tokens, documents)[0]
+
+    def mtp_logits_from(
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        documents: torch.Tensor | None = None,
+        detach: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's logits (B, S-1, V) from the trunk's final-normed ``hidden`` (B, S, H)
+        (``trunk``, so a training step runs the trunk once for both losses), and the routing
+        statistics of its experts. ``detach``: the head's loss trains only the head (no
+        gradient into the trunk, the shared embedding or the shared output head; Megatron's
+        ``mtp_detach_heads``)."""
+        head = self._head()
+        embedded = self.embed_tokens(tokens)  # (B, S, H)
+        if detach:
+            hidden, embedded = hidden.detach(), embedded.detach()
+        head_hidden, routing = head(*head_inputs(hidden, embedded, documents))
+        weight = self.lm_head.weight.detach() if detach else self.lm_head.weight
+        return F.linear(head_hidden, weight), routing
+
+    def _head(self) -> MTPHead:
+        if self.mtp is None:
+            raise ValueError(
+                "this model has no multi-token-prediction head; load one with from_hf(..., mtp=True) "
+                "from a Qwen3.5 folder that carries mtp.* tensors"
+            )
+        return self.mtp
 
     @staticmethod
     def make_block(args: ModelArgs, layer: int) -> nn.Module:

@@ -1,0 +1,94 @@
+"""Qwen3.5's multi-token-prediction head, as serving engines run it for speculative decoding
+(vLLM ``qwen3_5_mtp.py``, Megatron's ``multi_token_prediction.py``).
+
+At position i the head joins what the model knew there, its final-normed hidden state h[i],
+with the next token x[i+1]: ``fc(cat[pre_fc_norm_embedding(embed(x[i+1])),
+pre_fc_norm_hidden(h[i])])``, runs ``mtp_layers`` full-attention Qwen3.5 decoder layers at the
+model's own rotary positions, ``norm``, and the model's output head: logits for x[i+2]. The
+embedding and the output head are the model's (released checkpoints carry no copy), so the
+head's own tensors are ``fc``, the three norms and its layers, named as HF's ``mtp.*``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from autopar.models.args import ModelArgs
+from autopar.models.qwen import document_mask, document_positions, split_output
+
+
+def head_layer_args(args: ModelArgs) -> ModelArgs:
+    """``args`` for building one of the head's layers as layer 0 of a model: full attention
+    whatever the trunk's layer pattern, experts (with the shared one) when the model has any,
+    as vLLM builds ``Qwen3_5DecoderLayer(layer_type="full_attention")``."""
+    return dataclasses.replace(
+        args,
+        num_hidden_layers=1,
+        layer_types=("full_attention",),
+        mlp_only_layers=(),
+        decoder_sparse_step=1,
+        mtp_layers=0,
+    )
+
+
+class MTPHead(nn.Module):
+    """The head's own tensors and its forward from the trunk's hidden states to the hidden
+    states that the model's output head turns into logits for two tokens ahead.
+
+    ``make_block(args, layer)`` and ``make_norm(args)`` are the model's own (``Qwen35``'s), so
+    the head's layers and norms are the family's classes, not copies."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        make_block: Callable[[ModelArgs, int], nn.Module],
+        make_norm: Callable[[ModelArgs], nn.Module],
+    ) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2 * args.hidden_size, args.hidden_size, bias=False)
+        self.pre_fc_norm_embedding = make_norm(args)
+        self.pre_fc_norm_hidden = make_norm(args)
+        layer_args = head_layer_args(args)
+        self.layers = nn.ModuleDict({str(i): make_block(layer_args, 0) for i in range(args.mtp_layers)})
+        self.norm = make_norm(args)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        next_embedded: torch.Tensor,
+        documents: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden (B, S-1, H): the trunk's final-normed states at positions 0..S-2;
+        next_embedded (B, S-1, H): the embedding of the token after each. ``documents``
+        (B, S-1): each position's document, so attention and positions stay within it.
+        Returns the normed states (B, S-1, H) and the routing statistics of its experts."""
+        x = torch.cat([self.pre_fc_norm_embedding(next_embedded), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        h = self.fc(x)  # (B, S-1, H)
+        positions = mask = None
+        if documents is not None:
+            mask, positions = document_mask(documents), document_positions(documents)
+        routing = None
+        for layer in self.layers.values():
+            h, stats = split_output(layer(h, positions, mask, documents))
+            if stats is not None:
+                routing = stats if routing is None else routing + stats
+        return self.norm(h), routing
+
+
+def head_inputs(
+    hidden: torch.Tensor, embedded: torch.Tensor, documents: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The head's inputs from the trunk's (B, S, H) hidden states and token embeddings: the
+    states at 0..S-2 beside the embeddings at 1..S-1. Under ``documents`` the embedding of a
+    token that starts another document is zeroed (as Megatron's per-sequence roll leaves no
+    token there), so no position reads past its document's end; its logits are never a
+    target's (the token two ahead lies in another document)."""
+    nxt = embedded[:, 1:]  # (B, S-1, H)
+    if documents is None:
+        return hidden[:, :-1], nxt, None
+    same = (documents[:, 1:] == documents[:, :-1]).unsqueeze(-1)  # (B, S-1, 1)
+    return hidden[:, :-1], nxt * same, documents[:, :-1]
