@@ -433,3 +433,15 @@ def test_dpo_in_bf16_under_a_plan_stays_within_bf16_rounding_of_one_device(bf16_
     else:
         assert d_loss <= loss_tol and d_norm <= norm_tol, (d_loss, loss_tol, d_norm, norm_tol)
     assert loss_tol > 1e-4  # bf16 is measurably apart from fp32, else the bound would be fp32's
+
+
+def test_a_dpo_run_exports_its_model_as_sft_does(tmp_path):
+    from autopar.models import from_hf
+
+    trainer = one_process_trainer(
+        preference_job(tmp_path, "--training.steps", "2", "--checkpoint.last_save_in_hf", "true")
+    )
+    trainer.train()
+    exported = from_hf(tmp_path / "hf" / "step-2")
+    for name, value in exported.state_dict().items():
+        torch.testing.assert_close(value, trainer.parts[0].state_dict()[name], rtol=0, atol=0)
