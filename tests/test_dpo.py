@@ -23,6 +23,7 @@ from autopar.data.chat import CHATML_TOKENIZER
 from autopar.data.pair_batches import PairLoader, chosen_targets, pack_pairs
 from autopar.data.preference import PREFERENCE_EXAMPLE
 from autopar.models import Qwen
+from autopar.training.metrics import read_metrics
 from autopar.training.preference_loss import LOSS_TYPES, METRICS, Objective, sequence_logps
 from autopar.training.preference_step import objective_from
 from autopar.training.preflight import check_job
@@ -389,7 +390,10 @@ def test_a_resumed_dpo_run_continues_exactly(tmp_path):
         (("--dpo.max_length", "40"), "dpo.max_length=40: a pair"),
         (("--dpo.label_smoothing", "0.5"), "dpo.label_smoothing=0.5 must be in"),
         (("--parallelism.pipeline_parallel_degree", "2"), "DPO does not run under pipeline parallelism"),
-        (("--validation.enable", "true", "--validation.dataset_path", "x"), "held-out DPO metrics"),
+        (
+            ("--validation.enable", "true", "--validation.dataset_path", "x", "--validation.seq_len", "32"),
+            "leave validation.seq_len at -1",
+        ),
     ],
 )
 def test_a_preference_job_that_cannot_run_is_one_line_before_any_work(tmp_path, flags, message):
@@ -445,3 +449,15 @@ def test_a_dpo_run_exports_its_model_as_sft_does(tmp_path):
     exported = from_hf(tmp_path / "hf" / "step-2")
     for name, value in exported.state_dict().items():
         torch.testing.assert_close(value, trainer.parts[0].state_dict()[name], rtol=0, atol=0)
+
+
+def test_validation_reports_trls_metrics_on_held_out_pairs(tmp_path):
+    flags = ("--validation.enable", "true", "--validation.dataset_path", str(PREFERENCE_EXAMPLE))
+    job = preference_job(
+        tmp_path, *flags, "--validation.freq", "2", "--validation.steps", "2", "--training.steps", "2"
+    )
+    one_process_trainer(job).train()
+    (record,) = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "val_loss" in r]
+    assert record["val_tokens"] == 16  # pairs: 2 steps of validation.local_batch_size 8
+    assert {f"val_{name}" for name in METRICS} <= set(record)
+    assert 0 <= record["val_rewards/accuracies"] <= 1 and record["val_loss"] != pytest.approx(math.log(2))

@@ -271,12 +271,18 @@ class MetricsLogger:
         for sink in self.sinks:
             sink.write(record)
 
-    def record_validation(self, step: int, loss: float, tokens: int) -> None:
-        """Log a held-out loss: its own metrics.jsonl record {"step", "val_loss", "val_tokens"}."""
+    def record_validation(
+        self, step: int, loss: float, tokens: int, extra: dict[str, float] | None = None
+    ) -> None:
+        """Log a held-out loss: its own metrics.jsonl record {"step", "val_loss", "val_tokens"},
+        with ``extra`` as ``val_<name>`` (a preference job's: ``val_rewards/accuracies``...)."""
         if not self.is_main:
             return
-        logger.info("validation at step %d: val_loss %.4f over %s tokens", step, loss, _si(tokens))
-        self._write({"step": step, "val_loss": loss if math.isfinite(loss) else None, "val_tokens": tokens})
+        shown = "".join(f", {k} {v:.4g}" for k, v in (extra or {}).items() if k.startswith("rewards/acc"))
+        logger.info("validation at step %d: val_loss %.4f over %s targets%s", step, loss, _si(tokens), shown)
+        values = {"val_loss": loss, **{f"val_{k}": v for k, v in (extra or {}).items()}}
+        finite = {k: v if math.isfinite(v) else None for k, v in values.items()}
+        self._write({"step": step, **finite, "val_tokens": tokens})
 
     def forget_after(self, step: int) -> None:
         """Drop the records of steps after ``step`` (a resumed run replays them), and a last

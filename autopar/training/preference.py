@@ -105,10 +105,10 @@ def check_preference(job: JobConfig, dims: ParallelDims) -> None:
             "training.loss_chunk_tokens > 0 with preference data: DPO reads each token's log-probability; "
             "use --training.loss_chunk_tokens 0"
         )
-    if job.validation.enable:
+    if job.validation.enable and job.validation.seq_len not in (-1, seq_len):
         raise ConfigError(
-            "validation.enable=true with preference data: held-out DPO metrics are not computed yet; "
-            "use --validation.enable false"
+            f"validation.seq_len={job.validation.seq_len} with preference data: held-out pairs are packed "
+            f"as training's are, in rows of training.seq_len={seq_len}; leave validation.seq_len at -1"
         )
 
 
@@ -222,10 +222,13 @@ def reference_table(
     return table
 
 
-def preference_source(job: JobConfig, tokenizer: str) -> PairSource:
-    """The job's preference pairs, tokenized as TRL does and cut to ``max_sequence_length``."""
+def preference_source(
+    job: JobConfig, tokenizer: str, dataset: str, path: str | None, section: str = "training"
+) -> PairSource:
+    """The preference pairs a section's data fields name, tokenized as TRL does and cut to
+    ``max_sequence_length``."""
     training = job.training
-    source = dataset_path(training.dataset, training.dataset_path)
+    source = dataset_path(dataset, path, section)
     loaded = load_pairs(
         source,
         ChatFormat(tokenizer, training.chat_template),

@@ -73,9 +73,17 @@ class PreferenceContext:
             with context.forward_precision():
                 out = model(local.inputs, positions=positions, documents=local.documents)
             logits, routing = split_output(out)
-            policy = sequence_logps(logits, local.labels, local.documents, self.pairs_per_micro_batch)
+            policy = sequence_logps(
+                logits, local.labels, local.documents, pair_count(batch, self.pairs_per_micro_batch)
+            )
         summed = SequenceLogps(cp_sum(policy.logps, self.cp_mesh), cp_sum(policy.tokens, self.cp_mesh))
         return summed, routing
+
+
+def pair_count(batch: Batch, default: int) -> int:
+    """The pairs of a micro-batch: as many as it names (a validation batch may hold another
+    number than training's), else ``default``."""
+    return len(batch.pairs) if batch.pairs is not None else default
 
 
 def objective_from(cfg: DPO) -> Objective:
@@ -100,7 +108,7 @@ def model_reference(
             with context.forward_precision():
                 out = model(local.inputs, positions=positions, documents=local.documents)
             logits, _ = split_output(out)
-            logps = sequence_logps(logits, local.labels, local.documents, pairs)
+            logps = sequence_logps(logits, local.labels, local.documents, pair_count(batch, pairs))
         return cp_sum(logps.logps, cp_mesh)
 
     return reference

@@ -6,20 +6,23 @@ from __future__ import annotations
 import torch
 
 from autopar.config.sections import JobConfig
-from autopar.data.dataset import SampleSource
+from autopar.data.dataset import PackedWindows, SampleSource
 from autopar.data.loader import StepLoader, build_samples
 from autopar.data.pair_batches import PairLoader, PairSource
 from autopar.data.tokenizer import Tokenizer
 from autopar.parallel.mesh import Meshes
 from autopar.training.preference import is_preference, pair_loader, preference_source
+from autopar.training.preference_validation import PreferenceValidator
 from autopar.training.resolve import chat_format, tokenizer_path
+from autopar.training.step import TrainStep
+from autopar.training.validation import Validator, validation_samples
 
 
 def job_samples(job: JobConfig, tokenizer: Tokenizer) -> SampleSource | PairSource:
     """The samples of the job's ``[training]`` data (read now: bad data is refused here)."""
     training = job.training
     if is_preference(job):
-        return preference_source(job, tokenizer_path(job))
+        return preference_source(job, tokenizer_path(job), training.dataset, training.dataset_path)
     return build_samples(
         training.dataset,
         training.dataset_path,
@@ -46,3 +49,21 @@ def step_loader(
     if isinstance(samples, PairSource):
         return pair_loader(job, samples, global_batch, dp_rank, dims.dp, device, tokenizer_path(job))
     return StepLoader(samples, global_batch, training.local_batch_size, dp_rank, dims.dp, device)
+
+
+def held_out_samples(job: JobConfig, tokenizer: Tokenizer) -> PackedWindows | PairSource:
+    """The ``[validation]`` data: held-out windows, or pairs for a preference job."""
+    if is_preference(job):
+        cfg = job.validation
+        return preference_source(job, tokenizer_path(job), cfg.dataset or "", cfg.dataset_path, "validation")
+    return validation_samples(job, tokenizer)
+
+
+def validator(
+    job: JobConfig, held_out: PackedWindows | PairSource, step: TrainStep, loader: StepLoader | PairLoader
+) -> Validator | PreferenceValidator:
+    """What computes the held-out numbers every ``validation.freq`` steps."""
+    if isinstance(held_out, PairSource):
+        assert isinstance(loader, PairLoader)
+        return PreferenceValidator(job, held_out, step, loader)
+    return Validator(job, held_out, step, loader.dp_rank, loader.device)

@@ -47,10 +47,9 @@ from autopar.training.resume_checks import (
     lora_base,
     warn_changed_data_shape,
 )
-from autopar.training.samples import job_samples, step_loader
+from autopar.training.samples import held_out_samples, job_samples, step_loader, validator
 from autopar.training.sinks import build_sinks
 from autopar.training.step import TrainStep
-from autopar.training.validation import Validator, validation_samples
 
 logger = logging.getLogger("autopar")
 
@@ -73,7 +72,7 @@ class Trainer:
         self.world = world
         tokenizer = build_tokenizer(tokenizer_path(job))
         samples = job_samples(job, tokenizer)  # first: bad data is refused before any real work
-        held_out = validation_samples(job, tokenizer) if job.validation.enable else None
+        held_out = held_out_samples(job, tokenizer) if job.validation.enable else None
         torch.manual_seed(job.debug.seed)
         if job.debug.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -91,9 +90,7 @@ class Trainer:
         self.parts, self.optimizers = self.train_step.parts, self.train_step.optimizers
         self.loader = step_loader(job, samples, self.meshes, world.device)
         self.validator = (
-            Validator(job, held_out, self.train_step, self.loader.dp_rank, world.device)
-            if held_out is not None
-            else None
+            validator(job, held_out, self.train_step, self.loader) if held_out is not None else None
         )
         self.checkpointer = Checkpointer(
             job.checkpoint,
@@ -356,7 +353,7 @@ class Trainer:
         assert self.validator is not None
         with self.timeout.longer(self.job.comm.init_timeout_seconds):  # the first pass compiles its forward
             result = self.validator.run()
-        self.metrics.record_validation(self.step, result.loss, result.tokens)
+        self.metrics.record_validation(self.step, result.loss, result.tokens, result.metrics)
 
     def _save(self, model_only: bool = False) -> Path:
         """A checkpoint of this step, refused when any weight is not finite."""

@@ -9,7 +9,7 @@ different steps are comparable.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,7 +67,8 @@ def check_validation(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> Non
         seq_field="validation.seq_len",
     )
     try:
-        check_data(cfg.dataset or "", cfg.dataset_path, [], "validation", table_columns(job.training))
+        columns = None if job.training.dataset_format == "preference" else table_columns(job.training)
+        check_data(cfg.dataset or "", cfg.dataset_path, [], "validation", columns)
     except DataError as err:
         raise ConfigError(str(err)) from None
 
@@ -96,7 +97,9 @@ class ValidationResult:
     loss: float
     """Token-mean cross-entropy over the held-out targets."""
     tokens: int
-    """How many targets it averages."""
+    """How many targets it averages (pairs, for preference data)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """More held-out numbers under their own names (a preference job's TRL metrics)."""
 
 
 class Validator:
