@@ -71,3 +71,21 @@ def test_a_prompts_file_that_cannot_run_is_one_line(tmp_path, capsys, lines, mes
 def test_a_missing_prompts_file_names_the_field(tmp_path, capsys):
     assert main(["--generate.prompts", str(tmp_path / "none.jsonl")]) == 2
     assert "generate.prompts=" in capsys.readouterr().err
+
+
+def test_a_runs_dcp_checkpoint_gives_the_weights(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model = build_model(get_flavor("qwen3", "debug"))
+    model.init_weights(seed=9)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "step-10"), no_dist=True)
+    code, records = run(
+        tmp_path,
+        [json.dumps({"prompt": "Hello"})],
+        "--checkpoint.initial_load_path",
+        str(tmp_path / "step-10"),
+    )
+    tokenizer = build_tokenizer(CHATML)
+    stops = {tokenizer.eos_id, tokenizer.encode("<|im_end|>")[0]}
+    assert code == 0
+    assert records[0]["new_ids"] == generate(model.eval(), [tokenizer.encode("Hello")], 12, stop_ids=stops)[0]
