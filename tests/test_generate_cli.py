@@ -68,6 +68,12 @@ def test_a_prompts_file_that_cannot_run_is_one_line(tmp_path, capsys, lines, mes
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+def test_a_tokenizer_larger_than_the_model_is_one_line(tmp_path, capsys):
+    code, _ = run(tmp_path, [json.dumps({"prompt": "Hello"})], "--model.vocab_size", "64")
+    err = capsys.readouterr().err
+    assert code == 2 and "past the model's vocab_size=64" in err and len(err.strip().splitlines()) == 1
+
+
 def test_a_missing_prompts_file_names_the_field(tmp_path, capsys):
     assert main(["--generate.prompts", str(tmp_path / "none.jsonl")]) == 2
     assert "generate.prompts=" in capsys.readouterr().err

@@ -76,6 +76,16 @@ def _prompt_text(line: str, template: str, where: str) -> str:
     raise DataError(f'{where}: expected {{"prompt": text}} or {{"messages": [...]}}')
 
 
+def check_vocabulary(prompts: list[list[int]], vocab_size: int, where: str | None) -> None:
+    """One line when the tokenizer gives ids the model has no embedding for."""
+    for i, prompt in enumerate(prompts):
+        if max(prompt, default=0) >= vocab_size:
+            raise DataError(
+                f"{where}: prompt {i} has token id {max(prompt)}, past the model's vocab_size={vocab_size}; "
+                "use the tokenizer the model was trained with (model.tokenizer_path or model.hf_assets_path)"
+            )
+
+
 def stop_ids(tokenizer: Tokenizer) -> set[int]:
     """The tokenizer's end of text and the end-of-turn tokens it has."""
     ids = {tokenizer.eos_id}
@@ -99,6 +109,7 @@ def run(job: JobConfig) -> Path:
         check_prompts(prompts, settings.max_new_tokens, model.args.max_position_embeddings)
     except ValueError as err:
         raise DataError(f"{settings.prompts}: {err}") from None
+    check_vocabulary(prompts, model.args.vocab_size, settings.prompts)
     stops = stop_ids(tokenizer)
     new = generate(
         model, prompts, settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k,
