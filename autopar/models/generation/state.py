@@ -72,10 +72,12 @@ class CachedAttention(nn.Module):
 
 class CachedSequence(WholeSequence):
     """``WholeSequence``'s place during decoding: convolution and delta rule continue from
-    the state the cursor's rows left (zero before their first token)."""
+    the state the cursor's rows left (zero before their first token). The delta rule is
+    always our kernel (``torch.ops.autopar.gated_delta_rule``), whose entry and exit states
+    this needs, whichever kernel training runs."""
 
-    def __init__(self, cursor: Cursor, batch: int, kernel: WholeSequence) -> None:
-        super().__init__(kernel.kernel)
+    def __init__(self, cursor: Cursor, batch: int) -> None:
+        super().__init__()
         self.cursor, self.batch = cursor, batch
         self.conv: list[torch.Tensor] | None = None
         self.recurrent: torch.Tensor | None = None
@@ -136,7 +138,7 @@ class Decoder:
             if isinstance(getattr(module, "sdpa", None), ScaledDotProduct):
                 self.attention[module] = CachedAttention(self.cursor, batch, length)
             if isinstance(getattr(module, "sequence", None), WholeSequence):
-                self.sequences[module] = CachedSequence(self.cursor, batch, module.sequence)
+                self.sequences[module] = CachedSequence(self.cursor, batch)
 
     @contextmanager
     def attached(self) -> Iterator[None]:
