@@ -23,6 +23,8 @@ COMMANDS = {
     "autopar.bench": "autopar/cli/bench.py",
     "autopar.parity": "autopar/cli/parity.py",
     "autopar.plot": "autopar/cli/plot.py",
+    "autopar.generate": "autopar/cli/generate.py",
+    "autopar-generate": "autopar/cli/generate.py",
     "autopar.data.prepare": "autopar/data/prepare.py",
 }
 OWN_FLAGS_ELSEWHERE = {"--help", "--print-config", "--dry-run", "--world-size"}

@@ -81,7 +81,14 @@ FLOORS = {
 }
 """Each folder and the folders it may import: each floor stands only on those below it."""
 
-COMMAND_MODULES = ("autopar.train", "autopar.plan", "autopar.bench", "autopar.parity", "autopar.plot")
+COMMAND_MODULES = (
+    "autopar.train",
+    "autopar.plan",
+    "autopar.bench",
+    "autopar.parity",
+    "autopar.plot",
+    "autopar.generate",
+)
 """``python -m autopar.<command>``: each only hands over to ``autopar.cli``."""
 
 

@@ -390,6 +390,28 @@ class Debug:
 
 
 @dataclass
+class Generate:
+    """``python -m autopar.generate``: sampling from the job's model (docs/generate.md)."""
+
+    prompts: str | None = None
+    """A JSONL file: one {"prompt": text} or {"messages": [...]} per line (chat ones rendered
+    with the model's chat template and its generation prompt)."""
+    max_new_tokens: int = 128
+    """New tokens per prompt at most; generation also stops at the tokenizer's end of turn."""
+    temperature: float = 0.0
+    """0: greedy; above 0 tokens are sampled from the logits divided by it."""
+    top_p: float = 1.0
+    """Sample among the likeliest tokens whose probabilities reach top_p; 1: all."""
+    top_k: int = 0
+    """Sample among the top_k likeliest tokens; 0: all."""
+    seed: int = 0
+    """Seeds the sampling: the same seed, prompts and weights give the same tokens."""
+    output: str | None = None
+    """A JSONL file written with one record per prompt: prompt_ids, new_ids, text; unset:
+    <job.dump_folder>/generations.jsonl."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -408,3 +430,4 @@ class JobConfig:
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)
+    generate: Generate = field(default_factory=Generate)

@@ -159,8 +159,14 @@ def with_reasoning_aliases(messages: list[dict[str, Any]]) -> list[dict[str, Any
     return aliased
 
 
-def render(messages: list[dict[str, Any]], template: str, tools: list[dict[str, Any]] | None = None) -> str:
-    """The conversation as the template writes it for training (no generation prompt), with
+def render(
+    messages: list[dict[str, Any]],
+    template: str,
+    tools: list[dict[str, Any]] | None = None,
+    generation_prompt: bool = False,
+) -> str:
+    """The conversation as the template writes it for training (no generation prompt; with
+    ``generation_prompt`` the header of the assistant turn to generate follows), with
     its function specs as ``tools``. Any failure of the template, compiling (bad syntax, an
     unknown filter) or rendering (an undefined name, its own raise_exception), is one
     DataError saying what and where."""
@@ -171,7 +177,7 @@ def render(messages: list[dict[str, Any]], template: str, tools: list[dict[str, 
             messages=with_reasoning_aliases(messages),
             tools=tools,
             documents=None,
-            add_generation_prompt=False,
+            add_generation_prompt=generation_prompt,
         )
     except TemplateSyntaxError as err:
         raise DataError(f"chat template line {err.lineno}: {err.message}; fix the template") from None

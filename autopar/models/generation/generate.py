@@ -1,0 +1,76 @@
+"""Generation: prefill each prompt into its row of the state, then decode all rows together
+one token per step, each at its own position, until every row stops or reaches its budget."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import torch
+
+from autopar.models.generation.sampling import Sampling, next_tokens
+from autopar.models.generation.state import Decoder
+from autopar.models.qwen import Qwen
+
+PREFILL_CHUNK = 512
+"""Prompt tokens run per forward during prefill; each chunk continues from the state."""
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, limit: int) -> None:
+    """One line for a prompt that cannot run: empty, or too long for ``limit`` positions."""
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty; give it at least one token")
+        if len(prompt) + max_new_tokens > limit:
+            raise ValueError(
+                f"prompt {i} has {len(prompt)} tokens, and with max_new_tokens={max_new_tokens} passes the "
+                f"model's limit of {limit} positions (max_position_embeddings); shorten it or lower max_new_tokens"
+            )
+
+
+def prefill(decoder: Decoder, prompt: Sequence[int], row: int, chunk: int) -> torch.Tensor:
+    """Run ``prompt`` into ``row`` of the state, ``chunk`` tokens a forward; its last logits (V,)."""
+    device = decoder.cursor.positions.device
+    tokens = torch.tensor([list(prompt)], device=device)  # (1, S)
+    for start in range(0, tokens.shape[1], chunk):
+        piece = tokens[:, start : start + chunk]
+        logits = decoder.forward(piece, slice(row, row + 1), torch.tensor([start], device=device))
+    return logits[0, -1]
+
+
+def generate(
+    model: Qwen,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    stop_ids: Collection[int] = (),
+    prefill_chunk: int = PREFILL_CHUNK,
+) -> list[list[int]]:
+    """Each prompt's new tokens: up to ``max_new_tokens``, ending at the first of ``stop_ids``
+    (kept). Greedy at ``temperature`` 0, else sampled (see ``Sampling``)."""
+    check_prompts(prompts, max_new_tokens, model.args.max_position_embeddings)
+    if not prompts or max_new_tokens < 1:
+        return [[] for _ in prompts]
+    sampling = Sampling(temperature, top_k, top_p, seed)
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    length = max(len(p) for p in prompts) + max_new_tokens
+    decoder = Decoder(model, len(prompts), length)
+    decoder.cursor.positions = decoder.cursor.positions.to(device)
+    last = torch.stack([prefill(decoder, p, row, prefill_chunk) for row, p in enumerate(prompts)])  # (B, V)
+    position = torch.tensor([len(p) for p in prompts], device=device)  # (B,) where the next token goes
+    new: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    for step in range(max_new_tokens):
+        chosen = next_tokens(last, sampling, generator)  # (B,)
+        for row, token in enumerate(chosen.tolist()):
+            if not done[row]:
+                new[row].append(token)
+                done[row] = token in stop_ids
+        if all(done) or step == max_new_tokens - 1:
+            break
+        last = decoder.forward(chosen[:, None], slice(None), position)[:, -1]
+        position = position + 1
+    return new

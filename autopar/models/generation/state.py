@@ -1,0 +1,169 @@
+"""The state a model carries from one call to the next, and the forward that continues from it.
+
+No maths is re-implemented here: the model's own forward runs, with two of its swappable
+parts replaced for the duration (``Decoder.attached``), as parallel plans replace them:
+
+- each attention's ``sdpa`` (the kernel call, after projections, norms and RoPE at the
+  positions passed in) by ``CachedAttention``, which writes k and v into a preallocated
+  (B, Hkv, L, D) buffer at each token's position and attends to every cached position up to
+  the token's own;
+- each Gated DeltaNet's ``core.sequence`` (the two steps that read along the sequence) by
+  ``CachedSequence``, which prepends the last K-1 inputs of each convolution and runs the
+  delta rule from the recurrent state entering the chunk (the kernel's entry state), keeping
+  the exit state.
+
+Rows are independent: a call names the rows it advances (a prefill one prompt at a time,
+a decode step all of them) and each row's tokens carry their own positions, so prompts of
+different lengths share a batch without padding entering any row's state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autopar.models.qwen import Qwen, ScaledDotProduct, split_output
+from autopar.models.qwen3_5.gated_deltanet import WholeSequence, causal_conv
+
+
+@dataclass
+class Cursor:
+    """Where the current call writes: which rows of the state, at which positions (b, S)."""
+
+    rows: slice
+    positions: torch.Tensor
+
+
+class CachedAttention(nn.Module):
+    """``ScaledDotProduct``'s place during decoding: a static KV cache and a position mask."""
+
+    def __init__(self, cursor: Cursor, batch: int, length: int) -> None:
+        super().__init__()
+        self.cursor, self.batch, self.length = cursor, batch, length
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """q (b, Hq, S, D), k and v (b, Hkv, S, D) of the cursor's rows -> (b, Hq, S, D)."""
+        if self.k is None:
+            shape = (self.batch, k.shape[1], self.length, k.shape[-1])  # (B, Hkv, L, D)
+            self.k = k.new_zeros(shape)
+            self.v = v.new_zeros(shape)
+        rows, positions = self.cursor.rows, self.cursor.positions  # (b, S)
+        index = torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(positions)
+        keys, values = self.k[rows], self.v[rows]  # views (b, Hkv, L, D)
+        keys[index, :, positions] = k.transpose(1, 2)  # (b, S, Hkv, D) into each token's slot
+        values[index, :, positions] = v.transpose(1, 2)
+        end = int(positions.max()) + 1
+        slots = torch.arange(end, device=positions.device)
+        visible = (slots <= positions[:, :, None])[:, None]  # (b, 1, S, end): a slot at or before the token
+        gqa = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(
+            q, keys[:, :, :end], values[:, :, :end], attn_mask=visible, enable_gqa=gqa
+        )
+
+
+class CachedSequence(WholeSequence):
+    """``WholeSequence``'s place during decoding: convolution and delta rule continue from
+    the state the cursor's rows left (zero before their first token). The delta rule is
+    always our kernel (``torch.ops.autopar.gated_delta_rule``), whose entry and exit states
+    this needs, whichever kernel training runs."""
+
+    def __init__(self, cursor: Cursor, batch: int) -> None:
+        super().__init__()
+        self.cursor, self.batch = cursor, batch
+        self.conv: list[torch.Tensor] | None = None
+        self.recurrent: torch.Tensor | None = None
+
+    def convolve(
+        self,
+        inputs: tuple[torch.Tensor, ...],
+        weights: tuple[torch.Tensor, ...],
+        documents: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, ...]:
+        """Each input (b, S, C) convolved after the K-1 inputs before it; those become the state."""
+        rows = self.cursor.rows
+        if self.conv is None:
+            self.conv = [
+                x.new_zeros(self.batch, w.shape[-1] - 1, x.shape[-1]) for x, w in zip(inputs, weights)
+            ]
+        outputs = []
+        for state, x, w in zip(self.conv, inputs, weights):
+            joined = torch.cat((state[rows], x), dim=1)  # (b, K - 1 + S, C)
+            outputs.append(causal_conv(joined, w, None)[:, state.shape[1] :])  # (b, S, C)
+            state[rows] = joined[:, joined.shape[1] - state.shape[1] :]
+        return tuple(outputs)
+
+    def delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        documents: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The rule over the chunk from the rows' recurrent state (B, HK, HV / HK, dk, dv) fp32."""
+        rows = self.cursor.rows
+        if self.recurrent is None:
+            heads, dk, dv = k.shape[2], k.shape[-1], v.shape[-1]
+            self.recurrent = v.new_zeros(self.batch, heads, v.shape[2] // heads, dk, dv, dtype=torch.float32)
+        out, _, exit_state = torch.ops.autopar.gated_delta_rule(
+            q, k, v, g, beta, None, self.recurrent[rows].contiguous(), None
+        )
+        self.recurrent[rows] = exit_state
+        return out
+
+
+class Decoder:
+    """A model with decoding state for ``batch`` rows of up to ``length`` tokens each.
+
+    ``forward(tokens, rows, start)`` runs tokens (b, S) of ``rows`` whose first token sits at
+    ``start`` (b,) and returns their logits (b, S, V); the state then holds them.
+    """
+
+    def __init__(self, model: Qwen, batch: int, length: int) -> None:
+        self.model, self.batch, self.length = model, batch, length
+        self.cursor = Cursor(slice(None), torch.zeros(batch, 1, dtype=torch.long))
+        self.attention: dict[nn.Module, CachedAttention] = {}
+        self.sequences: dict[object, CachedSequence] = {}
+        for module in model.modules():
+            if isinstance(getattr(module, "sdpa", None), ScaledDotProduct):
+                self.attention[module] = CachedAttention(self.cursor, batch, length)
+            if isinstance(getattr(module, "sequence", None), WholeSequence):
+                self.sequences[module] = CachedSequence(self.cursor, batch)
+
+    @contextmanager
+    def attached(self) -> Iterator[None]:
+        """The model's kernels swapped for the cached ones, restored on exit."""
+        saved = {m: m.sdpa for m in self.attention} | {m: m.sequence for m in self.sequences}
+        try:
+            for module, cached in self.attention.items():
+                module.sdpa = cached
+            for module, cached in self.sequences.items():
+                module.sequence = cached
+            yield
+        finally:
+            for module, original in saved.items():
+                if module in self.attention:
+                    module.sdpa = original
+                else:
+                    module.sequence = original
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, rows: slice, start: torch.Tensor) -> torch.Tensor:
+        """Logits (b, S, V) of ``tokens`` (b, S) continuing ``rows`` at positions from ``start`` (b,)."""
+        positions = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)  # (b, S)
+        if int(positions.max()) >= self.length:
+            raise ValueError(f"position {int(positions.max())} is past the decoder's length {self.length}")
+        self.cursor.rows, self.cursor.positions = rows, positions
+        with self.attached():
+            logits, _ = split_output(self.model(tokens, positions=positions))
+        return logits

@@ -1,0 +1,97 @@
+"""``python -m autopar.generate``: the job's model and tokenizer, prompts from a JSONL file
+(plain or chat), one output record per prompt, and one line for a prompts file that cannot run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopar.cli.generate import main
+from autopar.data.chat_template import render, template_text
+from autopar.data.tokenizer import build_tokenizer
+from autopar.models import build_model, get_flavor, save_hf
+from autopar.models.generation import generate
+from autopar.training.resolve import SHIPPED_TOKENIZERS
+
+CHATML = str(SHIPPED_TOKENIZERS["chatml"])
+CHAT = {"messages": [{"role": "user", "content": "Hi!"}]}
+
+
+def run(tmp_path, lines: list[str], *flags: str) -> tuple[int, list[dict]]:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(lines) + "\n")
+    output = tmp_path / "out.jsonl"
+    argv = ["--model.tokenizer_path", "chatml", "--generate.prompts", str(prompts)]
+    code = main([*argv, "--generate.output", str(output), "--generate.max_new_tokens", "12", *flags])
+    records = [json.loads(line) for line in output.read_text().splitlines()] if output.exists() else []
+    return code, records
+
+
+def test_plain_and_chat_prompts_are_generated_greedily_from_an_hf_folder(tmp_path):
+    model = build_model(get_flavor("qwen3", "debug"))
+    model.init_weights(seed=5)
+    save_hf(model.state_dict(), model.args, tmp_path / "hf")
+    flags = ("--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf")
+    code, records = run(tmp_path, [json.dumps({"prompt": "Hello there"}), json.dumps(CHAT)], *flags)
+    assert code == 0
+    tokenizer = build_tokenizer(CHATML)
+    chat_text = render(CHAT["messages"], template_text(CHATML), generation_prompt=True)
+    assert chat_text.endswith("<|im_start|>assistant\n")
+    prompts = [tokenizer.encode("Hello there"), tokenizer.encode(chat_text)]
+    assert [r["prompt_ids"] for r in records] == prompts
+    stops = {tokenizer.eos_id, tokenizer.encode("<|im_end|>")[0]}
+    assert [r["new_ids"] for r in records] == generate(model.eval(), prompts, 12, stop_ids=stops)
+    assert records[0]["text"] == tokenizer.decode([i for i in records[0]["new_ids"] if i not in stops])
+
+
+def test_sampled_output_repeats_with_its_seed(tmp_path):
+    sampling = ("--generate.temperature", "0.8", "--generate.top_p", "0.9", "--generate.seed", "3")
+    first = run(tmp_path, [json.dumps({"prompt": "Once upon"})], *sampling)[1]
+    assert run(tmp_path, [json.dumps({"prompt": "Once upon"})], *sampling)[1] == first
+
+
+@pytest.mark.parametrize(
+    "lines,message",
+    [
+        (["not json"], "prompts.jsonl line 1: not JSON"),
+        (['{"text": "hi"}'], 'prompts.jsonl line 1: expected {"prompt": text}'),
+        (['{"prompt": ""}'], "prompt 0 is empty"),
+        ([json.dumps({"prompt": "word " * 5000})], "prompt 0 has"),
+        ([], "no prompts"),
+    ],
+)
+def test_a_prompts_file_that_cannot_run_is_one_line(tmp_path, capsys, lines, message):
+    code, records = run(tmp_path, lines)
+    err = capsys.readouterr().err
+    assert code == 2 and records == []
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_tokenizer_larger_than_the_model_is_one_line(tmp_path, capsys):
+    code, _ = run(tmp_path, [json.dumps({"prompt": "Hello"})], "--model.vocab_size", "64")
+    err = capsys.readouterr().err
+    assert code == 2 and "past the model's vocab_size=64" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_missing_prompts_file_names_the_field(tmp_path, capsys):
+    assert main(["--generate.prompts", str(tmp_path / "none.jsonl")]) == 2
+    assert "generate.prompts=" in capsys.readouterr().err
+
+
+def test_a_runs_dcp_checkpoint_gives_the_weights(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model = build_model(get_flavor("qwen3", "debug"))
+    model.init_weights(seed=9)
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "step-10"), no_dist=True)
+    code, records = run(
+        tmp_path,
+        [json.dumps({"prompt": "Hello"})],
+        "--checkpoint.initial_load_path",
+        str(tmp_path / "step-10"),
+    )
+    tokenizer = build_tokenizer(CHATML)
+    stops = {tokenizer.eos_id, tokenizer.encode("<|im_end|>")[0]}
+    assert code == 0
+    assert records[0]["new_ids"] == generate(model.eval(), [tokenizer.encode("Hello")], 12, stop_ids=stops)[0]
