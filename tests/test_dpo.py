@@ -328,6 +328,11 @@ def test_dpo_of_every_family_under_a_plan_matches_one_device(family_parity, fami
     reference, run = family_parity[family][plan]
     if family == "qwen3_moe":  # routing amplifies the order of sums in the norm (test_moe_training)
         assert_same_training(run, reference, loss_rtol=1e-5, norm_rtol=1e-4)
+    elif family == "qwen3.5":
+        # a DPO loss reads the difference of two log-prob sums of ~60, where fp32's order of
+        # sums (~3e-6 of them) moves the loss by ~1e-5; Qwen3.5 amplifies it more than Qwen3
+        # (test_qwen3_5_plans): measured 1.5e-5 in loss under TP on this Xeon, hence 1e-4
+        assert_same_training(run, reference, loss_rtol=1e-4, norm_rtol=1e-4)
     else:
         assert_fp32_parity(run, reference)
 

@@ -233,7 +233,7 @@ def test_packed_documents_give_each_document_its_own_head_logits():
     """The head's positions restart and its attention stays in the document; the embedding of
     a next document's first token is never read, so only a document's last position (whose
     target lies in another document) differs from the document alone."""
-    args = dataclasses.replace(get_flavor("qwen3.5", "debug"), mtp_layers=1)
+    args = dataclasses.replace(get_flavor("qwen3.5", "debug"), mtp_num_hidden_layers=1)
     model = build_model(args)
     model.init_weights(seed=2)
     with torch.no_grad():
@@ -272,8 +272,8 @@ def test_asking_for_a_head_the_folder_lacks_is_one_line(tmp_path):
 
 
 def test_a_head_on_a_model_outside_qwen3_5_is_refused():
-    args = dataclasses.replace(get_flavor("qwen3", "debug"), mtp_layers=1)
-    with pytest.raises(ValueError, match=r"model\.mtp_layers=1"):
+    args = dataclasses.replace(get_flavor("qwen3", "debug"), mtp_num_hidden_layers=1)
+    with pytest.raises(ValueError, match=r"model\.mtp_num_hidden_layers=1"):
         args.check()
 
 

@@ -39,7 +39,7 @@ def test_acceptance_counts_the_argmax_hitting_the_token_two_ahead():
 
 
 def model_and_batch():
-    args = dataclasses.replace(get_flavor("qwen3.5", "debug"), mtp_layers=1)
+    args = dataclasses.replace(get_flavor("qwen3.5", "debug"), mtp_num_hidden_layers=1)
     model = build_model(args)
     model.init_weights(seed=4)
     x = torch.randint(0, args.vocab_size, (2, 40), generator=torch.Generator().manual_seed(5))

@@ -257,7 +257,7 @@ def test_a_datasetdict_folder_trains_on_its_train_split_and_says_so(tmp_path, ca
         save_to_disk(rows, tmp_path / "dd" / split)
     if with_dataset_dict_json:
         (tmp_path / "dd" / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
-    with caplog.at_level("INFO"):
+    with caplog.at_level("INFO", logger="autopar"):
         got = windows_of(tmp_path / "dd")
     assert_same_windows(got, windows_of(tmp_path / "dd" / "train"))
     assert "holds the splits test, train; training reads 'train'" in caplog.text
@@ -285,7 +285,7 @@ def test_jsonl_splits_are_read_as_table_splits_are(tmp_path, caplog):
     (tmp_path / "README.md").write_text("# the dataset card: " + "not data " * 20)
     (tmp_path / ".cache").mkdir()
     write_jsonl(tmp_path / ".cache" / "leftover.jsonl", TEST)  # what hf download leaves: hidden
-    with caplog.at_level("INFO"):
+    with caplog.at_level("INFO", logger="autopar"):
         got = windows_of(tmp_path)
     assert_same_windows(got, windows_of(tmp_path / "train.jsonl"))
     assert "training reads 'train' (1 file(s))" in caplog.text
@@ -294,7 +294,7 @@ def test_jsonl_splits_are_read_as_table_splits_are(tmp_path, caplog):
 def test_prepare_writes_the_train_split_of_a_folder_of_splits(tmp_path, caplog):
     for split, rows in (("train", TRAIN), ("test", TEST)):
         save_to_disk(rows, tmp_path / "dd" / split)
-    with caplog.at_level("INFO"):
+    with caplog.at_level("INFO", logger="autopar"):
         whole, _ = prepare([str(tmp_path / "dd")], str(tmp_path / "a"), None)
     train, _ = prepare([str(tmp_path / "dd" / "train")], str(tmp_path / "b"), None)
     assert whole.read_bytes() == train.read_bytes()

@@ -32,7 +32,7 @@ SIZE_LIMITS = {
     "linear_key_head_dim": 1 << 12,
     "linear_value_head_dim": 1 << 12,
     "max_position_embeddings": 1 << 26,
-    "mtp_layers": 1 << 4,
+    "mtp_num_hidden_layers": 1 << 4,
 }
 """Largest value of each size field: 10x and more beyond any Qwen released (the largest:
 vocabulary 248,320, hidden 8,192, MLP 29,568, 94 layers, 96 heads, 512 experts, 1M positions),
@@ -117,7 +117,7 @@ class ModelArgs:
     """YaRN: rotations per context below which a dim is interpolated (divided by the factor)."""
     rope_truncate: bool = True
     """YaRN: round the interpolation ramp's ends to whole dims (HF ``truncate``)."""
-    mtp_layers: int = 0
+    mtp_num_hidden_layers: int = 0
     """Qwen3.5: decoder layers of the multi-token-prediction head built beside the model (HF
     ``mtp_num_hidden_layers``); 0: no head. Set only when a job loads a checkpoint's head
     (``from_hf(..., mtp=True)``), so a model without it keeps its parameters and plans."""
@@ -237,9 +237,9 @@ class ModelArgs:
             self._check_hybrid()
         if self.rope_type != "default":
             self._check_yarn()
-        if self.mtp_layers < 0 or (self.mtp_layers and not self.hybrid):
+        if self.mtp_num_hidden_layers < 0 or (self.mtp_num_hidden_layers and not self.hybrid):
             raise ValueError(
-                f"model.mtp_layers={self.mtp_layers}: a multi-token-prediction head is Qwen3.5's "
+                f"model.mtp_num_hidden_layers={self.mtp_num_hidden_layers}: a multi-token-prediction head is Qwen3.5's "
                 "(linear_num_value_heads > 0); use 0, or a Qwen3.5 model"
             )
 

@@ -39,7 +39,7 @@ from autopar.models.hf_names import (
     to_hf_name,
 )
 from autopar.models.qwen import Qwen
-from autopar.models.qwen3_5.hf import mtp_layers
+from autopar.models.qwen3_5.hf import mtp_num_hidden_layers
 
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 """The safetensors dtypes of weights autopar loads (as safetensors names them)."""
@@ -154,7 +154,7 @@ def from_hf(
     check_folder(Path(path))
     args = read_hf_config(path)
     if mtp:
-        args = dataclasses.replace(args, mtp_layers=head_layers(path, args))
+        args = dataclasses.replace(args, mtp_num_hidden_layers=head_layers(path, args))
     tensors = HFTensors(path, args)
     if dtype is None:
         dtype = tensors["embed_tokens.weight"].dtype
@@ -174,7 +174,7 @@ def head_layers(path: str | Path, args: ModelArgs) -> int:
     naming the folder when it has none (not Qwen3.5, no ``mtp_num_hidden_layers``, or no
     ``mtp.*`` tensors)."""
     config_path = Path(path) / CONFIG_FILE
-    layers = mtp_layers(json.loads(config_path.read_text()), str(config_path), HFCheckpointError)
+    layers = mtp_num_hidden_layers(json.loads(config_path.read_text()), str(config_path), HFCheckpointError)
     if not args.hybrid or not layers or f"{MTP_PREFIX}fc.weight" not in tensor_files(Path(path)):
         raise HFCheckpointError(
             f"{path}: no multi-token-prediction head (a Qwen3.5 config.json with mtp_num_hidden_layers "
@@ -255,7 +255,7 @@ def save_hf_like(
     hf_layout = checkpoint_layout(source) if source is not None else HFLayout()
     save_hf_streaming(layout, load, args, path, max_shard_bytes, hf_layout)
     if hf_layout.vision_language:
-        carry_through(source, path, skip=(MTP_PREFIX,) if args.mtp_layers else ())
+        carry_through(source, path, skip=(MTP_PREFIX,) if args.mtp_num_hidden_layers else ())
 
 
 def checkpoint_layout(path: str | Path) -> HFLayout:

@@ -537,8 +537,10 @@ def _weights_and_optimizer(
         "params": stored * numel + (FP32 * trained if job.lora.enable else 0.0),
         "optimizer": 2 * FP32 * trained,
         "grads": _landing_grads(args, job, dims, modules) if accumulating else 0.0,
-        "reference": _reference_bytes(args, job, dims, modules),
     }
+    reference = _reference_bytes(args, job, dims, modules)
+    if reference:  # a DPO job's frozen copy, kept where the weights are (the host under offload)
+        static["reference"] = reference
     if job.training.enable_cpu_offload:
         return {}, {**static, "grads": FP32 * trained}
     return static, {}

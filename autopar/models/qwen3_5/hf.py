@@ -61,7 +61,7 @@ def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return text
 
 
-def mtp_layers(config: Mapping[str, Any], source: str, error: type[Exception]) -> int:
+def mtp_num_hidden_layers(config: Mapping[str, Any], source: str, error: type[Exception]) -> int:
     """The decoder layers of the multi-token-prediction head a Qwen3.5 config.json describes
     (``mtp_num_hidden_layers`` of its text model; 0 when absent). Released heads share the
     model's embedding (``mtp_use_dedicated_embeddings`` false); one with its own is refused."""
@@ -138,8 +138,8 @@ def qwen3_5_config(args: ModelArgs) -> dict[str, Any]:
         "linear_value_head_dim": args.linear_value_head_dim,
         "linear_conv_kernel_dim": args.linear_conv_kernel_dim,
     }
-    if args.mtp_layers:
-        config["mtp_num_hidden_layers"] = args.mtp_layers
+    if args.mtp_num_hidden_layers:
+        config["mtp_num_hidden_layers"] = args.mtp_num_hidden_layers
     if args.moe:
         config.update(
             num_experts=args.num_experts,

@@ -173,11 +173,13 @@ def initial_value(
 
 class Qwen35(Qwen):
     """The Qwen3.5 decoder: ``Qwen`` with hybrid blocks and a zero-centred final norm, and,
-    when ``args.mtp_layers > 0``, the multi-token-prediction head ``mtp`` (see ``mtp.py``)."""
+    when ``args.mtp_num_hidden_layers > 0``, the multi-token-prediction head ``mtp`` (see ``mtp.py``)."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args)
-        self.mtp: MTPHead | None = MTPHead(args, self.make_block, self.make_norm) if args.mtp_layers else None
+        self.mtp: MTPHead | None = (
+            MTPHead(args, self.make_block, self.make_norm) if args.mtp_num_hidden_layers else None
+        )
 
     def mtp_logits(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """The head's logits (B, S-1, V) for tokens (B, S): position i predicts token i+2 from

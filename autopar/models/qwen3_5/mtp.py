@@ -3,7 +3,7 @@
 
 At position i the head joins what the model knew there, its final-normed hidden state h[i],
 with the next token x[i+1]: ``fc(cat[pre_fc_norm_embedding(embed(x[i+1])),
-pre_fc_norm_hidden(h[i])])``, runs ``mtp_layers`` full-attention Qwen3.5 decoder layers at the
+pre_fc_norm_hidden(h[i])])``, runs ``mtp_num_hidden_layers`` full-attention Qwen3.5 decoder layers at the
 model's own rotary positions, ``norm``, and the model's output head: logits for x[i+2]. The
 embedding and the output head are the model's (released checkpoints carry no copy), so the
 head's own tensors are ``fc``, the three norms and its layers, named as HF's ``mtp.*``.
@@ -31,7 +31,7 @@ def head_layer_args(args: ModelArgs) -> ModelArgs:
         layer_types=("full_attention",),
         mlp_only_layers=(),
         decoder_sparse_step=1,
-        mtp_layers=0,
+        mtp_num_hidden_layers=0,
     )
 
 
@@ -53,7 +53,9 @@ class MTPHead(nn.Module):
         self.pre_fc_norm_embedding = make_norm(args)
         self.pre_fc_norm_hidden = make_norm(args)
         layer_args = head_layer_args(args)
-        self.layers = nn.ModuleDict({str(i): make_block(layer_args, 0) for i in range(args.mtp_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): make_block(layer_args, 0) for i in range(args.mtp_num_hidden_layers)}
+        )
         self.norm = make_norm(args)
 
     def forward(
