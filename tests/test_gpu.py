@@ -146,3 +146,29 @@ def test_cuda_memory_snapshots_are_dumped_every_profile_freq_steps(tmp_path):
         (tmp_path / "memory_snapshot" / "iteration_4" / "rank0_memory_snapshot.pickle").read_bytes()
     )
     assert snapshot["segments"]  # the allocator's memory, with its history
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
+def test_cuda_decoding_continues_its_state_as_one_forward_over_the_sequence(family):
+    """The sampler's KV cache and delta-rule state on CUDA: the logits of a prefill and each
+    one-token step equal one forward over the whole generated sequence, and the greedy tokens
+    equal the CPU's."""
+    from test_generate import PROMPTS, tiny
+
+    from autopar.models.generation import Decoder, generate
+
+    cpu_model = tiny(family)
+    prompt = PROMPTS[1][:20]
+    on_cpu = generate(cpu_model, [prompt], 12)[0]
+    model = cpu_model.cuda()
+    new = generate(model, [prompt], 12)[0]
+    decoder = Decoder(model, 1, 32)
+    steps = [decoder.forward(torch.tensor([prompt]).cuda(), slice(None), torch.tensor([0]).cuda())]
+    for i, token in enumerate(new[:-1]):
+        token_at = torch.tensor([[token]]).cuda(), slice(None), torch.tensor([20 + i]).cuda()
+        steps.append(decoder.forward(*token_at))
+    with torch.no_grad():
+        full = model(torch.tensor([prompt + new[:-1]]).cuda())
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-4, atol=1e-4)  # fp32, other kernels
+    assert new == on_cpu

@@ -44,6 +44,17 @@ class Step:
 QWEN3_1_7B = (
     "--job.config train_configs/qwen3_1.7b.toml --training.seq_len 4096 --training.local_batch_size 2"
 )
+QWEN3_1_7B_DPO = (
+    "--job.config train_configs/qwen3_8b_dpo_lora.toml --model.flavor 1.7B "
+    "--training.seq_len 4096 --training.local_batch_size 2"
+)
+DPO_VARIANTS = (
+    "sft_lora:training.dataset_format=text,training.dataset=autopar_corpus,"
+    "training.document_masking=true,dpo.reference=copy "
+    "dpo_lora_adapters_off:dpo.reference=adapters_off dpo_full_copy:lora.enable=false,dpo.reference=copy"
+)
+"""DPO against SFT on the same model, plan and row length: the preset's LoRA DPO (reference =
+the base with adapters off), full DPO with a reference copy, and LoRA SFT on text."""
 QWEN3_5_2B = (
     "--model.name qwen3.5 --model.flavor 2B --model.num_hidden_layers 8 "
     "--training.seq_len 4096 --training.local_batch_size 2"
@@ -62,6 +73,11 @@ PLANS: dict[str, tuple[Step, ...]] = {
             f"autopar.bench --json {{json}} {QWEN3_1_7B} --variants compiled fp8 eager --warmup 3 --steps 8",
             240,
         ),
+        Step(
+            "qwen3_1.7b_dpo",
+            f"autopar.bench --json {{json}} {QWEN3_1_7B_DPO} --variants {DPO_VARIANTS} --warmup 2 --steps 5",
+            150,
+        ),
     ),
     "cpu": (
         Step("delta_rule_kernels", "autopar.cli.bench_delta_rule --seq 128 --repeat 1 --json {json}", 60),
@@ -74,7 +90,7 @@ PLANS: dict[str, tuple[Step, ...]] = {
 }
 """Steps in the order they run: what only a GPU shows first (the CUDA tests, FLA's kernels
 against ours, Qwen3.5's speed by kernel), then the regression check against the pre-recipe
-figures. ``cpu`` is the same shape of sitting on the debug models, to test this script."""
+figures, then what landed since (DPO against SFT). ``cpu`` is the same shape of sitting on the debug models, to test this script."""
 
 
 @dataclass
