@@ -22,6 +22,7 @@ import argparse
 import importlib.util
 import json
 import logging
+import os
 import platform
 import statistics
 import subprocess
@@ -183,7 +184,9 @@ def summarize(name: str, overrides: str, ranks: list[dict], nproc: int) -> Varia
 
 def source_commit() -> str:
     """The commit the benchmarked code comes from, ``+dirty`` when it has uncommitted
-    changes (figures from such a run do not belong in BENCHMARKS.md); ``unknown`` outside git."""
+    changes (figures from such a run do not belong in BENCHMARKS.md). Outside git (a copy of
+    the tree sent to a GPU machine) it is ``AUTOPAR_SOURCE_COMMIT`` as the sender set it, else
+    ``unknown``."""
     here = Path(__file__).resolve().parent
 
     def git(*args: str) -> str:
@@ -193,7 +196,7 @@ def source_commit() -> str:
         commit = git("rev-parse", "HEAD").strip()
         dirty = git("status", "--porcelain", "--untracked-files=no").strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("AUTOPAR_SOURCE_COMMIT", "unknown")
     return commit + ("+dirty" if dirty else "")
 
 
