@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from autopar.config import ConfigError
-from autopar.models.qwen3_5.fla_delta_rule import _cu_seqlens
+from autopar.models.qwen3_5.fla_delta_rule import _cu_seqlens, hopper_triton_problem
 from autopar.parallel.delta_rule_kernel import check_fla_installed
 from autopar.training.preflight import check_job
 
@@ -107,6 +107,27 @@ def test_fla_kernel_of_another_version_is_refused_where_the_job_runs(tmp_path, m
         ConfigError, match=r"delta_rule_kernel=.fla.: fla-core 0\.5\.1 is installed; or use autopar"
     ):
         check_fla_installed(job)
+
+
+@pytest.mark.parametrize(
+    ("capability", "triton", "tilelang", "refused"),
+    [
+        ((9, 0), "3.6.0", False, True),  # H100 with torch 2.11's Triton: seen refused by fla-core
+        ((9, 0), "3.4.0+git5389ed79", False, True),
+        ((9, 0), "3.7.1", False, False),
+        ((9, 0), "3.3.1", False, False),
+        ((9, 0), "3.6.0", True, False),  # tilelang replaces the broken kernel
+        ((8, 0), "3.6.0", False, False),  # A100: not Hopper
+        ((10, 0), "3.6.0", False, False),
+    ],
+)
+def test_fla_kernel_is_refused_on_hopper_with_a_triton_that_breaks_its_backward(
+    capability, triton, tilelang, refused
+):
+    problem = hopper_triton_problem(capability, triton, tilelang)
+    assert (problem is not None) == refused
+    if refused:
+        assert f"Triton {triton}" in problem and "triton>=3.7.1 or tilelang" in problem
 
 
 @pytest.mark.gpu

@@ -184,9 +184,11 @@ def summarize(name: str, overrides: str, ranks: list[dict], nproc: int) -> Varia
 
 def source_commit() -> str:
     """The commit the benchmarked code comes from, ``+dirty`` when it has uncommitted
-    changes (figures from such a run do not belong in BENCHMARKS.md). Outside git (a copy of
-    the tree sent to a GPU machine) it is ``AUTOPAR_SOURCE_COMMIT`` as the sender set it, else
-    ``unknown``."""
+    changes (figures from such a run do not belong in BENCHMARKS.md). ``AUTOPAR_SOURCE_COMMIT``
+    wins where the sender of a copied tree (a GPU machine's, whose ``.git`` may be older than
+    the files) sets it; ``unknown`` outside git."""
+    if "AUTOPAR_SOURCE_COMMIT" in os.environ:
+        return os.environ["AUTOPAR_SOURCE_COMMIT"]
     here = Path(__file__).resolve().parent
 
     def git(*args: str) -> str:
@@ -196,7 +198,7 @@ def source_commit() -> str:
         commit = git("rev-parse", "HEAD").strip()
         dirty = git("status", "--porcelain", "--untracked-files=no").strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("AUTOPAR_SOURCE_COMMIT", "unknown")
+        return "unknown"
     return commit + ("+dirty" if dirty else "")
 
 
@@ -245,31 +247,31 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     results, device = [], "cpu"
+    curves = [str(Path(v.job.job.dump_folder) / "metrics.jsonl") for v in jobs]
+    command = " ".join(["python -m autopar.bench"] + (argv if argv is not None else sys.argv[1:]))
     for v in jobs:
         ranks = run_variant(v.name, v.job, v.nproc, known.warmup)
         device = ranks[0]["device"]
         results.append(summarize(v.name, v.overrides, ranks, v.nproc))
+        if known.json:  # after each variant: a run cut off by a time limit keeps the rows it has
+            payload = {
+                "device": device,
+                "nproc": known.nproc,
+                "torch": torch.__version__,
+                "commit": source_commit(),
+                "command": command,
+                "results": [asdict(r) for r in results],
+                "metrics": curves[: len(results)],
+            }
+            Path(known.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(known.json).write_text(json.dumps(payload, indent=2))
     print(
         f"device: {device}, torch {torch.__version__}, "
         f"seq_len {base.training.seq_len}, timed steps {known.steps} after {known.warmup} warm-up"
     )
     print(table(results))
-    curves = [str(Path(v.job.job.dump_folder) / "metrics.jsonl") for v in jobs]
     needs = "" if importlib.util.find_spec("matplotlib") else " (needs matplotlib: pip install matplotlib)"
     print(f"loss curves: python -m autopar.plot {' '.join(curves)} -o bench_loss.png{needs}")
-    if known.json:
-        payload = {
-            "device": device,
-            "nproc": known.nproc,
-            "torch": torch.__version__,
-            "commit": source_commit(),
-            "command": " ".join(["python -m autopar.bench"] + (argv if argv is not None else sys.argv[1:])),
-            "results": [asdict(r) for r in results],
-            "metrics": curves,
-        }
-        Path(known.json).parent.mkdir(parents=True, exist_ok=True)
-        with open(known.json, "w") as f:
-            json.dump(payload, f, indent=2)
     return 0
 
 

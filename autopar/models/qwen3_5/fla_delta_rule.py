@@ -40,8 +40,35 @@ CHUNK = 64
 """FLA's chunk length; A holds one CHUNK-wide row per token and value head."""
 
 
+BAD_HOPPER_TRITON = ((3, 4, 0), (3, 7, 1))
+"""Triton releases in [first, last) whose gated ``chunk_bwd_dqkwg`` is wrong on Hopper (fla-core
+issue #640): fla-core 0.6 raises in the first backward unless tilelang replaces it, so a job
+would fail after building (seen on an H100 with torch 2.11's Triton, 2026-11-27)."""
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """'3.6.0+git1234' -> (3, 6, 0)."""
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def hopper_triton_problem(capability: tuple[int, int], triton_version: str, has_tilelang: bool) -> str | None:
+    """Why FLA's backward cannot run on a GPU of ``capability`` with this Triton, else None."""
+    first, last = BAD_HOPPER_TRITON
+    if capability[0] != 9 or has_tilelang or not first <= _release(triton_version) < last:
+        return None
+    return (
+        f"Triton {triton_version} gives wrong gradients in FLA's gated backward on Hopper (fla-core "
+        "issue #640), and fla-core refuses it: install triton>=3.7.1 or tilelang (pip install tilelang)"
+    )
+
+
 def fla_version_problem() -> str | None:
-    """Why FLA's kernels cannot run here (not installed, another version), else None."""
+    """Why FLA's kernels cannot run here (not installed, another version, a Triton it refuses
+    on this GPU), else None."""
     try:
         import fla
     except ImportError as error:
@@ -49,7 +76,14 @@ def fla_version_problem() -> str | None:
     version = getattr(fla, "__version__", "unknown")
     if not version.startswith(FLA_VERSION + "."):
         return f"fla-core {version} is installed; autopar calls the internals of {FLA_VERSION}.x: pip install 'autopar[fla]'"
-    return None
+    if not torch.cuda.is_available():
+        return None
+    import importlib.util
+
+    import triton
+
+    has_tilelang = importlib.util.find_spec("tilelang") is not None
+    return hopper_triton_problem(torch.cuda.get_device_capability(), triton.__version__, has_tilelang)
 
 
 def _cu_seqlens(documents: torch.Tensor) -> torch.Tensor:
