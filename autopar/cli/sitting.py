@@ -61,8 +61,8 @@ QWEN3_5_2B = (
 )
 PLANS: dict[str, tuple[Step, ...]] = {
     "gpu": (
-        Step("gpu_tests", "pytest -q -m gpu tests/test_gpu.py tests/test_fla_delta_rule.py", 150),
-        Step("delta_rule_kernels", "autopar.cli.bench_delta_rule --seq 4096 16384 --json {json}", 90),
+        Step("gpu_tests", "pytest -q -m gpu tests/test_gpu.py tests/test_fla_delta_rule.py", 290),
+        Step("delta_rule_kernels", "autopar.cli.bench_delta_rule --seq 4096 16384 --json {json}", 110),
         Step(
             "qwen3.5_2b_kernels",
             f"autopar.bench --json {{json}} {QWEN3_5_2B} --variants compiled fla fla_fp8 --warmup 3 --steps 8",
@@ -76,7 +76,7 @@ PLANS: dict[str, tuple[Step, ...]] = {
         Step(
             "qwen3_1.7b_dpo",
             f"autopar.bench --json {{json}} {QWEN3_1_7B_DPO} --variants {DPO_VARIANTS} --warmup 2 --steps 5",
-            150,
+            210,
         ),
     ),
     "cpu": (
