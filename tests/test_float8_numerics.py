@@ -84,6 +84,7 @@ def test_fp8_loss_curve_follows_bf16(bf16_curve, tmp_path):
     assert statistics.fmean(fp8[-WINDOW:]) < statistics.fmean(fp8[:WINDOW]) - 1.5  # it learned
 
 
+@pytest.mark.heavy  # proves the check can fail; 12-28 s each, not needed every run
 def test_zeroed_fp8_gemms_fail_the_comparison(bf16_curve, tmp_path, monkeypatch):
     from torchao.float8.float8_linear import Float8Linear
 
@@ -92,6 +93,7 @@ def test_zeroed_fp8_gemms_fail_the_comparison(bf16_curve, tmp_path, monkeypatch)
     assert worst_window_gap(losses(tmp_path, FP8_FLAGS, BROKEN_STEPS), bf16_curve) > WINDOW_RTOL
 
 
+@pytest.mark.heavy  # proves the check can fail; 12-28 s each, not needed every run
 def test_unscaled_fp8_gemms_fail_the_comparison(bf16_curve, tmp_path, monkeypatch):
     scaled_mm = torch._scaled_mm
 
