@@ -20,11 +20,12 @@ from test_bf16_parity import gaps as bf16_gaps
 from autopar.cli.parity import PlanRun, plan_job, run_job
 from autopar.config import ConfigError, JobConfig
 from autopar.data.chat import CHATML_TOKENIZER
-from autopar.data.pair_batches import PairLoader, chosen_targets, pack_pairs
+from autopar.data.pair_batches import PairLoader, chosen_targets, pack_groups, pack_pairs
 from autopar.data.preference import PREFERENCE_EXAMPLE
 from autopar.models import Qwen
 from autopar.training.metrics import read_metrics
-from autopar.training.preference_loss import LOSS_TYPES, METRICS, Objective, sequence_logps
+from autopar.training.preference_loss import LOSS_TYPES, METRICS, Objective, sequence_logps, sequence_sums
+from autopar.training.preference_pipeline import with_targets
 from autopar.training.preference_step import objective_from
 from autopar.training.preflight import check_job
 from autopar.training.reference_table import TABLE_FILE
@@ -105,6 +106,33 @@ def test_a_pair_never_splits_across_rows():
         rows = {int(r) for r in torch.nonzero(batch.documents == 2 * j)[:, 0]}
         rows |= {int(r) for r in torch.nonzero(batch.documents == 2 * j + 1)[:, 0]}
         assert len(rows) == 1
+
+
+@pytest.mark.parametrize("packing", [True, False], ids=["packed", "one_per_row"])
+def test_a_pipeline_layout_gives_each_chunk_of_rows_whole_pairs_numbered_from_zero(packing):
+    """What a schedule cuts into equal row chunks: chunk g holds pairs g*k .. g*k + k - 1 of
+    the micro-batch, whole, as ids 2j / 2j + 1, and the same rows every step."""
+    pairs, groups = random_pairs(6, seed=4), 3
+    batch = pack_groups(pairs, groups, seq_len=40, pad_id=0, packing=packing)
+    assert batch.inputs.shape[0] == (6 if packing else 12)
+    for g, chunk in enumerate(batch.documents.tensor_split(groups)):
+        alone = pack_pairs(pairs[2 * g : 2 * g + 2], seq_len=40, pad_id=0, packing=packing)
+        rows = alone.documents.shape[0]
+        assert torch.equal(chunk[:rows], alone.documents)
+        assert (chunk[rows:] == -1).all()
+
+
+def test_reference_values_ride_the_pipeline_target_at_each_sequences_first_token():
+    pairs = random_pairs(4, seed=5)
+    batch = pack_groups(pairs, 2, seq_len=40, pad_id=0)
+    reference = torch.arange(1.0, 9.0)  # (2P,) in the micro-batch's pair order
+    target = with_targets(batch, reference, pairs_per_group=2).labels
+    assert torch.equal(target[..., 0].long(), batch.labels) and torch.equal(
+        target[..., 1].long(), batch.documents
+    )
+    for g, chunk in enumerate(target.tensor_split(2)):
+        sums = sequence_sums(chunk[..., 2], chunk[..., 1].long(), 4)
+        assert torch.equal(sums, reference[4 * g : 4 * g + 4])
 
 
 def trl_loss(name: str, chosen, rejected, ref_chosen, ref_rejected, lengths, beta, smoothing) -> torch.Tensor:
@@ -275,9 +303,12 @@ PLANS = [
     "dp_shard=2,compile.enable=true",
     f"dp_shard=2,{ac_flags('full', 'op')}",
     f"tp=2,{ac_flags('selective', 'op')}",
+    "pp=2",
+    "pp=2,schedule=Interleaved1F1B",
 ]
 """Every parallelism a dense DPO job composes, with compile and each AC mode (a pair's two
-sequences on one rank, a sequence's log-probability summed over CP ranks)."""
+sequences on one rank, a sequence's log-probability summed over CP ranks, the pair losses on
+the last pipeline stage with the reference's values carried in the schedule's targets)."""
 
 
 @pytest.fixture(scope="module")
@@ -295,13 +326,31 @@ def test_dpo_under_a_plan_matches_one_device(dpo_parity, plan):
         assert_fp32_parity(run, reference)
 
 
+PIPELINE_COMBOS = ["pp=2,tp=2", "pp=2,dp_shard=2"]
+"""Pipelined DPO composed with TP (loss parallel on the last stage) and with FSDP, on 4 ranks."""
+
+
+@pytest.fixture(scope="module")
+def dpo_pipeline_combos(tmp_path_factory):
+    return parity_runs(preference_job(tmp_path_factory.mktemp("dpo_pp")), PIPELINE_COMBOS, steps=3)
+
+
+@pytest.mark.heavy  # a 4-rank group (~1 min); 1F1B and Interleaved1F1B on 2 ranks run in PLANS
+@pytest.mark.parametrize("plan", PIPELINE_COMBOS)
+def test_pipelined_dpo_composed_with_another_parallelism_matches_one_device(dpo_pipeline_combos, plan):
+    reference, run = dpo_pipeline_combos[plan]
+    assert_fp32_parity(run, reference)
+
+
 FAMILY_PLANS = {
     "qwen3.5": ["dp_shard=2", "cp=2", "tp=2"],
-    "qwen3_moe": ["dp_shard=2,ep=2", "tp=2"],
-    "lora_adapters_off": ["dp_shard=2", "tp=2"],
+    "qwen3_moe": ["dp_shard=2,ep=2", "tp=2", "pp=2"],
+    "lora_adapters_off": ["dp_shard=2", "tp=2", "pp=2"],
+    "precomputed": ["pp=2"],
 }
 """Qwen3.5 (its Gated DeltaNets pass states across CP ranks, pairs crossing them), the MoE with
-experts split by EP, and LoRA whose reference is its own base."""
+experts split by EP, LoRA whose reference is its own base, and a table computed by a
+pipelined reference."""
 
 
 def family_job(folder: Path, family: str) -> JobConfig:
@@ -309,6 +358,8 @@ def family_job(folder: Path, family: str) -> JobConfig:
         return hybrid_preference_job(folder, "--optimizer.lr", "0.001")
     if family == "qwen3_moe":
         return preference_job(folder, *MOE_FLAGS)
+    if family == "precomputed":
+        return preference_job(folder, "--dpo.reference", "precomputed")
     return preference_job(folder, "--lora.enable", "true", "--dpo.reference", "adapters_off")
 
 
@@ -403,7 +454,24 @@ def test_a_resumed_dpo_run_continues_exactly(tmp_path):
         (("--dpo.loss_type", "sigmoid,sft", "--dpo.loss_weights", "1"), "one weight per dpo.loss_type"),
         (("--dpo.max_length", "40"), "dpo.max_length=40: a pair"),
         (("--dpo.label_smoothing", "0.5"), "dpo.label_smoothing=0.5 must be in"),
-        (("--parallelism.pipeline_parallel_degree", "2"), "DPO does not run under pipeline parallelism"),
+        (
+            (
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                "--parallelism.pipeline_parallel_schedule",
+                "ZBVZeroBubble",
+            ),
+            "does not run on torch's V-shaped schedules; use one of",
+        ),
+        (
+            (
+                "--parallelism.pipeline_parallel_degree",
+                "2",
+                *("--validation.enable", "true", "--validation.dataset_path", "x"),
+                *("--validation.local_batch_size", "1"),
+            ),
+            "use --validation.local_batch_size 2",
+        ),
         (
             ("--validation.enable", "true", "--validation.dataset_path", "x", "--validation.seq_len", "32"),
             "leave validation.seq_len at -1",

@@ -48,10 +48,14 @@ def pair_length(pair: PairIds) -> int:
     return 2 * len(pair.prompt) + len(pair.chosen) + len(pair.rejected)
 
 
-def pack_pairs(pairs: Sequence[PairIds], seq_len: int, pad_id: int, packing: bool = True) -> Batch:
+def pack_pairs(
+    pairs: Sequence[PairIds], seq_len: int, pad_id: int, packing: bool = True, fixed_rows: int | None = None
+) -> Batch:
     """The rows of one micro-batch: pairs in order, a new row when the next pair does not
     fit (``packing``), or each sequence in a row of its own (TRL's layout, padded to
-    ``seq_len``). Every pair must fit in ``seq_len`` (``truncate`` to ``seq_len // 2`` per sequence)."""
+    ``seq_len``). Every pair must fit in ``seq_len`` (``truncate`` to ``seq_len // 2`` per sequence).
+    ``fixed_rows``: as many rows always, the last ones padding (at most one row per pair
+    packed, two unpacked)."""
     rows: list[list[tuple[np.ndarray, np.ndarray, int]]] = [[]]
     used = 0
     for j, pair in enumerate(pairs):
@@ -67,6 +71,9 @@ def pack_pairs(pairs: Sequence[PairIds], seq_len: int, pad_id: int, packing: boo
         else:
             rows.extend([[s] for s in sequences])
     rows = [row for row in rows if row]
+    if fixed_rows is not None:
+        assert len(rows) <= fixed_rows, f"{len(rows)} rows asked to fit {fixed_rows}"
+        rows += [[] for _ in range(fixed_rows - len(rows))]
     inputs = np.full((len(rows), seq_len), pad_id, dtype=np.int64)
     labels = np.full((len(rows), seq_len), IGNORE_INDEX, dtype=np.int64)
     documents = np.full((len(rows), seq_len), -1, dtype=np.int64)
@@ -77,6 +84,30 @@ def pack_pairs(pairs: Sequence[PairIds], seq_len: int, pad_id: int, packing: boo
             inputs[r, at:end], labels[r, at:end], documents[r, at:end] = tokens, targets, doc
             at = end
     return Batch(torch.from_numpy(inputs), torch.from_numpy(labels), torch.from_numpy(documents))
+
+
+def rows_per_pairs(pairs: int, packing: bool) -> int:
+    """The rows that always hold ``pairs`` pairs: one each packed (a pair fits a row), two unpacked."""
+    return pairs if packing else 2 * pairs
+
+
+def pack_groups(
+    pairs: Sequence[PairIds], groups: int, seq_len: int, pad_id: int, packing: bool = True
+) -> Batch:
+    """A pipeline's micro-batch layout: the pairs cut into ``groups`` equal groups in order,
+    each packed alone into the same number of rows (``rows_per_pairs``) with its own document
+    ids 2j / 2j + 1, j counted from the group's first pair. A schedule that cuts the rows into
+    ``groups`` equal chunks gives every chunk whole pairs, and every step the same shapes."""
+    per_group = len(pairs) // groups
+    assert per_group * groups == len(pairs), "validated: the pipeline micro-batch size divides the pairs"
+    rows = rows_per_pairs(per_group, packing)
+    parts = [
+        pack_pairs(pairs[g * per_group : (g + 1) * per_group], seq_len, pad_id, packing, rows)
+        for g in range(groups)
+    ]
+    return Batch(
+        *(torch.cat([getattr(b, name) for b in parts]) for name in ("inputs", "labels", "documents"))
+    )
 
 
 def chosen_targets(batch: Batch) -> torch.Tensor:
@@ -120,7 +151,10 @@ class PairLoader:
         pad_id: int,
         seed: int,
         packing: bool = True,
+        pipeline_groups: int | None = None,
     ) -> None:
+        """``pipeline_groups``: under pipeline parallelism, micro-batches in ``pack_groups``'
+        layout of that many groups (fixed shapes, whole pairs per pipeline micro-batch)."""
         assert global_batch % (local_batch * dp_size) == 0, "validated by the job config"
         self.pairs = pairs
         self.global_batch = global_batch
@@ -132,6 +166,7 @@ class PairLoader:
         self.pad_id = pad_id
         self.seed = seed
         self.packing = packing
+        self.pipeline_groups = pipeline_groups
         self.consumed_samples = 0
         self._order: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
 
@@ -150,7 +185,11 @@ class PairLoader:
     def micro_batch(self, first: int) -> Batch:
         """The micro-batch of the pairs visited at ``first`` onwards (``local_batch`` of them)."""
         indices = [self.pair_index(k) for k in range(first, first + self.local_batch)]
-        batch = pack_pairs([self.pairs[i] for i in indices], self.seq_len, self.pad_id, self.packing)
+        chosen = [self.pairs[i] for i in indices]
+        if self.pipeline_groups is None:
+            batch = pack_pairs(chosen, self.seq_len, self.pad_id, self.packing)
+        else:
+            batch = pack_groups(chosen, self.pipeline_groups, self.seq_len, self.pad_id, self.packing)
         return Batch(
             batch.inputs.to(self.device),
             batch.labels.to(self.device),

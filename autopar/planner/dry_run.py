@@ -71,8 +71,7 @@ from autopar.parallel.torch_internals import (
 )
 from autopar.parallel.world import World, init_world
 from autopar.planner.memory import predict
-from autopar.training.preference import is_preference
-from autopar.training.preference_step import PreferenceContext, model_reference, objective_from
+from autopar.training.preference import is_preference, preference_context, reference_forward
 from autopar.training.preflight import check_job
 from autopar.training.step import TrainStep
 from autopar.training.trainer import Trainer
@@ -152,18 +151,20 @@ def _fake_preference(step: TrainStep, job: JobConfig, copy: ModelParts | None) -
     """Make ``step`` a DPO step whose reference is the trainer's, with fake weights: a frozen
     ``copy`` (parallelized on meta), or the policy's LoRA base, or a table (a few bytes per
     pair, nothing to build). Returns the copy's parts."""
-    pairs, cp_mesh = job.training.local_batch_size, step.meshes.get("cp")
+    pairs = job.training.local_batch_size
     parts: list[torch.nn.Module] = []
     if copy is not None:
-        parts = materialize_parts(copy, torch.device("cpu"), _fake_values).parts
+        built = materialize_parts(copy, torch.device("cpu"), _fake_values)
+        parts = built.parts
         for part in parts:
             part.requires_grad_(False)
-        reference = model_reference(parts[0], pairs, step.context, cp_mesh)
+        io = _stage_io(job, step.meshes, built) if step.pipeline is not None else None
+        reference = reference_forward(step, job, parts, torch.device("cpu"), io)
     elif job.dpo.reference == "adapters_off":
-        reference = model_reference(step.parts[0], pairs, step.context, cp_mesh, bypass_adapters=True)
+        reference = reference_forward(step, job, None, torch.device("cpu"))
     else:
         reference = lambda batch: torch.zeros(2 * pairs)  # noqa: E731
-    step.preference = PreferenceContext(objective_from(job.dpo), reference, pairs, cp_mesh)
+    preference_context(step, job, reference)
     return parts
 
 

@@ -8,8 +8,11 @@ reference's log-probabilities (``dpo.reference``), and DPO's objective
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -20,19 +23,24 @@ from torch import nn
 from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig
 from autopar.data.chat import ChatFormat
-from autopar.data.loader import dataset_path
-from autopar.data.pair_batches import PairLoader, PairSource
+from autopar.data.loader import Batch, dataset_path
+from autopar.data.pair_batches import PairIds, PairLoader, PairSource, pack_groups, pack_pairs
 from autopar.data.preference import load_pairs
 from autopar.models.args import ModelArgs
 from autopar.models.hf import HFTensors
 from autopar.models.hf_config import CONFIG_FILE
+from autopar.parallel.lora import adapters_off
 from autopar.parallel.materialize import FullValue, tensor_values
 from autopar.parallel.mesh import Meshes, ParallelDims
 from autopar.parallel.parallelize import build_parts
+from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, StageIO, build_pipeline, schedule_name
+from autopar.parallel.torch_internals import assume_static_stage_metadata
 from autopar.training.dcp_state import ModelState, run_dcp
 from autopar.training.preference_loss import LOSS_TYPES
+from autopar.training.preference_pipeline import PreferenceStageLoss, pipelined_reference
 from autopar.training.preference_step import (
     PreferenceContext,
+    ReferenceLogps,
     model_reference,
     objective_from,
     table_reference,
@@ -95,10 +103,22 @@ def check_preference(job: JobConfig, dims: ParallelDims) -> None:
             "dpo.reference_path with dpo.reference='adapters_off': the reference is the LoRA base itself; "
             "unset reference_path, or use --dpo.reference copy"
         )
-    if dims.pp > 1:
+    schedule = job.parallelism.pipeline_parallel_schedule
+    if dims.pp > 1 and SCHEDULE_STYLES[schedule_name(job.parallelism)].placement == "v":
+        loop = [name for name, style in SCHEDULE_STYLES.items() if style.placement == "loop"]
         raise ConfigError(
-            f"training.dataset_format='preference' with pipeline_parallel_degree={dims.pp}: DPO does not run "
-            "under pipeline parallelism yet; use FSDP, TP, CP or EP (--parallelism.pipeline_parallel_degree 1)"
+            f"parallelism.pipeline_parallel_schedule={schedule!r} with preference data: the reference's "
+            f"forward-only pass does not run on torch's V-shaped schedules; use one of {loop}"
+        )
+    if (
+        dims.pp > 1
+        and job.validation.enable
+        and job.validation.local_batch_size != job.training.local_batch_size
+    ):
+        raise ConfigError(
+            f"validation.local_batch_size={job.validation.local_batch_size} under pipeline parallelism with "
+            "preference data: the pipeline's stages keep the shapes of training's micro-batches; use "
+            f"--validation.local_batch_size {job.training.local_batch_size}"
         )
     if job.training.loss_chunk_tokens > 0:
         raise ConfigError(
@@ -165,18 +185,73 @@ def make_preference_step(
 ) -> list[nn.Module]:
     """Make ``step`` a DPO step with the job's reference; returns the reference copy's parts
     (none for ``adapters_off`` and ``precomputed``)."""
-    pairs, cp_mesh = job.training.local_batch_size, step.meshes.get("cp")
     copy: list[nn.Module] = []
     if job.dpo.reference == "adapters_off":
         logger.info("DPO reference: the LoRA base (the policy with its adapters bypassed)")
-        reference = model_reference(step.parts[0], pairs, step.context, cp_mesh, bypass_adapters=True)
+        reference = reference_forward(step, job, None, device)
     elif job.dpo.reference == "precomputed":
         reference = table_reference(reference_table(step, job, args, device, initial, source))
     else:
         copy = reference_copy(step, job, args, device, initial)
-        reference = model_reference(copy[0], pairs, step.context, cp_mesh)
-    step.preference = PreferenceContext(objective_from(job.dpo), reference, pairs, cp_mesh)
+        reference = reference_forward(step, job, copy, device)
+    preference_context(step, job, reference)
     return copy
+
+
+def preference_context(step: TrainStep, job: JobConfig, reference: ReferenceLogps) -> None:
+    """Make ``step`` DPO's with ``reference``; under a pipeline its last stage's loss too."""
+    pairs, cp_mesh = job.training.local_batch_size, step.meshes.get("cp")
+    objective = objective_from(job.dpo)
+    step.preference = PreferenceContext(objective, reference, pairs, cp_mesh)
+    if step.pipeline is not None:
+        per_group = job.parallelism.pipeline_parallel_microbatch_size
+        step.pipeline.loss.loss_fn = PreferenceStageLoss(objective, per_group, cp_mesh)
+
+
+def reference_forward(
+    step: TrainStep,
+    job: JobConfig,
+    copy: list[nn.Module] | None,
+    device: torch.device,
+    stage_io: list[StageIO] | None = None,
+) -> ReferenceLogps:
+    """The reference as a forward under the step's plan: of the frozen ``copy``, or (None) of
+    the policy with its adapters bypassed; pipelined where the step is (``stage_io``: the
+    copy's stage shapes, for a process group that cannot exchange them, the dry run's)."""
+    pairs, cp_mesh = job.training.local_batch_size, step.meshes.get("cp")
+    if step.pipeline is None:
+        model = step.parts[0] if copy is None else copy[0]
+        return model_reference(model, pairs, step.context, cp_mesh, bypass_adapters=copy is None)
+    pipeline, scope = step.pipeline, functools.partial(all_adapters_off, step.parts)
+    if copy is not None:
+        pipeline, scope = (
+            build_pipeline(
+                copy,
+                step.pipeline.stage_ids,
+                step.pipeline.num_stages,
+                step.meshes.get("pp"),
+                job.parallelism,
+                job.training.local_batch_size,
+                device,
+                step.context.loss_fn,
+                stage_io,
+            ),
+            contextlib.nullcontext,
+        )
+        if stage_io is not None:
+            assume_static_stage_metadata(pipeline.schedule)
+    per_group = job.parallelism.pipeline_parallel_microbatch_size
+    return pipelined_reference(
+        pipeline, step.context.micro_batch, per_group, cp_mesh, step.meshes.get("pp"), scope
+    )
+
+
+@contextlib.contextmanager
+def all_adapters_off(parts: list[nn.Module]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for part in parts:
+            stack.enter_context(adapters_off(part))
+        yield
 
 
 def reference_copy(
@@ -206,13 +281,16 @@ def reference_table(
         logger.info("DPO reference: log-probs of %d pairs read from %s", len(table), path)
         return table
     copy = reference_copy(step, job, args, device, initial)
-    forward = model_reference(copy[0], job.training.local_batch_size, step.context, step.meshes.get("cp"))
     table = compute_table(
-        forward,
+        reference_forward(step, job, copy, device),
         source.pairs,
         job.training.local_batch_size,
-        job.training.seq_len,
-        ChatFormat(str(tokenizer_path(job))).pad_id(),
+        functools.partial(
+            pack_micro_batch,
+            job=job,
+            seq_len=job.training.seq_len,
+            pad_id=ChatFormat(str(tokenizer_path(job))).pad_id(),
+        ),
         device,
         step.meshes.get("dp"),
     )
@@ -260,4 +338,21 @@ def pair_loader(
         ChatFormat(tokenizer).pad_id(),
         job.debug.seed,
         job.dpo.packing,
+        pipeline_groups(job),
     )
+
+
+def pipeline_groups(job: JobConfig) -> int | None:
+    """Under a pipeline, the pipeline micro-batches of a micro-step (``pack_groups``' layout)."""
+    parallelism = job.parallelism
+    if parallelism.pipeline_parallel_degree == 1:
+        return None
+    return job.training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
+
+
+def pack_micro_batch(pairs: Sequence[PairIds], job: JobConfig, seq_len: int, pad_id: int) -> Batch:
+    """One micro-batch of ``pairs`` in the layout the job's step reads (``PairLoader``'s)."""
+    groups = pipeline_groups(job)
+    if groups is None:
+        return pack_pairs(pairs, seq_len, pad_id, job.dpo.packing)
+    return pack_groups(pairs, groups, seq_len, pad_id, job.dpo.packing)

@@ -10,7 +10,7 @@ from autopar.config.sections import JobConfig
 from autopar.data.errors import DataError
 from autopar.data.pair_batches import PairLoader, PairSource
 from autopar.training.preference_loss import METRICS
-from autopar.training.preference_step import preference_forward_backward, step_chosen_tokens
+from autopar.training.preference_step import step_chosen_tokens
 from autopar.training.step import TrainStep
 from autopar.training.train_context import all_reduce_sum
 from autopar.training.validation import ValidationResult
@@ -46,6 +46,7 @@ class PreferenceValidator:
             train.pad_id,
             train.seed,
             train.packing,
+            train.pipeline_groups,
         )
         loss = torch.zeros((), device=train.device)
         metrics = torch.zeros(len(METRICS), device=train.device)
@@ -54,14 +55,8 @@ class PreferenceValidator:
             batches = loader.next_step()
             chosen = step_chosen_tokens(batches, step.meshes.get("dp"))
             with torch.no_grad():
-                local, local_metrics, _ = preference_forward_backward(
-                    step.parts[0],
-                    batches,
-                    step.context,
-                    step.preference,
-                    loader.global_batch,
-                    chosen,
-                    backward=False,
+                local, local_metrics, _ = step.preference_pass(
+                    batches, loader.global_batch, chosen, backward=False
                 )
             loss += all_reduce_sum(local, loss_mesh)
             metrics += all_reduce_sum(local_metrics, loss_mesh)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.config.errors import ConfigError
 from autopar.data.loader import Batch
-from autopar.data.pair_batches import PairIds, pack_pairs
+from autopar.data.pair_batches import PairIds
 from autopar.training.preference_step import ReferenceLogps
 
 logger = logging.getLogger("autopar")
@@ -61,8 +61,7 @@ def compute_table(
     reference: ReferenceLogps,
     pairs: Sequence[PairIds],
     local_batch: int,
-    seq_len: int,
-    pad_id: int,
+    pack: Callable[[Sequence[PairIds]], Batch],
     device: torch.device,
     dp_mesh: DeviceMesh | None,
 ) -> torch.Tensor:
@@ -76,7 +75,7 @@ def compute_table(
     written = torch.zeros(n, 1, device=device)
     for b in range(rank, -(-batches // dp) * dp, dp):
         indices = [(b * local_batch + k) % n for k in range(local_batch)]
-        packed = pack_pairs([pairs[i] for i in indices], seq_len, pad_id)
+        packed = pack([pairs[i] for i in indices])
         batch = Batch(packed.inputs.to(device), packed.labels.to(device), packed.documents.to(device))
         logps = reference(batch).view(-1, 2)
         index = torch.tensor(indices, device=device)

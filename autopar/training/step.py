@@ -31,6 +31,7 @@ from autopar.training.loss import (
 )
 from autopar.training.optim import build_optimizers, set_lr
 from autopar.training.preference_loss import METRICS
+from autopar.training.preference_pipeline import preference_pipeline_forward_backward
 from autopar.training.preference_step import (
     PreferenceContext,
     preference_forward_backward,
@@ -203,8 +204,6 @@ class TrainStep:
     def _preference_forward_backward(self, batches: list[Batch]) -> torch.Tensor:
         """A DPO step: the loss is a mean over the step's pairs (``preference_step``)."""
         assert self.preference is not None
-        if self.pipeline is not None:
-            raise NotImplementedError("preference data under pipeline parallelism")  # refused by validate
         dp_mesh = self.meshes.get("dp")
         pairs = self.preference.pairs_per_micro_batch * len(batches) * self.dims.dp
         # rows and real tokens (padding left out) over every rank, kept on the device
@@ -216,25 +215,50 @@ class TrainStep:
         )
         rows, tokens = all_reduce_sum(sizes.sum(0).float(), dp_mesh)
         self.step_tokens = tokens
-        balance = self.context.load_balancing
-        self.targets = step_chosen_tokens(
-            batches, dp_mesh
-        )  # every pair has some (an empty completion is refused)
-        local_loss, metrics, aux = preference_forward_backward(
-            self.parts[0],
-            batches,
-            self.context,
-            self.preference,
-            pairs,
-            self.targets,
-            None if balance is None else lambda routing: balance.sequence_sum(routing) / rows,
-            balance.coef if balance is not None else 0.0,
-        )
+        # every pair has some chosen tokens (an empty completion is refused)
+        self.targets = step_chosen_tokens(batches, dp_mesh)
+        local_loss, metrics, aux = self.preference_pass(batches, pairs, self.targets, rows)
         loss_mesh = self.meshes.get("loss")
         self.preference_metrics = all_reduce_sum(metrics, loss_mesh)
         self.aux_loss = all_reduce_sum(aux, loss_mesh)
         self.local_loss = local_loss
         return all_reduce_sum(local_loss, loss_mesh)
+
+    def preference_pass(
+        self,
+        batches: list[Batch],
+        global_pairs: float,
+        global_chosen_tokens: torch.Tensor,
+        global_rows: torch.Tensor | float = 1.0,
+        backward: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DPO's forward (and backward) over ``batches``, pipelined or not: this rank's share
+        of the step loss, of ``METRICS`` and of a mixture's load-balancing loss."""
+        assert self.preference is not None
+        if self.pipeline is not None:
+            return preference_pipeline_forward_backward(
+                self.pipeline,
+                batches,
+                self.context.micro_batch,
+                self.preference.reference,
+                global_pairs,
+                global_chosen_tokens,
+                global_rows,
+                (self.meshes.get("cp"), self.meshes.get("pp")),
+                backward,
+            )
+        balance = self.context.load_balancing
+        return preference_forward_backward(
+            self.parts[0],
+            batches,
+            self.context,
+            self.preference,
+            global_pairs,
+            global_chosen_tokens,
+            None if balance is None else lambda routing: balance.sequence_sum(routing) / global_rows,
+            balance.coef if balance is not None else 0.0,
+            backward,
+        )
 
     @torch.no_grad()
     def forward_loss(self, batches: list[Batch], targets: torch.Tensor) -> torch.Tensor:
