@@ -1,0 +1,211 @@
+"""Training Qwen3.5's multi-token-prediction head with the model (``[mtp]``, issue 55): the step
+trains the main loss plus ``loss_scale`` times the head's, each a mean over its own targets
+(the SFT mask shifted once more, never across a packed document's end); ``detach`` keeps the
+head's loss out of the trunk, ``only`` trains the head alone; the head's loss and acceptance
+are logged and validated; FSDP equals one device; what is not supported yet is refused in
+one line; a fine-tune of a vision-language folder exports the trained head."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autopar.config import ConfigError
+from autopar.data.chat import CHAT_EXAMPLE, CHATML_TOKENIZER
+from autopar.data.loader import IGNORE_INDEX
+from autopar.models import build_model, to_hf
+from autopar.training.mtp_loss import mtp_labels
+from autopar.training.preflight import check_job
+from autopar.training.resolve import model_args
+
+from jobs import CHAT_VOCAB, hybrid_job, one_process_trainer
+
+HEAD = ("--mtp.enable", "true")
+CHAT = (
+    "--training.dataset_format",
+    "chat",
+    "--training.dataset_path",
+    str(CHAT_EXAMPLE),
+    "--model.tokenizer_path",
+    str(CHATML_TOKENIZER),
+    "--training.seq_len",
+    "96",
+    "--training.document_masking",
+    "true",
+)
+"""The shipped conversations, packed as documents with the assistant turns as targets: the
+SFT mask and document ends both shape the head's targets."""
+
+
+def head_job(folder, *flags: str, **model: object):
+    """The tiny Qwen3.5 (``hybrid_job``) with a fresh one-layer head, trained on chat rows."""
+    return hybrid_job(folder, *CHAT, *HEAD, *flags, mtp_num_hidden_layers=1, vocab_size=CHAT_VOCAB, **model)
+
+
+def hand_losses(model, batches) -> dict[str, torch.Tensor]:
+    """The step's numbers written out on a plain copy of the model: the main loss and the
+    head's (``mtp_logits_from`` the trunk's states, as ``mtp_logits``), each summed over its targets and divided by their count, and the
+    targets whose head argmax is the token two ahead."""
+    main = head = accepted = targets = head_targets = 0
+    for b in batches:
+        hidden, _ = model.trunk(b.inputs, documents=b.documents)  # once for both, as the step
+        logits = model.lm_head(hidden)
+        main = main + F.cross_entropy(
+            logits.flatten(0, 1), b.labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        targets += (b.labels != IGNORE_INDEX).sum()
+        head_logits, _ = model.mtp_logits_from(hidden, b.inputs, b.documents)
+        two_ahead = mtp_labels(b.labels, b.documents)  # (tests/test_mtp_loss.py pins it by hand)
+        head = head + F.cross_entropy(
+            head_logits.flatten(0, 1), two_ahead.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        valid = two_ahead != IGNORE_INDEX
+        accepted += (head_logits.argmax(-1)[valid] == two_ahead[valid]).sum()
+        head_targets += valid.sum()
+    return {
+        "main": main / targets,
+        "head": head / head_targets,
+        "acceptance": accepted / head_targets,
+        "head_targets": head_targets,
+    }
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_grad(ours: torch.Tensor, theirs: torch.Tensor, name: str) -> None:
+    """fp32, one device, the same forward: the order of sums only (measured at most 1.6e-7
+    of a tensor's largest value, lm_head's), so within 1e-5 of it; a missing, doubled or
+    mis-scaled term is off by O(1)."""
+    assert (ours - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item(), name
+
+
+def step_against_hand(tmp_path, *flags: str):
+    """(the trainer after one forward/backward, its batches, a copy of its weights before it)."""
+    trainer = one_process_trainer(head_job(tmp_path, *flags))
+    model = trainer.parts[0]
+    with torch.no_grad():  # a fresh head's pre-fc norms are 0 (x1): draw them, so a swapped input shows
+        model.mtp.pre_fc_norm_embedding.weight.normal_()
+    before = copy.deepcopy(model)
+    batches = trainer.loader.next_step()
+    loss = trainer.train_step.forward_backward(batches)
+    return trainer, batches, before, loss
+
+
+def test_the_step_trains_the_main_loss_plus_a_tenth_of_the_heads(tmp_path):
+    trainer, batches, reference, loss = step_against_hand(tmp_path)
+    hand = hand_losses(reference, batches)
+    (hand["main"] + 0.1 * hand["head"]).backward()
+    mtp_loss, _ = trainer.train_step.mtp_metrics
+    # fp32, one device, the same forward: the order of sums only
+    torch.testing.assert_close(loss, hand["main"].detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(mtp_loss, hand["head"].detach(), rtol=1e-6, atol=0)
+    ours, theirs = grads(trainer.parts[0]), grads(reference)
+    assert ours.keys() == theirs.keys() and any(n.startswith("mtp.") for n in ours)
+    for name, grad in theirs.items():
+        assert_same_grad(ours[name], grad, name)
+
+
+def test_acceptance_is_the_share_of_targets_whose_argmax_is_two_ahead(tmp_path):
+    # the head alone at a high constant rate for three steps learns the frequent tokens
+    # (measured 3-10% accepted), so a count off by a position or a mask would show
+    fast = ("--mtp.only", "true", "--optimizer.lr", "0.05", "--training.steps", "100")
+    trainer = one_process_trainer(head_job(tmp_path, *fast, "--lr_scheduler.warmup_steps", "1"))
+    for _ in range(3):
+        trainer.run_step()
+    batches = trainer.loader.next_step()
+    trainer.train_step.forward_backward(batches)
+    _, acceptance = trainer.train_step.mtp_metrics.tolist()
+    hand = hand_losses(trainer.parts[0], batches)
+    assert hand["acceptance"].item() > 0.02
+    assert acceptance == pytest.approx(hand["acceptance"].item(), abs=0.5 / hand["head_targets"].item())
+
+
+def test_detach_leaves_the_trunk_gradients_of_the_main_loss_alone(tmp_path):
+    trainer, batches, reference, _ = step_against_hand(tmp_path, "--mtp.detach", "true")
+    hand_losses(reference, batches)["main"].backward()
+    main_only = grads(reference)
+    head_reference = copy.deepcopy(reference)
+    head_reference.zero_grad()
+    (0.1 * hand_losses(head_reference, batches)["head"]).backward()
+    ours = grads(trainer.parts[0])
+    for name, grad in ours.items():
+        expected = grads(head_reference)[name] if name.startswith("mtp.") else main_only[name]
+        assert_same_grad(grad, expected, name)
+    assert ours.keys() == main_only.keys() | {n for n in grads(head_reference) if n.startswith("mtp.")}
+
+
+def test_only_moves_the_head_and_nothing_else(tmp_path):
+    trainer = one_process_trainer(head_job(tmp_path, "--mtp.only", "true"))
+    model = trainer.parts[0]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.run_step()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    head = {n for n in before if n.startswith("mtp.")}
+    assert moved == head
+    trained = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
+    assert trained == {id(p) for n, p in model.named_parameters() if n.startswith("mtp.")}
+
+
+NO_HEAD_REFUSALS = [
+    (("--model.name", "qwen3"), "model.name='qwen3' has no multi-token-prediction head"),
+    (("--model.name", "qwen2.5"), "model.name='qwen2.5' has no multi-token-prediction head"),
+    (("--model.name", "qwen3.5"), "model qwen3.5/debug has no multi-token-prediction head"),
+]
+"""``[mtp] enable`` on a model without the head (a Qwen3.5 flavor has none unless asked)."""
+REFUSALS = [
+    (("--mtp.only", "true"), "mtp.only=true without mtp.enable"),
+    (("--mtp.detach", "true"), "mtp.detach=true without mtp.enable"),
+    ((*HEAD, "--mtp.loss_scale", "0"), "mtp.loss_scale=0.0 must be > 0"),
+    ((*HEAD, "--parallelism.tensor_parallel_degree", "2"), "parallelism.tensor_parallel_degree=2 with mtp"),
+    ((*HEAD, "--parallelism.pipeline_parallel_degree", "2"), "parallelism.pipeline_parallel_degree=2 with"),
+    ((*HEAD, "--parallelism.context_parallel_degree", "2"), "parallelism.context_parallel_degree=2 with"),
+    ((*HEAD, "--parallelism.auto", "true"), "parallelism.auto=true with mtp.enable"),
+    ((*HEAD, "--lora.enable", "true"), "lora.enable=true with mtp.enable"),
+    ((*HEAD, "--float8.enable", "true"), "float8.enable=true with mtp.enable"),
+    (
+        (*HEAD, "--mtp.detach", "true", "--parallelism.fsdp_reshard_after_forward", "always"),
+        "mtp.detach=true with parallelism.fsdp_reshard_after_forward='always'",
+    ),
+]
+
+
+@pytest.mark.parametrize(("flags", "message"), REFUSALS, ids=[m.split(" ")[0] for _, m in REFUSALS])
+def test_what_the_head_does_not_run_with_is_refused_in_one_line(flags, message, tmp_path):
+    job = hybrid_job(tmp_path, *flags, mtp_num_hidden_layers=1)
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")) as err:
+        check_job(job, 2)
+    assert "\n" not in str(err.value)
+
+
+def test_expert_parallel_is_refused_for_a_mixtures_head(tmp_path):
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    job = hybrid_job(
+        tmp_path, *HEAD, "--parallelism.expert_parallel_degree", "2", mtp_num_hidden_layers=1, **moe
+    )
+    with pytest.raises(ConfigError, match=r"parallelism\.expert_parallel_degree=2 with mtp\.enable") as err:
+        check_job(job, 2)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("flags", "message"), NO_HEAD_REFUSALS, ids=["qwen3", "qwen2.5", "qwen3.5"])
+def test_a_model_without_the_head_is_refused_in_one_line(flags, message, tmp_path):
+    job = hybrid_job(tmp_path, *HEAD, *flags)
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")) as err:
+        check_job(job, 1)
+    assert "\n" not in str(err.value)
+
+
+def test_a_folder_without_the_head_is_refused_in_one_line(tmp_path):
+    to_hf(build_model(model_args(hybrid_job(tmp_path))), tmp_path / "no-head")
+    job = hybrid_job(tmp_path, *HEAD, "--model.hf_assets_path", str(tmp_path / "no-head"))
+    job.model.overrides.clear()  # the shape is the folder's
+    with pytest.raises(
+        ConfigError, match=r"has no multi-token-prediction head \(mtp_num_hidden_layers"
+    ) as err:
+        check_job(job, 1)
+    assert "\n" not in str(err.value)
