@@ -8,20 +8,37 @@ one line; a fine-tune of a vision-language folder exports the trained head."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
+import logging
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
+from autopar.cli.parity import Case, run_cases
 from autopar.config import ConfigError
 from autopar.data.chat import CHAT_EXAMPLE, CHATML_TOKENIZER
-from autopar.data.loader import IGNORE_INDEX
-from autopar.models import build_model, to_hf
+from autopar.data.loader import IGNORE_INDEX, StepLoader
+from autopar.models import build_model, from_hf, to_hf
+from autopar.models.hf_config import read_hf_config
+from autopar.training.metrics import read_metrics
 from autopar.training.mtp_loss import mtp_labels
 from autopar.training.preflight import check_job
 from autopar.training.resolve import model_args
 
-from jobs import CHAT_VOCAB, hybrid_job, one_process_trainer
+from jobs import (
+    CHAT_VOCAB,
+    QWEN3_5_TEXT,
+    QWEN3_5_VISION,
+    assert_fp32_parity,
+    hf_folder_flags,
+    hybrid_job,
+    one_process_trainer,
+)
 
 HEAD = ("--mtp.enable", "true")
 CHAT = (
@@ -209,3 +226,148 @@ def test_a_folder_without_the_head_is_refused_in_one_line(tmp_path):
     ) as err:
         check_job(job, 1)
     assert "\n" not in str(err.value)
+
+
+def text_head_job(folder, *flags: str, **model: object):
+    """The tiny Qwen3.5 with a fresh head on the shipped text (the plans' suites' job)."""
+    return hybrid_job(folder, *HEAD, *flags, mtp_num_hidden_layers=1, **model)
+
+
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+MOE["shared_expert_intermediate_size"] = 48
+FSDP_CASES = {
+    "fsdp": ((), {}, "dp_shard=2"),
+    "fsdp-tied": ((), {"tie_word_embeddings": True}, "dp_shard=2"),
+    "fsdp-detach": (("--mtp.detach", "true"), {}, "dp_shard=2"),
+    "fsdp-only": (("--mtp.only", "true"), {}, "dp_shard=2"),
+}
+"""FSDP with the head in the root's group and the embedding and output head in groups of their
+own (untied) or the root's (tied); the head's detached and head-only variants."""
+HEAVY_CASES = {
+    "fsdp-moe": ((), MOE, "dp_shard=2"),
+    "replicate-shard": ((), {}, "dp_replicate=2"),
+}
+"""A mixture's head (its router in the load-balancing loss) and replicated data parallelism:
+the same machinery again, at a second spawn's cost."""
+
+
+def data_parallel_runs(folder, cases: dict) -> dict:
+    """case -> (one device, two gloo ranks), every case in one process group, three steps."""
+    jobs = [Case(text_head_job(folder, *flags, **model), plan) for flags, model, plan in cases.values()]
+    return dict(zip(cases, run_cases(jobs, steps=3)))
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory):
+    return data_parallel_runs(tmp_path_factory.mktemp("mtp_fsdp"), FSDP_CASES)
+
+
+@pytest.fixture(scope="module")
+def heavy_runs(tmp_path_factory):
+    return data_parallel_runs(tmp_path_factory.mktemp("mtp_heavy"), HEAVY_CASES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", FSDP_CASES)
+def test_data_parallel_with_the_head_equals_one_device(fsdp_runs, case):
+    reference, run = fsdp_runs[case]
+    assert_fp32_parity(run, reference)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("case", HEAVY_CASES)
+def test_a_mixtures_head_and_replicas_equal_one_device(heavy_runs, case):
+    reference, run = heavy_runs[case]
+    assert_fp32_parity(run, reference)
+
+
+def vision_language_source(folder: Path) -> Path:
+    """A tiny released-style Qwen3.5: transformers' vision-language model with the ChatML
+    tokenizer, plus a drawn one-layer ``mtp.*`` head under its released names."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3_5ForConditionalGeneration"):
+        pytest.skip("transformers >= 5.2 has the Qwen3.5 classes")
+    text = {**QWEN3_5_TEXT, "vocab_size": CHAT_VOCAB}
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=QWEN3_5_VISION)
+    torch.manual_seed(0)
+    transformers.Qwen3_5ForConditionalGeneration(config).save_pretrained(folder)
+    args = dataclasses.replace(read_hf_config(folder), mtp_num_hidden_layers=1)
+    with_head = build_model(args)
+    with_head.init_weights(seed=1)
+    to_hf(with_head, folder / "text")
+    head = {n: t for n, t in load_file(folder / "text" / "model.safetensors").items() if n.startswith("mtp.")}
+    shutil.rmtree(folder / "text")
+    save_file({**load_file(folder / "model.safetensors"), **head}, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(CHATML_TOKENIZER / name, folder / name)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def fine_tuned(tmp_path_factory):
+    """A four-step fine-tune with the head on the shipped conversations from a
+    vision-language folder, validated at its end and exported: (source, run folder, trainer,
+    its step log)."""
+    folder = tmp_path_factory.mktemp("mtp_sft")
+    source = vision_language_source(folder / "source")
+    held_out = ("--validation.enable", "true", "--validation.dataset_path", str(CHAT_EXAMPLE))
+    held_out += ("--validation.local_batch_size", "2", "--validation.steps", "2", "--validation.freq", "4")
+    job = head_job(folder / "run", *hf_folder_flags(source), *held_out, "--training.steps", "4")
+    job.model.overrides.clear()  # the shape is the folder's
+    logger = logging.getLogger("autopar")
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        trainer = one_process_trainer(job)
+        trainer.train()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return source, folder / "run", trainer, lines
+
+
+def test_a_fine_tune_logs_the_heads_loss_and_acceptance(fine_tuned):
+    _, run, _, lines = fine_tuned
+    steps = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert len(steps) == 4
+    assert all(r["mtp_loss"] > 0 and 0 <= r["mtp_acceptance"] <= 1 for r in steps)
+    shown = [line for line in lines if line.startswith("step ")]
+    assert len(shown) == 4 and all(" mtp_loss " in line and " mtp_acceptance " in line for line in shown)
+
+
+def test_validation_reports_the_heads_loss_and_acceptance_of_the_same_weights(fine_tuned):
+    _, run, trainer, _ = fine_tuned
+    (record,) = [r for r in read_metrics(run / "metrics.jsonl") if "val_loss" in r]
+    validator = trainer.validator
+    loader = StepLoader(
+        validator.samples, validator.local_batch, validator.local_batch, 0, 1, validator.device
+    )
+    batches = [b for _ in range(validator.steps) for b in loader.next_step()]
+    with torch.no_grad():
+        hand = hand_losses(trainer.parts[0], batches)
+    # fp32, the same weights and batches: the order of sums only
+    assert record["val_mtp_loss"] == pytest.approx(hand["head"].item(), rel=1e-5)
+    assert record["val_mtp_acceptance"] == pytest.approx(hand["acceptance"].item(), abs=1e-6)
+
+
+def test_the_export_carries_the_trained_head_in_the_sources_names(fine_tuned):
+    source, run, trainer, _ = fine_tuned
+    exported = {}
+    for file in (run / "hf" / "step-4").glob("*.safetensors"):
+        exported.update(load_file(file))
+    before = {n: t for n, t in load_file(source / "model.safetensors").items() if n.startswith("mtp.")}
+    after = {n: t for n, t in exported.items() if n.startswith("mtp.")}
+    assert after.keys() == before.keys()
+    assert all(not torch.equal(after[n], before[n]) for n in before)
+    trained = dict(trainer.parts[0].named_parameters())
+    back = from_hf(run / "hf" / "step-4", dtype=torch.float32, mtp=True)
+    for name, param in back.named_parameters():
+        if name.startswith("mtp."):
+            assert torch.equal(param, trained[name]), name
