@@ -26,7 +26,6 @@ from autopar.data.loader import IGNORE_INDEX, StepLoader
 from autopar.models import build_model, from_hf, to_hf
 from autopar.models.hf_config import read_hf_config
 from autopar.training.metrics import read_metrics
-from autopar.training.mtp_loss import mtp_labels
 from autopar.training.preflight import check_job
 from autopar.training.resolve import model_args
 
@@ -75,7 +74,9 @@ def hand_losses(model, batches) -> dict[str, torch.Tensor]:
         )
         targets += (b.labels != IGNORE_INDEX).sum()
         head_logits, _ = model.mtp_logits_from(hidden, b.inputs, b.documents)
-        two_ahead = mtp_labels(b.labels, b.documents)  # (tests/test_mtp_loss.py pins it by hand)
+        two_ahead = b.labels[:, 1:].clone()  # label i+1 is token i+2 (none across a document's end)
+        if b.documents is not None:  # nor where token i+1 starts another document
+            two_ahead[b.documents[:, 1:] != b.documents[:, :-1]] = IGNORE_INDEX
         head = head + F.cross_entropy(
             head_logits.flatten(0, 1), two_ahead.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
@@ -113,8 +114,11 @@ def step_against_hand(tmp_path, *flags: str):
     return trainer, batches, before, loss
 
 
-def test_the_step_trains_the_main_loss_plus_a_tenth_of_the_heads(tmp_path):
-    trainer, batches, reference, loss = step_against_hand(tmp_path)
+@pytest.mark.parametrize("loss_on", ["assistant", "all"])
+def test_the_step_trains_the_main_loss_plus_a_tenth_of_the_heads(tmp_path, loss_on):
+    """``assistant``: the SFT mask shapes the head's targets; ``all``: every token is one, so
+    the positions at a packed document's end are what keeps them apart."""
+    trainer, batches, reference, loss = step_against_hand(tmp_path, "--training.loss_on", loss_on)
     hand = hand_losses(reference, batches)
     (hand["main"] + 0.1 * hand["head"]).backward()
     mtp_loss, _ = trainer.train_step.mtp_metrics
