@@ -33,6 +33,7 @@ from jobs import (
     CHAT_VOCAB,
     QWEN3_5_TEXT,
     QWEN3_5_VISION,
+    ac_flags,
     assert_fp32_parity,
     hf_folder_flags,
     hybrid_job,
@@ -244,15 +245,19 @@ FSDP_CASES = {
     "fsdp-tied": ((), {"tie_word_embeddings": True}, "dp_shard=2"),
     "fsdp-detach": (("--mtp.detach", "true"), {}, "dp_shard=2"),
     "fsdp-only": (("--mtp.only", "true"), {}, "dp_shard=2"),
+    "fsdp-ac": ((), {}, f"dp_shard=2,{ac_flags('full', 'op')}"),
 }
 """FSDP with the head in the root's group and the embedding and output head in groups of their
-own (untied) or the root's (tied); the head's detached and head-only variants."""
+own (untied) or the root's (tied); the head's detached and head-only variants; the trunk's
+blocks recomputed in backward (the head's layer is not)."""
 HEAVY_CASES = {
     "fsdp-moe": ((), MOE, "dp_shard=2"),
-    "replicate-shard": ((), {}, "dp_replicate=2"),
+    "replicate": ((), {}, "dp_replicate=2"),
+    "fsdp-compile": ((), {}, "dp_shard=2,compile.enable=true"),
 }
-"""A mixture's head (its router in the load-balancing loss) and replicated data parallelism:
-the same machinery again, at a second spawn's cost."""
+"""A mixture's head (its router in the load-balancing loss), replicated data parallelism, and
+the trunk's blocks compiled (the head runs eager): the same machinery again, at a second
+spawn's and the compiler's cost."""
 
 
 def data_parallel_runs(folder, cases: dict) -> dict:
