@@ -46,7 +46,7 @@ def test_accumulating_four_micro_batches_of_two_equals_one_batch_of_eight():
     for batches in (whole, split):
         model.zero_grad()
         context = TrainContext(loss_parallel=False)
-        loss, _ = microbatches_forward_backward(model, batches, targets, context)
+        loss, _, _ = microbatches_forward_backward(model, batches, targets, context)
         results.append((loss, {n: p.grad.clone() for n, p in model.named_parameters()}))
     (loss8, grads8), (loss4x2, grads4x2) = results
     # fp32; only the order of summation differs

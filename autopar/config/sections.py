@@ -338,6 +338,24 @@ class DPO:
 
 
 @dataclass
+class MTP:
+    """Qwen3.5's multi-token-prediction head trained with the model (docs/qwen3_5.md)."""
+
+    enable: bool = False
+    """Train the head (``mtp.*``, loaded from the HF folder that carries it) beside the model:
+    the loss is the main one plus loss_scale times the head's, logged as mtp_loss and
+    mtp_acceptance (how often its argmax is the token two ahead)."""
+    loss_scale: float = 0.1
+    """Weight of the head's loss in the trained loss (Megatron's mtp_loss_scaling_factor)."""
+    detach: bool = False
+    """The head's loss trains only the head: no gradient into the trunk, the shared embedding
+    or the output head through it (Megatron's mtp_detach_heads)."""
+    only: bool = False
+    """Freeze every weight outside mtp.* and train just the head (re-align the head of a model
+    fine-tuned elsewhere)."""
+
+
+@dataclass
 class Validation:
     enable: bool = False
     """Compute a held-out loss (val_loss) under the training plan every freq steps and at the end."""
@@ -426,6 +444,7 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     lora: LoRA = field(default_factory=LoRA)
     dpo: DPO = field(default_factory=DPO)
+    mtp: MTP = field(default_factory=MTP)
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)

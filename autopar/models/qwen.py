@@ -329,6 +329,19 @@ class Qwen(nn.Module):
         statistics so far (None without experts). Heads that read the hidden states (Qwen3.5's
         multi-token prediction) start here."""
         h = self.embed_tokens(tokens) if self.embed_tokens is not None else tokens  # (B, S, H)
+        return self.decode(h, routing, positions=positions, documents=documents)
+
+    def decode(
+        self,
+        h: torch.Tensor,
+        routing: torch.Tensor | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``trunk`` from the embedded tokens (B, S, H) on: the blocks and the final norm. A
+        forward that reads the embeddings again (Qwen3.5's head) embeds once and calls this,
+        so the embedding runs once per forward (one FSDP gather, one gradient)."""
         mask = None
         if documents is not None:
             mask = document_mask(documents)

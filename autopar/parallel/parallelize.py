@@ -17,6 +17,7 @@ from torch import nn
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.models.family import build_model
+from autopar.models.hf_names import MTP_PREFIX
 from autopar.parallel.activation_checkpoint import apply_ac
 from autopar.parallel.compile import apply_compile
 from autopar.parallel.context_parallel import resolve_impl
@@ -79,6 +80,9 @@ def parallelize(
             count,
             base_storage_dtype(job.lora, dtype),
         )
+    if job.mtp.only:
+        frozen = freeze_all_but(model, MTP_PREFIX)  # the multi-token-prediction head's
+        logger.info("mtp.only: %d weights outside %s* frozen; training the head alone", frozen, MTP_PREFIX)
     if meshes.get("fsdp") is None and dtype != torch.float32:
         apply_compute_dtype(model, dtype)
         logger.info("weights cast to %s in each block's forward (fp32 master weights)", dtype)
@@ -91,6 +95,17 @@ def parallelize(
     if meshes.get("fsdp") is not None:
         _fully_shard(model, job, meshes, device, pipelined)
     return model
+
+
+def freeze_all_but(model: nn.Module, prefix: str) -> int:
+    """Freeze every parameter whose name does not start with ``prefix`` (before FSDP, which
+    keeps each weight's ``requires_grad``); how many were frozen."""
+    frozen = 0
+    for name, param in model.named_parameters():
+        keep = name.startswith(prefix)
+        param.requires_grad_(keep)
+        frozen += not keep
+    return frozen
 
 
 def _tensor_parallel(

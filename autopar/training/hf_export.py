@@ -19,6 +19,7 @@ from autopar.models.family import build_model
 from autopar.models.hf import carry_through, checkpoint_layout, copy_assets, save_hf_streaming
 from autopar.models.hf_config import CONFIG_FILE
 from autopar.models.hf_layout import HFLayout
+from autopar.models.hf_names import MTP_PREFIX
 from autopar.parallel.materialize import FullValue
 from autopar.training.adapters import BaseTensors, export_merged, save_adapter, saved_adapters
 from autopar.training.dcp_state import read_model_tensors
@@ -48,8 +49,8 @@ def export_hf(
 
     hf_layout = checkpoint_layout(source) if source is not None else HFLayout()
     save_hf_streaming(layout, load, args, out_dir, hf_layout=hf_layout)
-    if hf_layout.vision_language:
-        carry_through(source, out_dir)
+    if hf_layout.vision_language:  # a trained MTP head is the model's own, written above
+        carry_through(source, out_dir, skip=(MTP_PREFIX,) if args.mtp_num_hidden_layers else ())
 
 
 def export_run(

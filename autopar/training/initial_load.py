@@ -31,7 +31,9 @@ def check_initial_load(cfg: Checkpoint, args: ModelArgs, model_label: str) -> No
     except HFCheckpointError as err:
         raise ConfigError(f"checkpoint.initial_load_path: {err}") from None
     for field in ModelArgs.__dataclass_fields__:
-        if field in ("initializer_range", "max_position_embeddings"):
+        # the MTP head is built only when a job asks for it (mtp.enable); HFTensors below
+        # finds its tensors then
+        if field in ("initializer_range", "max_position_embeddings", "mtp_num_hidden_layers"):
             continue
         ours, theirs = getattr(args, field), getattr(hf_args, field)
         if ours != theirs:

@@ -162,9 +162,9 @@ class StepMetrics:
     def line(self) -> str:
         mfu = "n/a" if self.mfu is None else f"{self.mfu:.1f}%"
         aux = "" if self.aux_loss is None else f"  aux_loss {self.aux_loss:.4f}"
-        extra = "".join(  # a preference step: how often and by how much chosen wins
+        extra = "".join(  # a preference step: how often and by how much chosen wins; the MTP head's
             f"  {k.removeprefix('rewards/')} {self.extra[k]:.4g}"
-            for k in ("rewards/accuracies", "rewards/margins")
+            for k in ("rewards/accuracies", "rewards/margins", "mtp_loss", "mtp_acceptance")
             if k in self.extra
         )
         nothing = "  (no learned token in this step)" if self.no_learned_tokens else ""
@@ -278,7 +278,9 @@ class MetricsLogger:
         with ``extra`` as ``val_<name>`` (a preference job's: ``val_rewards/accuracies``...)."""
         if not self.is_main:
             return
-        shown = "".join(f", {k} {v:.4g}" for k, v in (extra or {}).items() if k.startswith("rewards/acc"))
+        shown = "".join(
+            f", {k} {v:.4g}" for k, v in (extra or {}).items() if k.startswith(("rewards/acc", "mtp_"))
+        )
         logger.info("validation at step %d: val_loss %.4f over %s targets%s", step, loss, _si(tokens), shown)
         values = {"val_loss": loss, **{f"val_{k}": v for k, v in (extra or {}).items()}}
         finite = {k: v if math.isfinite(v) else None for k, v in values.items()}

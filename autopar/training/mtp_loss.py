@@ -9,9 +9,14 @@ sum over tokens, for the caller to divide by the step's global count of head tar
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
+from autopar.config.sections import JobConfig
 from autopar.data.loader import IGNORE_INDEX
+from autopar.models.qwen3_5.mtp import MTPMode
 from autopar.training.loss import token_loss_sum
 
 
@@ -29,13 +34,32 @@ def mtp_labels(labels: torch.Tensor, documents: torch.Tensor | None = None) -> t
 
 
 def mtp_loss_sum(
-    logits: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor | None = None
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    documents: torch.Tensor | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed fp32 cross-entropy, head's argmax equal to its target, targets) of the head's
     ``logits`` (B, S-1, V) against the batch's ``labels`` (B, S): ``mtp_loss`` is the first
     over the third and ``mtp_acceptance`` the second over the third, each summed over the
-    step's micro-batches and ranks first."""
+    step's micro-batches and ranks first. ``loss_fn``: the step's token-summed loss (chunked
+    or compiled as the main loss is)."""
     targets = mtp_labels(labels, documents)
     valid = targets != IGNORE_INDEX
-    accepted = ((logits.argmax(dim=-1) == targets) & valid).sum()
-    return token_loss_sum(logits, targets), accepted, valid.sum()
+    accepted = ((logits.detach().argmax(dim=-1) == targets) & valid).sum()
+    return loss_fn(logits, targets), accepted, valid.sum()
+
+
+@dataclass(frozen=True)
+class MTPTraining:
+    """How a step trains the head: the forward's ``mtp`` mode and the loss's weight."""
+
+    mode: MTPMode
+    scale: float
+
+    @staticmethod
+    def of(job: JobConfig) -> MTPTraining | None:
+        cfg = job.mtp
+        if not cfg.enable:
+            return None
+        return MTPTraining("detached" if cfg.detach else "on", cfg.loss_scale)

@@ -29,6 +29,7 @@ from autopar.parallel.mixed_precision import compute_dtype
 from autopar.parallel.pipelining.schedule import check_pipeline
 from autopar.parallel.sdpa_backend import check_sdpa_backend
 from autopar.training.initial_load import check_initial_load, check_load_step
+from autopar.training.mtp import check_mtp
 from autopar.training.preference import check_preference, is_preference
 from autopar.training.profiling import check_profiling
 from autopar.training.resolve import model_args, tokenizer_path
@@ -87,6 +88,7 @@ def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: st
     check_expert_kernel(job, args, device_type)
     check_delta_rule_kernel(job, args, device_type)
     check_preference(job, dims)
+    check_mtp(job, args, dims)
     return dims
 
 

@@ -8,6 +8,7 @@ argument names, the model args a job resolves to, and jobs derived from a base j
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from autopar.data.chat import CHATML_TOKENIZER, ChatFormat
 from autopar.models.args import ModelArgs
 from autopar.models.flavors import get_flavor, with_overrides
 from autopar.models.hf_config import HFCheckpointError, read_hf_config
+from autopar.training.mtp import head_layers_of
 
 MODEL_FIELDS = parse.field_types(ModelArgs)
 """Model argument name -> type: what ``--model.<arg>`` and ``[model]`` keys may set."""
@@ -79,6 +81,8 @@ def model_args(job: JobConfig) -> ModelArgs:
             f"model.name={model.name!r}, but {model.hf_assets_path}/config.json is a {family} "
             f"model; set model.name={family!r}"
         )
+    if job.mtp.enable:  # the folder's head, built and loaded as the model's own
+        args = dataclasses.replace(args, mtp_num_hidden_layers=head_layers_of(job, args))
     try:
         return with_overrides(args, model.overrides)
     except ValueError as err:

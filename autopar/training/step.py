@@ -29,6 +29,9 @@ from autopar.parallel.world import World, by_mesh
 from autopar.training.loss import (
     count_targets,
 )
+from autopar.training.mtp import METRICS as MTP_METRICS
+from autopar.training.mtp import global_mtp_target_count
+from autopar.training.mtp_loss import MTPTraining, mtp_loss_sum
 from autopar.training.optim import build_optimizers, set_lr
 from autopar.training.preference_loss import METRICS
 from autopar.training.preference_pipeline import preference_pipeline_forward_backward
@@ -54,17 +57,26 @@ def microbatches_forward_backward(
     context: TrainContext,
     backward: bool = True,
     global_sequences: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    mtp_targets: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run every micro-batch (forward only without ``backward``, e.g. under no_grad for a
-    held-out loss); returns this rank's share of the step's language-model loss and of its
-    load-balancing loss (zero for a dense model), detached. The trained loss is the first
-    plus ``coef`` times the second, a mean over the ``global_sequences`` of the step."""
+    held-out loss); returns this rank's share of the step's language-model loss, of its
+    load-balancing loss (zero for a dense model), and its multi-token-prediction head's
+    (summed loss, accepted targets) (zeros without ``context.mtp``), detached. The trained
+    loss is the first plus ``coef`` times the second, a mean over the ``global_sequences`` of
+    the step, plus ``context.mtp.scale`` times the head's loss over its ``mtp_targets``."""
     total = torch.zeros((), device=global_targets.device)
     balance = torch.zeros((), device=global_targets.device)
+    head = torch.zeros(2, device=global_targets.device)
     for full_batch in batches:
         with context.sequence(full_batch) as (batch, positions), context.loss_parallel_context():
             with context.forward_precision():
-                out = model(batch.inputs, positions=positions, documents=batch.documents)
+                out = model(
+                    batch.inputs, positions=positions, documents=batch.documents, **_head_flag(context)
+                )
+            head_logits = None
+            if context.mtp is not None:
+                out, head_logits = out
             logits, routing = split_output(out)
             loss = context.loss_fn(logits, batch.labels) / global_targets
             if isinstance(loss, DTensor):
@@ -74,10 +86,23 @@ def microbatches_forward_backward(
                 aux = context.load_balancing.sequence_sum(routing) / global_sequences
                 trained = loss + context.load_balancing.coef * aux
                 balance += aux.detach()
+            if head_logits is not None:
+                head_sum, accepted, _ = mtp_loss_sum(
+                    head_logits, batch.labels, batch.documents, context.loss_fn
+                )
+                if mtp_targets is not None:
+                    trained = trained + context.mtp.scale * head_sum / mtp_targets.clamp(min=1)
+                head += torch.stack([head_sum.detach(), accepted.to(head.dtype)])
             if backward:
                 trained.backward()
         total += loss.detach()
-    return total, balance
+    return total, balance, head
+
+
+def _head_flag(context: TrainContext) -> dict[str, str]:
+    """The forward's ``mtp`` argument when the step trains Qwen3.5's head (none otherwise:
+    other models' forward takes no such argument)."""
+    return {} if context.mtp is None else {"mtp": context.mtp.mode}
 
 
 def _grads_by_mesh(parts: list[nn.Module]) -> list[list[torch.Tensor]]:
@@ -129,6 +154,7 @@ class TrainStep:
             fp8_autocast=self._te_autocast(world.device),
             context_parallel=self._context_parallel(world.device),
             load_balancing=self._load_balancing(built.args),
+            mtp=MTPTraining.of(job),
         )
         self.local_loss = torch.zeros(())
         """This rank's share of the last step's loss, to find where a non-finite loss came from."""
@@ -142,6 +168,9 @@ class TrainStep:
         """The last preference step's ``METRICS`` (means over its pairs)."""
         self.step_tokens = torch.zeros(())
         """The last preference step's tokens over every rank, padding left out."""
+        self.mtp_metrics = torch.zeros(len(MTP_METRICS))
+        """The last step's ``MTP_METRICS`` (``[mtp] enable``): the head's loss per target and
+        the fraction of targets its argmax hits."""
         self.pipeline: Pipeline | None = None
         pp_mesh = self.meshes.get("pp")
         if pp_mesh is not None:
@@ -194,12 +223,30 @@ class TrainStep:
             )
             local_loss, aux = (all_reduce_sum(value, self.meshes.get("pp")) for value in (local_loss, aux))
         else:
-            local_loss, aux = microbatches_forward_backward(
-                self.parts[0], batches, targets, self.context, global_sequences=sequences
+            head_targets = self._head_targets(batches)
+            local_loss, aux, head = microbatches_forward_backward(
+                self.parts[0],
+                batches,
+                targets,
+                self.context,
+                global_sequences=sequences,
+                mtp_targets=head_targets,
             )
+            if head_targets is not None:
+                self.mtp_metrics = self._head_metrics(head, head_targets)
         self.aux_loss = all_reduce_sum(aux, self.meshes.get("loss"))
         self.local_loss = local_loss
         return all_reduce_sum(local_loss, self.meshes.get("loss"))
+
+    def _head_targets(self, batches: list[Batch]) -> torch.Tensor | None:
+        """The head's targets over the global batch (None when the step does not train it)."""
+        if self.context.mtp is None:
+            return None
+        return global_mtp_target_count(batches, self.meshes.get("dp"))
+
+    def _head_metrics(self, head: torch.Tensor, head_targets: torch.Tensor) -> torch.Tensor:
+        """(mtp_loss, mtp_acceptance) from this rank's (summed loss, accepted targets)."""
+        return all_reduce_sum(head, self.meshes.get("loss")) / head_targets.clamp(min=1)
 
     def _preference_forward_backward(self, batches: list[Batch]) -> torch.Tensor:
         """A DPO step: the loss is a mean over the step's pairs (``preference_step``)."""
@@ -261,19 +308,22 @@ class TrainStep:
         )
 
     @torch.no_grad()
-    def forward_loss(self, batches: list[Batch], targets: torch.Tensor) -> torch.Tensor:
+    def forward_loss(self, batches: list[Batch], targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The loss of ``batches`` (``targets`` of them over every rank) without gradients:
-        the same forward, plan and loss as a training step (collective)."""
+        the same forward, plan and loss as a training step (collective); and the head's
+        (summed loss, accepted targets) over every rank (zeros without ``[mtp]``)."""
+        head = torch.zeros(2, device=targets.device)
         if self.pipeline is not None:
             local_loss, _ = pipeline_forward_backward(
                 self.pipeline, batches, targets, self.context.micro_batch, backward=False
             )
             local_loss = all_reduce_sum(local_loss, self.meshes.get("pp"))
         else:
-            local_loss, _ = microbatches_forward_backward(
+            local_loss, _, head = microbatches_forward_backward(
                 self.parts[0], batches, targets, self.context, backward=False
             )
-        return all_reduce_sum(local_loss, self.meshes.get("loss"))
+        loss_mesh = self.meshes.get("loss")
+        return all_reduce_sum(local_loss, loss_mesh), all_reduce_sum(head, loss_mesh)
 
     def update(self, lr: float) -> torch.Tensor:
         """Clip, step the optimizers at ``lr`` and free the gradients; the grad norm."""

@@ -22,6 +22,7 @@ from autopar.training.loss import (
     token_loss_sum,
     vocab_parallel_chunk_loss_and_grad,
 )
+from autopar.training.mtp_loss import MTPTraining
 
 
 def all_reduce_sum(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
@@ -71,9 +72,12 @@ class TrainContext:
         fp8_autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
         context_parallel: Callable[[Batch], contextlib.AbstractContextManager] | None = None,
         load_balancing: LoadBalancing | None = None,
+        mtp: MTPTraining | None = None,
     ):
         self.loss_parallel = loss_parallel
         self.load_balancing = load_balancing
+        self.mtp = mtp
+        """Qwen3.5's multi-token-prediction head trained beside the model (``[mtp]``)."""
         self.fp8_autocast = fp8_autocast
         self.context_parallel = context_parallel
         # vocab-parallel cross-entropy is a DTensor op dispatch that does not trace; it is

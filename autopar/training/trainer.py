@@ -33,6 +33,7 @@ from autopar.training.faults import (
 )
 from autopar.training.hf_export import export_run
 from autopar.training.metrics import MetricsLogger, flops_per_token
+from autopar.training.mtp import METRICS as MTP_METRICS
 from autopar.training.optim import lr_factor
 from autopar.training.preference import is_preference, make_preference_step
 from autopar.training.preference_loss import METRICS
@@ -333,9 +334,17 @@ class Trainer:
             aux_loss=aux,
             no_learned_tokens=self.nothing_learned,
             tokens=int(self.window_tokens) if preference else None,
-            extra=dict(zip(METRICS, self.train_step.preference_metrics.tolist())) if preference else None,
+            extra=self._extra_metrics(),
         )
         return record
+
+    def _extra_metrics(self) -> dict[str, float] | None:
+        """A preference step's TRL metrics, or the MTP head's loss and acceptance."""
+        if self.train_step.preference is not None:
+            return dict(zip(METRICS, self.train_step.preference_metrics.tolist()))
+        if self.job.mtp.enable:
+            return dict(zip(MTP_METRICS, self.train_step.mtp_metrics.tolist()))
+        return None
 
     def _stop_early(self, why: str, saved: bool) -> None:
         """Save this step (unless just saved) and say how to go on."""

@@ -21,6 +21,8 @@ from autopar.data.loader import StepLoader, build_samples, check_data, table_col
 from autopar.data.tokenizer import Tokenizer
 from autopar.models.args import ModelArgs
 from autopar.parallel.mesh import ParallelDims, check_model_split
+from autopar.training.mtp import METRICS as MTP_METRICS
+from autopar.training.mtp import global_mtp_target_count
 from autopar.training.resolve import chat_format
 from autopar.training.step import TrainStep, global_target_count
 
@@ -99,7 +101,8 @@ class ValidationResult:
     tokens: int
     """How many targets it averages (pairs, for preference data)."""
     metrics: dict[str, float] = field(default_factory=dict)
-    """More held-out numbers under their own names (a preference job's TRL metrics)."""
+    """More held-out numbers under their own names (a preference job's TRL metrics, the MTP
+    head's ``mtp_loss`` and ``mtp_acceptance``)."""
 
 
 class Validator:
@@ -137,10 +140,19 @@ class Validator:
         dp_mesh = self.train_step.meshes.get("dp")
         loss_sum = torch.zeros((), device=self.device)
         targets = torch.zeros((), device=self.device)
+        head = torch.zeros(2, device=self.device)  # the MTP head's summed loss, accepted targets
+        head_targets = torch.zeros((), device=self.device)
         for _ in range(self.steps):
             batches = loader.next_step()
             step_targets = global_target_count(batches, dp_mesh)
-            loss_sum += self.train_step.forward_loss(batches, step_targets) * step_targets
+            step_loss, step_head = self.train_step.forward_loss(batches, step_targets)
+            loss_sum += step_loss * step_targets
             targets += step_targets
+            if self.train_step.context.mtp is not None:
+                head += step_head
+                head_targets += global_mtp_target_count(batches, dp_mesh)
         loss, tokens = (loss_sum / targets).item(), int(targets.item())
-        return ValidationResult(loss, tokens)
+        if self.train_step.context.mtp is None:
+            return ValidationResult(loss, tokens)
+        metrics = dict(zip(MTP_METRICS, (head / head_targets.clamp(min=1)).tolist()))
+        return ValidationResult(loss, tokens, metrics)

@@ -32,7 +32,7 @@ from autopar.models.qwen import (
 )
 from autopar.models.qwen import initial_value as dense_initial_value
 from autopar.models.qwen3_5.gated_deltanet import GatedDeltaNet
-from autopar.models.qwen3_5.mtp import MTPHead, head_inputs
+from autopar.models.qwen3_5.mtp import MTPHead, MTPMode, head_inputs
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -181,6 +181,40 @@ class Qwen35(Qwen):
             MTPHead(args, self.make_block, self.make_norm) if args.mtp_num_hidden_layers else None
         )
 
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        routing: torch.Tensor | None = None,
+        *,
+        positions: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
+        mtp: MTPMode = "off",
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | tuple[object, torch.Tensor]:
+        """``Qwen.forward``; with ``mtp`` "on" or "detached", ``(that output, the head's
+        logits (B, S-1, V))`` from the same pass: a training step gets both losses from one
+        forward of the whole module (the way FSDP gathers and frees its weights), the head's
+        experts' routing statistics added to the trunk's. "detached": the head's loss trains
+        only the head (``mtp_logits_from``)."""
+        if mtp == "off":
+            return super().forward(tokens, routing, positions=positions, documents=documents)
+        embedded = self.embed_tokens(tokens)  # (B, S, H)
+        hidden, routing = self.decode(embedded, routing, positions=positions, documents=documents)
+        detach = mtp == "detached"
+        head_hidden, head_routing = self._head_hidden(hidden, embedded, documents, detach)
+        if detach:  # the output head's weight learns from the main loss only
+            logits = self.lm_head(hidden)  # (B, S, V)
+            head_logits = F.linear(head_hidden, self.lm_head.weight.detach())  # (B, S-1, V)
+        else:  # one call of the output head for both, so FSDP sees one use of its weight
+            both = self.lm_head(torch.cat([hidden, head_hidden], dim=1))  # (B, 2S-1, V)
+            logits, head_logits = both.split([hidden.shape[1], head_hidden.shape[1]], dim=1)
+        if not self.args.moe:
+            return logits, head_logits
+        if head_routing is not None:
+            routing = head_routing if routing is None else routing + head_routing
+        if routing is None:
+            routing = hidden.new_zeros(hidden.shape[0], 2, self.args.num_experts, dtype=torch.float32)
+        return (logits, routing), head_logits
+
     def mtp_logits(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """The head's logits (B, S-1, V) for tokens (B, S): position i predicts token i+2 from
         the trunk's state at i and token i+1. Under ``documents`` (B, S) nothing crosses a
@@ -197,17 +231,23 @@ class Qwen35(Qwen):
         detach: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head's logits (B, S-1, V) from the trunk's final-normed ``hidden`` (B, S, H)
-        (``trunk``, so a training step runs the trunk once for both losses), and the routing
-        statistics of its experts. ``detach``: the head's loss trains only the head (no
-        gradient into the trunk, the shared embedding or the shared output head; Megatron's
-        ``mtp_detach_heads``)."""
-        head = self._head()
-        embedded = self.embed_tokens(tokens)  # (B, S, H)
-        if detach:
-            hidden, embedded = hidden.detach(), embedded.detach()
-        head_hidden, routing = head(*head_inputs(hidden, embedded, documents))
+        (``trunk``), and the routing statistics of its experts. ``detach``: the head's loss
+        trains only the head (no gradient into the trunk, the shared embedding or the shared
+        output head; Megatron's ``mtp_detach_heads``). Outside a training step: a step
+        wrapped by FSDP gets the same from ``forward(..., mtp=...)``."""
+        head_hidden, routing = self._head_hidden(hidden, self.embed_tokens(tokens), documents, detach)
         weight = self.lm_head.weight.detach() if detach else self.lm_head.weight
         return F.linear(head_hidden, weight), routing
+
+    def _head_hidden(
+        self, hidden: torch.Tensor, embedded: torch.Tensor, documents: torch.Tensor | None, detach: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's normed states (B, S-1, H) from the trunk's states and the embedded
+        tokens (B, S, H) each, and its routing statistics."""
+        head = self._head()
+        if detach:
+            hidden, embedded = hidden.detach(), embedded.detach()
+        return head(*head_inputs(hidden, embedded, documents))
 
     def _head(self) -> MTPHead:
         if self.mtp is None:

@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 from torch import nn
 
 from autopar.models.args import ModelArgs
 from autopar.models.qwen import document_mask, document_positions, split_output
+
+MTPMode = Literal["off", "on", "detached"]
+"""What ``Qwen35.forward`` runs of the head: nothing, the head with gradients into the whole
+model, or the head on detached inputs (its loss trains the head alone)."""
 
 
 def head_layer_args(args: ModelArgs) -> ModelArgs:

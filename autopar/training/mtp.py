@@ -1,0 +1,128 @@
+"""Training Qwen3.5's multi-token-prediction head with the model (``[mtp]``, issue 55): the
+job's checks, the head's layers read from the HF folder, and what a step needs to add the
+head's loss (``MTPTraining``).
+
+The head runs inside the model's forward (``Qwen35.forward(..., mtp=...)``), so FSDP gathers
+its weights as the model's. Plans that split the sequence, the layers, the heads or the
+experts (CP, PP, TP, EP) would need the head split with them, and are refused until they are.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from autopar.config.errors import ConfigError
+from autopar.config.sections import JobConfig
+from autopar.data.loader import IGNORE_INDEX, Batch
+from autopar.models.args import ModelArgs
+from autopar.models.hf import head_layers
+from autopar.models.hf_config import HFCheckpointError
+from autopar.parallel.mesh import ParallelDims
+from autopar.training.mtp_loss import mtp_labels
+from autopar.training.train_context import all_reduce_sum
+
+METRICS = ("mtp_loss", "mtp_acceptance")
+"""The head's numbers in metrics.jsonl and the step line (``val_`` ones under validation)."""
+
+
+def head_layers_of(job: JobConfig, args: ModelArgs) -> int:
+    """The head's layers a job with ``[mtp] enable`` builds from its HF folder
+    (``model.hf_assets_path``'s config.json and ``mtp.*`` tensors); one line naming the folder
+    when it has none."""
+    folder = job.model.hf_assets_path
+    if not args.hybrid:
+        raise ConfigError(
+            f"mtp.enable=true, but {job.model.name} has no multi-token-prediction head (Qwen3.5's "
+            "only); use --mtp.enable false"
+        )
+    try:
+        return head_layers(folder, args)
+    except HFCheckpointError:
+        raise ConfigError(
+            f"mtp.enable=true, but model.hf_assets_path={folder!r} has no multi-token-prediction head "
+            "(mtp_num_hidden_layers > 0 in config.json and mtp.* tensors); fine-tune a released Qwen3.5 "
+            "folder that carries one, or use --mtp.enable false"
+        ) from None
+
+
+UNSUPPORTED_PLANS = (
+    ("tp", "parallelism.tensor_parallel_degree"),
+    ("pp", "parallelism.pipeline_parallel_degree"),
+    ("cp", "parallelism.context_parallel_degree"),
+    ("ep", "parallelism.expert_parallel_degree"),
+)
+"""Degrees the head is not split under yet: (``ParallelDims`` field, the job's field)."""
+
+
+def check_mtp(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
+    """``[mtp]`` is consistent, the model has a head, and nothing the head does not run
+    under yet is asked for: one line naming the field and what to do instead."""
+    cfg = job.mtp
+    if not cfg.enable:
+        for name in ("only", "detach"):
+            if getattr(cfg, name):
+                raise ConfigError(f"mtp.{name}=true without mtp.enable; add --mtp.enable true")
+        return
+    if cfg.loss_scale <= 0:
+        raise ConfigError(f"mtp.loss_scale={cfg.loss_scale} must be > 0 (Megatron's default: 0.1)")
+    if not args.hybrid:
+        raise ConfigError(
+            f"mtp.enable=true, but model.name={job.model.name!r} has no multi-token-prediction head "
+            "(Qwen3.5's only); use --mtp.enable false"
+        )
+    if args.mtp_num_hidden_layers == 0:
+        raise ConfigError(
+            f"mtp.enable=true, but model {job.model.name}/{job.model.flavor} has no multi-token-prediction "
+            "head; fine-tune a Qwen3.5 folder that carries mtp.* (model.hf_assets_path), set "
+            "--model.mtp_num_hidden_layers 1 for a fresh one, or use --mtp.enable false"
+        )
+    _check_initial_load(job, args)
+    for dim, field in UNSUPPORTED_PLANS:
+        if getattr(dims, dim) > 1:
+            raise ConfigError(
+                f"{field}={getattr(dims, dim)} with mtp.enable=true: the multi-token-prediction head does not "
+                f"run under it yet; use FSDP / HSDP (data_parallel_*_degree) with {field.split('.')[1]} 1, "
+                "or --mtp.enable false"
+            )
+    refused = {
+        "parallelism.auto=true": job.parallelism.auto,
+        "training.dataset_format='preference'": job.training.dataset_format == "preference",
+        "lora.enable=true": job.lora.enable,
+        "float8.enable=true": job.float8.enable,
+    }
+    for setting, asked in refused.items():
+        if asked:
+            raise ConfigError(
+                f"{setting} with mtp.enable=true: not supported with the multi-token-prediction head "
+                "yet; turn it off, or use --mtp.enable false"
+            )
+    if cfg.detach and job.parallelism.fsdp_reshard_after_forward == "always":
+        raise ConfigError(
+            "mtp.detach=true with parallelism.fsdp_reshard_after_forward='always': the detached head "
+            "reads the output head's weight after its forward; use 'default' or 'never'"
+        )
+
+
+def _check_initial_load(job: JobConfig, args: ModelArgs) -> None:
+    """An HF folder the weights start from carries the head too."""
+    checkpoint = job.checkpoint
+    path = checkpoint.initial_load_path
+    if not checkpoint.initial_load_in_hf or path is None or not Path(path).is_dir():
+        return
+    try:
+        head_layers(path, args)
+    except HFCheckpointError:
+        raise ConfigError(
+            f"mtp.enable=true, but checkpoint.initial_load_path={path!r} has no multi-token-prediction head "
+            "(mtp.* tensors) to start it from; load a folder that carries one, or use --mtp.enable false"
+        ) from None
+
+
+def global_mtp_target_count(batches: list[Batch], dp_mesh: DeviceMesh | None) -> torch.Tensor:
+    """The head's targets over the whole global batch (``global_target_count``'s twin): what
+    its summed loss is divided by, as the main loss is by its own."""
+    local = sum((mtp_labels(b.labels, b.documents) != IGNORE_INDEX).sum() for b in batches).to(torch.float32)
+    return all_reduce_sum(local, dp_mesh)
