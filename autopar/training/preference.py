@@ -103,23 +103,8 @@ def check_preference(job: JobConfig, dims: ParallelDims) -> None:
             "dpo.reference_path with dpo.reference='adapters_off': the reference is the LoRA base itself; "
             "unset reference_path, or use --dpo.reference copy"
         )
-    schedule = job.parallelism.pipeline_parallel_schedule
-    if dims.pp > 1 and SCHEDULE_STYLES[schedule_name(job.parallelism)].placement == "v":
-        loop = [name for name, style in SCHEDULE_STYLES.items() if style.placement == "loop"]
-        raise ConfigError(
-            f"parallelism.pipeline_parallel_schedule={schedule!r} with preference data: the reference's "
-            f"forward-only pass does not run on torch's V-shaped schedules; use one of {loop}"
-        )
-    if (
-        dims.pp > 1
-        and job.validation.enable
-        and job.validation.local_batch_size != job.training.local_batch_size
-    ):
-        raise ConfigError(
-            f"validation.local_batch_size={job.validation.local_batch_size} under pipeline parallelism with "
-            "preference data: the pipeline's stages keep the shapes of training's micro-batches; use "
-            f"--validation.local_batch_size {job.training.local_batch_size}"
-        )
+    if dims.pp > 1:
+        _check_pipelined(job)
     if job.training.loss_chunk_tokens > 0:
         raise ConfigError(
             "training.loss_chunk_tokens > 0 with preference data: DPO reads each token's log-probability; "
@@ -129,6 +114,23 @@ def check_preference(job: JobConfig, dims: ParallelDims) -> None:
         raise ConfigError(
             f"validation.seq_len={job.validation.seq_len} with preference data: held-out pairs are packed "
             f"as training's are, in rows of training.seq_len={seq_len}; leave validation.seq_len at -1"
+        )
+
+
+def _check_pipelined(job: JobConfig) -> None:
+    """Pipelined DPO's own limits: a schedule whose forward-only pass runs, fixed shapes."""
+    schedule = job.parallelism.pipeline_parallel_schedule
+    if SCHEDULE_STYLES[schedule_name(job.parallelism)].placement == "v":
+        loop = [name for name, style in SCHEDULE_STYLES.items() if style.placement == "loop"]
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule={schedule!r} with preference data: the reference's "
+            f"forward-only pass does not run on torch's V-shaped schedules; use one of {loop}"
+        )
+    if job.validation.enable and job.validation.local_batch_size != job.training.local_batch_size:
+        raise ConfigError(
+            f"validation.local_batch_size={job.validation.local_batch_size} under pipeline parallelism with "
+            "preference data: the pipeline's stages keep the shapes of training's micro-batches; use "
+            f"--validation.local_batch_size {job.training.local_batch_size}"
         )
 
 
