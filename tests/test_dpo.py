@@ -356,8 +356,8 @@ pipelined reference."""
 def family_job(folder: Path, family: str) -> JobConfig:
     if family == "qwen3.5":
         return hybrid_preference_job(folder, "--optimizer.lr", "0.001")
-    if family == "qwen3_moe":
-        return preference_job(folder, *MOE_FLAGS)
+    if family == "qwen3_moe":  # per-row load balancing: rows as one device's under PP too
+        return preference_job(folder, *MOE_FLAGS, "--dpo.packing", "false")
     if family == "precomputed":
         return preference_job(folder, "--dpo.reference", "precomputed")
     return preference_job(folder, "--lora.enable", "true", "--dpo.reference", "adapters_off")
@@ -471,6 +471,10 @@ def test_a_resumed_dpo_run_continues_exactly(tmp_path):
                 *("--validation.local_batch_size", "1"),
             ),
             "use --validation.local_batch_size 2",
+        ),
+        (
+            ("--parallelism.pipeline_parallel_degree", "2", *MOE_FLAGS),
+            "use --dpo.packing false",
         ),
         (
             ("--validation.enable", "true", "--validation.dataset_path", "x", "--validation.seq_len", "32"),

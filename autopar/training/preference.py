@@ -61,7 +61,7 @@ def max_sequence_length(job: JobConfig) -> int:
     return job.dpo.max_length if job.dpo.max_length > 0 else job.training.seq_len // 2
 
 
-def check_preference(job: JobConfig, dims: ParallelDims) -> None:
+def check_preference(job: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
     """``[dpo]`` and the plan agree with preference data (and ``[dpo]`` is not half-set
     without it)."""
     cfg = job.dpo
@@ -104,7 +104,7 @@ def check_preference(job: JobConfig, dims: ParallelDims) -> None:
             "unset reference_path, or use --dpo.reference copy"
         )
     if dims.pp > 1:
-        _check_pipelined(job)
+        _check_pipelined(job, args)
     if job.training.loss_chunk_tokens > 0:
         raise ConfigError(
             "training.loss_chunk_tokens > 0 with preference data: DPO reads each token's log-probability; "
@@ -117,8 +117,15 @@ def check_preference(job: JobConfig, dims: ParallelDims) -> None:
         )
 
 
-def _check_pipelined(job: JobConfig) -> None:
-    """Pipelined DPO's own limits: a schedule whose forward-only pass runs, fixed shapes."""
+def _check_pipelined(job: JobConfig, args: ModelArgs) -> None:
+    """Pipelined DPO's own limits: a schedule whose forward-only pass runs, fixed shapes, and
+    rows that hold what one device's hold."""
+    if args.moe and job.dpo.packing:
+        raise ConfigError(
+            "dpo.packing=true for a mixture of experts under pipeline parallelism: the load-balancing "
+            "loss is per row, and a pipeline packs each micro-batch's pairs into rows of their own, "
+            "other rows than one device's; use --dpo.packing false (each sequence its own row)"
+        )
     schedule = job.parallelism.pipeline_parallel_schedule
     if SCHEDULE_STYLES[schedule_name(job.parallelism)].placement == "v":
         loop = [name for name, style in SCHEDULE_STYLES.items() if style.placement == "loop"]

@@ -87,7 +87,7 @@ def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: st
     check_sdpa_backend(job, device_type)
     check_expert_kernel(job, args, device_type)
     check_delta_rule_kernel(job, args, device_type)
-    check_preference(job, dims)
+    check_preference(job, dims, args)
     check_mtp(job, args, dims)
     return dims
 
