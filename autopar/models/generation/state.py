@@ -10,7 +10,8 @@ parts replaced for the duration (``Decoder.attached``), as parallel plans replac
 - each Gated DeltaNet's ``core.sequence`` (the two steps that read along the sequence) by
   ``CachedSequence``, which prepends the last K-1 inputs of each convolution and runs the
   delta rule from the recurrent state entering the chunk (the kernel's entry state), keeping
-  the exit state.
+  the exit state: a call of up to ``STEPS_MAX`` tokens (a decode step) token by token
+  (``delta_rule_steps``, O(1) a token), a longer one (a prompt) by the chunked kernel.
 
 Rows are independent: a call names the rows it advances (a prefill one prompt at a time,
 a decode step all of them) and each row's tokens carry their own positions, so prompts of
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.models.qwen import Qwen, ScaledDotProduct, split_output
+from autopar.models.qwen3_5.delta_rule_steps import STEPS_MAX, delta_rule_steps
 from autopar.models.qwen3_5.gated_deltanet import WholeSequence, causal_conv
 
 
@@ -73,8 +75,9 @@ class CachedAttention(nn.Module):
 class CachedSequence(WholeSequence):
     """``WholeSequence``'s place during decoding: convolution and delta rule continue from
     the state the cursor's rows left (zero before their first token). The delta rule is
-    always our kernel (``torch.ops.autopar.gated_delta_rule``), whose entry and exit states
-    this needs, whichever kernel training runs."""
+    always ours (``delta_rule_steps`` for a few tokens, else the chunked kernel
+    ``torch.ops.autopar.gated_delta_rule``), whose entry and exit states this needs, whichever
+    kernel training runs."""
 
     def __init__(self, cursor: Cursor, batch: int) -> None:
         super().__init__()
@@ -115,9 +118,13 @@ class CachedSequence(WholeSequence):
         if self.recurrent is None:
             heads, dk, dv = k.shape[2], k.shape[-1], v.shape[-1]
             self.recurrent = v.new_zeros(self.batch, heads, v.shape[2] // heads, dk, dv, dtype=torch.float32)
-        out, _, exit_state = torch.ops.autopar.gated_delta_rule(
-            q, k, v, g, beta, None, self.recurrent[rows].contiguous(), None
-        )
+        entry = self.recurrent[rows]
+        if k.shape[1] <= STEPS_MAX:
+            out, exit_state = delta_rule_steps(q, k, v, g, beta, entry)
+        else:
+            out, _, exit_state = torch.ops.autopar.gated_delta_rule(
+                q, k, v, g, beta, None, entry.contiguous(), None
+            )
         self.recurrent[rows] = exit_state
         return out
 
