@@ -5,8 +5,11 @@ seed is reproducible."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.models import build_model, from_hf, get_flavor
@@ -145,6 +148,30 @@ def test_a_decode_step_runs_the_delta_rule_token_by_token_and_a_prompt_by_chunks
     with KernelCalls() as calls:
         decoder.forward(torch.tensor([[4]]), slice(None), torch.tensor([70]))
     assert calls.chunked == 0
+
+
+def compiled_tokens_equal_eager_after_one_compile(family: str) -> None:
+    """A ragged batch of three: the same tokens, one graph for all 11 decode steps, no break."""
+    model = tiny(family)
+    graphs = counters["stats"]["unique_graphs"]
+    assert generate(model, PROMPTS, 12, compiled=True) == generate(model, PROMPTS, 12)
+    assert counters["stats"]["unique_graphs"] == graphs + 1
+    assert not counters["graph_break"]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
+def test_the_decode_step_traces_into_one_graph(family, monkeypatch):
+    """Tracing only (the aot_eager backend: dynamo and functionalization of the cache writes,
+    no code generation), so that CI checks in seconds that the step compiles once."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    compiled_tokens_equal_eager_after_one_compile(family)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
+def test_compiled_greedy_tokens_equal_eager_and_compile_once(family):
+    """Inductor, as ``[generate] compile`` runs it: 20-35 s a model cold on two CPU cores."""
+    compiled_tokens_equal_eager_after_one_compile(family)
 
 
 def test_a_ragged_batch_gives_each_prompt_its_own_tokens():

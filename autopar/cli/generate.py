@@ -113,7 +113,7 @@ def run(job: JobConfig) -> Path:
     stops = stop_ids(tokenizer)
     new = generate(
         model, prompts, settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k,
-        settings.seed, stops,
+        settings.seed, stops, compiled=settings.compile,
     )  # fmt: skip
     output = Path(settings.output or Path(job.job.dump_folder) / "generations.jsonl")
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -409,6 +409,9 @@ class Generate:
     output: str | None = None
     """A JSONL file written with one record per prompt: prompt_ids, new_ids, text; unset:
     <job.dump_folder>/generations.jsonl."""
+    compile: bool = False
+    """Run the decode step through torch.compile: about 2-3x faster a token on CPU's debug
+    models, after a compilation of 10-30 s; worth it for long generations."""
 
 
 @dataclass

@@ -13,6 +13,9 @@ from autopar.models.qwen import Qwen
 
 PREFILL_CHUNK = 512
 """Prompt tokens run per forward during prefill; each chunk continues from the state."""
+COMPILED_LENGTHS = 256
+"""A compiled decoder's cache holds a multiple of this many positions, so that calls of
+similar lengths (and batch) reuse one compiled step instead of compiling their own."""
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, limit: int) -> None:
@@ -47,9 +50,11 @@ def generate(
     seed: int = 0,
     stop_ids: Collection[int] = (),
     prefill_chunk: int = PREFILL_CHUNK,
+    compiled: bool = False,
 ) -> list[list[int]]:
     """Each prompt's new tokens: up to ``max_new_tokens``, ending at the first of ``stop_ids``
-    (kept). Greedy at ``temperature`` 0, else sampled (see ``Sampling``)."""
+    (kept). Greedy at ``temperature`` 0, else sampled (see ``Sampling``). ``compiled``: the
+    decode step runs through ``torch.compile`` (``Decoder.step``)."""
     check_prompts(prompts, max_new_tokens, model.args.max_position_embeddings)
     if not prompts or max_new_tokens < 1:
         return [[] for _ in prompts]
@@ -57,7 +62,9 @@ def generate(
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     length = max(len(p) for p in prompts) + max_new_tokens
-    decoder = Decoder(model, len(prompts), length)
+    if compiled:  # lengths of the same multiple share the compiled step's shapes
+        length = min(-(-length // COMPILED_LENGTHS) * COMPILED_LENGTHS, model.args.max_position_embeddings)
+    decoder = Decoder(model, len(prompts), length, compiled)
     decoder.cursor.positions = decoder.cursor.positions.to(device)
     last = torch.stack([prefill(decoder, p, row, prefill_chunk) for row, p in enumerate(prompts)])  # (B, V)
     position = torch.tensor([len(p) for p in prompts], device=device)  # (B,) where the next token goes
@@ -71,6 +78,6 @@ def generate(
                 done[row] = token in stop_ids
         if all(done) or step == max_new_tokens - 1:
             break
-        last = decoder.forward(chosen[:, None], slice(None), position)[:, -1]
+        last = decoder.step(chosen, position)
         position = position + 1
     return new

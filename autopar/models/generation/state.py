@@ -63,7 +63,9 @@ class CachedAttention(nn.Module):
         keys, values = self.k[rows], self.v[rows]  # views (b, Hkv, L, D)
         keys[index, :, positions] = k.transpose(1, 2)  # (b, S, Hkv, D) into each token's slot
         values[index, :, positions] = v.transpose(1, 2)
-        end = int(positions.max()) + 1
+        # eager: the slots up to the last token's; compiled: all of them, masked, so that every
+        # decode step has one shape and the graph one compilation
+        end = self.length if torch.compiler.is_compiling() else int(positions.max()) + 1
         slots = torch.arange(end, device=positions.device)
         visible = (slots <= positions[:, :, None])[:, None]  # (b, 1, S, end): a slot at or before the token
         gqa = q.shape[1] != k.shape[1]
@@ -133,11 +135,14 @@ class Decoder:
     """A model with decoding state for ``batch`` rows of up to ``length`` tokens each.
 
     ``forward(tokens, rows, start)`` runs tokens (b, S) of ``rows`` whose first token sits at
-    ``start`` (b,) and returns their logits (b, S, V); the state then holds them.
+    ``start`` (b,) and returns their logits (b, S, V); the state then holds them. ``step``
+    runs one token of every row, through ``torch.compile`` when ``compiled``: its shapes are
+    the same at every step (the cache is static), so it compiles once per decoder.
     """
 
-    def __init__(self, model: Qwen, batch: int, length: int) -> None:
+    def __init__(self, model: Qwen, batch: int, length: int, compiled: bool = False) -> None:
         self.model, self.batch, self.length = model, batch, length
+        self.one_token = torch.compile(self.logits, dynamic=False) if compiled else self.logits
         self.cursor = Cursor(slice(None), torch.zeros(batch, 1, dtype=torch.long))
         self.attention: dict[nn.Module, CachedAttention] = {}
         self.sequences: dict[object, CachedSequence] = {}
@@ -172,5 +177,17 @@ class Decoder:
             raise ValueError(f"position {int(positions.max())} is past the decoder's length {self.length}")
         self.cursor.rows, self.cursor.positions = rows, positions
         with self.attached():
-            logits, _ = split_output(self.model(tokens, positions=positions))
-        return logits
+            return self.logits(tokens, positions)
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits (B, V) of one token (B,) of every row, each at its position (B,)."""
+        if int(positions.max()) >= self.length:
+            raise ValueError(f"position {int(positions.max())} is past the decoder's length {self.length}")
+        self.cursor.rows, self.cursor.positions = slice(None), positions[:, None]
+        with self.attached():
+            return self.one_token(tokens[:, None], positions[:, None])[:, -1]
+
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The model's logits (b, S, V) of tokens (b, S) at positions (b, S), state attached."""
+        return split_output(self.model(tokens, positions=positions))[0]
