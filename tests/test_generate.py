@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.models import build_model, from_hf, get_flavor
 from autopar.models.generation import Decoder, generate
+from autopar.models.generation.generate import same_lengths
 from autopar.models.qwen3_5.delta_rule_steps import delta_rule_steps
 
 from jobs import tiny_args
@@ -175,9 +176,12 @@ def test_compiled_greedy_tokens_equal_eager_and_compile_once(family):
 
 
 def test_a_ragged_batch_gives_each_prompt_its_own_tokens():
+    """Two prompts of three tokens side by side are prefilled as one batch, the rest alone."""
     model = tiny("qwen3.5")
-    together = generate(model, PROMPTS, 6)
-    assert together == [generate(model, [p], 6)[0] for p in PROMPTS]
+    prompts = [PROMPTS[0], [7, 8, 9], *PROMPTS[1:]]
+    assert same_lengths(prompts) == [slice(0, 2), slice(2, 3), slice(3, 4)]
+    together = generate(model, prompts, 6)
+    assert together == [generate(model, [p], 6)[0] for p in prompts]
 
 
 def test_sampling_with_a_seed_is_reproducible_and_seeds_differ():
