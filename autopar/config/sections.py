@@ -354,6 +354,10 @@ class Validation:
     """Validate every this many steps (and after the last)."""
     steps: int = -1
     """Batches per validation; -1: every whole batch the held-out data holds."""
+    sample_prompts: str | None = None
+    """A JSONL file of prompts (as generate.prompts) answered greedily every freq steps, with
+    up to generate.max_new_tokens tokens each: logged and appended to
+    <job.dump_folder>/samples.jsonl with the step (validation.enable not needed)."""
 
 
 @dataclass

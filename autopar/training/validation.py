@@ -22,6 +22,7 @@ from autopar.data.tokenizer import Tokenizer
 from autopar.models.args import ModelArgs
 from autopar.parallel.mesh import ParallelDims, check_model_split
 from autopar.training.resolve import chat_format
+from autopar.training.sample_prompts import check_sample_prompts
 from autopar.training.step import TrainStep, global_target_count
 
 
@@ -34,6 +35,7 @@ def check_validation(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> Non
     """``[validation]`` can run under the job's plan: data named, sizes in range, and what
     the plan fixes (a pipeline's micro-batches and shapes) equal to training's."""
     cfg = job.validation
+    check_sample_prompts(job, dims)
     if not cfg.enable:
         return
     if cfg.dataset is None and cfg.dataset_path is None:
