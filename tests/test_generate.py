@@ -5,11 +5,17 @@ seed is reproducible."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.models import build_model, from_hf, get_flavor
 from autopar.models.generation import Decoder, generate
+from autopar.models.generation.generate import same_lengths
+from autopar.models.qwen3_5.delta_rule_steps import delta_rule_steps
 
 from jobs import tiny_args
 
@@ -106,10 +112,76 @@ def test_logits_along_a_generated_sequence_equal_one_forward(family):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
-def test_a_ragged_batch_gives_each_prompt_its_own_tokens():
+@pytest.mark.parametrize("tokens", [1, 2, 3])
+def test_delta_rule_steps_equal_the_chunked_kernel_from_an_entry_state(tokens):
+    """Outputs and exit state, from a random entry state, at Qwen3.5's grouped heads (8 value
+    heads reading 4 key heads, dk 16, dv 24); fp32, a few tokens: rounding only."""
+    gen = torch.Generator().manual_seed(tokens)
+    q, k = (torch.randn(2, tokens, 4, 16, generator=gen) for _ in range(2))
+    v = torch.randn(2, tokens, 8, 24, generator=gen)
+    g = -torch.rand(2, tokens, 8, generator=gen) * 2
+    beta = torch.rand(2, tokens, 8, generator=gen)
+    entry = torch.randn(2, 4, 2, 16, 24, generator=gen)
+    out, _, exit_state = torch.ops.autopar.gated_delta_rule(q, k, v, g, beta, None, entry, None)
+    step_out, step_exit = delta_rule_steps(q, k, v, g, beta, entry)
+    torch.testing.assert_close(step_out, out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(step_exit, exit_state, rtol=1e-5, atol=1e-5)
+
+
+class KernelCalls(TorchDispatchMode):
+    """Counts the chunked delta-rule kernel's calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chunked = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.chunked += func.name().startswith("autopar::gated_delta_rule")
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_decode_step_runs_the_delta_rule_token_by_token_and_a_prompt_by_chunks():
     model = tiny("qwen3.5")
-    together = generate(model, PROMPTS, 6)
-    assert together == [generate(model, [p], 6)[0] for p in PROMPTS]
+    decoder = Decoder(model, 1, 80)
+    with KernelCalls() as calls:
+        decoder.forward(torch.tensor([PROMPTS[1]]), slice(None), torch.tensor([0]))
+    assert calls.chunked == 3  # one per Gated DeltaNet layer
+    with KernelCalls() as calls:
+        decoder.forward(torch.tensor([[4]]), slice(None), torch.tensor([70]))
+    assert calls.chunked == 0
+
+
+def compiled_tokens_equal_eager_after_one_compile(family: str) -> None:
+    """A ragged batch of three: the same tokens, one graph for all 11 decode steps, no break."""
+    model = tiny(family)
+    graphs, breaks = counters["stats"]["unique_graphs"], counters["graph_break"].total()
+    assert generate(model, PROMPTS, 12, compiled=True) == generate(model, PROMPTS, 12)
+    assert counters["stats"]["unique_graphs"] == graphs + 1
+    assert counters["graph_break"].total() == breaks
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
+def test_the_decode_step_traces_into_one_graph(family, monkeypatch):
+    """Tracing only (the aot_eager backend: dynamo and functionalization of the cache writes,
+    no code generation), so that CI checks in seconds that the step compiles once."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    compiled_tokens_equal_eager_after_one_compile(family)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
+def test_compiled_greedy_tokens_equal_eager_and_compile_once(family):
+    """Inductor, as ``[generate] compile`` runs it: 20-35 s a model cold on two CPU cores."""
+    compiled_tokens_equal_eager_after_one_compile(family)
+
+
+def test_a_ragged_batch_gives_each_prompt_its_own_tokens():
+    """Two prompts of three tokens side by side are prefilled as one batch, the rest alone."""
+    model = tiny("qwen3.5")
+    prompts = [PROMPTS[0], [7, 8, 9], *PROMPTS[1:]]
+    assert same_lengths(prompts) == [slice(0, 2), slice(2, 3), slice(3, 4)]
+    together = generate(model, prompts, 6)
+    assert together == [generate(model, [p], 6)[0] for p in prompts]
 
 
 def test_sampling_with_a_seed_is_reproducible_and_seeds_differ():

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
+import torch
+from torch._dynamo.utils import counters
 
 from autopar.cli.generate import main
 from autopar.data.chat_template import render, template_text
@@ -49,6 +52,16 @@ def test_sampled_output_repeats_with_its_seed(tmp_path):
     sampling = ("--generate.temperature", "0.8", "--generate.top_p", "0.9", "--generate.seed", "3")
     first = run(tmp_path, [json.dumps({"prompt": "Once upon"})], *sampling)[1]
     assert run(tmp_path, [json.dumps({"prompt": "Once upon"})], *sampling)[1] == first
+
+
+def test_generate_compile_runs_the_compiled_decode_step_with_the_same_tokens(tmp_path, monkeypatch):
+    """Traced by the aot_eager backend (no code generation: seconds, not a compile's 20)."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    lines = [json.dumps({"prompt": "Hello there"})]
+    eager = run(tmp_path, lines)[1]
+    graphs = counters["stats"]["unique_graphs"]
+    assert run(tmp_path, lines, "--generate.compile", "true")[1] == eager
+    assert counters["stats"]["unique_graphs"] == graphs + 1
 
 
 @pytest.mark.parametrize(

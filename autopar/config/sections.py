@@ -372,6 +372,10 @@ class Validation:
     """Validate every this many steps (and after the last)."""
     steps: int = -1
     """Batches per validation; -1: every whole batch the held-out data holds."""
+    sample_prompts: str | None = None
+    """A JSONL file of prompts (as generate.prompts) answered greedily every freq steps, with
+    up to generate.max_new_tokens tokens each: logged and appended to
+    <job.dump_folder>/samples.jsonl with the step (validation.enable not needed)."""
 
 
 @dataclass
@@ -427,6 +431,9 @@ class Generate:
     output: str | None = None
     """A JSONL file written with one record per prompt: prompt_ids, new_ids, text; unset:
     <job.dump_folder>/generations.jsonl."""
+    compile: bool = False
+    """Run the decode step through torch.compile: about 2-3x faster a token on CPU's debug
+    models, after a compilation of 10-30 s; worth it for long generations."""
 
 
 @dataclass

@@ -48,6 +48,7 @@ from autopar.training.resume_checks import (
     lora_base,
     warn_changed_data_shape,
 )
+from autopar.training.sample_prompts import PromptSampler
 from autopar.training.samples import held_out_samples, job_samples, step_loader, validator
 from autopar.training.sinks import build_sinks
 from autopar.training.step import TrainStep
@@ -93,6 +94,7 @@ class Trainer:
         self.validator = (
             validator(job, held_out, self.train_step, self.loader) if held_out is not None else None
         )
+        self.sampler = PromptSampler(job, args, tokenizer, world) if job.validation.sample_prompts else None
         self.checkpointer = Checkpointer(
             job.checkpoint,
             job.job.dump_folder,
@@ -265,7 +267,7 @@ class Trainer:
                     records.append(self._log(loss, norm, window_steps, elapsed))
                     window_start, window_steps = time.perf_counter(), 0
                     self.window_tokens = 0
-                if self.validator is not None and (
+                if (self.validator is not None or self.sampler is not None) and (
                     self.step % self.job.validation.freq == 0 or self.step == steps
                 ):
                     self._validate()
@@ -358,9 +360,12 @@ class Trainer:
         )
 
     def _validate(self) -> None:
-        """The held-out loss of this step's weights, logged."""
-        assert self.validator is not None
+        """The held-out loss of this step's weights, and its replies to the sample prompts, logged."""
         with self.timeout.longer(self.job.comm.init_timeout_seconds):  # the first pass compiles its forward
+            if self.sampler is not None:
+                self.sampler.run(self.step, self.parts[0])
+            if self.validator is None:
+                return
             result = self.validator.run()
         self.metrics.record_validation(self.step, result.loss, result.tokens, result.metrics)
 

@@ -24,6 +24,7 @@ from autopar.parallel.mesh import ParallelDims, check_model_split
 from autopar.training.mtp import METRICS as MTP_METRICS
 from autopar.training.mtp import global_mtp_target_count
 from autopar.training.resolve import chat_format
+from autopar.training.sample_prompts import check_sample_prompts
 from autopar.training.step import TrainStep, global_target_count
 
 
@@ -36,6 +37,7 @@ def check_validation(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> Non
     """``[validation]`` can run under the job's plan: data named, sizes in range, and what
     the plan fixes (a pipeline's micro-batches and shapes) equal to training's."""
     cfg = job.validation
+    check_sample_prompts(job, dims)
     if not cfg.enable:
         return
     if cfg.dataset is None and cfg.dataset_path is None:

@@ -1,5 +1,6 @@
-"""Generation: prefill each prompt into its row of the state, then decode all rows together
-one token per step, each at its own position, until every row stops or reaches its budget."""
+"""Generation: prefill each prompt into its row of the state (consecutive prompts of one
+length together), then decode all rows together one token per step, each at its own position,
+until every row stops or reaches its budget."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from autopar.models.qwen import Qwen
 
 PREFILL_CHUNK = 512
 """Prompt tokens run per forward during prefill; each chunk continues from the state."""
+COMPILED_LENGTHS = 256
+"""A compiled decoder's cache holds a multiple of this many positions, so that calls of
+similar lengths (and batch) reuse one compiled step instead of compiling their own."""
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, limit: int) -> None:
@@ -27,14 +31,25 @@ def check_prompts(prompts: Sequence[Sequence[int]], max_new_tokens: int, limit: 
             )
 
 
-def prefill(decoder: Decoder, prompt: Sequence[int], row: int, chunk: int) -> torch.Tensor:
-    """Run ``prompt`` into ``row`` of the state, ``chunk`` tokens a forward; its last logits (V,)."""
+def same_lengths(prompts: Sequence[Sequence[int]]) -> list[slice]:
+    """The runs of consecutive prompts of one length: each is prefilled as one batch."""
+    runs, first = [], 0
+    for row in range(1, len(prompts) + 1):
+        if row == len(prompts) or len(prompts[row]) != len(prompts[first]):
+            runs.append(slice(first, row))
+            first = row
+    return runs
+
+
+def prefill(decoder: Decoder, prompts: Sequence[Sequence[int]], rows: slice, chunk: int) -> torch.Tensor:
+    """Run ``prompts`` (of one length) into ``rows`` of the state, ``chunk`` tokens a forward;
+    their last logits (b, V)."""
     device = decoder.cursor.positions.device
-    tokens = torch.tensor([list(prompt)], device=device)  # (1, S)
+    tokens = torch.tensor([list(p) for p in prompts], device=device)  # (b, S)
     for start in range(0, tokens.shape[1], chunk):
         piece = tokens[:, start : start + chunk]
-        logits = decoder.forward(piece, slice(row, row + 1), torch.tensor([start], device=device))
-    return logits[0, -1]
+        logits = decoder.forward(piece, rows, torch.full((len(prompts),), start, device=device))
+    return logits[:, -1]
 
 
 def generate(
@@ -47,9 +62,11 @@ def generate(
     seed: int = 0,
     stop_ids: Collection[int] = (),
     prefill_chunk: int = PREFILL_CHUNK,
+    compiled: bool = False,
 ) -> list[list[int]]:
     """Each prompt's new tokens: up to ``max_new_tokens``, ending at the first of ``stop_ids``
-    (kept). Greedy at ``temperature`` 0, else sampled (see ``Sampling``)."""
+    (kept). Greedy at ``temperature`` 0, else sampled (see ``Sampling``). ``compiled``: the
+    decode step runs through ``torch.compile`` (``Decoder.step``)."""
     check_prompts(prompts, max_new_tokens, model.args.max_position_embeddings)
     if not prompts or max_new_tokens < 1:
         return [[] for _ in prompts]
@@ -57,9 +74,11 @@ def generate(
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     length = max(len(p) for p in prompts) + max_new_tokens
-    decoder = Decoder(model, len(prompts), length)
+    if compiled:  # lengths of the same multiple share the compiled step's shapes
+        length = min(-(-length // COMPILED_LENGTHS) * COMPILED_LENGTHS, model.args.max_position_embeddings)
+    decoder = Decoder(model, len(prompts), length, compiled)
     decoder.cursor.positions = decoder.cursor.positions.to(device)
-    last = torch.stack([prefill(decoder, p, row, prefill_chunk) for row, p in enumerate(prompts)])  # (B, V)
+    last = torch.cat([prefill(decoder, prompts[rows], rows, prefill_chunk) for rows in same_lengths(prompts)])
     position = torch.tensor([len(p) for p in prompts], device=device)  # (B,) where the next token goes
     new: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
@@ -71,6 +90,6 @@ def generate(
                 done[row] = token in stop_ids
         if all(done) or step == max_new_tokens - 1:
             break
-        last = decoder.forward(chosen[:, None], slice(None), position)[:, -1]
+        last = decoder.step(chosen, position)
         position = position + 1
     return new

@@ -10,7 +10,8 @@ parts replaced for the duration (``Decoder.attached``), as parallel plans replac
 - each Gated DeltaNet's ``core.sequence`` (the two steps that read along the sequence) by
   ``CachedSequence``, which prepends the last K-1 inputs of each convolution and runs the
   delta rule from the recurrent state entering the chunk (the kernel's entry state), keeping
-  the exit state.
+  the exit state: a call of up to ``STEPS_MAX`` tokens (a decode step) token by token
+  (``delta_rule_steps``, O(1) a token), a longer one (a prompt) by the chunked kernel.
 
 Rows are independent: a call names the rows it advances (a prefill one prompt at a time,
 a decode step all of them) and each row's tokens carry their own positions, so prompts of
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.models.qwen import Qwen, ScaledDotProduct, split_output
+from autopar.models.qwen3_5.delta_rule_steps import STEPS_MAX, delta_rule_steps
 from autopar.models.qwen3_5.gated_deltanet import WholeSequence, causal_conv
 
 
@@ -61,7 +63,9 @@ class CachedAttention(nn.Module):
         keys, values = self.k[rows], self.v[rows]  # views (b, Hkv, L, D)
         keys[index, :, positions] = k.transpose(1, 2)  # (b, S, Hkv, D) into each token's slot
         values[index, :, positions] = v.transpose(1, 2)
-        end = int(positions.max()) + 1
+        # eager: the slots up to the last token's; compiled: all of them, masked, so that every
+        # decode step has one shape and the graph one compilation
+        end = self.length if torch.compiler.is_compiling() else int(positions.max()) + 1
         slots = torch.arange(end, device=positions.device)
         visible = (slots <= positions[:, :, None])[:, None]  # (b, 1, S, end): a slot at or before the token
         gqa = q.shape[1] != k.shape[1]
@@ -73,8 +77,9 @@ class CachedAttention(nn.Module):
 class CachedSequence(WholeSequence):
     """``WholeSequence``'s place during decoding: convolution and delta rule continue from
     the state the cursor's rows left (zero before their first token). The delta rule is
-    always our kernel (``torch.ops.autopar.gated_delta_rule``), whose entry and exit states
-    this needs, whichever kernel training runs."""
+    always ours (``delta_rule_steps`` for a few tokens, else the chunked kernel
+    ``torch.ops.autopar.gated_delta_rule``), whose entry and exit states this needs, whichever
+    kernel training runs."""
 
     def __init__(self, cursor: Cursor, batch: int) -> None:
         super().__init__()
@@ -115,9 +120,13 @@ class CachedSequence(WholeSequence):
         if self.recurrent is None:
             heads, dk, dv = k.shape[2], k.shape[-1], v.shape[-1]
             self.recurrent = v.new_zeros(self.batch, heads, v.shape[2] // heads, dk, dv, dtype=torch.float32)
-        out, _, exit_state = torch.ops.autopar.gated_delta_rule(
-            q, k, v, g, beta, None, self.recurrent[rows].contiguous(), None
-        )
+        entry = self.recurrent[rows]
+        if k.shape[1] <= STEPS_MAX:
+            out, exit_state = delta_rule_steps(q, k, v, g, beta, entry)
+        else:
+            out, _, exit_state = torch.ops.autopar.gated_delta_rule(
+                q, k, v, g, beta, None, entry.contiguous(), None
+            )
         self.recurrent[rows] = exit_state
         return out
 
@@ -126,11 +135,14 @@ class Decoder:
     """A model with decoding state for ``batch`` rows of up to ``length`` tokens each.
 
     ``forward(tokens, rows, start)`` runs tokens (b, S) of ``rows`` whose first token sits at
-    ``start`` (b,) and returns their logits (b, S, V); the state then holds them.
+    ``start`` (b,) and returns their logits (b, S, V); the state then holds them. ``step``
+    runs one token of every row, through ``torch.compile`` when ``compiled``: its shapes are
+    the same at every step (the cache is static), so it compiles once per decoder.
     """
 
-    def __init__(self, model: Qwen, batch: int, length: int) -> None:
+    def __init__(self, model: Qwen, batch: int, length: int, compiled: bool = False) -> None:
         self.model, self.batch, self.length = model, batch, length
+        self.one_token = torch.compile(self.logits, dynamic=False) if compiled else self.logits
         self.cursor = Cursor(slice(None), torch.zeros(batch, 1, dtype=torch.long))
         self.attention: dict[nn.Module, CachedAttention] = {}
         self.sequences: dict[object, CachedSequence] = {}
@@ -165,5 +177,17 @@ class Decoder:
             raise ValueError(f"position {int(positions.max())} is past the decoder's length {self.length}")
         self.cursor.rows, self.cursor.positions = rows, positions
         with self.attached():
-            logits, _ = split_output(self.model(tokens, positions=positions))
-        return logits
+            return self.logits(tokens, positions)
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits (B, V) of one token (B,) of every row, each at its position (B,)."""
+        if int(positions.max()) >= self.length:
+            raise ValueError(f"position {int(positions.max())} is past the decoder's length {self.length}")
+        self.cursor.rows, self.cursor.positions = slice(None), positions[:, None]
+        with self.attached():
+            return self.one_token(tokens[:, None], positions[:, None])[:, -1]
+
+    def logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The model's logits (b, S, V) of tokens (b, S) at positions (b, S), state attached."""
+        return split_output(self.model(tokens, positions=positions))[0]

@@ -1,0 +1,69 @@
+"""Prompts files: a JSONL of ``{"prompt": text}`` or ``{"messages": [...], "tools": [...]}``
+lines, read into token ids (conversations rendered with the chat template and its generation
+prompt, as SFT renders them). ``python -m autopar.generate`` and training's sample prompts
+(``validation.sample_prompts``) read them alike."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from autopar.config.errors import ConfigError
+from autopar.data.chat_template import render
+from autopar.data.errors import DataError
+from autopar.data.tokenizer import Tokenizer
+
+END_OF_TURN = ("<|im_end|>", "<|endoftext|>")
+"""Tokens that end a reply besides the tokenizer's end of text."""
+
+
+def read_prompts(path: str | None, tokenizer: Tokenizer, template: str, field: str) -> list[list[int]]:
+    """Token ids of every line of the prompts file ``path`` (the job's ``field``); a bad file
+    or line is one DataError."""
+    if path is None:
+        raise ConfigError(f'{field} is unset; name a JSONL file of {{"prompt": text}} lines')
+    if not Path(path).is_file():
+        raise ConfigError(f"{field}={path!r} is not a file; name a JSONL file of prompts")
+    prompts = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip():
+            prompts.append(tokenizer.encode(prompt_text(line, template, f"{path} line {number}")))
+    if not prompts:
+        raise DataError(f"{path}: no prompts; write one JSON object per line")
+    return prompts
+
+
+def prompt_text(line: str, template: str, where: str) -> str:
+    """A line's text: its "prompt", or its "messages" rendered with the generation prompt."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{where}: not JSON ({err.msg}); write one JSON object per line") from None
+    if isinstance(record, dict) and isinstance(record.get("prompt"), str):
+        return record["prompt"]
+    if isinstance(record, dict) and isinstance(record.get("messages"), list):
+        try:
+            return render(record["messages"], template, record.get("tools"), generation_prompt=True)
+        except DataError as err:
+            raise DataError(f"{where}: {err}") from None
+    raise DataError(f'{where}: expected {{"prompt": text}} or {{"messages": [...]}}')
+
+
+def check_vocabulary(prompts: list[list[int]], vocab_size: int, where: str | None) -> None:
+    """One line when the tokenizer gives ids the model has no embedding for."""
+    for i, prompt in enumerate(prompts):
+        if max(prompt, default=0) >= vocab_size:
+            raise DataError(
+                f"{where}: prompt {i} has token id {max(prompt)}, past the model's vocab_size={vocab_size}; "
+                "use the tokenizer the model was trained with (model.tokenizer_path or model.hf_assets_path)"
+            )
+
+
+def stop_ids(tokenizer: Tokenizer) -> set[int]:
+    """The tokenizer's end of text and the end-of-turn tokens it has."""
+    ids = {tokenizer.eos_id}
+    for token in END_OF_TURN:
+        encoded = tokenizer.encode(token)
+        if len(encoded) == 1:
+            ids.add(encoded[0])
+    return ids
