@@ -1,0 +1,255 @@
+"""Measure this machine for the planner: matmul throughput per dtype and GEMM shape, memory
+bandwidth, host-to-device copies and, inside a process group, each collective the plans use
+per group size. One code path for CUDA (NCCL) and CPU (gloo); each figure is the median of a
+few timed repeats after one warm-up, so a CPU probe takes seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.models.args import ModelArgs
+from autopar.planner.profile import CollectivePoint, DeviceProfile, MatmulPoint
+
+CPU_SQUARES = (128, 512, 1024)
+CUDA_SQUARES = (1024, 4096, 8192)
+CPU_MESSAGES = (1 << 16, 1 << 20, 1 << 23)  # bytes: 64 KiB, 1 MiB, 8 MiB
+CUDA_MESSAGES = (1 << 20, 1 << 24, 1 << 28)
+REPEATS = 3
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int = REPEATS) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs, after one untimed warm-up."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def probe_dtypes(device: torch.device) -> list[str]:
+    """float32 and bfloat16 everywhere; float8 where the GPU has FP8 tensor cores (sm 8.9+)."""
+    dtypes = ["float32", "bfloat16"]
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+        dtypes.append("float8")
+    return dtypes
+
+
+def _matmul_fn(dtype: str, m: int, n: int, k: int, device: torch.device) -> Callable[[], object]:
+    """One GEMM of the shape in ``dtype``; float8 through ``torch._scaled_mm`` (row-major A,
+    column-major B, as its kernel wants)."""
+    if dtype == "float8":
+        a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device)
+        return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    a = torch.randn(m, k, device=device, dtype=getattr(torch, dtype))
+    b = torch.randn(k, n, device=device, dtype=getattr(torch, dtype))
+    return lambda: a @ b
+
+
+def probe_matmul(
+    device: torch.device, dtypes: Iterable[str], shapes: Iterable[tuple[int, int, int]]
+) -> list[MatmulPoint]:
+    """FLOP/s of each (m, n, k) GEMM in each dtype."""
+    points = []
+    for dtype in dtypes:
+        for m, n, k in shapes:
+            seconds = timed(_matmul_fn(dtype, m, n, k, device), device)
+            points.append(MatmulPoint(dtype, m, n, k, 2.0 * m * n * k / seconds))
+    return points
+
+
+def probe_memory(device: torch.device) -> float:
+    """Bytes/s of a large copy on the device (each byte read and written)."""
+    numel = (1 << 28 if device.type == "cuda" else 1 << 24) // 4
+    src = torch.ones(numel, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / timed(lambda: dst.copy_(src), device)
+
+
+def probe_host(device: torch.device) -> float | None:
+    """Bytes/s of a pinned host-to-GPU copy; None on CPU, where there is no such copy."""
+    if device.type != "cuda":
+        return None
+    src = torch.ones((1 << 28) // 4, pin_memory=True)
+    dst = torch.empty(src.shape, device=device)
+    return src.nbytes / timed(lambda: dst.copy_(src, non_blocking=True), device)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def forward_backward(model: torch.nn.Module, device: torch.device, tokens: int = 8) -> Callable[[], None]:
+    """One forward and backward of ``model`` over one sequence of ``tokens`` tokens."""
+    ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
+
+    def run() -> None:
+        model(ids).float().sum().backward()
+        for p in model.parameters():
+            p.grad = None
+
+    return run
+
+
+def count_ops(fn: Callable[[], None]) -> int:
+    """The aten ops ``fn`` dispatches (on meta tensors this costs no compute)."""
+    with _OpCounter() as counter:
+        fn()
+    return counter.count
+
+
+def reference_args() -> ModelArgs:
+    """The model the probe times its per-op overhead on: the debug Qwen3 (tiny, always shipped)."""
+    from autopar.training.resolve import model_args, parse_job
+
+    return model_args(parse_job(["--job.config", "debug_model"]))
+
+
+def probe_op_overhead(device: torch.device) -> float:
+    """Seconds per aten op of an eager forward and backward whose compute is negligible (the
+    reference model on 8 tokens): dispatch, autograd and Python, what a small model or a small
+    shard pays beside its FLOPs."""
+    from autopar.models.family import build_model
+
+    with torch.device(device):
+        model = build_model(reference_args())
+    run = forward_backward(model, device)
+    ops = count_ops(run)
+    return timed(run, device) / ops
+
+
+def group_sizes(world_size: int) -> list[int]:
+    """Powers of two from 2 up to the world, and the world itself."""
+    sizes = [g for g in (2**i for i in range(1, 20)) if g <= world_size]
+    return sizes + ([world_size] if world_size > 1 and world_size not in sizes else [])
+
+
+def _collective_fn(op: str, numel: int, group_ranks: list[int], group, device: torch.device):
+    """(the collective over ``group`` for a tensor of ``numel`` float32 elements, bus bytes
+    it moves per rank as a multiple of the tensor's bytes)."""
+    g, rank = len(group_ranks), dist.get_rank()
+    whole = torch.ones(numel - numel % g, device=device)
+    part = torch.ones(whole.numel() // g, device=device)
+    share = (g - 1) / g
+    if op == "all_gather":
+        return lambda: dist.all_gather_into_tensor(whole, part, group=group), share
+    if op == "reduce_scatter":
+        return lambda: dist.reduce_scatter_single(part, whole, group=group), share
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(whole, group=group), 2 * share
+    if op == "all_to_all":
+        out = torch.empty_like(whole)
+        return lambda: dist.all_to_all_single(out, whole, group=group), share
+    first, last = group_ranks[0], group_ranks[-1]  # send/recv across the group's span
+
+    def send_recv() -> None:
+        if rank == first:
+            dist.send(whole, dst=last)
+        elif rank == last:
+            dist.recv(whole, src=first)
+
+    return send_recv, 1.0
+
+
+def probe_collectives(
+    device: torch.device, messages: Iterable[int], ops: Iterable[str], repeats: int = REPEATS
+) -> list[CollectivePoint]:
+    """Bus bandwidth of each op over the first g ranks for every group size g, at each
+    message size: the slowest rank's median, agreed on by all ranks. Every rank must call it."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    slowest = dist.ReduceOp.MAX
+    points = []
+    for g in group_sizes(world):
+        ranks = list(range(g))
+        group = dist.new_group(ranks)
+        for op in ops:
+            for nbytes in messages:
+                seconds, share = torch.zeros(1, device=device), 1.0
+                if rank < g:
+                    fn, share = _collective_fn(op, nbytes // 4, ranks, group, device)
+                    seconds[0] = timed(fn, device, repeats)
+                dist.all_reduce(seconds, op=slowest)
+                points.append(CollectivePoint(op, g, nbytes, share * nbytes / seconds.item()))
+        dist.barrier()
+    return points
+
+
+def device_memory_gib(device: torch.device, local_world: int) -> float:
+    """The GPU's memory, or this host's RAM shared by its local ranks."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**30
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram / 2**30 / max(1, local_world)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
+def run_probe(
+    device: torch.device,
+    job_shapes: Iterable[tuple[int, int, int]] = (),
+    collectives: Iterable[str] = (),
+    local_world: int = 1,
+) -> DeviceProfile:
+    """The profile of ``device``: matmuls at the probe's squares and ``job_shapes``, memory and
+    host bandwidth, and ``collectives`` when a process group is initialised (every rank calls)."""
+    squares = CUDA_SQUARES if device.type == "cuda" else CPU_SQUARES
+    shapes = sorted({(s, s, s) for s in squares} | set(job_shapes))
+    messages = CUDA_MESSAGES if device.type == "cuda" else CPU_MESSAGES
+    grouped = dist.is_available() and dist.is_initialized()
+    cuda = device.type == "cuda"
+    return DeviceProfile(
+        device=device_name(device),
+        device_type=device.type,
+        torch=torch.__version__,
+        driver=_driver() if cuda else None,
+        cuda=torch.version.cuda if cuda else None,
+        world_size=dist.get_world_size() if grouped else 1,
+        local_world_size=local_world,
+        memory_gib=device_memory_gib(device, local_world),
+        matmul=tuple(probe_matmul(device, probe_dtypes(device), shapes)),
+        memory_bytes_per_s=probe_memory(device),
+        host_bytes_per_s=probe_host(device),
+        op_overhead_s=probe_op_overhead(device),
+        collectives=tuple(probe_collectives(device, messages, collectives)) if grouped else (),
+    )
+
+
+def _driver() -> str | None:
+    """The NVIDIA driver version, when the NVML binding answers."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:  # no NVML here: the profile says None
+        return None
