@@ -24,7 +24,14 @@ from autopar.planner.machine import spec_from_profile
 from autopar.planner.measured import ops_per_micro_batch
 from autopar.planner.memory import meta_model
 from autopar.planner.probe import run_probe
-from autopar.planner.profile import COLLECTIVES, CollectivePoint, DeviceProfile, MatmulPoint, load_profile
+from autopar.planner.profile import (
+    COLLECTIVES,
+    AttentionPoint,
+    CollectivePoint,
+    DeviceProfile,
+    MatmulPoint,
+    load_profile,
+)
 from autopar.planner.time import StepTime, compute_rate, predict_time, tokens_per_step
 from autopar.training.metrics import flops_per_token
 from autopar.training.resolve import model_args
@@ -86,6 +93,18 @@ def test_the_compute_term_is_the_model_flops_at_the_measured_gemm_rate():
     # 4 sequences of 512 tokens per rank at 1e11 FLOP/s: no efficiency factor between them
     expected = flops_per_token(args, 512, False) * tokens_per_step(job, dims) / 2 / 1e11
     assert time.compute == pytest.approx(expected, rel=1e-9)
+
+
+def test_attention_flops_run_at_the_measured_attention_rate():
+    job, args, dims = fsdp2()
+    attention = tuple(AttentionPoint("float32", 1, 8, seq, 32, 2.5e10) for seq in (256, 1024))
+    device = spec_from_profile(dataclasses.replace(flat_profile(flops=1e11), attention=attention))
+    time = predict_time(args, job, dims, device, 2)
+    # the debug model at 512 tokens: 12 x 4 layers x 8 heads x 32 x 512 attention FLOPs per token
+    # at 2.5e10 FLOP/s, the rest (6 x its matmul parameters) at 1e11
+    attention_flops = 12 * 4 * 8 * 32 * 512
+    per_token = (flops_per_token(args, 512, False) - attention_flops) / 1e11 + attention_flops / 2.5e10
+    assert time.compute == pytest.approx(per_token * tokens_per_step(job, dims) / 2, rel=1e-9)
 
 
 def test_fsdp_traffic_moves_at_the_measured_bus_bandwidth():

@@ -48,13 +48,15 @@ def _options(argv: list[str]) -> tuple[Path, bool, list[str]]:
     return output, cache, rest
 
 
-def job_shapes(job_argv: list[str]) -> list[tuple[int, int, int]]:
-    """The job's forward GEMMs at its micro-batch (m, n, k); none without ``--job.config``."""
+def job_shapes(job_argv: list[str]) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int, int]]]:
+    """The job's forward GEMMs (m, n, k) and attention (batch, heads, seq, head_dim) at its
+    micro-batch; none without ``--job.config``."""
     if not any(a.partition("=")[0] == "--job.config" for a in job_argv):
-        return []
+        return [], []
     job = parse_job(job_argv)
-    tokens = job.training.local_batch_size * job.training.seq_len
-    return sorted({(m, n, k) for m, n, k, _ in gemm_shapes(model_args(job), tokens)})
+    args, batch, seq = model_args(job), job.training.local_batch_size, job.training.seq_len
+    gemms = sorted({(m, n, k) for m, n, k, _ in gemm_shapes(args, batch * seq)})
+    return gemms, [(batch, args.num_attention_heads, seq, args.head_dim)]
 
 
 def describe(profile: DeviceProfile) -> str:
@@ -68,7 +70,12 @@ def describe(profile: DeviceProfile) -> str:
         lines.append(
             f"  matmul {dtype:9} up to {best.flops_per_s / 1e12:8.3f} TFLOP/s ({best.m}x{best.n}x{best.k})"
         )
-    lines.append(f"  memory copy     {profile.memory_bytes_per_s / 1e9:8.1f} GB/s")
+    for dtype in sorted({a.dtype for a in profile.attention}):
+        best = max((a for a in profile.attention if a.dtype == dtype), key=lambda a: a.flops_per_s)
+        lines.append(
+            f"  attention {dtype:6} up to {best.flops_per_s / 1e12:8.3f} TFLOP/s (seq {best.seq}, fwd+bwd)"
+        )
+    lines.append(f"  elementwise     {profile.memory_bytes_per_s / 1e9:8.1f} GB/s")
     host = "n/a (CPU)" if profile.host_bytes_per_s is None else f"{profile.host_bytes_per_s / 1e9:.1f} GB/s"
     lines.append(f"  host -> device  {host}")
     for op in COLLECTIVES:
@@ -110,7 +117,7 @@ def main(argv: list[str]) -> int:
     try:
         output, cache, job_argv = _options(argv)
         check_output_file(output, "--output", "device_profile.json")
-        shapes = job_shapes(job_argv)
+        shapes, attention = job_shapes(job_argv)
     except ConfigError as err:
         print(f"probe error: {err}", file=sys.stderr)
         return 2
@@ -120,7 +127,7 @@ def main(argv: list[str]) -> int:
     world = init_world() if launched else single_process("cuda" if torch.cuda.is_available() else "cpu")
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        profile = run_probe(world.device, shapes, COLLECTIVES if launched else (), local)
+        profile = run_probe(world.device, shapes, COLLECTIVES if launched else (), local, attention)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -17,13 +17,21 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.models.args import ModelArgs
-from autopar.planner.profile import CollectivePoint, DeviceProfile, MatmulPoint
+from autopar.planner.profile import (
+    AttentionPoint,
+    CollectivePoint,
+    DeviceProfile,
+    MatmulPoint,
+    attention_flops,
+)
 
 CPU_SQUARES = (128, 512, 1024)
 CUDA_SQUARES = (1024, 4096, 8192)
+CPU_ATTENTION = ((1, 8, 256, 32), (1, 8, 1024, 32))  # (batch, heads, seq, head_dim)
+CUDA_ATTENTION = ((1, 16, 1024, 128), (1, 16, 4096, 128))
 CPU_MESSAGES = (1 << 16, 1 << 20, 1 << 23)  # bytes: 64 KiB, 1 MiB, 8 MiB
 CUDA_MESSAGES = (1 << 20, 1 << 24, 1 << 28)
-REPEATS = 3
+REPEATS = 5
 
 
 def _sync(device: torch.device) -> None:
@@ -78,11 +86,12 @@ def probe_matmul(
 
 
 def probe_memory(device: torch.device) -> float:
-    """Bytes/s of a large copy on the device (each byte read and written)."""
+    """Bytes/s of a large elementwise product into a new tensor (two reads, one write), the
+    kind of op the model's norms, activations and residuals are; a plain copy runs faster
+    than they do."""
     numel = (1 << 28 if device.type == "cuda" else 1 << 24) // 4
-    src = torch.ones(numel, device=device)
-    dst = torch.empty_like(src)
-    return 2 * src.nbytes / timed(lambda: dst.copy_(src), device)
+    a, b = torch.ones(numel, device=device), torch.ones(numel, device=device)
+    return 3 * a.nbytes / timed(lambda: a * b, device)
 
 
 def probe_host(device: torch.device) -> float | None:
@@ -201,6 +210,29 @@ def probe_collectives(
     return points
 
 
+def _attention_fn(dtype: str, b: int, h: int, seq: int, d: int, device: torch.device) -> Callable[[], None]:
+    """One causal SDPA forward and backward over (b, h, seq, d) in ``dtype``."""
+    q, k, v = (
+        torch.randn(b, h, seq, d, device=device, dtype=getattr(torch, dtype), requires_grad=True)
+        for _ in range(3)
+    )
+    return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+
+def probe_attention(
+    device: torch.device, dtypes: Iterable[str], shapes: Iterable[tuple[int, int, int, int]]
+) -> list[AttentionPoint]:
+    """FLOP/s of a causal SDPA forward and backward at each (batch, heads, seq, head_dim)."""
+    points = []
+    for dtype in dtypes:
+        if dtype == "float8":  # attention runs in bf16 under FP8 training
+            continue
+        for b, h, seq, d in shapes:
+            seconds = timed(_attention_fn(dtype, b, h, seq, d, device), device)
+            points.append(AttentionPoint(dtype, b, h, seq, d, attention_flops(b, h, seq, d) / seconds))
+    return points
+
+
 def device_memory_gib(device: torch.device, local_world: int) -> float:
     """The GPU's memory, or this host's RAM shared by its local ranks."""
     if device.type == "cuda":
@@ -218,9 +250,12 @@ def run_probe(
     job_shapes: Iterable[tuple[int, int, int]] = (),
     collectives: Iterable[str] = (),
     local_world: int = 1,
+    job_attention: Iterable[tuple[int, int, int, int]] = (),
 ) -> DeviceProfile:
-    """The profile of ``device``: matmuls at the probe's squares and ``job_shapes``, memory and
-    host bandwidth, and ``collectives`` when a process group is initialised (every rank calls)."""
+    """The profile of ``device``: matmuls at the probe's squares and ``job_shapes``, attention
+    at the probe's shapes and ``job_attention``, memory and host bandwidth, per-op overhead,
+    and ``collectives`` when a process group is initialised (every rank calls)."""
+    attention = sorted(set(CUDA_ATTENTION if device.type == "cuda" else CPU_ATTENTION) | set(job_attention))
     squares = CUDA_SQUARES if device.type == "cuda" else CPU_SQUARES
     shapes = sorted({(s, s, s) for s in squares} | set(job_shapes))
     messages = CUDA_MESSAGES if device.type == "cuda" else CPU_MESSAGES
@@ -239,6 +274,7 @@ def run_probe(
         memory_bytes_per_s=probe_memory(device),
         host_bytes_per_s=probe_host(device),
         op_overhead_s=probe_op_overhead(device),
+        attention=tuple(probe_attention(device, probe_dtypes(device), attention)),
         collectives=tuple(probe_collectives(device, messages, collectives)) if grouped else (),
     )
 

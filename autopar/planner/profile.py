@@ -40,6 +40,28 @@ class MatmulPoint:
 
 
 @dataclass(frozen=True)
+class AttentionPoint:
+    """One timed causal SDPA forward and backward over (batch, heads, seq, head_dim)."""
+
+    dtype: str
+    batch: int
+    heads: int
+    seq: int
+    head_dim: int
+    flops_per_s: float  # counted as training FLOPs count attention: 12 x heads x head_dim x seq per token
+
+    @property
+    def flops(self) -> float:
+        return attention_flops(self.batch, self.heads, self.seq, self.head_dim)
+
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
+    """Forward and backward FLOPs of one attention over ``batch`` sequences of ``seq`` tokens,
+    as ``training.metrics.flops_per_token`` counts them (causal not halved)."""
+    return 12.0 * heads * head_dim * seq * seq * batch
+
+
+@dataclass(frozen=True)
 class CollectivePoint:
     """One timed collective over ``group`` consecutive ranks, ``bytes`` the full tensor's size."""
 
@@ -62,10 +84,11 @@ class DeviceProfile:
     local_world_size: int
     memory_gib: float  # per rank: the GPU's, or the host's RAM shared by the local ranks
     matmul: tuple[MatmulPoint, ...]
-    memory_bytes_per_s: float  # a large device-to-device copy (read + write)
+    memory_bytes_per_s: float  # a large elementwise product (two reads and a write)
     host_bytes_per_s: float | None  # host -> device copy; None on CPU
     collectives: tuple[CollectivePoint, ...] = ()
     op_overhead_s: float | None = None  # eager seconds per aten op beside its compute
+    attention: tuple[AttentionPoint, ...] = ()
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -80,6 +103,7 @@ class DeviceProfile:
         fields = dict(record)
         fields["matmul"] = tuple(MatmulPoint(**p) for p in record["matmul"])
         fields["collectives"] = tuple(CollectivePoint(**p) for p in record.get("collectives", ()))
+        fields["attention"] = tuple(AttentionPoint(**p) for p in record.get("attention", ()))
         profile = cls(**fields)
         profile.check()
         return profile
@@ -92,6 +116,7 @@ class DeviceProfile:
                 figures[name] = getattr(self, name)
         figures |= {f"matmul {p.dtype} {p.m}x{p.n}x{p.k}": p.flops_per_s for p in self.matmul}
         figures |= {f"{c.op} group {c.group} {c.bytes} B": c.bus_bytes_per_s for c in self.collectives}
+        figures |= {f"attention {a.dtype} seq {a.seq}": a.flops_per_s for a in self.attention}
         for name, value in figures.items():
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} is {value!r}, not a positive number")
@@ -110,6 +135,13 @@ class DeviceProfile:
             p for p in self.matmul if p.dtype == fallback[dtype]
         ]
         return _interpolate([(p.flops, p.flops_per_s) for p in points], 2.0 * m * n * k)
+
+    def attention_flops_per_s(self, dtype: str, flops: float) -> float | None:
+        """FLOP/s of an attention of ``flops`` (``attention_flops``) in ``dtype`` (bfloat16's
+        for float8, whose attention runs in bf16); None when none was measured."""
+        dtype = "bfloat16" if dtype == "float8" else dtype
+        points = [(a.flops, a.flops_per_s) for a in self.attention if a.dtype == dtype]
+        return _interpolate(points, flops) if points else None
 
     def bus_bytes_per_s(self, op: str, group: int, message_bytes: float | None) -> float | None:
         """Bus bandwidth of ``op`` over ``group`` ranks for a tensor of ``message_bytes`` (None:
@@ -188,7 +220,7 @@ def gemm_shapes(args: ModelArgs, tokens: int, tp: int = 1) -> list[tuple[int, in
 
 
 def gemm_rate(profile: DeviceProfile, dtype: str, shapes: list[tuple[int, int, int, int]]) -> float:
-    """FLOP/s over ``shapes`` together: their FLOPs over the sum of each one's time."""
+    """FLOP/s over ``shapes`` (m, n, k, count) together: their FLOPs over the sum of each one's time."""
     flops = sum(2.0 * m * n * k * c for m, n, k, c in shapes)
     seconds = sum(2.0 * m * n * k * c / profile.matmul_flops_per_s(dtype, m, n, k) for m, n, k, c in shapes)
     return flops / seconds

@@ -49,7 +49,7 @@ from autopar.planner.memory import (
     modules_numel,
     sizes,
 )
-from autopar.planner.profile import gemm_rate, gemm_shapes
+from autopar.planner.profile import DeviceProfile, attention_flops, gemm_rate, gemm_shapes
 from autopar.training.metrics import block_matmul_params, delta_rule_flops, flops_per_token
 
 COMPUTE_EFFICIENCY = {"compiled": 0.479, "eager": 0.294}
@@ -140,12 +140,34 @@ def compute_rate(
     rate at this plan's own shapes (a micro-batch of ``micro`` sequences, split by CP, weights
     by TP) and dtype; otherwise the preset's peak at the MFU measured on an H100."""
     if device.profile is not None and args is not None and dims is not None:
-        tokens = micro * job.training.seq_len // dims.cp
-        return gemm_rate(device.profile, compute_dtype(job, device), gemm_shapes(args, tokens, dims.tp))
+        return measured_rate(device.profile, job, device, args, dims, micro)
     rate = device.bf16_flops * COMPUTE_EFFICIENCY["compiled" if job.compile.enable else "eager"]
     if job.float8.enable and device.fp8_flops is not None:
         rate *= FP8_SPEEDUP
     return rate
+
+
+def measured_rate(
+    profile: DeviceProfile,
+    job: JobConfig,
+    device: DeviceSpec,
+    args: ModelArgs,
+    dims: ParallelDims,
+    micro: int,
+) -> float:
+    """Model FLOP/s from a profile: the GEMMs' FLOPs at the measured rate of this plan's
+    per-rank GEMM shapes, the attention's at the measured rate of its per-rank attention
+    (heads split by TP, queries by CP) where the probe timed attention, else at the GEMMs'."""
+    seq, dtype = job.training.seq_len, compute_dtype(job, device)
+    tokens = micro * seq // dims.cp
+    gemm = gemm_rate(profile, dtype, gemm_shapes(args, tokens, dims.tp))
+    total = flops_per_token(args, seq, job.lora.enable)
+    attention_layers = sum(args.mixer(i) != "linear_attention" for i in range(args.num_hidden_layers))
+    attention = 12 * attention_layers * args.num_attention_heads * args.head_dim * seq
+    heads = max(1, args.num_attention_heads // dims.tp)
+    rank_call = attention_flops(micro, heads, seq, args.head_dim) / dims.cp
+    attention_rate = profile.attention_flops_per_s(dtype, rank_call) or gemm
+    return total / ((total - attention) / gemm + attention / attention_rate)
 
 
 def predict_time(
