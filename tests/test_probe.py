@@ -114,6 +114,10 @@ def test_fsdp_traffic_moves_at_the_measured_bus_bandwidth():
     # gradients reduce-scattered, 6 bytes per parameter, at 1 GB/s: no efficiency factor
     params = sum(p.numel() for p in meta_model(args).parameters())
     assert time.comm_by_dim["fsdp"] == pytest.approx(6 * params / 1e9, rel=1e-9)
+    # a CPU rank's one core runs gloo's copies too, so none of it hides behind compute; a GPU's does
+    assert time.exposed_comm >= time.comm_by_dim["fsdp"]
+    gpu = spec_from_profile(dataclasses.replace(flat_profile(bus=1e9), device_type="cuda"))
+    assert predict_time(args, job, dims, gpu, 2).exposed_comm < time.comm_by_dim["fsdp"] / 2
 
 
 def test_halving_each_measured_figure_doubles_its_own_term_only():
@@ -148,6 +152,11 @@ def test_a_larger_gemm_runs_at_the_rate_measured_for_its_size():
     # log-log between 64^3 (1e11) and 1024^3 (4e11): 256^3 is halfway in log FLOPs
     assert profile.matmul_flops_per_s("float32", 256, 256, 256) == pytest.approx(2e11, rel=1e-9)
     assert profile.matmul_flops_per_s("float32", 4096, 4096, 4096) == 4e11  # clamped at the ends
+    # a shape the probe timed (the job's own) is read as measured, not interpolated
+    timed = dataclasses.replace(
+        profile, matmul=(*profile.matmul, MatmulPoint("float32", 256, 256, 256, 3e11))
+    )
+    assert timed.matmul_flops_per_s("float32", 256, 256, 256) == 3e11
     # TP shrinks each rank's GEMMs, so the same job computes at a lower rate per FLOP
     job, args, _ = fsdp2()
     device = spec_from_profile(profile)

@@ -61,27 +61,35 @@ def probe_dtypes(device: torch.device) -> list[str]:
 
 
 def _matmul_fn(dtype: str, m: int, n: int, k: int, device: torch.device) -> Callable[[], object]:
-    """One GEMM of the shape in ``dtype``; float8 through ``torch._scaled_mm`` (row-major A,
-    column-major B, as its kernel wants)."""
+    """A linear's training GEMMs over ``m`` rows, ``k`` in and ``n`` out features, in the
+    layouts autograd runs them: forward x @ W.t(), input gradient g @ W, weight gradient
+    g.t() @ x. Float8 runs the forward's ``torch._scaled_mm`` (row-major A, column-major B, as
+    its kernel wants) three times, as torchao's recipes run all three in float8."""
     if dtype == "float8":
         a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
         b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
         one = torch.ones((), device=device)
-        return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-    a = torch.randn(m, k, device=device, dtype=getattr(torch, dtype))
-    b = torch.randn(k, n, device=device, dtype=getattr(torch, dtype))
-    return lambda: a @ b
+        return lambda: [
+            torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16) for _ in range(3)
+        ]
+    x = torch.randn(m, k, device=device, dtype=getattr(torch, dtype))
+    w = torch.randn(n, k, device=device, dtype=getattr(torch, dtype))
+    g = torch.randn(m, n, device=device, dtype=getattr(torch, dtype))
+    return lambda: (x @ w.t(), g @ w, g.t() @ x)
 
 
 def probe_matmul(
     device: torch.device, dtypes: Iterable[str], shapes: Iterable[tuple[int, int, int]]
 ) -> list[MatmulPoint]:
-    """FLOP/s of each (m, n, k) GEMM in each dtype."""
+    """FLOP/s of each (m, n, k) linear's forward and backward GEMMs in each dtype (float8 only
+    where each size is a multiple of 16, as its kernel requires)."""
     points = []
     for dtype in dtypes:
         for m, n, k in shapes:
+            if dtype == "float8" and (m % 16 or n % 16 or k % 16):
+                continue
             seconds = timed(_matmul_fn(dtype, m, n, k, device), device)
-            points.append(MatmulPoint(dtype, m, n, k, 2.0 * m * n * k / seconds))
+            points.append(MatmulPoint(dtype, m, n, k, 6.0 * m * n * k / seconds))
     return points
 
 

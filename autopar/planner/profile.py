@@ -1,8 +1,9 @@
 """A device profile: what ``python -m autopar.probe`` measured on one machine, and the figures
 the time model reads from it in place of a preset's datasheet constants.
 
-Matmul throughput is kept per dtype at a few GEMM shapes and read at any other shape by
-interpolating log(FLOP/s) over log(FLOPs of the GEMM), clamped at the measured ends: small
+Matmul throughput is kept per dtype at a few linear shapes (a linear's forward, input-gradient
+and weight-gradient GEMMs together, in autograd's layouts), read exactly at a measured shape
+and at any other by interpolating log(FLOP/s) over log(FLOPs of the GEMM), clamped at the measured ends: small
 GEMMs run far below peak, and that is what a plan that shards its matmuls (TP, CP) pays.
 Collectives are kept as bus bandwidth (nccl-tests' convention: the bytes each rank moves over
 the link per second, so ``moved / bus_bytes_per_s`` is the time for any group size) per group
@@ -26,7 +27,7 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send
 
 @dataclass(frozen=True)
 class MatmulPoint:
-    """One timed (m, k) @ (k, n) GEMM."""
+    """One timed linear of ``m`` rows, ``k`` in and ``n`` out features: its three GEMMs."""
 
     dtype: str  # "float32", "bfloat16" or "float8"
     m: int
@@ -36,7 +37,7 @@ class MatmulPoint:
 
     @property
     def flops(self) -> float:
-        return 2.0 * self.m * self.n * self.k
+        return 6.0 * self.m * self.n * self.k
 
 
 @dataclass(frozen=True)
@@ -128,13 +129,17 @@ class DeviceProfile:
         path.write_text(json.dumps(self.to_json(), indent=2))
 
     def matmul_flops_per_s(self, dtype: str, m: int, n: int, k: int) -> float:
-        """FLOP/s of an (m, k) @ (k, n) GEMM in ``dtype`` (bfloat16's figures stand in for an
+        """FLOP/s of a linear's training GEMMs (m rows, k in, n out) in ``dtype``: the measured
+        figure of that shape, else interpolated over FLOPs (bfloat16's figures stand in for an
         unmeasured float8, float32's for an unmeasured bfloat16 and the reverse)."""
         fallback = {"float8": "bfloat16", "bfloat16": "float32", "float32": "bfloat16"}
         points = [p for p in self.matmul if p.dtype == dtype] or [
             p for p in self.matmul if p.dtype == fallback[dtype]
         ]
-        return _interpolate([(p.flops, p.flops_per_s) for p in points], 2.0 * m * n * k)
+        exact = [p.flops_per_s for p in points if (p.m, p.n, p.k) == (m, n, k)]
+        if exact:
+            return exact[0]
+        return _interpolate([(p.flops, p.flops_per_s) for p in points], 6.0 * m * n * k)
 
     def attention_flops_per_s(self, dtype: str, flops: float) -> float | None:
         """FLOP/s of an attention of ``flops`` (``attention_flops``) in ``dtype`` (bfloat16's

@@ -208,7 +208,7 @@ def predict_time(
         + comm.get("ep", 0.0)
         + comm.get("pp", 0.0)
         + cp_exposed
-        + max(0.0, background - compute - recompute)
+        + (max(0.0, background - compute - recompute) if _overlaps(device) else background)
         + first_gather
     )
     memory_bound = memory_bound_seconds(args, job, device, step.z, step.layers * step.micro_batches)
@@ -335,6 +335,12 @@ def _model_parallel_comm(
         )
         comm["ep"] = moved / rate
     return comm, cp_exposed
+
+
+def _overlaps(device: DeviceSpec) -> bool:
+    """Whether data-parallel traffic runs beside compute: on GPUs (their own streams and copy
+    engines), not on a measured CPU, where gloo's threads take the cores compute needs."""
+    return device.profile is None or device.profile.device_type != "cpu"
 
 
 def _linear_layers(args: ModelArgs) -> int:
