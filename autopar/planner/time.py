@@ -319,7 +319,7 @@ def _model_parallel_comm(
         attention = (
             12 * z.q_heads * z.head_dim * seq * z.tokens * attention_layers * step.micro_batches / step.rate
         )
-        cp_exposed = max(0.0, comm["cp"] - attention)
+        cp_exposed = max(0.0, comm["cp"] - attention) if _overlaps(device) else comm["cp"]
         maps = _state_passing_bytes(job, step, share) / link_bytes_per_s(
             spans["cp"], gpus_per_node, device, "all_gather", dims.cp
         )
@@ -338,8 +338,9 @@ def _model_parallel_comm(
 
 
 def _overlaps(device: DeviceSpec) -> bool:
-    """Whether data-parallel traffic runs beside compute: on GPUs (their own streams and copy
-    engines), not on a measured CPU, where gloo's threads take the cores compute needs."""
+    """Whether data-parallel traffic and CP's k/v exchange run beside compute: on GPUs (their
+    own streams and copy engines), not on a measured CPU, where gloo's threads take the cores
+    compute needs."""
     return device.profile is None or device.profile.device_type != "cpu"
 
 
