@@ -23,17 +23,18 @@ from autopar.planner.devices import PRESETS
 from autopar.planner.machine import spec_from_profile
 from autopar.planner.measured import ops_per_micro_batch
 from autopar.planner.memory import meta_model
-from autopar.planner.probe import run_probe
+from autopar.planner.probe import probe_recurrence, run_probe
 from autopar.planner.profile import (
     COLLECTIVES,
     AttentionPoint,
     CollectivePoint,
     DeviceProfile,
     MatmulPoint,
+    RecurrencePoint,
     load_profile,
 )
 from autopar.planner.time import StepTime, compute_rate, predict_time, tokens_per_step
-from autopar.training.metrics import flops_per_token
+from autopar.training.metrics import delta_rule_flops, flops_per_token
 from autopar.training.resolve import model_args
 from tests.jobs import debug_job
 
@@ -105,6 +106,33 @@ def test_attention_flops_run_at_the_measured_attention_rate():
     attention_flops = 12 * 4 * 8 * 32 * 512
     per_token = (flops_per_token(args, 512, False) - attention_flops) / 1e11 + attention_flops / 2.5e10
     assert time.compute == pytest.approx(per_token * tokens_per_step(job, dims) / 2, rel=1e-9)
+
+
+def test_a_hybrid_models_recurrence_runs_at_the_measured_delta_rule_rate():
+    job = debug_job(
+        "--model.name", "qwen3.5", "--training.seq_len", "512", "--training.local_batch_size", "4"
+    )
+    args, dims = model_args(job), ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1)
+    rule = (
+        4,
+        512,
+        args.linear_num_key_heads,
+        args.linear_num_value_heads,
+        args.linear_key_head_dim,
+        args.linear_value_head_dim,
+    )
+    slow = (RecurrencePoint("float32", *rule, 1e9),)
+    device = spec_from_profile(dataclasses.replace(flat_profile(flops=1e11), recurrence=slow))
+    time = predict_time(args, job, dims, device, 2)
+    linear = sum(args.mixer(i) == "linear_attention" for i in range(args.num_hidden_layers))
+    recurrence = linear * delta_rule_flops(args)  # per token, at 1e9 FLOP/s; the rest at 1e11
+    per_token = (flops_per_token(args, 512, False) - recurrence) / 1e11 + recurrence / 1e9
+    assert time.compute == pytest.approx(per_token * tokens_per_step(job, dims) / 2, rel=1e-9)
+
+
+def test_the_probe_times_the_models_own_delta_rule_kernel():
+    (point,) = probe_recurrence(torch.device("cpu"), ["float32"], [(1, 128, 1, 2, 8, 8)])
+    assert (point.seq, point.value_heads, point.dk) == (128, 2, 8) and 0 < point.flops_per_s < 1e13
 
 
 def test_fsdp_traffic_moves_at_the_measured_bus_bandwidth():

@@ -48,15 +48,21 @@ def _options(argv: list[str]) -> tuple[Path, bool, list[str]]:
     return output, cache, rest
 
 
-def job_shapes(job_argv: list[str]) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int, int]]]:
-    """The job's forward GEMMs (m, n, k) and attention (batch, heads, seq, head_dim) at its
-    micro-batch; none without ``--job.config``."""
+def job_shapes(job_argv: list[str]) -> tuple[list, list, list]:
+    """The job's linears (m, n, k), attention (batch, heads, seq, head_dim) and, for a hybrid
+    model, gated delta rule (batch, seq, key heads, value heads, dk, dv) at its micro-batch;
+    none without ``--job.config``."""
     if not any(a.partition("=")[0] == "--job.config" for a in job_argv):
-        return [], []
+        return [], [], []
     job = parse_job(job_argv)
     args, batch, seq = model_args(job), job.training.local_batch_size, job.training.seq_len
     gemms = sorted({(m, n, k) for m, n, k, _ in gemm_shapes(args, batch * seq)})
-    return gemms, [(batch, args.num_attention_heads, seq, args.head_dim)]
+    attention = [(batch, args.num_attention_heads, seq, args.head_dim)]
+    heads = (args.linear_num_key_heads, args.linear_num_value_heads)
+    recurrence = (
+        [(batch, seq, *heads, args.linear_key_head_dim, args.linear_value_head_dim)] if args.hybrid else []
+    )
+    return gemms, attention, recurrence
 
 
 def describe(profile: DeviceProfile) -> str:
@@ -75,6 +81,8 @@ def describe(profile: DeviceProfile) -> str:
         lines.append(
             f"  attention {dtype:6} up to {best.flops_per_s / 1e12:8.3f} TFLOP/s (seq {best.seq}, fwd+bwd)"
         )
+    for r in profile.recurrence:
+        lines.append(f"  delta rule {r.dtype:5} {r.flops_per_s / 1e12:8.3f} TFLOP/s (seq {r.seq}, fwd+bwd)")
     lines.append(f"  elementwise     {profile.memory_bytes_per_s / 1e9:8.1f} GB/s")
     host = "n/a (CPU)" if profile.host_bytes_per_s is None else f"{profile.host_bytes_per_s / 1e9:.1f} GB/s"
     lines.append(f"  host -> device  {host}")
@@ -117,7 +125,7 @@ def main(argv: list[str]) -> int:
     try:
         output, cache, job_argv = _options(argv)
         check_output_file(output, "--output", "device_profile.json")
-        shapes, attention = job_shapes(job_argv)
+        shapes, attention, recurrence = job_shapes(job_argv)
     except ConfigError as err:
         print(f"probe error: {err}", file=sys.stderr)
         return 2
@@ -127,7 +135,9 @@ def main(argv: list[str]) -> int:
     world = init_world() if launched else single_process("cuda" if torch.cuda.is_available() else "cpu")
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        profile = run_probe(world.device, shapes, COLLECTIVES if launched else (), local, attention)
+        profile = run_probe(
+            world.device, shapes, COLLECTIVES if launched else (), local, attention, recurrence
+        )
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -22,7 +22,9 @@ from autopar.planner.profile import (
     CollectivePoint,
     DeviceProfile,
     MatmulPoint,
+    RecurrencePoint,
     attention_flops,
+    recurrence_flops,
 )
 
 CPU_SQUARES = (128, 512, 1024)
@@ -241,6 +243,37 @@ def probe_attention(
     return points
 
 
+def _recurrence_fn(
+    dtype: str, shape: tuple[int, int, int, int, int, int], device: torch.device
+) -> Callable[[], None]:
+    """One gated delta rule forward and backward (the model's kernel) over
+    (batch, seq, key heads, value heads, dk, dv) in ``dtype``."""
+    from autopar.models.qwen3_5.delta_rule import gated_delta_rule, l2norm
+
+    b, seq, hk, hv, dk, dv = shape
+    half = getattr(torch, dtype)
+    q, k = (l2norm(torch.randn(b, seq, hk, dk, device=device)).to(half).requires_grad_() for _ in range(2))
+    v = torch.randn(b, seq, hv, dv, device=device, dtype=half, requires_grad=True)
+    g = -torch.rand(b, seq, hv, device=device)  # log decay <= 0, fp32
+    beta = torch.rand(b, seq, hv, device=device, dtype=half)
+    return lambda: gated_delta_rule(q, k, v, g, beta).float().sum().backward()
+
+
+def probe_recurrence(
+    device: torch.device, dtypes: Iterable[str], shapes: Iterable[tuple[int, int, int, int, int, int]]
+) -> list[RecurrencePoint]:
+    """FLOP/s of the gated delta rule's forward and backward at each shape (a hybrid job's)."""
+    points = []
+    for dtype in dtypes:
+        if dtype == "float8":
+            continue
+        for shape in shapes:
+            seconds = timed(_recurrence_fn(dtype, shape, device), device)
+            b, seq, _, hv, dk, dv = shape
+            points.append(RecurrencePoint(dtype, *shape, recurrence_flops(b * seq, hv, dk, dv) / seconds))
+    return points
+
+
 def device_memory_gib(device: torch.device, local_world: int) -> float:
     """The GPU's memory, or this host's RAM shared by its local ranks."""
     if device.type == "cuda":
@@ -259,6 +292,7 @@ def run_probe(
     collectives: Iterable[str] = (),
     local_world: int = 1,
     job_attention: Iterable[tuple[int, int, int, int]] = (),
+    job_recurrence: Iterable[tuple[int, int, int, int, int, int]] = (),
 ) -> DeviceProfile:
     """The profile of ``device``: matmuls at the probe's squares and ``job_shapes``, attention
     at the probe's shapes and ``job_attention``, memory and host bandwidth, per-op overhead,
@@ -283,6 +317,7 @@ def run_probe(
         host_bytes_per_s=probe_host(device),
         op_overhead_s=probe_op_overhead(device),
         attention=tuple(probe_attention(device, probe_dtypes(device), attention)),
+        recurrence=tuple(probe_recurrence(device, probe_dtypes(device), job_recurrence)),
         collectives=tuple(probe_collectives(device, messages, collectives)) if grouped else (),
     )
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from autopar.config.errors import ConfigError
 from autopar.models.args import ModelArgs
+from autopar.training.metrics import DELTA_RULE_CHUNK
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 
@@ -63,6 +64,31 @@ def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
 
 
 @dataclass(frozen=True)
+class RecurrencePoint:
+    """One timed gated delta rule (Gated DeltaNet's recurrence) forward and backward over
+    ``batch`` sequences of ``seq`` tokens, ``key_heads`` / ``value_heads`` of ``dk`` / ``dv``."""
+
+    dtype: str
+    batch: int
+    seq: int
+    key_heads: int
+    value_heads: int
+    dk: int
+    dv: int
+    flops_per_s: float  # counted as training.metrics.delta_rule_flops counts them
+
+    @property
+    def flops(self) -> float:
+        return recurrence_flops(self.batch * self.seq, self.value_heads, self.dk, self.dv)
+
+
+def recurrence_flops(tokens: int, value_heads: int, dk: int, dv: int) -> float:
+    """Training FLOPs of one gated delta rule over ``tokens`` tokens, as
+    ``training.metrics.delta_rule_flops`` counts them per token."""
+    return 3.0 * value_heads * (6 * dk * dv + 2 * DELTA_RULE_CHUNK * (2 * dk + dv)) * tokens
+
+
+@dataclass(frozen=True)
 class CollectivePoint:
     """One timed collective over ``group`` consecutive ranks, ``bytes`` the full tensor's size."""
 
@@ -90,6 +116,7 @@ class DeviceProfile:
     collectives: tuple[CollectivePoint, ...] = ()
     op_overhead_s: float | None = None  # eager seconds per aten op beside its compute
     attention: tuple[AttentionPoint, ...] = ()
+    recurrence: tuple[RecurrencePoint, ...] = ()
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -105,6 +132,7 @@ class DeviceProfile:
         fields["matmul"] = tuple(MatmulPoint(**p) for p in record["matmul"])
         fields["collectives"] = tuple(CollectivePoint(**p) for p in record.get("collectives", ()))
         fields["attention"] = tuple(AttentionPoint(**p) for p in record.get("attention", ()))
+        fields["recurrence"] = tuple(RecurrencePoint(**p) for p in record.get("recurrence", ()))
         profile = cls(**fields)
         profile.check()
         return profile
@@ -118,6 +146,7 @@ class DeviceProfile:
         figures |= {f"matmul {p.dtype} {p.m}x{p.n}x{p.k}": p.flops_per_s for p in self.matmul}
         figures |= {f"{c.op} group {c.group} {c.bytes} B": c.bus_bytes_per_s for c in self.collectives}
         figures |= {f"attention {a.dtype} seq {a.seq}": a.flops_per_s for a in self.attention}
+        figures |= {f"recurrence {r.dtype} seq {r.seq}": r.flops_per_s for r in self.recurrence}
         for name, value in figures.items():
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} is {value!r}, not a positive number")
@@ -146,6 +175,13 @@ class DeviceProfile:
         for float8, whose attention runs in bf16); None when none was measured."""
         dtype = "bfloat16" if dtype == "float8" else dtype
         points = [(a.flops, a.flops_per_s) for a in self.attention if a.dtype == dtype]
+        return _interpolate(points, flops) if points else None
+
+    def recurrence_flops_per_s(self, dtype: str, flops: float) -> float | None:
+        """FLOP/s of a gated delta rule of ``flops`` (``recurrence_flops``) in ``dtype``
+        (bfloat16's for float8); None when none was measured."""
+        dtype = "bfloat16" if dtype == "float8" else dtype
+        points = [(r.flops, r.flops_per_s) for r in self.recurrence if r.dtype == dtype]
         return _interpolate(points, flops) if points else None
 
     def bus_bytes_per_s(self, op: str, group: int, message_bytes: float | None) -> float | None:

@@ -49,7 +49,7 @@ from autopar.planner.memory import (
     modules_numel,
     sizes,
 )
-from autopar.planner.profile import DeviceProfile, attention_flops, gemm_rate, gemm_shapes
+from autopar.planner.profile import DeviceProfile, attention_flops, gemm_rate, gemm_shapes, recurrence_flops
 from autopar.training.metrics import block_matmul_params, delta_rule_flops, flops_per_token
 
 COMPUTE_EFFICIENCY = {"compiled": 0.479, "eager": 0.294}
@@ -156,8 +156,9 @@ def measured_rate(
     micro: int,
 ) -> float:
     """Model FLOP/s from a profile: the GEMMs' FLOPs at the measured rate of this plan's
-    per-rank GEMM shapes, the attention's at the measured rate of its per-rank attention
-    (heads split by TP, queries by CP) where the probe timed attention, else at the GEMMs'."""
+    per-rank GEMM shapes; the attention's and a hybrid model's delta-rule recurrence's at the
+    measured rates of their per-rank calls (heads split by TP, tokens by CP) where the probe
+    timed them, else at the GEMMs'."""
     seq, dtype = job.training.seq_len, compute_dtype(job, device)
     tokens = micro * seq // dims.cp
     gemm = gemm_rate(profile, dtype, gemm_shapes(args, tokens, dims.tp))
@@ -167,7 +168,15 @@ def measured_rate(
     heads = max(1, args.num_attention_heads // dims.tp)
     rank_call = attention_flops(micro, heads, seq, args.head_dim) / dims.cp
     attention_rate = profile.attention_flops_per_s(dtype, rank_call) or gemm
-    return total / ((total - attention) / gemm + attention / attention_rate)
+    linear = sum(args.mixer(i) == "linear_attention" for i in range(args.num_hidden_layers))
+    recurrence = linear * delta_rule_flops(args) if args.hybrid else 0.0
+    value_heads = max(1, args.linear_num_value_heads // dims.tp)
+    rank_rule = recurrence_flops(
+        micro * seq // dims.cp, value_heads, args.linear_key_head_dim, args.linear_value_head_dim
+    )
+    recurrence_rate = profile.recurrence_flops_per_s(dtype, rank_rule) or gemm
+    gemms = total - attention - recurrence
+    return total / (gemms / gemm + attention / attention_rate + recurrence / recurrence_rate)
 
 
 def predict_time(
