@@ -20,6 +20,8 @@ COMMANDS = {
     "autopar.train": "autopar/cli/train.py",
     "autopar-train": "autopar/cli/train.py",
     "autopar.plan": "autopar/cli/plan.py",
+    "autopar.probe": "autopar/cli/probe.py",
+    "autopar-probe": "autopar/cli/probe.py",
     "autopar.bench": "autopar/cli/bench.py",
     "autopar.parity": "autopar/cli/parity.py",
     "autopar.plot": "autopar/cli/plot.py",

@@ -295,6 +295,10 @@ def test_auto_plan_runs_and_keeps_prediction_beside_measurement(tmp_path):
     record = json.loads((tmp_path / "plan.json").read_text())
     assert record["plan"]["fits"] and record["plan"]["settings"]["training.local_batch_size"] == "2"
     assert record["measured"]["steps_logged"] == 3 and record["measured"]["tokens_per_s"] > 0
+    # its last line puts the prediction beside the measurement, from a probed profile
+    assert record["device_profile"]["device_type"] == "cpu"
+    last = [line for line in result.stderr.splitlines() if "auto plan: predicted" in line][-1]
+    assert f"measured {record['measured']['tokens_per_s']:,.0f} (" in last and "peak predicted" in last
 
 
 def test_auto_without_verification_trains_the_predicted_best_without_a_dry_run(tmp_path):

@@ -84,6 +84,7 @@ FLOORS = {
 COMMAND_MODULES = (
     "autopar.train",
     "autopar.plan",
+    "autopar.probe",
     "autopar.bench",
     "autopar.parity",
     "autopar.plot",

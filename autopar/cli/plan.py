@@ -1,17 +1,22 @@
 """Choose a parallel plan before launch: ``python -m autopar.plan --job.config FILE --world-size N
-[--gpus-per-node 8] [--device h100] [--gpu-memory-gib G] [--top 10] [--json PATH] [--verify K]
-[--section.field VALUE ...]``.
+[--gpus-per-node 8] [--device h100 | --device-profile FILE] [--gpu-memory-gib G] [--top 10]
+[--json PATH] [--verify K] [--check N [--steps S]] [--section.field VALUE ...]``.
 
 Prints the best plans that fit (degrees, schedule, activation checkpointing, batch, predicted
 peak memory and its largest parts, tokens/s per GPU, MFU and where the time goes), the flags
 that run the best one, and how the job's own plan compares. Plan settings given as flags are
 held fixed. ``--verify K`` dry-runs the K best plans first (``planner/verify.py``), prints each
 rank role's measured peak beside the predicted one, and drops any plan that fails to build or
-does not fit as measured. Exit 2 with one paragraph when no plan fits.
+does not fit as measured. ``--device-profile FILE`` plans with the figures
+``python -m autopar.probe`` measured instead of a preset's. ``--check N`` then trains the N
+best plans for a few steps on this machine (run it under no launcher: it starts
+``--world-size`` processes itself) and prints predicted beside measured tokens/s
+(``planner_check.py``). Exit 2 with one paragraph when no plan fits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -24,7 +29,9 @@ from autopar.config.parse import explicit_keys
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.planner.devices import DeviceSpec, device_spec
+from autopar.planner.machine import spec_from_profile
 from autopar.planner.memory import param_shapes
+from autopar.planner.profile import load_profile
 from autopar.planner.search import Plan, evaluate, no_fit_message, pinned_fields, search
 from autopar.planner.verify import verify
 from autopar.training.preflight import check_plan
@@ -41,6 +48,9 @@ OPTIONS = {
     "--top": int,
     "--json": str,
     "--verify": int,
+    "--device-profile": str,
+    "--check": int,
+    "--steps": int,
 }
 
 
@@ -67,7 +77,9 @@ def split_options(argv: list[str]) -> tuple[dict[str, object], list[str]]:
         i += 1
     if "--world-size" not in found:
         raise ConfigError("--world-size N is required: the number of GPUs to plan for")
-    for name in ("--world-size", "--gpus-per-node", "--top", "--verify"):
+    if "--device" in found and "--device-profile" in found:
+        raise ConfigError("give --device (a preset) or --device-profile (a measured machine), not both")
+    for name in ("--world-size", "--gpus-per-node", "--top", "--verify", "--check", "--steps"):
         if name in found and found[name] < 1:
             raise ConfigError(f"{name} {found[name]} must be >= 1")
     world, per_node = int(found["--world-size"]), int(found.get("--gpus-per-node", 8))
@@ -86,27 +98,29 @@ def split_options(argv: list[str]) -> tuple[dict[str, object], list[str]]:
 
 def table(plans: list[Plan]) -> str:
     experts = any(p.dims.ep > 1 for p in plans)  # a column for expert parallelism when it is used
+    # with a measured profile: elementwise work at the measured memory bandwidth, op dispatch
+    measured = any(p.time and (p.time.memory_bound or p.time.overhead) for p in plans)
+    parts = ("compute", "exposed_comm", "bubble", "recompute", "host_optimizer")
+    parts += ("memory_bound", "overhead") if measured else ()
     head = (
         "| # | dp_rep | dp_shard | tp | cp | pp |"
         + (" ep |" if experts else "")
-        + " schedule/mbs | AC | reshard | local batch | peak GiB (largest parts) | tokens/s/GPU | MFU | compute/comm/bubble/recompute/host optimizer |"
+        + " schedule/mbs | AC | reshard | local batch | peak GiB (largest parts) | tokens/s/GPU | MFU | compute/comm/bubble/recompute/host optimizer"
+        + ("/memory/op overhead |" if measured else " |")
     )
     rows = [head, "|" + "---|" * (14 + experts)]
     for i, p in enumerate(plans, 1):
         d, s = p.dims, p.settings
         pipe = f"{s.schedule}/{s.microbatch}" if d.pp > 1 else "-"
         largest = sorted(p.memory.gib().items(), key=lambda kv: -kv[1])[:2]
-        parts = ", ".join(f"{k} {v:.1f}" for k, v in largest)
+        biggest = ", ".join(f"{k} {v:.1f}" for k, v in largest)
         split = p.time.split() if p.time else {}
-        shares = "/".join(
-            f"{100 * split.get(k, 0):.0f}"
-            for k in ("compute", "exposed_comm", "bubble", "recompute", "host_optimizer")
-        )
+        shares = "/".join(f"{100 * split.get(k, 0):.0f}" for k in parts)
         rows.append(
             f"| {i} | {d.dp_replicate} | {d.dp_shard} | {d.tp} | {d.cp} | {d.pp} | "
             + (f"{d.ep} | " if experts else "")
             + f"{pipe} | {s.ac} | "
-            f"{s.reshard} | {s.local_batch} | {p.peak_gib:.1f} ({parts}) | {p.tokens_per_s:,.0f} | "
+            f"{s.reshard} | {s.local_batch} | {p.peak_gib:.1f} ({biggest}) | {p.tokens_per_s:,.0f} | "
             f"{100 * p.mfu:.1f}% | {shares} |"
         )
     return "\n".join(rows)
@@ -135,10 +149,11 @@ def main(argv: list[str]) -> int:
         args = model_args(job)
         world = int(options["--world-size"])
         gpus_per_node = int(options.get("--gpus-per-node", 8))
-        device = device_spec(str(options.get("--device", "h100")), options.get("--gpu-memory-gib"))
+        device = planned_device(options)
+        device_type = device.profile.device_type if device.profile else "cuda"
         pinned = pinned_fields(job, *explicit_keys(job_argv))
         start = time.perf_counter()
-        plans = search(job, args, world, gpus_per_node, device, pinned)
+        plans = search(job, args, world, gpus_per_node, device, pinned, device_type)
     except ConfigError as err:
         print(f"plan error: {err}", file=sys.stderr)
         return 2
@@ -175,7 +190,24 @@ def main(argv: list[str]) -> int:
             "is then refused before any work (docs/multinode.md)"
         )
     print(own_plan_line(job, args, world, gpus_per_node, device, top[0]))
+    if "--check" in options:
+        from autopar.cli.plan_check import check_plans
+
+        return check_plans(fitting, job, world, options, device)
     return 0
+
+
+def planned_device(options: dict[str, object]) -> DeviceSpec:
+    """The device to plan for: a measured profile's, or a preset's (h100 by default), with
+    ``--gpu-memory-gib`` replacing its memory."""
+    memory = options.get("--gpu-memory-gib")
+    if "--device-profile" not in options:
+        return device_spec(str(options.get("--device", "h100")), memory)
+    device = spec_from_profile(load_profile(Path(str(options["--device-profile"]))))
+    if memory is None:
+        return device
+    checked = device_spec("h100", float(memory))  # the same check as for a preset
+    return dataclasses.replace(device, memory_gib=checked.memory_gib)
 
 
 def verified_plans(

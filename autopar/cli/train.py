@@ -19,11 +19,12 @@ import torch
 import torch.distributed as dist
 
 from autopar.cli.log import setup_logging, warn_if_untested_torch
+from autopar.cli.probe import machine_probe
 from autopar.config import ConfigError, JobConfig, help_text, to_toml
 from autopar.data import DataError
 from autopar.models.args import ModelArgs
 from autopar.parallel.world import init_world, ranks_per_node_from_env, world_size_from_env
-from autopar.planner.auto import auto_job, record_measured, write_plan
+from autopar.planner.auto import auto_job, measured_line, record_measured, write_plan
 from autopar.planner.devices import DeviceSpec
 from autopar.planner.dry_run import compare, report, title, write_dry_run
 from autopar.planner.search import Plan
@@ -79,7 +80,7 @@ def main(argv: list[str]) -> int:
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
             gpus_per_node = ranks_per_node_from_env() or 1
             job, plan, device, verified = auto_job(
-                job, argv, world_size_from_env(), device_type, gpus_per_node
+                job, argv, world_size_from_env(), device_type, gpus_per_node, machine_probe
             )
             auto = (plan, device, verified)
         if job.job.print_config:
@@ -131,7 +132,9 @@ def _run(job: JobConfig, args: ModelArgs, auto: tuple[Plan, DeviceSpec, list[Ver
         if dist.is_initialized():
             dist.destroy_process_group()
     if auto and world.is_main:
-        record_measured(dump / "plan.json", dump / "metrics.jsonl", len(records))
+        measured = record_measured(dump / "plan.json", dump / "metrics.jsonl", len(records))
+        if measured:
+            logging.getLogger("autopar").info(measured_line(auto[0], measured, dump / "plan.json"))
     return 0
 
 

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 
 from autopar.config.errors import ConfigError
+from autopar.planner.profile import DeviceProfile
 
 GB = 1e9
 
@@ -29,6 +30,9 @@ class DeviceSpec:
     intra_node_bytes_per_s: float
     inter_node_bytes_per_s: float
     host_bytes_per_s: float
+    profile: DeviceProfile | None = None
+    """Measured figures (``python -m autopar.probe``) the time model reads instead of the
+    constants above; None plans with the datasheet figures."""
 
 
 PRESETS: dict[str, DeviceSpec] = {

@@ -41,6 +41,7 @@ from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, schedule_name
 from autopar.planner.block_bytes import FP32, Sizes, block_bytes_no_ac, block_bytes_op_ac, state_passing
 from autopar.planner.devices import DeviceSpec
 from autopar.planner.hybrid_cp import chain_flops, map_flops_per_token
+from autopar.planner.measured import compute_dtype, memory_bound_seconds, overhead_seconds
 from autopar.planner.memory import (
     layer_expert_numel,
     meta_model,
@@ -48,6 +49,7 @@ from autopar.planner.memory import (
     modules_numel,
     sizes,
 )
+from autopar.planner.profile import DeviceProfile, attention_flops, gemm_rate, gemm_shapes, recurrence_flops
 from autopar.training.metrics import block_matmul_params, delta_rule_flops, flops_per_token
 
 COMPUTE_EFFICIENCY = {"compiled": 0.479, "eager": 0.294}
@@ -57,6 +59,8 @@ HOST_ADAM_PARAMS_PER_S = 1.8e9
 """CPU offload's optimizer step: torch 2.13's fused AdamW on this project's two-core CI
 machine (float32). A GPU host's CPU has more cores and memory bandwidth, so the prediction
 errs slow until a GPU host measures it."""
+DDP_BUCKET_BYTES = 25 * 2**20
+"""The replicas' all-reduce runs in buckets of this size (DDP's default)."""
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
@@ -70,10 +74,20 @@ class StepTime:
     bubble: float
     comm_by_dim: dict[str, float] = field(default_factory=dict)  # total (not only exposed) seconds
     host_optimizer: float = 0.0  # CPU offload: AdamW on the host, after backward
+    memory_bound: float = 0.0  # with a measured profile: elementwise work at the measured bandwidth
+    overhead: float = 0.0  # with a measured profile: each op's dispatch beside its compute
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.exposed_comm + self.bubble + self.host_optimizer
+        return (
+            self.compute
+            + self.recompute
+            + self.exposed_comm
+            + self.bubble
+            + self.host_optimizer
+            + self.memory_bound
+            + self.overhead
+        )
 
     def split(self) -> dict[str, float]:
         """Each part's share of the step."""
@@ -83,6 +97,8 @@ class StepTime:
             "exposed_comm": self.exposed_comm,
             "bubble": self.bubble,
             "host_optimizer": self.host_optimizer,
+            "memory_bound": self.memory_bound,
+            "overhead": self.overhead,
         }
         return {k: v / self.total for k, v in parts.items()}
 
@@ -92,18 +108,75 @@ def tokens_per_step(job: JobConfig, dims: ParallelDims) -> int:
     return job.training.local_batch_size * dims.dp * micro_steps(job, dims) * job.training.seq_len
 
 
-def link_bytes_per_s(span: int, gpus_per_node: int, device: DeviceSpec) -> float:
-    """Bandwidth a collective over a group of ``span`` consecutive ranks reaches."""
+def link_bytes_per_s(
+    span: int,
+    gpus_per_node: int,
+    device: DeviceSpec,
+    op: str | None = None,
+    group: int | None = None,
+    message: float | None = None,
+) -> float:
+    """Bandwidth a collective over a group of ``span`` consecutive ranks reaches: with a
+    measured profile, ``op``'s bus bandwidth over ``group`` ranks at ``message`` bytes within
+    a node; otherwise (and across nodes, which one machine's probe cannot see) the link's
+    datasheet figure at ``COMM_EFFICIENCY``."""
+    profile = device.profile
+    if profile is not None and op is not None and span <= gpus_per_node:
+        measured = profile.bus_bytes_per_s(op, group or span, message)
+        if measured is not None:
+            return measured
     link = device.intra_node_bytes_per_s if span <= gpus_per_node else device.inter_node_bytes_per_s
     return link * COMM_EFFICIENCY
 
 
-def compute_rate(job: JobConfig, device: DeviceSpec) -> float:
-    """Model FLOP/s one GPU sustains for this job."""
+def compute_rate(
+    job: JobConfig,
+    device: DeviceSpec,
+    args: ModelArgs | None = None,
+    dims: ParallelDims | None = None,
+    micro: int = 1,
+) -> float:
+    """Model FLOP/s one GPU sustains for this job: with a measured profile, the measured GEMM
+    rate at this plan's own shapes (a micro-batch of ``micro`` sequences, split by CP, weights
+    by TP) and dtype; otherwise the preset's peak at the MFU measured on an H100."""
+    if device.profile is not None and args is not None and dims is not None:
+        return measured_rate(device.profile, job, device, args, dims, micro)
     rate = device.bf16_flops * COMPUTE_EFFICIENCY["compiled" if job.compile.enable else "eager"]
     if job.float8.enable and device.fp8_flops is not None:
         rate *= FP8_SPEEDUP
     return rate
+
+
+def measured_rate(
+    profile: DeviceProfile,
+    job: JobConfig,
+    device: DeviceSpec,
+    args: ModelArgs,
+    dims: ParallelDims,
+    micro: int,
+) -> float:
+    """Model FLOP/s from a profile: the GEMMs' FLOPs at the measured rate of this plan's
+    per-rank GEMM shapes; the attention's and a hybrid model's delta-rule recurrence's at the
+    measured rates of their per-rank calls (heads split by TP, tokens by CP) where the probe
+    timed them, else at the GEMMs'."""
+    seq, dtype = job.training.seq_len, compute_dtype(job, device)
+    tokens = micro * seq // dims.cp
+    gemm = gemm_rate(profile, dtype, gemm_shapes(args, tokens, dims.tp))
+    total = flops_per_token(args, seq, job.lora.enable)
+    attention_layers = sum(args.mixer(i) != "linear_attention" for i in range(args.num_hidden_layers))
+    attention = 12 * attention_layers * args.num_attention_heads * args.head_dim * seq
+    heads = max(1, args.num_attention_heads // dims.tp)
+    rank_call = attention_flops(micro, heads, seq, args.head_dim) / dims.cp
+    attention_rate = profile.attention_flops_per_s(dtype, rank_call) or gemm
+    linear = sum(args.mixer(i) == "linear_attention" for i in range(args.num_hidden_layers))
+    recurrence = linear * delta_rule_flops(args) if args.hybrid else 0.0
+    value_heads = max(1, args.linear_num_value_heads // dims.tp)
+    rank_rule = recurrence_flops(
+        micro * seq // dims.cp, value_heads, args.linear_key_head_dim, args.linear_value_head_dim
+    )
+    recurrence_rate = profile.recurrence_flops_per_s(dtype, rank_rule) or gemm
+    gemms = total - attention - recurrence
+    return total / (gemms / gemm + attention / attention_rate + recurrence / recurrence_rate)
 
 
 def predict_time(
@@ -111,7 +184,7 @@ def predict_time(
 ) -> StepTime:
     """Predicted step time of ``job`` under ``dims`` on ``device``: compute and recompute,
     the communication left exposed beside them, and the pipeline's bubble."""
-    c = 2
+    c = 4 if compute_dtype(job, device) == "float32" else 2
     pipelined = dims.pp > 1
     micro = job.parallelism.pipeline_parallel_microbatch_size if pipelined else job.training.local_batch_size
     n_micro = job.training.local_batch_size // micro if pipelined else 1
@@ -121,7 +194,7 @@ def predict_time(
         layers=args.num_hidden_layers / dims.pp,
         linear_layers=_linear_layers(args) / dims.pp,
         moe_layers=sum(args.is_moe_layer(i) for i in range(args.num_hidden_layers)),
-        rate=compute_rate(job, device),
+        rate=compute_rate(job, device, args, dims, micro),
         z=sizes(args, job, dims, micro, "ring", c),
     )
     compute, recompute, share = _compute_seconds(args, job, dims, device, step)
@@ -135,20 +208,25 @@ def predict_time(
     if pipelined:
         stages_per_rank = SCHEDULE_STYLES[schedule_name(job.parallelism)].stages_per_rank or 2
         p2p = 2 * c * step.z.hidden * step.z.tokens * step.micro_batches * stages_per_rank
-        comm["pp"] = p2p / link_bytes_per_s(_spans(dims)["pp"], gpus_per_node, device)
+        activation = c * step.z.hidden * step.z.tokens
+        comm["pp"] = p2p / link_bytes_per_s(
+            _spans(dims)["pp"], gpus_per_node, device, "send_recv", 2, activation
+        )
     exposed = (
         comm.get("tp", 0.0)
         + comm.get("ep", 0.0)
         + comm.get("pp", 0.0)
         + cp_exposed
-        + max(0.0, background - compute - recompute)
+        + (max(0.0, background - compute - recompute) if _overlaps(device) else background)
         + first_gather
     )
+    memory_bound = memory_bound_seconds(args, job, device, step.z, step.layers * step.micro_batches)
+    overhead = overhead_seconds(args, job, device, step.layers * step.micro_batches)
     bubble = 0.0
     if pipelined:
         bubble = bubble_fraction(schedule_name(job.parallelism), dims.pp, n_micro, stages_per_rank)
-        bubble *= compute + recompute
-    return StepTime(compute, recompute, exposed, bubble, comm, host_optimizer)
+        bubble *= compute + recompute + memory_bound + overhead
+    return StepTime(compute, recompute, exposed, bubble, comm, host_optimizer, memory_bound, overhead)
 
 
 @dataclass(frozen=True)
@@ -229,31 +307,31 @@ def _model_parallel_comm(
     share: float,
 ) -> tuple[dict[str, float], float]:
     """Seconds of TP's, CP's and EP's collectives, and how much of CP's attention does not hide."""
-    c, z, spans = 2, step.z, _spans(dims)
+    c, z, spans = step.z.dtype_bytes, step.z, _spans(dims)
     comm: dict[str, float] = {}
     if dims.tp > 1:
         # SP: all-gather + reduce-scatter around attention and MLP, forward and backward (all-reduces
         # without SP move the same bytes); plus the embedding's and the head's
         per_collective = (dims.tp - 1) / dims.tp * c * z.hidden * z.tokens
         collectives = 8 * step.layers + 4
-        comm["tp"] = (
-            collectives
-            * step.micro_batches
-            * per_collective
-            / link_bytes_per_s(spans["tp"], gpus_per_node, device)
+        rate = link_bytes_per_s(
+            spans["tp"], gpus_per_node, device, "all_gather", dims.tp, c * z.hidden * z.tokens
         )
+        comm["tp"] = collectives * step.micro_batches * per_collective / rate
     cp_exposed = 0.0
     if dims.cp > 1:
         kv = 2 * c * z.sdpa_kv_heads * z.head_dim * z.tokens  # ring attention passes k/v as SDPA gets them
         attention_layers = step.layers - step.linear_layers
         cp_bytes = 3 * (dims.cp - 1) * kv * attention_layers * step.micro_batches
-        comm["cp"] = cp_bytes / link_bytes_per_s(spans["cp"], gpus_per_node, device)
+        comm["cp"] = cp_bytes / link_bytes_per_s(spans["cp"], gpus_per_node, device, "send_recv", 2, kv)
         seq = job.training.seq_len
         attention = (
             12 * z.q_heads * z.head_dim * seq * z.tokens * attention_layers * step.micro_batches / step.rate
         )
-        cp_exposed = max(0.0, comm["cp"] - attention)
-        maps = _state_passing_bytes(job, step, share) / link_bytes_per_s(spans["cp"], gpus_per_node, device)
+        cp_exposed = max(0.0, comm["cp"] - attention) if _overlaps(device) else comm["cp"]
+        maps = _state_passing_bytes(job, step, share) / link_bytes_per_s(
+            spans["cp"], gpus_per_node, device, "all_gather", dims.cp
+        )
         comm["cp"] += maps
         cp_exposed += maps
     if dims.ep > 1 and step.moe_layers:
@@ -261,8 +339,18 @@ def _model_parallel_comm(
         rows = z.top_k * z.tokens
         transfers = (4 + 2 * share) * step.moe_layers / dims.pp * step.micro_batches  # this rank's stage
         moved = transfers * (dims.ep - 1) / dims.ep * c * rows * z.hidden
-        comm["ep"] = moved / link_bytes_per_s(spans["ep"], gpus_per_node, device)
+        rate = link_bytes_per_s(
+            spans["ep"], gpus_per_node, device, "all_to_all", dims.ep, c * rows * z.hidden
+        )
+        comm["ep"] = moved / rate
     return comm, cp_exposed
+
+
+def _overlaps(device: DeviceSpec) -> bool:
+    """Whether data-parallel traffic and CP's k/v exchange run beside compute: on GPUs (their
+    own streams and copy engines), not on a measured CPU, where gloo's threads take the cores
+    compute needs."""
+    return device.profile is None or device.profile.device_type != "cpu"
 
 
 def _linear_layers(args: ModelArgs) -> int:
@@ -308,7 +396,7 @@ def _data_parallel_comm(
 ) -> tuple[dict[str, float], float]:
     """Seconds of FSDP's gathers and reduce-scatters, the replicas' all-reduce and CPU
     offload's copies, and of AdamW on the host."""
-    c, spans = 2, _spans(dims)
+    c, spans = step.z.dtype_bytes, _spans(dims)
     comm: dict[str, float] = {}
     fsdp = dims.dp_shard * dims.cp
     unsharded = _rank_params(args, job, dims)
@@ -319,20 +407,27 @@ def _data_parallel_comm(
         experts = _rank_expert_params(args, dims)
         efsdp = fsdp // dims.ep
         moved = (fsdp - 1) / fsdp * (unsharded - experts) + (efsdp - 1) / efsdp * experts
-        # each gather, and each float32 gradient's reduce-scatter (LoRA's adapters': negligible)
-        moved *= c * gathers + (0 if job.lora.enable else 4 * step.micro_batches)
-        comm["fsdp"] = moved / link_bytes_per_s(spans["fsdp"], gpus_per_node, device)
+        # each gather, and each float32 gradient's reduce-scatter (LoRA's adapters': negligible),
+        # one block's weights at a time
+        block = unsharded / max(1.0, step.layers)
+        gather = link_bytes_per_s(spans["fsdp"], gpus_per_node, device, "all_gather", fsdp, c * block)
+        scatter = link_bytes_per_s(spans["fsdp"], gpus_per_node, device, "reduce_scatter", fsdp, FP32 * block)
+        reduced = 0 if job.lora.enable else FP32 * step.micro_batches
+        comm["fsdp"] = moved * c * gathers / gather + moved * reduced / scatter
     if dims.dp_replicate > 1 and not job.lora.enable:
         r = dims.dp_replicate
         moved = 2 * (r - 1) / r * 4 * unsharded / fsdp * step.micro_batches
-        comm["dp_replicate"] = moved / link_bytes_per_s(spans["dp_replicate"], gpus_per_node, device)
+        bucket = min(DDP_BUCKET_BYTES, FP32 * unsharded / fsdp)
+        rate = link_bytes_per_s(spans["dp_replicate"], gpus_per_node, device, "all_reduce", r, bucket)
+        comm["dp_replicate"] = moved / rate
     host_optimizer = 0.0
     if job.training.enable_cpu_offload:
         # each gather first copies the float32 shard to the GPU, each gradient shard comes
         # back (on FSDP's streams, beside compute); AdamW then steps on the host
         shard = unsharded / fsdp
         copies = gathers + step.micro_batches
-        comm["host"] = FP32 * shard * copies / (device.host_bytes_per_s * COMM_EFFICIENCY)
+        host = device.host_bytes_per_s * (1.0 if device.profile is not None else COMM_EFFICIENCY)
+        comm["host"] = FP32 * shard * copies / host
         host_optimizer = shard / HOST_ADAM_PARAMS_PER_S
     return comm, host_optimizer
 

@@ -1,0 +1,144 @@
+"""``python -m autopar.plan ... --check N``: train the N best plans of distinct shapes (the
+best of each combination of degrees, pipeline schedule and checkpointing mode, so the check
+spans FSDP, DDP, TP, CP, PP and AC rather than N local batches of one plan) for a few steps
+each on this machine (``autopar.bench``'s machinery: fresh processes per plan, the median step after
+warm-up) and print predicted beside measured tokens/s per device, each plan's error, the
+median and worst error, and the Spearman rank correlation of predicted and measured order.
+With ``--json FILE`` the results, the commit and the command join the ranked plans there.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from autopar.cli.bench import run_variant, source_commit, summarize, variant_job
+from autopar.config.sections import JobConfig
+from autopar.planner.devices import DeviceSpec
+from autopar.planner.search import Plan
+
+CHECK_WARMUP = 2
+"""Untimed steps of each plan (the first builds caches and, compiled, the graph)."""
+CHECK_STEPS = 4
+"""Timed steps of each plan, unless ``--steps`` says otherwise."""
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (tied values share their mean rank); nan under 2 points."""
+    if len(xs) < 2:
+        return float("nan")
+    rx, ry = _ranks(xs), _ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def measure(plans: list[Plan], job: JobConfig, world: int, steps: int) -> list[dict]:
+    """Each plan trained for ``CHECK_WARMUP + steps`` steps: predicted and measured tokens/s."""
+    rows = []
+    for i, plan in enumerate(plans, 1):
+        spec = f"plan{i}:" + ",".join(f"{k}={v}" for k, v in plan.settings.config().items())
+        variant = variant_job(job, spec, CHECK_WARMUP + steps, world)
+        result = summarize(
+            variant.name, spec, run_variant(variant.name, variant.job, world, CHECK_WARMUP), world
+        )
+        measured = result.tokens_per_second_per_device
+        rows.append(
+            {
+                "plan": plan.describe(),
+                "overrides": plan.overrides,
+                "predicted_tokens_per_s": plan.tokens_per_s,
+                "measured_tokens_per_s": measured,
+                "error": plan.tokens_per_s / measured - 1,
+                "predicted_split": plan.time.split() if plan.time else None,
+            }
+        )
+        print(
+            f"  {i}: {plan.describe()}: predicted {plan.tokens_per_s:,.0f}, measured {measured:,.0f}",
+            flush=True,
+        )
+    return rows
+
+
+def summary(rows: list[dict]) -> dict:
+    errors = [abs(r["error"]) for r in rows]
+    return {
+        "median_abs_error": statistics.median(errors),
+        "worst_abs_error": max(errors),
+        "spearman": spearman(
+            [r["predicted_tokens_per_s"] for r in rows], [r["measured_tokens_per_s"] for r in rows]
+        ),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| # | plan | predicted tokens/s | measured tokens/s | error |", "|---|---|---|---|---|"]
+    for i, r in enumerate(rows, 1):
+        lines.append(
+            f"| {i} | {r['plan']} | {r['predicted_tokens_per_s']:,.0f} | "
+            f"{r['measured_tokens_per_s']:,.0f} | {100 * r['error']:+.0f}% |"
+        )
+    return "\n".join(lines)
+
+
+def distinct_shapes(plans: list[Plan], count: int) -> list[Plan]:
+    """The best ``count`` plans, one of each shape (degrees, schedule, checkpointing mode)."""
+    seen: set[tuple] = set()
+    chosen = []
+    for plan in plans:
+        d, s = plan.dims, plan.settings
+        shape = (d.dp_replicate, d.dp_shard, d.tp, d.cp, d.pp, d.ep, s.schedule if d.pp > 1 else "", s.ac)
+        if shape not in seen and len(chosen) < count:
+            seen.add(shape)
+            chosen.append(plan)
+    return chosen
+
+
+def check_plans(plans: list[Plan], job: JobConfig, world: int, options: dict, device: DeviceSpec) -> int:
+    """Run, print and (``--json``) record the check of ``options['--check']`` plans."""
+    top = distinct_shapes(plans, int(options["--check"]))
+    steps = int(options.get("--steps", CHECK_STEPS))
+    print(f"\nchecking the {len(top)} best plans: {CHECK_WARMUP} warm-up + {steps} timed steps each")
+    rows = measure(top, job, world, steps)
+    stats = summary(rows)
+    print(table(rows))
+    print(
+        f"median error {100 * stats['median_abs_error']:.0f}%, worst {100 * stats['worst_abs_error']:.0f}%, "
+        f"Spearman rank correlation {stats['spearman']:.2f} over {len(rows)} plans"
+    )
+    if "--json" in options:
+        path = Path(str(options["--json"]))
+        record = json.loads(path.read_text()) if path.is_file() else {}
+        record["check"] = {
+            "device": device.name,
+            "profile": bool(device.profile),
+            "torch": torch.__version__,
+            "commit": source_commit(),
+            "command": " ".join(["python -m autopar.plan", *sys.argv[1:]]),
+            "world_size": world,
+            "steps": steps,
+            "warmup": CHECK_WARMUP,
+            "plans": rows,
+            **stats,
+        }
+        path.write_text(json.dumps(record, indent=2))
+    return 0

@@ -1,0 +1,334 @@
+"""Measure this machine for the planner: matmul throughput per dtype and GEMM shape, memory
+bandwidth, host-to-device copies and, inside a process group, each collective the plans use
+per group size. One code path for CUDA (NCCL) and CPU (gloo); each figure is the median of a
+few timed repeats after one warm-up, so a CPU probe takes seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.models.args import ModelArgs
+from autopar.planner.profile import (
+    AttentionPoint,
+    CollectivePoint,
+    DeviceProfile,
+    MatmulPoint,
+    RecurrencePoint,
+    attention_flops,
+    recurrence_flops,
+)
+
+CPU_SQUARES = (128, 512, 1024)
+CUDA_SQUARES = (1024, 4096, 8192)
+CPU_ATTENTION = ((1, 8, 256, 32), (1, 8, 1024, 32))  # (batch, heads, seq, head_dim)
+CUDA_ATTENTION = ((1, 16, 1024, 128), (1, 16, 4096, 128))
+CPU_MESSAGES = (1 << 16, 1 << 20, 1 << 23)  # bytes: 64 KiB, 1 MiB, 8 MiB
+CUDA_MESSAGES = (1 << 20, 1 << 24, 1 << 28)
+REPEATS = 5
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int = REPEATS) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs, after one untimed warm-up."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def probe_dtypes(device: torch.device) -> list[str]:
+    """float32 and bfloat16 everywhere; float8 where the GPU has FP8 tensor cores (sm 8.9+)."""
+    dtypes = ["float32", "bfloat16"]
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9):
+        dtypes.append("float8")
+    return dtypes
+
+
+def _matmul_fn(dtype: str, m: int, n: int, k: int, device: torch.device) -> Callable[[], object]:
+    """A linear's training GEMMs over ``m`` rows, ``k`` in and ``n`` out features, in the
+    layouts autograd runs them: forward x @ W.t(), input gradient g @ W, weight gradient
+    g.t() @ x. Float8 runs the forward's ``torch._scaled_mm`` (row-major A, column-major B, as
+    its kernel wants) three times, as torchao's recipes run all three in float8."""
+    if dtype == "float8":
+        a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
+        one = torch.ones((), device=device)
+        return lambda: [
+            torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16) for _ in range(3)
+        ]
+    x = torch.randn(m, k, device=device, dtype=getattr(torch, dtype))
+    w = torch.randn(n, k, device=device, dtype=getattr(torch, dtype))
+    g = torch.randn(m, n, device=device, dtype=getattr(torch, dtype))
+    return lambda: (x @ w.t(), g @ w, g.t() @ x)
+
+
+def probe_matmul(
+    device: torch.device, dtypes: Iterable[str], shapes: Iterable[tuple[int, int, int]]
+) -> list[MatmulPoint]:
+    """FLOP/s of each (m, n, k) linear's forward and backward GEMMs in each dtype (float8 only
+    where each size is a multiple of 16, as its kernel requires)."""
+    points = []
+    for dtype in dtypes:
+        for m, n, k in shapes:
+            if dtype == "float8" and (m % 16 or n % 16 or k % 16):
+                continue
+            seconds = timed(_matmul_fn(dtype, m, n, k, device), device)
+            points.append(MatmulPoint(dtype, m, n, k, 6.0 * m * n * k / seconds))
+    return points
+
+
+def probe_memory(device: torch.device) -> float:
+    """Bytes/s of a large elementwise product into a new tensor (two reads, one write), the
+    kind of op the model's norms, activations and residuals are; a plain copy runs faster
+    than they do."""
+    numel = (1 << 28 if device.type == "cuda" else 1 << 24) // 4
+    a, b = torch.ones(numel, device=device), torch.ones(numel, device=device)
+    return 3 * a.nbytes / timed(lambda: a * b, device)
+
+
+def probe_host(device: torch.device) -> float | None:
+    """Bytes/s of a pinned host-to-GPU copy; None on CPU, where there is no such copy."""
+    if device.type != "cuda":
+        return None
+    src = torch.ones((1 << 28) // 4, pin_memory=True)
+    dst = torch.empty(src.shape, device=device)
+    return src.nbytes / timed(lambda: dst.copy_(src, non_blocking=True), device)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def forward_backward(model: torch.nn.Module, device: torch.device, tokens: int = 8) -> Callable[[], None]:
+    """One forward and backward of ``model`` over one sequence of ``tokens`` tokens."""
+    ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
+
+    def run() -> None:
+        model(ids).float().sum().backward()
+        for p in model.parameters():
+            p.grad = None
+
+    return run
+
+
+def count_ops(fn: Callable[[], None]) -> int:
+    """The aten ops ``fn`` dispatches (on meta tensors this costs no compute)."""
+    with _OpCounter() as counter:
+        fn()
+    return counter.count
+
+
+def reference_args() -> ModelArgs:
+    """The model the probe times its per-op overhead on: the debug Qwen3 (tiny, always shipped)."""
+    from autopar.training.resolve import model_args, parse_job
+
+    return model_args(parse_job(["--job.config", "debug_model"]))
+
+
+def probe_op_overhead(device: torch.device) -> float:
+    """Seconds per aten op of an eager forward and backward whose compute is negligible (the
+    reference model on 8 tokens): dispatch, autograd and Python, what a small model or a small
+    shard pays beside its FLOPs."""
+    from autopar.models.family import build_model
+
+    with torch.device(device):
+        model = build_model(reference_args())
+    run = forward_backward(model, device)
+    ops = count_ops(run)
+    return timed(run, device) / ops
+
+
+def group_sizes(world_size: int) -> list[int]:
+    """Powers of two from 2 up to the world, and the world itself."""
+    sizes = [g for g in (2**i for i in range(1, 20)) if g <= world_size]
+    return sizes + ([world_size] if world_size > 1 and world_size not in sizes else [])
+
+
+def _collective_fn(op: str, numel: int, group_ranks: list[int], group, device: torch.device):
+    """(the collective over ``group`` for a tensor of ``numel`` float32 elements, bus bytes
+    it moves per rank as a multiple of the tensor's bytes)."""
+    g, rank = len(group_ranks), dist.get_rank()
+    whole = torch.ones(numel - numel % g, device=device)
+    part = torch.ones(whole.numel() // g, device=device)
+    share = (g - 1) / g
+    if op == "all_gather":
+        return lambda: dist.all_gather_into_tensor(whole, part, group=group), share
+    if op == "reduce_scatter":
+        return lambda: dist.reduce_scatter_single(part, whole, group=group), share
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(whole, group=group), 2 * share
+    if op == "all_to_all":
+        out = torch.empty_like(whole)
+        return lambda: dist.all_to_all_single(out, whole, group=group), share
+    first, last = group_ranks[0], group_ranks[-1]  # send/recv across the group's span
+
+    def send_recv() -> None:
+        if rank == first:
+            dist.send(whole, dst=last)
+        elif rank == last:
+            dist.recv(whole, src=first)
+
+    return send_recv, 1.0
+
+
+def probe_collectives(
+    device: torch.device, messages: Iterable[int], ops: Iterable[str], repeats: int = REPEATS
+) -> list[CollectivePoint]:
+    """Bus bandwidth of each op over the first g ranks for every group size g, at each
+    message size: the slowest rank's median, agreed on by all ranks. Every rank must call it."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    slowest = dist.ReduceOp.MAX
+    points = []
+    for g in group_sizes(world):
+        ranks = list(range(g))
+        group = dist.new_group(ranks)
+        for op in ops:
+            for nbytes in messages:
+                seconds, share = torch.zeros(1, device=device), 1.0
+                if rank < g:
+                    fn, share = _collective_fn(op, nbytes // 4, ranks, group, device)
+                    seconds[0] = timed(fn, device, repeats)
+                dist.all_reduce(seconds, op=slowest)
+                points.append(CollectivePoint(op, g, nbytes, share * nbytes / seconds.item()))
+        dist.barrier()
+    return points
+
+
+def _attention_fn(dtype: str, b: int, h: int, seq: int, d: int, device: torch.device) -> Callable[[], None]:
+    """One causal SDPA forward and backward over (b, h, seq, d) in ``dtype``."""
+    q, k, v = (
+        torch.randn(b, h, seq, d, device=device, dtype=getattr(torch, dtype), requires_grad=True)
+        for _ in range(3)
+    )
+    return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+
+def probe_attention(
+    device: torch.device, dtypes: Iterable[str], shapes: Iterable[tuple[int, int, int, int]]
+) -> list[AttentionPoint]:
+    """FLOP/s of a causal SDPA forward and backward at each (batch, heads, seq, head_dim)."""
+    points = []
+    for dtype in dtypes:
+        if dtype == "float8":  # attention runs in bf16 under FP8 training
+            continue
+        for b, h, seq, d in shapes:
+            seconds = timed(_attention_fn(dtype, b, h, seq, d, device), device)
+            points.append(AttentionPoint(dtype, b, h, seq, d, attention_flops(b, h, seq, d) / seconds))
+    return points
+
+
+def _recurrence_fn(
+    dtype: str, shape: tuple[int, int, int, int, int, int], device: torch.device
+) -> Callable[[], None]:
+    """One gated delta rule forward and backward (the model's kernel) over
+    (batch, seq, key heads, value heads, dk, dv) in ``dtype``."""
+    from autopar.models.qwen3_5.delta_rule import gated_delta_rule, l2norm
+
+    b, seq, hk, hv, dk, dv = shape
+    half = getattr(torch, dtype)
+    q, k = (l2norm(torch.randn(b, seq, hk, dk, device=device)).to(half).requires_grad_() for _ in range(2))
+    v = torch.randn(b, seq, hv, dv, device=device, dtype=half, requires_grad=True)
+    g = -torch.rand(b, seq, hv, device=device)  # log decay <= 0, fp32
+    beta = torch.rand(b, seq, hv, device=device, dtype=half)
+    return lambda: gated_delta_rule(q, k, v, g, beta).float().sum().backward()
+
+
+def probe_recurrence(
+    device: torch.device, dtypes: Iterable[str], shapes: Iterable[tuple[int, int, int, int, int, int]]
+) -> list[RecurrencePoint]:
+    """FLOP/s of the gated delta rule's forward and backward at each shape (a hybrid job's)."""
+    points = []
+    for dtype in dtypes:
+        if dtype == "float8":
+            continue
+        for shape in shapes:
+            seconds = timed(_recurrence_fn(dtype, shape, device), device)
+            b, seq, _, hv, dk, dv = shape
+            points.append(RecurrencePoint(dtype, *shape, recurrence_flops(b * seq, hv, dk, dv) / seconds))
+    return points
+
+
+def device_memory_gib(device: torch.device, local_world: int) -> float:
+    """The GPU's memory, or this host's RAM shared by its local ranks."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / 2**30
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram / 2**30 / max(1, local_world)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
+def run_probe(
+    device: torch.device,
+    job_shapes: Iterable[tuple[int, int, int]] = (),
+    collectives: Iterable[str] = (),
+    local_world: int = 1,
+    job_attention: Iterable[tuple[int, int, int, int]] = (),
+    job_recurrence: Iterable[tuple[int, int, int, int, int, int]] = (),
+) -> DeviceProfile:
+    """The profile of ``device``: matmuls at the probe's squares and ``job_shapes``, attention
+    at the probe's shapes and ``job_attention``, memory and host bandwidth, per-op overhead,
+    and ``collectives`` when a process group is initialised (every rank calls)."""
+    attention = sorted(set(CUDA_ATTENTION if device.type == "cuda" else CPU_ATTENTION) | set(job_attention))
+    squares = CUDA_SQUARES if device.type == "cuda" else CPU_SQUARES
+    shapes = sorted({(s, s, s) for s in squares} | set(job_shapes))
+    messages = CUDA_MESSAGES if device.type == "cuda" else CPU_MESSAGES
+    grouped = dist.is_available() and dist.is_initialized()
+    cuda = device.type == "cuda"
+    return DeviceProfile(
+        device=device_name(device),
+        device_type=device.type,
+        torch=torch.__version__,
+        driver=_driver() if cuda else None,
+        cuda=torch.version.cuda if cuda else None,
+        world_size=dist.get_world_size() if grouped else 1,
+        local_world_size=local_world,
+        memory_gib=device_memory_gib(device, local_world),
+        matmul=tuple(probe_matmul(device, probe_dtypes(device), shapes)),
+        memory_bytes_per_s=probe_memory(device),
+        host_bytes_per_s=probe_host(device),
+        op_overhead_s=probe_op_overhead(device),
+        attention=tuple(probe_attention(device, probe_dtypes(device), attention)),
+        recurrence=tuple(probe_recurrence(device, probe_dtypes(device), job_recurrence)),
+        collectives=tuple(probe_collectives(device, messages, collectives)) if grouped else (),
+    )
+
+
+def _driver() -> str | None:
+    """The NVIDIA driver version, when the NVML binding answers."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        version = pynvml.nvmlSystemGetDriverVersion()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:  # no NVML here: the profile says None
+        return None

@@ -1,0 +1,268 @@
+"""The device probe and the planner's use of it: the probe measures this machine and writes a
+profile that round-trips; the time model's terms follow the profile's figures (numbers, not
+shapes); ``parallelism.auto`` plans an unknown GPU with its own probed figures; a bad profile
+is one line naming the file and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopar.cli.plan import main as plan_main
+from autopar.cli.plan_check import spearman
+from autopar.cli.probe import machine_probe
+from autopar.cli.probe import main as probe_main
+from autopar.parallel.mesh import ParallelDims
+from autopar.planner.auto import auto_job
+from autopar.planner.devices import PRESETS
+from autopar.planner.machine import spec_from_profile
+from autopar.planner.measured import ops_per_micro_batch
+from autopar.planner.memory import meta_model
+from autopar.planner.probe import probe_recurrence, run_probe
+from autopar.planner.profile import (
+    COLLECTIVES,
+    AttentionPoint,
+    CollectivePoint,
+    DeviceProfile,
+    MatmulPoint,
+    RecurrencePoint,
+    load_profile,
+)
+from autopar.planner.time import StepTime, compute_rate, predict_time, tokens_per_step
+from autopar.training.metrics import delta_rule_flops, flops_per_token
+from autopar.training.resolve import model_args
+from tests.jobs import debug_job
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def flat_profile(
+    flops: float = 1e11, bus: float = 1e9, memory: float = 1e10, op_s: float = 1e-5
+) -> DeviceProfile:
+    """A CPU profile with the same figure at every measured point, so predictions can be
+    computed by hand."""
+    matmul = tuple(
+        MatmulPoint(dtype, s, s, s, flops) for dtype in ("float32", "bfloat16") for s in (64, 1024)
+    )
+    collectives = tuple(
+        CollectivePoint(op, 2, size, bus) for op in COLLECTIVES for size in (1 << 16, 1 << 23)
+    )
+    return DeviceProfile(
+        "test cpu", "cpu", torch.__version__, None, None, 2, 2, 8.0, matmul, memory, None, collectives, op_s
+    )
+
+
+def test_the_probe_on_cpu_writes_a_profile_whose_figures_are_positive_and_round_trip(tmp_path, capsys):
+    path = tmp_path / "profile.json"
+    assert probe_main(["--output", str(path), "--job.config", "debug_model", "--training.seq_len", "64"]) == 0
+    assert "host -> device  n/a (CPU)" in capsys.readouterr().out
+    profile = load_profile(path)
+    assert profile.device_type == "cpu" and profile.torch == torch.__version__ and profile.world_size == 1
+    assert profile.host_bytes_per_s is None and profile.cuda is None and profile.collectives == ()
+    assert profile.memory_gib > 0 and profile.memory_bytes_per_s > 0 and profile.op_overhead_s > 0
+    assert {p.dtype for p in profile.matmul} == {"float32", "bfloat16"}
+    assert all(p.flops_per_s > 0 for p in profile.matmul)
+    # the job's own GEMMs: 8 sequences x 64 tokens through the debug model's q/k/v (8 + 2 x 4
+    # heads of 32) and its vocabulary head (512)
+    shapes = {(p.m, p.n, p.k) for p in profile.matmul}
+    assert {(512, 512, 128), (512, 128, 256)} <= shapes
+    assert DeviceProfile.from_json(json.loads(path.read_text())) == profile
+
+
+def test_collectives_are_measured_on_two_gloo_ranks_per_op_and_message_size():
+    profile = machine_probe(torch.device("cpu"), 2)
+    assert profile.world_size == 2 and profile.local_world_size == 2
+    measured = {(c.op, c.group, c.bytes) for c in profile.collectives}
+    assert measured == {(op, 2, size) for op in COLLECTIVES for size in (1 << 16, 1 << 20, 1 << 23)}
+    assert all(c.bus_bytes_per_s > 0 and math.isfinite(c.bus_bytes_per_s) for c in profile.collectives)
+
+
+def fsdp2(*flags: str):
+    job = debug_job("--training.seq_len", "512", "--training.local_batch_size", "4", *flags)
+    return job, model_args(job), ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1)
+
+
+def test_the_compute_term_is_the_model_flops_at_the_measured_gemm_rate():
+    job, args, dims = fsdp2()
+    device = spec_from_profile(flat_profile(flops=1e11))
+    time = predict_time(args, job, dims, device, 2)
+    # 4 sequences of 512 tokens per rank at 1e11 FLOP/s: no efficiency factor between them
+    expected = flops_per_token(args, 512, False) * tokens_per_step(job, dims) / 2 / 1e11
+    assert time.compute == pytest.approx(expected, rel=1e-9)
+
+
+def test_attention_flops_run_at_the_measured_attention_rate():
+    job, args, dims = fsdp2()
+    attention = tuple(AttentionPoint("float32", 1, 8, seq, 32, 2.5e10) for seq in (256, 1024))
+    device = spec_from_profile(dataclasses.replace(flat_profile(flops=1e11), attention=attention))
+    time = predict_time(args, job, dims, device, 2)
+    # the debug model at 512 tokens: 12 x 4 layers x 8 heads x 32 x 512 attention FLOPs per token
+    # at 2.5e10 FLOP/s, the rest (6 x its matmul parameters) at 1e11
+    attention_flops = 12 * 4 * 8 * 32 * 512
+    per_token = (flops_per_token(args, 512, False) - attention_flops) / 1e11 + attention_flops / 2.5e10
+    assert time.compute == pytest.approx(per_token * tokens_per_step(job, dims) / 2, rel=1e-9)
+
+
+def test_a_hybrid_models_recurrence_runs_at_the_measured_delta_rule_rate():
+    job = debug_job(
+        "--model.name", "qwen3.5", "--training.seq_len", "512", "--training.local_batch_size", "4"
+    )
+    args, dims = model_args(job), ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1)
+    rule = (
+        4,
+        512,
+        args.linear_num_key_heads,
+        args.linear_num_value_heads,
+        args.linear_key_head_dim,
+        args.linear_value_head_dim,
+    )
+    slow = (RecurrencePoint("float32", *rule, 1e9),)
+    device = spec_from_profile(dataclasses.replace(flat_profile(flops=1e11), recurrence=slow))
+    time = predict_time(args, job, dims, device, 2)
+    linear = sum(args.mixer(i) == "linear_attention" for i in range(args.num_hidden_layers))
+    recurrence = linear * delta_rule_flops(args)  # per token, at 1e9 FLOP/s; the rest at 1e11
+    per_token = (flops_per_token(args, 512, False) - recurrence) / 1e11 + recurrence / 1e9
+    assert time.compute == pytest.approx(per_token * tokens_per_step(job, dims) / 2, rel=1e-9)
+
+
+def test_the_probe_times_the_models_own_delta_rule_kernel():
+    (point,) = probe_recurrence(torch.device("cpu"), ["float32"], [(1, 128, 1, 2, 8, 8)])
+    assert (point.seq, point.value_heads, point.dk) == (128, 2, 8) and 0 < point.flops_per_s < 1e13
+
+
+def test_fsdp_traffic_moves_at_the_measured_bus_bandwidth():
+    job, args, dims = fsdp2()
+    time = predict_time(args, job, dims, spec_from_profile(flat_profile(bus=1e9)), 2)
+    # float32 on CPU: half the weights gathered twice (forward, backward) and half the float32
+    # gradients reduce-scattered, 6 bytes per parameter, at 1 GB/s: no efficiency factor
+    params = sum(p.numel() for p in meta_model(args).parameters())
+    assert time.comm_by_dim["fsdp"] == pytest.approx(6 * params / 1e9, rel=1e-9)
+    # a CPU rank's one core runs gloo's copies too, so none of it hides behind compute; a GPU's does
+    assert time.exposed_comm >= time.comm_by_dim["fsdp"]
+    gpu = spec_from_profile(dataclasses.replace(flat_profile(bus=1e9), device_type="cuda"))
+    assert predict_time(args, job, dims, gpu, 2).exposed_comm < time.comm_by_dim["fsdp"] / 2
+
+
+def test_halving_each_measured_figure_doubles_its_own_term_only():
+    job, args, dims = fsdp2()
+    base = spec_from_profile(flat_profile())
+    slow = {
+        "compute": flat_profile(flops=0.5e11),
+        "comm": flat_profile(bus=0.5e9),
+        "memory_bound": flat_profile(memory=0.5e10),
+        "overhead": flat_profile(op_s=2e-5),
+    }
+    before = predict_time(args, job, dims, base, 2)
+
+    def terms(t: StepTime) -> dict[str, float]:
+        return {
+            "compute": t.compute,
+            "comm": t.comm_by_dim["fsdp"],
+            "memory_bound": t.memory_bound,
+            "overhead": t.overhead,
+        }
+
+    for name, profile in slow.items():
+        after = terms(predict_time(args, job, dims, spec_from_profile(profile), 2))
+        for term, value in terms(before).items():
+            assert after[term] == pytest.approx(value * (2 if term == name else 1), rel=1e-9), (name, term)
+
+
+def test_a_larger_gemm_runs_at_the_rate_measured_for_its_size():
+    profile = flat_profile()
+    fast = [dataclasses.replace(p, flops_per_s=4e11) if p.m == 1024 else p for p in profile.matmul]
+    profile = dataclasses.replace(profile, matmul=tuple(fast))
+    # log-log between 64^3 (1e11) and 1024^3 (4e11): 256^3 is halfway in log FLOPs
+    assert profile.matmul_flops_per_s("float32", 256, 256, 256) == pytest.approx(2e11, rel=1e-9)
+    assert profile.matmul_flops_per_s("float32", 4096, 4096, 4096) == 4e11  # clamped at the ends
+    # a shape the probe timed (the job's own) is read as measured, not interpolated
+    timed = dataclasses.replace(
+        profile, matmul=(*profile.matmul, MatmulPoint("float32", 256, 256, 256, 3e11))
+    )
+    assert timed.matmul_flops_per_s("float32", 256, 256, 256) == 3e11
+    # TP shrinks each rank's GEMMs, so the same job computes at a lower rate per FLOP
+    job, args, _ = fsdp2()
+    device = spec_from_profile(profile)
+    dp = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1)
+    tp = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1)
+    assert compute_rate(job, device, args, tp, 4) < compute_rate(job, device, args, dp, 4) < 4e11
+
+
+def test_the_overhead_term_counts_the_models_own_ops():
+    job, args, dims = fsdp2()
+    time = predict_time(args, job, dims, spec_from_profile(flat_profile(op_s=1e-5)), 2)
+    assert ops_per_micro_batch(args) > 500  # the debug model's forward and backward, counted on meta
+    assert time.overhead == pytest.approx(ops_per_micro_batch(args) * 1e-5, rel=1e-9)  # one micro-batch
+
+
+class CountingProbe:
+    """The real CPU probe, reporting itself as a GPU that has no preset."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, device: torch.device, local_world: int) -> DeviceProfile:
+        self.calls += 1
+        profile = run_probe(torch.device("cpu"), local_world=local_world)
+        return dataclasses.replace(profile, device="NVIDIA L40S", device_type="cuda", memory_gib=44.4)
+
+
+def test_auto_on_an_unknown_gpu_plans_with_its_probed_profile_not_an_h100s(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
+    probe = CountingProbe()
+    argv = ["--job.config", "debug_model", "--parallelism.auto", "true", "--parallelism.auto_verify", "false"]
+    job = debug_job(*argv[2:])
+    _, plan, device, _ = auto_job(job, argv, 1, "cuda", 1, probe, tmp_path)
+    assert probe.calls == 1 and device.name == "NVIDIA L40S" and device.memory_gib == 44.4
+    assert device.profile is not None and device.bf16_flops == device.profile.peak_flops
+    assert device.bf16_flops != PRESETS["h100"].bf16_flops and plan.time.overhead > 0
+    cached = list(tmp_path.glob("nvidia-l40s-torch*-w1-l1.json"))
+    assert len(cached) == 1 and load_profile(cached[0]) == device.profile
+    again = auto_job(job, argv, 1, "cuda", 1, probe, tmp_path)[2]
+    assert probe.calls == 1 and again.profile == device.profile  # read from the cache
+
+
+def test_plan_with_a_device_profile_names_the_measured_device(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / "profile.json"
+    flat_profile().save(path)
+    flags = ["--job.config", "debug_model", "--world-size", "2", "--gpus-per-node", "2", "--top", "2"]
+    assert plan_main([*flags, "--device-profile", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "on 2 x test cpu (8.0 GiB, 2 per node)" in out and "/memory/op overhead |" in out
+
+
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        (None, "no such file"),
+        ("{not json", "not a JSON device profile"),
+        ('{"device": "x"}', "not a device profile (missing fields device_type, torch, driver"),
+        ("[1, 2]", "not a device profile (a JSON list, not an object)"),
+        ("bad figure", "not a device profile (memory_bytes_per_s is -1.0, not a positive number)"),
+    ],
+    ids=["missing", "not json", "missing field", "not an object", "negative figure"],
+)
+def test_a_bad_device_profile_is_one_line_naming_the_file_and_the_fix(tmp_path, capsys, content, says):
+    path = tmp_path / "profile.json"
+    if content == "bad figure":
+        content = json.dumps(dataclasses.replace(flat_profile(), memory_bytes_per_s=-1.0).to_json())
+    if content is not None:
+        path.write_text(content)
+    assert plan_main(["--job.config", "debug_model", "--world-size", "2", "--device-profile", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    assert f"--device-profile {path}: {says}" in err
+    assert f"write one with python -m autopar.probe --output {path}" in err
+
+
+def test_spearman_is_one_for_the_same_order_and_minus_one_for_the_reverse():
+    assert spearman([3.0, 2.0, 1.0], [30.0, 25.0, 1.0]) == pytest.approx(1.0)
+    assert spearman([3.0, 2.0, 1.0], [1.0, 2.0, 3.0]) == pytest.approx(-1.0)
+    # one swap of neighbours among four: 1 - 6 * 2 / (4 * 15)
+    assert spearman([4.0, 3.0, 2.0, 1.0], [4.0, 2.0, 3.0, 1.0]) == pytest.approx(0.8)
