@@ -146,6 +146,19 @@ def test_one_gpu_compiled_throughput_matches_the_measured_benchmarks():
         assert predicted == pytest.approx(measured, rel=0.20), flavor
 
 
+@pytest.mark.parametrize(("reference", "forward"), [("copy", True), ("precomputed", False)])
+def test_a_dpo_step_pays_its_reference_forward_unless_the_reference_is_a_table(reference, forward):
+    dims = ParallelDims(1, 1, 1, 1, 1)
+    flags = ("--training.dataset_format=preference", "--training.dataset=preference_example")
+    sft = preset("qwen3_1.7b", "--compile.enable=true")
+    dpo = preset("qwen3_1.7b", "--compile.enable=true", *flags, f"--dpo.reference={reference}")
+    args, seq = model_args(sft), sft.training.seq_len
+    ratio = predict_time(args, dpo, dims, H100, 8).compute / predict_time(args, sft, dims, H100, 8).compute
+    expected = flops_per_token(args, seq, reference=forward) / flops_per_token(args, seq)
+    assert ratio == pytest.approx(expected, rel=1e-9)
+    assert (ratio > 1.3) == forward  # a forward is about a third of a training step
+
+
 def test_eager_fp8_lora_pays_the_frozen_weight_gradients_torchao_forms_and_compiled_does_not():
     def job_and_compute(compiled: bool) -> tuple:
         job = preset(

@@ -29,6 +29,7 @@ from autopar.planner.memory import GIB, Memory, predict_dims
 from autopar.planner.settings import PLAN_FIELDS, PlanSettings, setting_names
 from autopar.planner.time import StepTime, predict_time, tokens_per_step
 from autopar.training.metrics import flops_per_token
+from autopar.training.preference import runs_reference_forward
 from autopar.training.preflight import check_plan
 
 SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
@@ -144,7 +145,13 @@ def evaluate(
     if fits:
         time = predict_time(args, job, dims, device, gpus_per_node)
         tokens_per_s = tokens_per_step(job, dims) / time.total / dims.world_size
-        mfu = tokens_per_s * flops_per_token(args, job.training.seq_len, job.lora.enable) / device.bf16_flops
+        mfu = (
+            tokens_per_s
+            * flops_per_token(
+                args, job.training.seq_len, job.lora.enable, reference=runs_reference_forward(job)
+            )
+            / device.bf16_flops
+        )
     return Plan(settings or PlanSettings.of(job), dims, memory, fits, time, tokens_per_s, mfu)
 
 

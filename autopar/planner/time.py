@@ -51,6 +51,7 @@ from autopar.planner.memory import (
 )
 from autopar.planner.profile import DeviceProfile, attention_flops, gemm_rate, gemm_shapes, recurrence_flops
 from autopar.training.metrics import block_matmul_params, delta_rule_flops, flops_per_token
+from autopar.training.preference import runs_reference_forward
 
 COMPUTE_EFFICIENCY = {"compiled": 0.479, "eager": 0.294}
 FP8_SPEEDUP = 39_492 / 36_037
@@ -162,7 +163,7 @@ def measured_rate(
     seq, dtype = job.training.seq_len, compute_dtype(job, device)
     tokens = micro * seq // dims.cp
     gemm = gemm_rate(profile, dtype, gemm_shapes(args, tokens, dims.tp))
-    total = flops_per_token(args, seq, job.lora.enable)
+    total = flops_per_token(args, seq, job.lora.enable, reference=runs_reference_forward(job))
     attention_layers = sum(args.mixer(i) != "linear_attention" for i in range(args.num_hidden_layers))
     attention = 12 * attention_layers * args.num_attention_heads * args.head_dim * seq
     heads = max(1, args.num_attention_heads // dims.tp)
@@ -175,6 +176,8 @@ def measured_rate(
         micro * seq // dims.cp, value_heads, args.linear_key_head_dim, args.linear_value_head_dim
     )
     recurrence_rate = profile.recurrence_flops_per_s(dtype, rank_rule) or gemm
+    if runs_reference_forward(job):  # the reference's forward: a third of each again
+        attention, recurrence = attention * 4 / 3, recurrence * 4 / 3
     gemms = total - attention - recurrence
     return total / (gemms / gemm + attention / attention_rate + recurrence / recurrence_rate)
 
@@ -256,7 +259,12 @@ def _compute_seconds(
     """(compute, recompute, share of blocks fully recomputed). Full blocks rerun their
     forward; per-op AC rereads and rewrites what it dropped."""
     seq, world, rate, z = job.training.seq_len, dims.world_size, step.rate, step.z
-    compute = flops_per_token(args, seq, job.lora.enable) * step.tokens / world / rate
+    compute = (
+        flops_per_token(args, seq, job.lora.enable, reference=runs_reference_forward(job))
+        * step.tokens
+        / world
+        / rate
+    )
     if job.lora.enable and job.float8.enable and not job.compile.enable:
         # torchao's eager backward forms the frozen FP8 weights' gradients and drops them
         # (a compiled graph drops the GEMM itself)

@@ -56,6 +56,12 @@ def is_preference(job: JobConfig) -> bool:
     return job.training.dataset_format == "preference"
 
 
+def runs_reference_forward(job: JobConfig) -> bool:
+    """Whether each step runs a reference forward beside the policy's (a ``copy`` or the LoRA
+    base; a precomputed table is read, its pass paid once before training)."""
+    return is_preference(job) and job.dpo.reference != "precomputed"
+
+
 def max_sequence_length(job: JobConfig) -> int:
     """The longest prompt + completion a pair keeps (``dpo.max_length``, else half a row)."""
     return job.dpo.max_length if job.dpo.max_length > 0 else job.training.seq_len // 2

@@ -35,7 +35,7 @@ from autopar.training.hf_export import export_run
 from autopar.training.metrics import MetricsLogger, flops_per_token
 from autopar.training.mtp import METRICS as MTP_METRICS
 from autopar.training.optim import lr_factor
-from autopar.training.preference import is_preference, make_preference_step
+from autopar.training.preference import is_preference, make_preference_step, runs_reference_forward
 from autopar.training.preference_loss import METRICS
 from autopar.training.previous_run import settings_record
 from autopar.training.profiling import Profiler
@@ -125,7 +125,9 @@ class Trainer:
         job, world = self.job, self.world
         return MetricsLogger(
             job.job.dump_folder,
-            flops_per_token(self.args, job.training.seq_len, job.lora.enable, reference=is_preference(job)),
+            flops_per_token(
+                self.args, job.training.seq_len, job.lora.enable, reference=runs_reference_forward(job)
+            ),
             self.loader.global_batch * job.training.seq_len,
             job.training.steps,
             world.device,
