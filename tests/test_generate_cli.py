@@ -108,3 +108,37 @@ def test_a_runs_dcp_checkpoint_gives_the_weights(tmp_path):
     stops = {tokenizer.eos_id, tokenizer.encode("<|im_end|>")[0]}
     assert code == 0
     assert records[0]["new_ids"] == generate(model.eval(), [tokenizer.encode("Hello")], 12, stop_ids=stops)[0]
+
+
+HEADED = ("--model.name", "qwen3.5", "--model.flavor", "debug", "--model.mtp_num_hidden_layers", "1")
+"""The debug Qwen3.5 with a fresh MTP head (its initial weights), whose vocabulary holds chatml's."""
+
+
+def test_speculative_mtp_gives_plain_greedys_tokens_and_reports_acceptance(tmp_path, capsys):
+    lines = [json.dumps({"prompt": "Hello there"}), json.dumps(CHAT)]
+    code, plain = run(tmp_path, lines, *HEADED)
+    assert code == 0
+    code, speculated = run(
+        tmp_path, lines, *HEADED, "--generate.speculative", "mtp", "--generate.draft_tokens", "2"
+    )
+    assert code == 0
+    assert [r["new_ids"] for r in speculated] == [r["new_ids"] for r in plain]
+    acceptance = speculated[0]["acceptance"]
+    assert set(acceptance) == {"drafted", "accepted", "rate", "tokens_per_forward"}
+    assert acceptance["tokens_per_forward"] >= 1.0
+    assert "speculative mtp, 2 draft tokens: accepted" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (("--model.name", "qwen3.5", "--model.flavor", "debug"), "model qwen3.5/debug has none"),
+        ((*HEADED, "--generate.draft_tokens", "0"), "generate.draft_tokens=0 must be at least 1"),
+        ((*HEADED, "--generate.compile", "true"), "use --generate.compile false"),
+    ],
+)
+def test_speculation_that_cannot_run_is_one_line(tmp_path, capsys, flags, message):
+    code, records = run(tmp_path, [json.dumps({"prompt": "Hi"})], *flags, "--generate.speculative", "mtp")
+    err = capsys.readouterr().err
+    assert code == 2 and records == []
+    assert message in err and len(err.strip().splitlines()) == 1

@@ -23,18 +23,50 @@ from autopar.data.tokenizer import build_tokenizer
 from autopar.models import build_model, from_hf
 from autopar.models.generation import generate
 from autopar.models.generation.generate import check_prompts
+from autopar.models.generation.speculative import Acceptance, speculative_generate
+from autopar.models.hf_config import HFCheckpointError
 from autopar.models.qwen import Qwen
 from autopar.training.dcp_state import read_model_tensors
 from autopar.training.resolve import model_args, parse_job, tokenizer_path
 
+NO_HEAD = (
+    "generate.speculative=mtp drafts with the model's multi-token-prediction head, and {where} has "
+    "none; load a Qwen3.5 HF folder with mtp.* tensors, or use --generate.speculative off"
+)
+
+
+def check_speculation(job: JobConfig) -> None:
+    """One line for speculative settings that cannot run, before any work."""
+    settings = job.generate
+    if settings.speculative == "off":
+        return
+    if settings.draft_tokens < 1:
+        raise ConfigError(f"generate.draft_tokens={settings.draft_tokens} must be at least 1")
+    if settings.compile:
+        raise ConfigError(
+            "generate.speculative=mtp runs eagerly (its verification forwards vary in length); "
+            "use --generate.compile false"
+        )
+
 
 def load_model(job: JobConfig, device: torch.device) -> Qwen:
-    """The job's model in fp32 with the weights its checkpoint settings name."""
+    """The job's model in fp32 with the weights its checkpoint settings name (with its MTP
+    head under ``generate.speculative=mtp``)."""
     checkpoint = job.checkpoint
+    head = job.generate.speculative == "mtp"
     if checkpoint.initial_load_path is not None and checkpoint.initial_load_in_hf:
-        return from_hf(checkpoint.initial_load_path, dtype=torch.float32).to(device).eval()
+        try:
+            model = from_hf(checkpoint.initial_load_path, dtype=torch.float32, mtp=head)
+        except HFCheckpointError:
+            if not head:
+                raise
+            raise ConfigError(NO_HEAD.format(where=checkpoint.initial_load_path)) from None
+        return model.to(device).eval()
+    args = model_args(job)
+    if head and not args.mtp_num_hidden_layers:
+        raise ConfigError(NO_HEAD.format(where=f"model {job.model.name}/{job.model.flavor}"))
     with torch.device(device):
-        model = build_model(model_args(job))
+        model = build_model(args)
     if checkpoint.initial_load_path is None:
         model.init_weights(seed=job.debug.seed)
     else:
@@ -43,9 +75,23 @@ def load_model(job: JobConfig, device: torch.device) -> Qwen:
     return model.eval()
 
 
-def run(job: JobConfig) -> Path:
-    """Generate for every prompt of the job and write the output file; its path."""
+def summary(stats: list[Acceptance], draft_tokens: int) -> str:
+    """The CLI's line on a speculative run: acceptance and tokens per forward over all prompts."""
+    total = Acceptance(
+        *(sum(getattr(s, f) for s in stats) for f in ("drafted", "accepted", "forwards", "tokens"))
+    )
+    record = total.record()
+    return (
+        f"speculative mtp, {draft_tokens} draft tokens: accepted {total.accepted}/{total.drafted} "
+        f"({record['rate']:.1%}), {record['tokens_per_forward']:.2f} tokens per forward"
+    )
+
+
+def run(job: JobConfig) -> tuple[Path, str | None]:
+    """Generate for every prompt of the job and write the output file; its path and, with
+    speculation, the summary line."""
     settings = job.generate
+    check_speculation(job)
     path = tokenizer_path(job)
     tokenizer = build_tokenizer(path)
     template = template_text(path, job.training.chat_template)
@@ -58,17 +104,27 @@ def run(job: JobConfig) -> Path:
         raise DataError(f"{settings.prompts}: {err}") from None
     check_vocabulary(prompts, model.args.vocab_size, settings.prompts)
     stops = stop_ids(tokenizer)
-    new = generate(
-        model, prompts, settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k,
-        settings.seed, stops, compiled=settings.compile,
-    )  # fmt: skip
+    sampling = (settings.temperature, settings.top_p, settings.top_k, settings.seed, stops)
+    stats: list[Acceptance] | None = None
+    if settings.speculative == "mtp":
+        new, stats = speculative_generate(
+            model, prompts, settings.max_new_tokens, settings.draft_tokens, *sampling
+        )
+    else:
+        new = generate(model, prompts, settings.max_new_tokens, *sampling, compiled=settings.compile)
     output = Path(settings.output or Path(job.job.dump_folder) / "generations.jsonl")
     output.parent.mkdir(parents=True, exist_ok=True)
     with output.open("w", encoding="utf-8") as out:
-        for prompt, ids in zip(prompts, new):
-            text = tokenizer.decode([i for i in ids if i not in stops])
-            out.write(json.dumps({"prompt_ids": prompt, "new_ids": ids, "text": text}) + "\n")
-    return output
+        for i, (prompt, ids) in enumerate(zip(prompts, new)):
+            record = {
+                "prompt_ids": prompt,
+                "new_ids": ids,
+                "text": tokenizer.decode([t for t in ids if t not in stops]),
+            }
+            if stats is not None:
+                record["acceptance"] = stats[i].record()
+            out.write(json.dumps(record) + "\n")
+    return output, None if stats is None else summary(stats, settings.draft_tokens)
 
 
 def main(argv: list[str]) -> int:
@@ -76,13 +132,15 @@ def main(argv: list[str]) -> int:
         print(help_text())
         return 0
     try:
-        output = run(parse_job(argv))
+        output, speculation = run(parse_job(argv))
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     except DataError as err:
         print(f"data error: {err}", file=sys.stderr)
         return 2
+    if speculation:
+        print(speculation)
     print(f"wrote {output}")
     return 0
 
