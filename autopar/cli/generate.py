@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from autopar.config import ConfigError, JobConfig, help_text
 from autopar.data import DataError
@@ -26,6 +28,9 @@ from autopar.models.generation.generate import check_prompts
 from autopar.models.generation.speculative import Acceptance, speculative_generate
 from autopar.models.hf_config import HFCheckpointError
 from autopar.models.qwen import Qwen
+from autopar.parallel.mesh import tp_split_sizes
+from autopar.parallel.tensor_parallel import apply_tp
+from autopar.parallel.world import World, init_world
 from autopar.training.dcp_state import read_model_tensors
 from autopar.training.resolve import model_args, parse_job, tokenizer_path
 
@@ -47,6 +52,41 @@ def check_speculation(job: JobConfig) -> None:
             "generate.speculative=mtp runs eagerly (its verification forwards vary in length); "
             "use --generate.compile false"
         )
+
+
+def check_parallelism(job: JobConfig, world: World) -> None:
+    """Generation splits the model by tensor parallelism only, over every process: one line
+    for another plan, or for a setting that runs on one process only."""
+    degree = job.parallelism.tensor_parallel_degree
+    if degree != world.size:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree={degree} with {world.size} process(es): generation splits "
+            f"the model by tensor parallelism over every process; set it to {world.size}"
+        )
+    if degree > 1 and job.generate.compile:
+        raise ConfigError(
+            "generate.compile runs on one process; use --generate.compile false under tensor parallel"
+        )
+    if degree > 1 and job.generate.speculative != "off":
+        raise ConfigError(
+            "generate.speculative=mtp runs on one process; use --generate.speculative off under tensor parallel"
+        )
+
+
+def tensor_parallel(model: Qwen, world: World) -> None:
+    """Shard ``model`` over all ranks with training's tensor-parallel plan (no sequence or
+    loss parallel: every rank gets whole logits, so all choose the same tokens). Each
+    attention and Gated DeltaNet layer then runs on its rank's heads, and the decoder's
+    caches, built from what the kernels see, hold those heads only."""
+    if world.size == 1:
+        return
+    for field, size in tp_split_sizes(model.args).items():
+        if size % world.size:
+            raise ConfigError(
+                f"parallelism.tensor_parallel_degree={world.size} does not divide the model's {field}={size}"
+            )
+    mesh = init_device_mesh(world.device.type, (world.size,), mesh_dim_names=("tp",))
+    apply_tp(model, mesh, model.args, sequence_parallel=False, loss_parallel=False)
 
 
 def load_model(job: JobConfig, device: torch.device) -> Qwen:
@@ -87,22 +127,24 @@ def summary(stats: list[Acceptance], draft_tokens: int) -> str:
     )
 
 
-def run(job: JobConfig) -> tuple[Path, str | None]:
-    """Generate for every prompt of the job and write the output file; its path and, with
-    speculation, the summary line."""
+def run(job: JobConfig) -> tuple[Path | None, str | None]:
+    """Generate for every prompt of the job and write the output file (rank 0); its path and,
+    with speculation, the summary line. Under torchrun every rank runs its share of the model."""
     settings = job.generate
     check_speculation(job)
+    world = init_world(job.comm.init_timeout_seconds)
+    check_parallelism(job, world)
     path = tokenizer_path(job)
     tokenizer = build_tokenizer(path)
     template = template_text(path, job.training.chat_template)
     prompts = read_prompts(settings.prompts, tokenizer, template, "generate.prompts")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(job, device)
+    model = load_model(job, world.device)
     try:
         check_prompts(prompts, settings.max_new_tokens, model.args.max_position_embeddings)
     except ValueError as err:
         raise DataError(f"{settings.prompts}: {err}") from None
     check_vocabulary(prompts, model.args.vocab_size, settings.prompts)
+    tensor_parallel(model, world)
     stops = stop_ids(tokenizer)
     sampling = (settings.temperature, settings.top_p, settings.top_k, settings.seed, stops)
     stats: list[Acceptance] | None = None
@@ -113,17 +155,17 @@ def run(job: JobConfig) -> tuple[Path, str | None]:
     else:
         new = generate(model, prompts, settings.max_new_tokens, *sampling, compiled=settings.compile)
     output = Path(settings.output or Path(job.job.dump_folder) / "generations.jsonl")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with output.open("w", encoding="utf-8") as out:
-        for i, (prompt, ids) in enumerate(zip(prompts, new)):
-            record = {
-                "prompt_ids": prompt,
-                "new_ids": ids,
-                "text": tokenizer.decode([t for t in ids if t not in stops]),
-            }
-            if stats is not None:
-                record["acceptance"] = stats[i].record()
-            out.write(json.dumps(record) + "\n")
+    if world.is_main:
+        records = [
+            {"prompt_ids": p, "new_ids": ids, "text": tokenizer.decode([t for t in ids if t not in stops])}
+            for p, ids in zip(prompts, new)
+        ]
+        for record, acceptance in zip(records, stats or []):
+            record["acceptance"] = acceptance.record()
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    if not world.is_main:
+        return None, None
     return output, None if stats is None else summary(stats, settings.draft_tokens)
 
 
@@ -133,6 +175,8 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         output, speculation = run(parse_job(argv))
+        if dist.is_initialized():
+            dist.destroy_process_group()
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
@@ -141,7 +185,8 @@ def main(argv: list[str]) -> int:
         return 2
     if speculation:
         print(speculation)
-    print(f"wrote {output}")
+    if output is not None:  # rank 0's
+        print(f"wrote {output}")
     return 0
 
 
