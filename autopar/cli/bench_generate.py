@@ -3,6 +3,7 @@ with the compiled decode step) beside transformers' ``generate`` on the same mod
 
     python -m autopar.cli.bench_generate [--models qwen3:debug qwen3.5:debug] [--batch 1 4]
         [--prompt 128] [--new 64] [--repeat 3] [--threads 1] [--json out.json]
+        [--speculative 1 2] [--train-steps 150]
 
 Each model is built from its flavor with random weights (``init_weights``), saved as an HF
 folder and loaded by transformers, so both run the same weights in fp32 on CPU. Prompts are
@@ -12,11 +13,13 @@ the further ``new - 1`` tokens of every row over the time they add. Medians of `
 the compiled step is compiled (and its seconds recorded) before it is timed. The correctness
 column beside the speeds: the share of our greedy tokens that equal the argmax of
 transformers' forward over the generated sequence (the greedy tokens by definition).
+``--speculative k ...`` adds MTP speculative decoding against plain greedy (``bench_speculative``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -28,6 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from autopar.cli.bench import source_commit
+from autopar.cli.bench_speculative import speculative_rows, speculative_table
 from autopar.models import build_model, get_flavor, save_hf
 from autopar.models.generation import generate
 from autopar.models.qwen import Qwen
@@ -162,7 +166,7 @@ def table(rows: list[GenerateRow]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autopar.cli.bench_generate", description=__doc__)
-    parser.add_argument("--models", nargs="+", default=["qwen3:debug", "qwen3.5:debug"], help="family:flavor")
+    parser.add_argument("--models", nargs="*", default=["qwen3:debug", "qwen3.5:debug"], help="family:flavor")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="prompts decoded together")
     parser.add_argument("--prompt", type=int, default=128, help="tokens per prompt")
     parser.add_argument("--new", type=int, default=64, help="new tokens per prompt")
@@ -170,6 +174,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (both stacks)")
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument(
+        "--speculative",
+        type=int,
+        nargs="*",
+        default=[],
+        help="draft tokens k of MTP speculative rows (none: no rows)",
+    )
+    parser.add_argument(
+        "--train-steps",
+        type=int,
+        default=150,
+        help="steps training the speculative rows' trained head (0: none)",
+    )
     options = parser.parse_args(argv)
     load = os.getloadavg()
     threads = torch.get_num_threads()
@@ -180,10 +197,17 @@ def main(argv: list[str] | None = None) -> int:
             for spec in options.models
             for batch in options.batch
         ]
+        timer = functools.partial(median_seconds, repeat=options.repeat)
+        speculative = speculative_rows(
+            options.speculative, options.prompt, options.new, options.train_steps, options.seed, timer
+        )
     finally:
         torch.set_num_threads(threads)
     print(f"greedy generation, fp32 on CPU, {options.threads} thread(s), load average {load[0]:.1f} at start")
-    print(table(rows))
+    if rows:
+        print(table(rows))
+    if speculative:
+        print(speculative_table(speculative))
     if options.json:
         record = {
             "commit": source_commit(),
@@ -193,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         record |= {"prompt_tokens": options.prompt, "new_tokens": options.new, "repeat": options.repeat}
         record["rows"] = [asdict(r) for r in rows]
+        record["speculative_rows"] = [asdict(r) for r in speculative]
         with open(options.json, "w") as f:
             json.dump(record, f, indent=2)
     return 0
