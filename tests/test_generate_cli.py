@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -114,19 +115,38 @@ HEADED = ("--model.name", "qwen3.5", "--model.flavor", "debug", "--model.mtp_num
 """The debug Qwen3.5 with a fresh MTP head (its initial weights), whose vocabulary holds chatml's."""
 
 
+def qwen35_folder(path, head: bool):
+    """The debug Qwen3.5 saved as an HF folder (with a one-layer MTP head, or none); the model
+    and the flags loading it."""
+    model = build_model(dataclasses.replace(get_flavor("qwen3.5", "debug"), mtp_num_hidden_layers=int(head)))
+    model.init_weights(seed=5)
+    save_hf(model.state_dict(), model.args, path)
+    return model.eval(), ("--checkpoint.initial_load_path", str(path), "--checkpoint.initial_load_in_hf")
+
+
 def test_speculative_mtp_gives_plain_greedys_tokens_and_reports_acceptance(tmp_path, capsys):
+    """From an HF folder with mtp.* tensors, loaded with its head."""
+    model, folder = qwen35_folder(tmp_path / "hf", head=True)
     lines = [json.dumps({"prompt": "Hello there"}), json.dumps(CHAT)]
-    code, plain = run(tmp_path, lines, *HEADED)
+    speculation = ("--generate.speculative", "mtp", "--generate.draft_tokens", "2")
+    code, speculated = run(tmp_path, lines, *folder, *speculation)
     assert code == 0
-    code, speculated = run(
-        tmp_path, lines, *HEADED, "--generate.speculative", "mtp", "--generate.draft_tokens", "2"
-    )
-    assert code == 0
-    assert [r["new_ids"] for r in speculated] == [r["new_ids"] for r in plain]
+    tokenizer = build_tokenizer(CHATML)
+    stops = {tokenizer.eos_id, tokenizer.encode("<|im_end|>")[0]}
+    plain = generate(model, [r["prompt_ids"] for r in speculated], 12, stop_ids=stops)
+    assert [r["new_ids"] for r in speculated] == plain
     acceptance = speculated[0]["acceptance"]
     assert set(acceptance) == {"drafted", "accepted", "rate", "tokens_per_forward"}
     assert acceptance["tokens_per_forward"] >= 1.0
     assert "speculative mtp, 2 draft tokens: accepted" in capsys.readouterr().out
+
+
+def test_an_hf_folder_without_a_head_cannot_speculate(tmp_path, capsys):
+    _, folder = qwen35_folder(tmp_path / "hf", head=False)
+    code, records = run(tmp_path, [json.dumps({"prompt": "Hi"})], *folder, "--generate.speculative", "mtp")
+    err = capsys.readouterr().err
+    assert code == 2 and records == []
+    assert f"and {tmp_path / 'hf'} has none" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize(
