@@ -51,4 +51,4 @@ def test_speculative_rows_record_acceptance_against_plain_greedy(tmp_path):
     assert [(r["head"], r["draft_tokens"]) for r in rows] == [("random", 1), ("trained 2 steps", 1)]
     for row in rows:
         assert row["tokens_equal_plain"] and 1.0 <= row["tokens_per_forward"] <= 2.0
-        assert row["plain_decode_tps"] > 0 and row["speculative_decode_tps"] > 0
+        assert row["plain_tps"] > 0 and row["speculative_tps"] > 0

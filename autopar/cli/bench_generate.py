@@ -19,7 +19,6 @@ transformers' forward over the generated sequence (the greedy tokens by definiti
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -197,9 +196,13 @@ def main(argv: list[str] | None = None) -> int:
             for spec in options.models
             for batch in options.batch
         ]
-        timer = functools.partial(median_seconds, repeat=options.repeat)
         speculative = speculative_rows(
-            options.speculative, options.prompt, options.new, options.train_steps, options.seed, timer
+            options.speculative,
+            options.prompt,
+            options.new,
+            options.train_steps,
+            options.seed,
+            options.repeat,
         )
     finally:
         torch.set_num_threads(threads)
