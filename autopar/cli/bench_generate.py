@@ -163,7 +163,7 @@ def table(rows: list[GenerateRow]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m autopar.cli.bench_generate", description=__doc__)
     parser.add_argument("--models", nargs="*", default=["qwen3:debug", "qwen3.5:debug"], help="family:flavor")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="prompts decoded together")
@@ -173,20 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (both stacks)")
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--speculative", type=int, nargs="*", default=[], help="k of MTP speculative rows")
     parser.add_argument(
-        "--speculative",
-        type=int,
-        nargs="*",
-        default=[],
-        help="draft tokens k of MTP speculative rows (none: no rows)",
+        "--train-steps", type=int, default=150, help="training of the rows' trained head (0: none)"
     )
-    parser.add_argument(
-        "--train-steps",
-        type=int,
-        default=150,
-        help="steps training the speculative rows' trained head (0: none)",
-    )
-    options = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = parser().parse_args(argv)
     load = os.getloadavg()
     threads = torch.get_num_threads()
     torch.set_num_threads(options.threads)
@@ -196,14 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             for spec in options.models
             for batch in options.batch
         ]
-        speculative = speculative_rows(
-            options.speculative,
-            options.prompt,
-            options.new,
-            options.train_steps,
-            options.seed,
-            options.repeat,
-        )
+        speculation = (options.speculative, options.prompt, options.new, options.train_steps)
+        speculative = speculative_rows(*speculation, options.seed, options.repeat)
     finally:
         torch.set_num_threads(threads)
     print(f"greedy generation, fp32 on CPU, {options.threads} thread(s), load average {load[0]:.1f} at start")

@@ -47,6 +47,12 @@ class Acceptance:
     tokens: int = 0
     """New tokens."""
 
+    def add_round(self, drafted: int, kept: int) -> None:
+        """A verification of ``drafted`` drafts that kept ``kept`` tokens (the model's own last)."""
+        self.drafted += drafted
+        self.accepted += kept - 1
+        self.forwards += 1
+
     def record(self) -> dict[str, float | int]:
         """The output JSONL's ``acceptance``: counts, the acceptance rate and tokens per forward."""
         return {
@@ -153,11 +159,7 @@ def speculate_one(
         states, logits = decoder.hidden(chunk, ROW, torch.tensor([position], device=device), keep_steps=True)
         kept = accept(drafts, draft_probs, logits[0], sampling, generator)
         decoder.rewind(ROW, len(kept))
-        stats.drafted, stats.accepted, stats.forwards = (
-            stats.drafted + count,
-            stats.accepted + len(kept) - 1,
-            stats.forwards + 1,
-        )
+        stats.add_round(count, len(kept))
         hidden, following = states[:, : len(kept)], torch.tensor([kept], device=device)
         start, position = position, position + len(kept)
         new.extend(kept)
