@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from autopar.models import build_model, get_flavor
-from autopar.models.generation import generate, speculative
+from autopar.models.generation import Decoder, generate, speculative
 from autopar.models.generation.sampling import Sampling
 from autopar.models.generation.speculative import accept, speculative_generate
 
@@ -144,3 +144,18 @@ def test_a_model_without_a_head_cannot_speculate():
     model = build_model(get_flavor("qwen3.5", "debug")).eval()
     with pytest.raises(ValueError, match="MTP head"):
         speculative_generate(model, PROMPTS, NEW, 2)
+
+
+def test_the_heads_cached_logits_equal_its_logits_over_the_whole_sequence():
+    """The head run in two pieces through the decoder's cache (as rounds catch it up) gives
+    ``mtp_logits`` of one forward over the sequence; fp32: rounding only."""
+    model = tiny_with_head("debug")
+    tokens = torch.tensor([PROMPTS[2][:30]])
+    decoder = Decoder(model, 1, 32)
+    hidden, _ = decoder.hidden(tokens, slice(None), torch.tensor([0]))
+    pieces = [
+        decoder.head(hidden[:, start:end], tokens[:, start + 1 : end + 1], slice(None), torch.tensor([start]))
+        for start, end in ((0, 20), (20, 29))
+    ]
+    logits = model.lm_head(torch.cat(pieces, dim=1))  # (1, 29, V)
+    torch.testing.assert_close(logits, model.mtp_logits(tokens), rtol=1e-5, atol=1e-4)
