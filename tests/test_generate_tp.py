@@ -17,6 +17,8 @@ from autopar.models.generation import generate
 
 from jobs import tiny_args
 
+pytestmark = pytest.mark.slow  # two processes
+
 PROMPTS = [
     [5, 17, 3],
     [int(t) for t in torch.randint(0, 300, (70,), generator=torch.Generator().manual_seed(2))],
