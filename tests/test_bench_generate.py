@@ -28,3 +28,27 @@ def test_the_table_records_speeds_agreement_and_the_commit(tmp_path, monkeypatch
     for field in ("eager_decode_tps", "compiled_decode_tps", "hf_decode_tps", "hf_prefill_tps"):
         assert row[field] > 0
     assert "qwen3.5:debug" in capsys.readouterr().out
+
+
+def test_speculative_rows_record_acceptance_against_plain_greedy(tmp_path):
+    """k=1 for the random head and a head trained 2 steps; their tokens equal plain greedy's."""
+    out = tmp_path / "bench.json"
+    flags = [
+        "--models",
+        "--prompt",
+        "8",
+        "--new",
+        "4",
+        "--repeat",
+        "1",
+        "--speculative",
+        "1",
+        "--train-steps",
+        "2",
+    ]
+    assert main([*flags, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["speculative_rows"]
+    assert [(r["head"], r["draft_tokens"]) for r in rows] == [("random", 1), ("trained 2 steps", 1)]
+    for row in rows:
+        assert row["tokens_equal_plain"] and 1.0 <= row["tokens_per_forward"] <= 2.0
+        assert row["plain_tps"] > 0 and row["speculative_tps"] > 0

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 
@@ -108,3 +109,56 @@ def test_a_runs_dcp_checkpoint_gives_the_weights(tmp_path):
     stops = {tokenizer.eos_id, tokenizer.encode("<|im_end|>")[0]}
     assert code == 0
     assert records[0]["new_ids"] == generate(model.eval(), [tokenizer.encode("Hello")], 12, stop_ids=stops)[0]
+
+
+HEADED = ("--model.name", "qwen3.5", "--model.flavor", "debug", "--model.mtp_num_hidden_layers", "1")
+"""The debug Qwen3.5 with a fresh MTP head (its initial weights), whose vocabulary holds chatml's."""
+
+
+def qwen35_folder(path, head: bool):
+    """The debug Qwen3.5 saved as an HF folder (with a one-layer MTP head, or none); the model
+    and the flags loading it."""
+    model = build_model(dataclasses.replace(get_flavor("qwen3.5", "debug"), mtp_num_hidden_layers=int(head)))
+    model.init_weights(seed=5)
+    save_hf(model.state_dict(), model.args, path)
+    return model.eval(), ("--checkpoint.initial_load_path", str(path), "--checkpoint.initial_load_in_hf")
+
+
+def test_speculative_mtp_gives_plain_greedys_tokens_and_reports_acceptance(tmp_path, capsys):
+    """From an HF folder with mtp.* tensors, loaded with its head."""
+    model, folder = qwen35_folder(tmp_path / "hf", head=True)
+    lines = [json.dumps({"prompt": "Hello there"}), json.dumps(CHAT)]
+    speculation = ("--generate.speculative", "mtp", "--generate.draft_tokens", "2")
+    code, speculated = run(tmp_path, lines, *folder, *speculation)
+    assert code == 0
+    tokenizer = build_tokenizer(CHATML)
+    stops = {tokenizer.eos_id, tokenizer.encode("<|im_end|>")[0]}
+    plain = generate(model, [r["prompt_ids"] for r in speculated], 12, stop_ids=stops)
+    assert [r["new_ids"] for r in speculated] == plain
+    acceptance = speculated[0]["acceptance"]
+    assert set(acceptance) == {"drafted", "accepted", "rate", "tokens_per_forward"}
+    assert acceptance["tokens_per_forward"] >= 1.0
+    assert "speculative mtp, 2 draft tokens: accepted" in capsys.readouterr().out
+
+
+def test_an_hf_folder_without_a_head_cannot_speculate(tmp_path, capsys):
+    _, folder = qwen35_folder(tmp_path / "hf", head=False)
+    code, records = run(tmp_path, [json.dumps({"prompt": "Hi"})], *folder, "--generate.speculative", "mtp")
+    err = capsys.readouterr().err
+    assert code == 2 and records == []
+    assert f"and {tmp_path / 'hf'} has none" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (("--model.name", "qwen3.5", "--model.flavor", "debug"), "model qwen3.5/debug has none"),
+        ((*HEADED, "--generate.draft_tokens", "0"), "generate.draft_tokens=0 must be at least 1"),
+        ((*HEADED, "--generate.compile", "true"), "use --generate.compile false"),
+    ],
+)
+def test_speculation_that_cannot_run_is_one_line(tmp_path, capsys, flags, message):
+    code, records = run(tmp_path, [json.dumps({"prompt": "Hi"})], *flags, "--generate.speculative", "mtp")
+    err = capsys.readouterr().err
+    assert code == 2 and records == []
+    assert message in err and len(err.strip().splitlines()) == 1

@@ -3,6 +3,7 @@ with the compiled decode step) beside transformers' ``generate`` on the same mod
 
     python -m autopar.cli.bench_generate [--models qwen3:debug qwen3.5:debug] [--batch 1 4]
         [--prompt 128] [--new 64] [--repeat 3] [--threads 1] [--json out.json]
+        [--speculative 1 2] [--train-steps 150]
 
 Each model is built from its flavor with random weights (``init_weights``), saved as an HF
 folder and loaded by transformers, so both run the same weights in fp32 on CPU. Prompts are
@@ -12,6 +13,7 @@ the further ``new - 1`` tokens of every row over the time they add. Medians of `
 the compiled step is compiled (and its seconds recorded) before it is timed. The correctness
 column beside the speeds: the share of our greedy tokens that equal the argmax of
 transformers' forward over the generated sequence (the greedy tokens by definition).
+``--speculative k ...`` adds MTP speculative decoding against plain greedy (``bench_speculative``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from autopar.cli.bench import source_commit
+from autopar.cli.bench_speculative import speculative_rows, speculative_table
 from autopar.models import build_model, get_flavor, save_hf
 from autopar.models.generation import generate
 from autopar.models.qwen import Qwen
@@ -160,9 +163,9 @@ def table(rows: list[GenerateRow]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m autopar.cli.bench_generate", description=__doc__)
-    parser.add_argument("--models", nargs="+", default=["qwen3:debug", "qwen3.5:debug"], help="family:flavor")
+    parser.add_argument("--models", nargs="*", default=["qwen3:debug", "qwen3.5:debug"], help="family:flavor")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4], help="prompts decoded together")
     parser.add_argument("--prompt", type=int, default=128, help="tokens per prompt")
     parser.add_argument("--new", type=int, default=64, help="new tokens per prompt")
@@ -170,7 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (both stacks)")
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts")
     parser.add_argument("--json", default=None, help="also write the results here")
-    options = parser.parse_args(argv)
+    parser.add_argument("--speculative", type=int, nargs="*", default=[], help="k of MTP speculative rows")
+    parser.add_argument(
+        "--train-steps", type=int, default=150, help="training of the rows' trained head (0: none)"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = parser().parse_args(argv)
     load = os.getloadavg()
     threads = torch.get_num_threads()
     torch.set_num_threads(options.threads)
@@ -180,10 +191,15 @@ def main(argv: list[str] | None = None) -> int:
             for spec in options.models
             for batch in options.batch
         ]
+        speculation = (options.speculative, options.prompt, options.new, options.train_steps)
+        speculative = speculative_rows(*speculation, options.seed, options.repeat)
     finally:
         torch.set_num_threads(threads)
     print(f"greedy generation, fp32 on CPU, {options.threads} thread(s), load average {load[0]:.1f} at start")
-    print(table(rows))
+    if rows:
+        print(table(rows))
+    if speculative:
+        print(speculative_table(speculative))
     if options.json:
         record = {
             "commit": source_commit(),
@@ -193,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         record |= {"prompt_tokens": options.prompt, "new_tokens": options.new, "repeat": options.repeat}
         record["rows"] = [asdict(r) for r in rows]
+        record["speculative_rows"] = [asdict(r) for r in speculative]
         with open(options.json, "w") as f:
             json.dump(record, f, indent=2)
     return 0

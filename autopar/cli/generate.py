@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from autopar.config import ConfigError, JobConfig, help_text
 from autopar.data import DataError
@@ -23,18 +25,88 @@ from autopar.data.tokenizer import build_tokenizer
 from autopar.models import build_model, from_hf
 from autopar.models.generation import generate
 from autopar.models.generation.generate import check_prompts
+from autopar.models.generation.speculative import Acceptance, speculative_generate
+from autopar.models.hf_config import HFCheckpointError
 from autopar.models.qwen import Qwen
+from autopar.parallel.mesh import tp_split_sizes
+from autopar.parallel.tensor_parallel import apply_tp
+from autopar.parallel.world import World, init_world
 from autopar.training.dcp_state import read_model_tensors
 from autopar.training.resolve import model_args, parse_job, tokenizer_path
 
+NO_HEAD = (
+    "generate.speculative=mtp drafts with the model's multi-token-prediction head, and {where} has "
+    "none; load a Qwen3.5 HF folder with mtp.* tensors, or use --generate.speculative off"
+)
+
+
+def check_speculation(job: JobConfig) -> None:
+    """One line for speculative settings that cannot run, before any work."""
+    settings = job.generate
+    if settings.speculative == "off":
+        return
+    if settings.draft_tokens < 1:
+        raise ConfigError(f"generate.draft_tokens={settings.draft_tokens} must be at least 1")
+    if settings.compile:
+        raise ConfigError(
+            "generate.speculative=mtp runs eagerly (its verification forwards vary in length); "
+            "use --generate.compile false"
+        )
+
+
+def check_parallelism(job: JobConfig, world: World) -> None:
+    """Generation splits the model by tensor parallelism only, over every process: one line
+    for another plan, or for a setting that runs on one process only."""
+    degree = job.parallelism.tensor_parallel_degree
+    if degree != world.size:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree={degree} with {world.size} process(es): generation splits "
+            f"the model by tensor parallelism over every process; set it to {world.size}"
+        )
+    if degree > 1 and job.generate.compile:
+        raise ConfigError(
+            "generate.compile runs on one process; use --generate.compile false under tensor parallel"
+        )
+    if degree > 1 and job.generate.speculative != "off":
+        raise ConfigError(
+            "generate.speculative=mtp runs on one process; use --generate.speculative off under tensor parallel"
+        )
+
+
+def tensor_parallel(model: Qwen, world: World) -> None:
+    """Shard ``model`` over all ranks with training's tensor-parallel plan (no sequence or
+    loss parallel: every rank gets whole logits, so all choose the same tokens). Each
+    attention and Gated DeltaNet layer then runs on its rank's heads, and the decoder's
+    caches, built from what the kernels see, hold those heads only."""
+    if world.size == 1:
+        return
+    for field, size in tp_split_sizes(model.args).items():
+        if size % world.size:
+            raise ConfigError(
+                f"parallelism.tensor_parallel_degree={world.size} does not divide the model's {field}={size}"
+            )
+    mesh = init_device_mesh(world.device.type, (world.size,), mesh_dim_names=("tp",))
+    apply_tp(model, mesh, model.args, sequence_parallel=False, loss_parallel=False)
+
 
 def load_model(job: JobConfig, device: torch.device) -> Qwen:
-    """The job's model in fp32 with the weights its checkpoint settings name."""
+    """The job's model in fp32 with the weights its checkpoint settings name (with its MTP
+    head under ``generate.speculative=mtp``)."""
     checkpoint = job.checkpoint
+    head = job.generate.speculative == "mtp"
     if checkpoint.initial_load_path is not None and checkpoint.initial_load_in_hf:
-        return from_hf(checkpoint.initial_load_path, dtype=torch.float32).to(device).eval()
+        try:
+            model = from_hf(checkpoint.initial_load_path, dtype=torch.float32, mtp=head)
+        except HFCheckpointError:
+            if not head:
+                raise
+            raise ConfigError(NO_HEAD.format(where=checkpoint.initial_load_path)) from None
+        return model.to(device).eval()
+    args = model_args(job)
+    if head and not args.mtp_num_hidden_layers:
+        raise ConfigError(NO_HEAD.format(where=f"model {job.model.name}/{job.model.flavor}"))
     with torch.device(device):
-        model = build_model(model_args(job))
+        model = build_model(args)
     if checkpoint.initial_load_path is None:
         model.init_weights(seed=job.debug.seed)
     else:
@@ -43,32 +115,58 @@ def load_model(job: JobConfig, device: torch.device) -> Qwen:
     return model.eval()
 
 
-def run(job: JobConfig) -> Path:
-    """Generate for every prompt of the job and write the output file; its path."""
+def summary(stats: list[Acceptance], draft_tokens: int) -> str:
+    """The CLI's line on a speculative run: acceptance and tokens per forward over all prompts."""
+    total = Acceptance(
+        *(sum(getattr(s, f) for s in stats) for f in ("drafted", "accepted", "forwards", "tokens"))
+    )
+    record = total.record()
+    return (
+        f"speculative mtp, {draft_tokens} draft tokens: accepted {total.accepted}/{total.drafted} "
+        f"({record['rate']:.1%}), {record['tokens_per_forward']:.2f} tokens per forward"
+    )
+
+
+def run(job: JobConfig) -> tuple[Path | None, str | None]:
+    """Generate for every prompt of the job and write the output file (rank 0); its path and,
+    with speculation, the summary line. Under torchrun every rank runs its share of the model."""
     settings = job.generate
+    check_speculation(job)
+    world = init_world(job.comm.init_timeout_seconds)
+    check_parallelism(job, world)
     path = tokenizer_path(job)
     tokenizer = build_tokenizer(path)
     template = template_text(path, job.training.chat_template)
     prompts = read_prompts(settings.prompts, tokenizer, template, "generate.prompts")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(job, device)
+    model = load_model(job, world.device)
     try:
         check_prompts(prompts, settings.max_new_tokens, model.args.max_position_embeddings)
     except ValueError as err:
         raise DataError(f"{settings.prompts}: {err}") from None
     check_vocabulary(prompts, model.args.vocab_size, settings.prompts)
+    tensor_parallel(model, world)
     stops = stop_ids(tokenizer)
-    new = generate(
-        model, prompts, settings.max_new_tokens, settings.temperature, settings.top_p, settings.top_k,
-        settings.seed, stops, compiled=settings.compile,
-    )  # fmt: skip
+    sampling = (settings.temperature, settings.top_p, settings.top_k, settings.seed, stops)
+    stats: list[Acceptance] | None = None
+    if settings.speculative == "mtp":
+        new, stats = speculative_generate(
+            model, prompts, settings.max_new_tokens, settings.draft_tokens, *sampling
+        )
+    else:
+        new = generate(model, prompts, settings.max_new_tokens, *sampling, compiled=settings.compile)
     output = Path(settings.output or Path(job.job.dump_folder) / "generations.jsonl")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with output.open("w", encoding="utf-8") as out:
-        for prompt, ids in zip(prompts, new):
-            text = tokenizer.decode([i for i in ids if i not in stops])
-            out.write(json.dumps({"prompt_ids": prompt, "new_ids": ids, "text": text}) + "\n")
-    return output
+    if world.is_main:
+        records = [
+            {"prompt_ids": p, "new_ids": ids, "text": tokenizer.decode([t for t in ids if t not in stops])}
+            for p, ids in zip(prompts, new)
+        ]
+        for record, acceptance in zip(records, stats or []):
+            record["acceptance"] = acceptance.record()
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    if not world.is_main:
+        return None, None
+    return output, None if stats is None else summary(stats, settings.draft_tokens)
 
 
 def main(argv: list[str]) -> int:
@@ -76,14 +174,19 @@ def main(argv: list[str]) -> int:
         print(help_text())
         return 0
     try:
-        output = run(parse_job(argv))
+        output, speculation = run(parse_job(argv))
+        if dist.is_initialized():
+            dist.destroy_process_group()
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     except DataError as err:
         print(f"data error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {output}")
+    if speculation:
+        print(speculation)
+    if output is not None:  # rank 0's
+        print(f"wrote {output}")
     return 0
 
 

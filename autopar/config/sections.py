@@ -434,6 +434,12 @@ class Generate:
     compile: bool = False
     """Run the decode step through torch.compile: about 2-3x faster a token on CPU's debug
     models, after a compilation of 10-30 s; worth it for long generations."""
+    speculative: Literal["off", "mtp"] = "off"
+    """mtp: draft tokens with Qwen3.5's multi-token-prediction head and verify them in one
+    forward (the same greedy tokens; sampled ones by the standard acceptance rule); the output
+    records each prompt's acceptance. Needs a model with the head (an HF folder with mtp.*)."""
+    draft_tokens: int = 2
+    """With speculative=mtp: tokens the head drafts per verification forward (at least 1)."""
 
 
 @dataclass

@@ -35,10 +35,13 @@ from autopar.models.qwen3_5.gated_deltanet import WholeSequence, causal_conv
 
 @dataclass
 class Cursor:
-    """Where the current call writes: which rows of the state, at which positions (b, S)."""
+    """Where the current call writes: which rows of the state, at which positions (b, S);
+    ``keep_steps``: the Gated DeltaNet layers keep their state after each token of the call
+    (a speculative verification, which may resume from any of them: ``Decoder.rewind``)."""
 
     rows: slice
     positions: torch.Tensor
+    keep_steps: bool = False
 
 
 class CachedAttention(nn.Module):
@@ -86,6 +89,10 @@ class CachedSequence(WholeSequence):
         self.cursor, self.batch = cursor, batch
         self.conv: list[torch.Tensor] | None = None
         self.recurrent: torch.Tensor | None = None
+        self.joined: list[torch.Tensor] = []
+        """With ``keep_steps``: each convolution's state before the call and inputs (b, K-1+S, C)."""
+        self.recurrent_steps: torch.Tensor | None = None
+        """With ``keep_steps``: the recurrent state after each token (b, S, HK, HV / HK, dk, dv)."""
 
     def convolve(
         self,
@@ -99,11 +106,13 @@ class CachedSequence(WholeSequence):
             self.conv = [
                 x.new_zeros(self.batch, w.shape[-1] - 1, x.shape[-1]) for x, w in zip(inputs, weights)
             ]
-        outputs = []
+        outputs, self.joined = [], []
         for state, x, w in zip(self.conv, inputs, weights):
             joined = torch.cat((state[rows], x), dim=1)  # (b, K - 1 + S, C)
             outputs.append(causal_conv(joined, w, None)[:, state.shape[1] :])  # (b, S, C)
             state[rows] = joined[:, joined.shape[1] - state.shape[1] :]
+            if self.cursor.keep_steps:
+                self.joined.append(joined)
         return tuple(outputs)
 
     def delta_rule(
@@ -121,7 +130,10 @@ class CachedSequence(WholeSequence):
             heads, dk, dv = k.shape[2], k.shape[-1], v.shape[-1]
             self.recurrent = v.new_zeros(self.batch, heads, v.shape[2] // heads, dk, dv, dtype=torch.float32)
         entry = self.recurrent[rows]
-        if k.shape[1] <= STEPS_MAX:
+        if self.cursor.keep_steps:
+            out, self.recurrent_steps = delta_rule_steps(q, k, v, g, beta, entry, every_state=True)
+            exit_state = self.recurrent_steps[:, -1]
+        elif k.shape[1] <= STEPS_MAX:
             out, exit_state = delta_rule_steps(q, k, v, g, beta, entry)
         else:
             out, _, exit_state = torch.ops.autopar.gated_delta_rule(
@@ -129,6 +141,15 @@ class CachedSequence(WholeSequence):
             )
         self.recurrent[rows] = exit_state
         return out
+
+    def rewind(self, kept: int) -> None:
+        """The cursor's rows' state as after the first ``kept`` tokens of the last call (made
+        with ``keep_steps``), as if the rest had not run."""
+        assert self.conv is not None and self.recurrent_steps is not None and self.joined
+        rows = self.cursor.rows
+        for state, joined in zip(self.conv, self.joined):
+            state[rows] = joined[:, kept : kept + state.shape[1]]  # the K-1 inputs up to token kept-1
+        self.recurrent[rows] = self.recurrent_steps[:, kept - 1]
 
 
 class Decoder:
@@ -169,15 +190,55 @@ class Decoder:
                 else:
                     module.sequence = original
 
-    @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, rows: slice, start: torch.Tensor) -> torch.Tensor:
-        """Logits (b, S, V) of ``tokens`` (b, S) continuing ``rows`` at positions from ``start`` (b,)."""
-        positions = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)  # (b, S)
+    def place(self, rows: slice, start: torch.Tensor, count: int) -> torch.Tensor:
+        """Point the cursor at ``count`` tokens of ``rows`` from ``start`` (b,); their positions (b, S)."""
+        positions = start[:, None] + torch.arange(count, device=start.device)  # (b, S)
         if int(positions.max()) >= self.length:
             raise ValueError(f"position {int(positions.max())} is past the decoder's length {self.length}")
         self.cursor.rows, self.cursor.positions = rows, positions
+        return positions
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, rows: slice, start: torch.Tensor) -> torch.Tensor:
+        """Logits (b, S, V) of ``tokens`` (b, S) continuing ``rows`` at positions from ``start`` (b,)."""
+        positions = self.place(rows, start, tokens.shape[1])
         with self.attached():
             return self.logits(tokens, positions)
+
+    @torch.no_grad()
+    def hidden(
+        self, tokens: torch.Tensor, rows: slice, start: torch.Tensor, keep_steps: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s final-normed hidden states (b, S, H) and logits (b, S, V): the MTP
+        head reads the states. ``keep_steps``: ``rewind`` can then resume after any token."""
+        positions = self.place(rows, start, tokens.shape[1])
+        self.cursor.keep_steps = keep_steps
+        try:
+            with self.attached():
+                hidden, _ = self.model.trunk(tokens, positions=positions)
+                return hidden, self.model.lm_head(hidden)
+        finally:
+            self.cursor.keep_steps = False
+
+    @torch.no_grad()
+    def head(
+        self, hidden: torch.Tensor, following: torch.Tensor, rows: slice, start: torch.Tensor
+    ) -> torch.Tensor:
+        """The MTP head's normed states (b, S, H) from the trunk's (or its own) ``hidden`` (b, S, H)
+        at positions from ``start`` and the token ``following`` (b, S) each; its attention's
+        cache is this decoder's, like the trunk's."""
+        positions = self.place(rows, start, hidden.shape[1])
+        with self.attached():
+            out, _ = self.model.mtp(hidden, self.model.embed_tokens(following), positions=positions)
+            return out
+
+    def rewind(self, rows: slice, kept: int) -> None:
+        """``rows``' Gated DeltaNet state as after the first ``kept`` tokens of the last
+        ``hidden(..., keep_steps=True)``. Attention needs nothing: a cached position past the
+        next token's is never visible, and is written over when a token gets there."""
+        self.cursor.rows = rows
+        for sequence in self.sequences.values():
+            sequence.rewind(kept)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

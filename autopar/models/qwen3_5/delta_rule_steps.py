@@ -35,22 +35,25 @@ def delta_rule_steps(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    every_state: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Outputs (b, S, HV, dv) in v's dtype and the exit state of S tokens entered with
     ``state`` (b, HK, HV / HK, dk, dv) fp32; arguments as ``DeltaRuleKernel.rule`` (no documents:
-    a decoded sequence is one document)."""
+    a decoded sequence is one document). ``every_state``: the state after each token instead
+    (b, S, HK, HV / HK, dk, dv), so that speculative decoding can resume after any of them."""
     key_heads, key_dim = k.shape[2], k.shape[-1]
     q = _grouped(l2norm(q.float()) * key_dim**-0.5, key_heads)  # (b, S, HK, 1, dk)
     k = _grouped(l2norm(k.float()), key_heads)  # (b, S, HK, 1, dk)
     values = _grouped(v, key_heads)  # (b, S, HK, R, dv)
     decay = _grouped(g, key_heads).exp()  # (b, S, HK, R)
     strength = _grouped(beta, key_heads)  # (b, S, HK, R)
-    outputs = []
+    outputs, states = [], []
     for t in range(k.shape[1]):
         state = state * decay[:, t, ..., None, None]  # (b, HK, R, dk, dv)
         read = (k[:, t, :, :, None] @ state)[..., 0, :]  # (b, HK, R, dv): S^T k
         u = strength[:, t, ..., None] * (values[:, t] - read)  # (b, HK, R, dv)
         state = state + k[:, t, :, :, :, None] * u[..., None, :]  # (b, HK, R, dk, dv)
         outputs.append((q[:, t, :, :, None] @ state)[..., 0, :])  # (b, HK, R, dv): S^T q
+        states.append(state)
     out = torch.stack(outputs, dim=1).flatten(2, 3)  # (b, S, HV, dv)
-    return out.to(v.dtype), state
+    return out.to(v.dtype), torch.stack(states, dim=1) if every_state else state

@@ -68,14 +68,16 @@ class MTPHead(nn.Module):
         hidden: torch.Tensor,
         next_embedded: torch.Tensor,
         documents: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden (B, S-1, H): the trunk's final-normed states at positions 0..S-2;
         next_embedded (B, S-1, H): the embedding of the token after each. ``documents``
         (B, S-1): each position's document, so attention and positions stay within it.
+        ``positions`` (B, S-1): the hidden states' own (decoding continues a sequence).
         Returns the normed states (B, S-1, H) and the routing statistics of its experts."""
         x = torch.cat([self.pre_fc_norm_embedding(next_embedded), self.pre_fc_norm_hidden(hidden)], dim=-1)
         h = self.fc(x)  # (B, S-1, H)
-        positions = mask = None
+        mask = None
         if documents is not None:
             mask, positions = document_mask(documents), document_positions(documents)
         routing = None
