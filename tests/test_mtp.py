@@ -18,6 +18,7 @@ from torch import nn
 
 from autopar.models import HFCheckpointError, build_model, from_hf, get_flavor, to_hf
 from autopar.models.hf import save_hf_like
+from autopar.models.qwen import split_output
 
 transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen3_5ForConditionalGeneration"):
@@ -226,6 +227,24 @@ def test_text_export_of_a_model_with_its_head_loads_back_with_it(released, tmp_p
     to_hf(ours, tmp_path)
     back = from_hf(tmp_path, dtype=torch.float32, mtp=True)
     x = tokens(20)
+    assert torch.equal(back.mtp_logits(x), ours.mtp_logits(x))
+
+
+def test_a_text_folder_with_a_head_loads_without_it_and_an_export_carries_the_head(released, tmp_path):
+    """A folder a head was trained into (text layout), reloaded for plain training or
+    sampling: the head stays on disk, and an export from that folder keeps it unchanged."""
+    _, _, _, ours = released
+    to_hf(ours, tmp_path / "text")
+    plain = from_hf(tmp_path / "text", dtype=torch.float32)
+    assert plain.mtp is None
+    x = tokens(20)
+    assert torch.equal(split_output(plain(x))[0], split_output(ours(x))[0])
+    layout = {n: (p.shape, p.dtype) for n, p in plain.named_parameters()}
+    params = dict(plain.named_parameters())
+    save_hf_like(
+        layout, lambda names: {n: params[n] for n in names}, plain.args, tmp_path / "out", tmp_path / "text"
+    )
+    back = from_hf(tmp_path / "out", dtype=torch.float32, mtp=True)
     assert torch.equal(back.mtp_logits(x), ours.mtp_logits(x))
 
 

@@ -74,7 +74,8 @@ class HFTensors(Mapping[str, torch.Tensor]):
     """The tensors of an HF checkpoint under our names, checked against the model ``args``
     (names and shapes, from the file headers) and read from disk only when asked for, so a
     rank that holds one shard of one stage never loads the whole model. A vision-language
-    checkpoint's text model loads; its vision tower and MTP head are left on disk."""
+    checkpoint's text model loads; its vision tower and MTP head are left on disk, as a text
+    checkpoint's MTP head is for a model built without one (``passed_through``)."""
 
     def __init__(self, path: str | Path, args: ModelArgs) -> None:
         path = Path(path)
@@ -84,7 +85,7 @@ class HFTensors(Mapping[str, torch.Tensor]):
         ours = {n: hf_pieces(args, n, tuple(p.shape), self.layout) for n, p in params.items()}
         expected = _expected_shapes(p for pieces in ours.values() for p in pieces)
         missing = sorted(set(expected) - set(files))
-        carried = {n for n in files if n.startswith(PASSED_THROUGH)} if self.layout.vision_language else set()
+        carried = passed_through(files, self.layout, args)
         extra = sorted(set(files) - set(expected) - {"lm_head.weight"} - carried)
         if missing:
             raise HFCheckpointError(
@@ -254,8 +255,24 @@ def save_hf_like(
     and config.json come along, and the folder loads and serves as the whole model did."""
     hf_layout = checkpoint_layout(source) if source is not None else HFLayout()
     save_hf_streaming(layout, load, args, path, max_shard_bytes, hf_layout)
-    if hf_layout.vision_language:
+    if source is not None and (
+        hf_layout.vision_language or passed_through(tensor_files(Path(source)), hf_layout, args)
+    ):
         carry_through(source, path, skip=(MTP_PREFIX,) if args.mtp_num_hidden_layers else ())
+
+
+def passed_through(names: Iterable[str], layout: HFLayout, args: ModelArgs) -> set[str]:
+    """The tensors of a folder that a load of ``args`` leaves on disk and an export carries
+    over unchanged: a vision-language folder's vision tower and MTP head, and a text folder's
+    MTP head when the model is built without one (a folder a head was trained into, reloaded
+    for plain training or sampling)."""
+    if layout.vision_language:
+        prefixes: tuple[str, ...] = PASSED_THROUGH
+    elif not args.mtp_num_hidden_layers:
+        prefixes = (MTP_PREFIX,)
+    else:
+        return set()
+    return {n for n in names if n.startswith(prefixes)}
 
 
 def checkpoint_layout(path: str | Path) -> HFLayout:

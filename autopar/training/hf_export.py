@@ -16,10 +16,8 @@ from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
 from autopar.models.family import build_model
-from autopar.models.hf import carry_through, checkpoint_layout, copy_assets, save_hf_streaming
+from autopar.models.hf import copy_assets, save_hf_like
 from autopar.models.hf_config import CONFIG_FILE
-from autopar.models.hf_layout import HFLayout
-from autopar.models.hf_names import MTP_PREFIX
 from autopar.parallel.materialize import FullValue
 from autopar.training.adapters import BaseTensors, export_merged, save_adapter, saved_adapters
 from autopar.training.dcp_state import read_model_tensors
@@ -47,10 +45,7 @@ def export_hf(
     def load(names: list[str]) -> dict[str, torch.Tensor]:
         return read_model_tensors(checkpoint_dir, {n: layout[n][0] for n in names}, dtype)
 
-    hf_layout = checkpoint_layout(source) if source is not None else HFLayout()
-    save_hf_streaming(layout, load, args, out_dir, hf_layout=hf_layout)
-    if hf_layout.vision_language:  # a trained MTP head is the model's own, written above
-        carry_through(source, out_dir, skip=(MTP_PREFIX,) if args.mtp_num_hidden_layers else ())
+    save_hf_like(layout, load, args, out_dir, source)
 
 
 def export_run(
