@@ -326,19 +326,20 @@ def test_dpo_under_a_plan_matches_one_device(dpo_parity, plan):
         assert_fp32_parity(run, reference)
 
 
-PIPELINE_COMBOS = ["pp=2,tp=2", "pp=2,dp_shard=2"]
-"""Pipelined DPO composed with TP (loss parallel on the last stage) and with FSDP, on 4 ranks."""
+FOUR_RANK_PLANS = ["pp=2,tp=2", "pp=2,dp_shard=2", "dp_replicate=2,dp_shard=2"]
+"""Pipelined DPO composed with TP (loss parallel on the last stage) and with FSDP, and HSDP,
+on 4 ranks."""
 
 
 @pytest.fixture(scope="module")
-def dpo_pipeline_combos(tmp_path_factory):
-    return parity_runs(preference_job(tmp_path_factory.mktemp("dpo_pp")), PIPELINE_COMBOS, steps=3)
+def dpo_four_ranks(tmp_path_factory):
+    return parity_runs(preference_job(tmp_path_factory.mktemp("dpo_4")), FOUR_RANK_PLANS, steps=3)
 
 
-@pytest.mark.heavy  # a 4-rank group (~1 min); 1F1B and Interleaved1F1B on 2 ranks run in PLANS
-@pytest.mark.parametrize("plan", PIPELINE_COMBOS)
-def test_pipelined_dpo_composed_with_another_parallelism_matches_one_device(dpo_pipeline_combos, plan):
-    reference, run = dpo_pipeline_combos[plan]
+@pytest.mark.heavy  # a 4-rank group (~1 min); each parallelism alone on 2 ranks runs in PLANS
+@pytest.mark.parametrize("plan", FOUR_RANK_PLANS)
+def test_dpo_under_a_four_rank_plan_matches_one_device(dpo_four_ranks, plan):
+    reference, run = dpo_four_ranks[plan]
     assert_fp32_parity(run, reference)
 
 
