@@ -3,8 +3,10 @@ job's checks, the head's layers read from the HF folder, and what a step needs t
 head's loss (``MTPTraining``).
 
 The head runs inside the model's forward (``Qwen35.forward(..., mtp=...)``), so FSDP gathers
-its weights as the model's. Plans that split the sequence, the layers, the heads or the
-experts (CP, PP, TP, EP) would need the head split with them, and are refused until they are.
+its weights as the model's, and tensor parallelism splits it by its own plan
+(``parallel.tensor_parallel.head_plan``). Plans that split the sequence across ranks, the
+layers or the experts (CP, PP, EP) would need the head split with them, and are refused until
+they are.
 """
 
 from __future__ import annotations
@@ -49,7 +51,6 @@ def head_layers_of(job: JobConfig, args: ModelArgs) -> int:
 
 
 UNSUPPORTED_PLANS = (
-    ("tp", "parallelism.tensor_parallel_degree"),
     ("pp", "parallelism.pipeline_parallel_degree"),
     ("cp", "parallelism.context_parallel_degree"),
     ("ep", "parallelism.expert_parallel_degree"),
@@ -99,6 +100,11 @@ def check_mtp(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
                 f"{setting} with mtp.enable=true: not supported with the multi-token-prediction head "
                 "yet; turn it off, or use --mtp.enable false"
             )
+    if cfg.detach and dims.tp > 1:
+        raise ConfigError(
+            f"mtp.detach=true with parallelism.tensor_parallel_degree={dims.tp}: the detached head's "
+            "output-head GEMM is not split by tensor parallelism yet; use --mtp.detach false or FSDP alone"
+        )
     if cfg.detach and job.parallelism.fsdp_reshard_after_forward == "always":
         raise ConfigError(
             "mtp.detach=true with parallelism.fsdp_reshard_after_forward='always': the detached head "
