@@ -25,6 +25,7 @@ from autopar.data.chat import CHAT_EXAMPLE, CHATML_TOKENIZER
 from autopar.data.loader import IGNORE_INDEX, StepLoader
 from autopar.models import build_model, from_hf, to_hf
 from autopar.models.hf_config import read_hf_config
+from autopar.training.adapters import peft_name
 from autopar.training.metrics import read_metrics
 from autopar.training.preflight import check_job
 from autopar.training.resolve import model_args
@@ -176,6 +177,27 @@ def test_only_moves_the_head_and_nothing_else(tmp_path):
     assert trained == {id(p) for n, p in model.named_parameters() if n.startswith("mtp.")}
 
 
+def test_lora_adapts_the_heads_linears_by_their_hf_names(tmp_path):
+    trainer = one_process_trainer(head_job(tmp_path, *LORA))
+    model = trainer.parts[0]
+    trained = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in trained}
+    assert names == {n for n, p in model.named_parameters() if ".lora_" in n}
+    head = {n for n in names if n.startswith("mtp.")}
+    assert head == {
+        f"mtp.{m}.lora_{ab}.weight"
+        for m in ("fc", "layers.0.self_attn.q_proj", "layers.0.self_attn.v_proj", "layers.0.mlp.down_proj")
+        for ab in "AB"
+    }
+    # peft's names: the head at the top of the HF model, as its released tensors
+    assert peft_name("mtp.fc.lora_A.weight") == "base_model.model.mtp.fc.lora_A.weight"
+    assert peft_name("layers.0.mlp.down_proj.lora_B.weight") == (
+        "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"
+    )
+    trainer.run_step()
+    assert trainer.train_step.mtp_metrics[0] > 0
+
+
 NO_HEAD_REFUSALS = [
     (("--model.name", "qwen3"), "model.name='qwen3' has no multi-token-prediction head"),
     (("--model.name", "qwen2.5"), "model.name='qwen2.5' has no multi-token-prediction head"),
@@ -193,7 +215,11 @@ REFUSALS = [
     ((*HEAD, "--parallelism.pipeline_parallel_degree", "2"), "parallelism.pipeline_parallel_degree=2 with"),
     ((*HEAD, "--parallelism.context_parallel_degree", "2"), "parallelism.context_parallel_degree=2 with"),
     ((*HEAD, "--parallelism.auto", "true"), "parallelism.auto=true with mtp.enable"),
-    ((*HEAD, "--lora.enable", "true"), "lora.enable=true with mtp.enable"),
+    ((*HEAD, "--mtp.only", "true", "--lora.enable", "true"), "mtp.only=true with lora.enable=true"),
+    (
+        (*HEAD, "--mtp.detach", "true", "--lora.enable", "true", "--lora.target_modules", "q_proj,lm_head"),
+        "mtp.detach=true with lm_head in lora.target_modules",
+    ),
     ((*HEAD, "--float8.enable", "true"), "float8.enable=true with mtp.enable"),
     (
         (*HEAD, "--mtp.detach", "true", "--parallelism.fsdp_reshard_after_forward", "always"),
@@ -244,6 +270,9 @@ def text_head_job(folder, *flags: str, **model: object):
     return hybrid_job(folder, *HEAD, *flags, mtp_num_hidden_layers=1, **model)
 
 
+LORA = ("--lora.enable", "true", "--lora.target_modules", "q_proj,v_proj,down_proj,fc")
+"""Adapters on the trunk's and the head's attention and MLP linears (by their HF names) and on
+the head's ``fc``."""
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 MOE["shared_expert_intermediate_size"] = 48
 FSDP_CASES = {
@@ -252,16 +281,18 @@ FSDP_CASES = {
     "fsdp-detach": (("--mtp.detach", "true"), {}, "dp_shard=2"),
     "fsdp-only": (("--mtp.only", "true"), {}, "dp_shard=2"),
     "fsdp-ac": ((), {}, f"dp_shard=2,{ac_flags('full', 'op')}"),
+    "fsdp-lora": (LORA, {}, "dp_shard=2"),
     "tp": (CHAT, {"vocab_size": CHAT_VOCAB}, "tp=2"),
     "tp-tied-only": (("--mtp.only", "true"), {"tie_word_embeddings": True}, "tp=2"),
-    "tp-gathered": ((), {}, "tp=2,sp=false,loss_parallel=false"),
+    "tp-lora-gathered": (LORA, {}, "tp=2,sp=false,loss_parallel=false"),
 }
 """FSDP with the head in the root's group and the embedding and output head in groups of their
 own (untied) or the root's (tied); the head's detached and head-only variants; the trunk's
-blocks recomputed in backward (the head's layer is not). Tensor parallelism with sequence and
+blocks recomputed in backward (the head's layer is not); LoRA on the trunk's and the head's
+linears. Tensor parallelism with sequence and
 loss parallel on packed chat documents (the document gate sequence-sharded, the head's logits
 vocab-sharded, its acceptance combined over the ranks), tied and the head alone, and with the
-sequence and the logits whole."""
+sequence and the logits whole (and LoRA)."""
 HEAVY_CASES = {
     "fsdp-moe": ((), MOE, "dp_shard=2"),
     "replicate": ((), {}, "dp_replicate=2"),

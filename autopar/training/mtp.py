@@ -91,7 +91,6 @@ def check_mtp(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
     refused = {
         "parallelism.auto=true": job.parallelism.auto,
         "training.dataset_format='preference'": job.training.dataset_format == "preference",
-        "lora.enable=true": job.lora.enable,
         "float8.enable=true": job.float8.enable,
     }
     for setting, asked in refused.items():
@@ -100,6 +99,7 @@ def check_mtp(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
                 f"{setting} with mtp.enable=true: not supported with the multi-token-prediction head "
                 "yet; turn it off, or use --mtp.enable false"
             )
+    _check_lora(job)
     if cfg.detach and dims.tp > 1:
         raise ConfigError(
             f"mtp.detach=true with parallelism.tensor_parallel_degree={dims.tp}: the detached head's "
@@ -109,6 +109,26 @@ def check_mtp(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
         raise ConfigError(
             "mtp.detach=true with parallelism.fsdp_reshard_after_forward='always': the detached head "
             "reads the output head's weight after its forward; use 'default' or 'never'"
+        )
+
+
+def _check_lora(job: JobConfig) -> None:
+    """LoRA adapts the head's linears as the trunk's (``lora.target_modules`` by suffix:
+    ``q_proj`` adapts ``mtp.layers.0.self_attn.q_proj`` too; ``fc`` or ``mtp.fc`` its input
+    projection). ``only`` trains the head's whole weights, which LoRA freezes; a detached head
+    reads the output head's bare weight, past its adapter."""
+    cfg, lora = job.mtp, job.lora
+    if not lora.enable:
+        return
+    if cfg.only:
+        raise ConfigError(
+            "mtp.only=true with lora.enable=true: only trains the head's own weights, which LoRA freezes; "
+            "use one of them (LoRA adapts the head's linears by lora.target_modules, e.g. fc, q_proj)"
+        )
+    if cfg.detach and any(t.rpartition(".")[2] == "lm_head" for t in lora.target_modules):
+        raise ConfigError(
+            "mtp.detach=true with lm_head in lora.target_modules: the detached head reads the output head's "
+            "weight without its adapter; drop lm_head from lora.target_modules or use --mtp.detach false"
         )
 
 
