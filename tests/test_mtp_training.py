@@ -214,7 +214,6 @@ REFUSALS = [
     ),
     ((*HEAD, "--parallelism.pipeline_parallel_degree", "2"), "parallelism.pipeline_parallel_degree=2 with"),
     ((*HEAD, "--parallelism.context_parallel_degree", "2"), "parallelism.context_parallel_degree=2 with"),
-    ((*HEAD, "--parallelism.auto", "true"), "parallelism.auto=true with mtp.enable"),
     ((*HEAD, "--mtp.only", "true", "--lora.enable", "true"), "mtp.only=true with lora.enable=true"),
     (
         (*HEAD, "--mtp.detach", "true", "--lora.enable", "true", "--lora.target_modules", "q_proj,lm_head"),

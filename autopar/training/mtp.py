@@ -89,7 +89,6 @@ def check_mtp(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
                 "or --mtp.enable false"
             )
     refused = {
-        "parallelism.auto=true": job.parallelism.auto,
         "training.dataset_format='preference'": job.training.dataset_format == "preference",
         "float8.enable=true": job.float8.enable,
     }
