@@ -235,16 +235,6 @@ def test_what_the_head_does_not_run_with_is_refused_in_one_line(flags, message, 
     assert "\n" not in str(err.value)
 
 
-def test_expert_parallel_is_refused_for_a_mixtures_head(tmp_path):
-    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
-    job = hybrid_job(
-        tmp_path, *HEAD, "--parallelism.expert_parallel_degree", "2", mtp_num_hidden_layers=1, **moe
-    )
-    with pytest.raises(ConfigError, match=r"parallelism\.expert_parallel_degree=2 with mtp\.enable") as err:
-        check_job(job, 2)
-    assert "\n" not in str(err.value)
-
-
 @pytest.mark.parametrize(("flags", "message"), NO_HEAD_REFUSALS, ids=["qwen3", "qwen2.5", "qwen3.5"])
 def test_a_model_without_the_head_is_refused_in_one_line(flags, message, tmp_path):
     job = hybrid_job(tmp_path, *HEAD, *flags)
@@ -297,11 +287,13 @@ HEAVY_CASES = {
     "replicate": ((), {}, "dp_replicate=2"),
     "fsdp-compile": ((), {}, "dp_shard=2,compile.enable=true"),
     "tp-moe": ((), MOE, "tp=2"),
+    "ep-moe": ((), MOE, "dp_shard=2,ep=2"),
     "fsdp-tp": (CHAT, {"vocab_size": CHAT_VOCAB}, "dp_shard=2,tp=2"),
 }
 """A mixture's head (its router in the load-balancing loss), replicated data parallelism, and
 the trunk's blocks compiled (the head runs eager); a mixture's head under tensor parallelism
-(its experts whole on each rank), and FSDP over tensor parallelism (four ranks): the same
+(its experts whole on each rank) and under expert parallelism (its experts split as the
+trunk's), and FSDP over tensor parallelism (four ranks): the same
 machinery again, at more spawns' and the compiler's cost."""
 
 

@@ -3,10 +3,10 @@ job's checks, the head's layers read from the HF folder, and what a step needs t
 head's loss (``MTPTraining``).
 
 The head runs inside the model's forward (``Qwen35.forward(..., mtp=...)``), so FSDP gathers
-its weights as the model's, and tensor parallelism splits it by its own plan
-(``parallel.tensor_parallel.head_plan``). Plans that split the sequence across ranks, the
-layers or the experts (CP, PP, EP) would need the head split with them, and are refused until
-they are.
+its weights as the model's, tensor parallelism splits it by its own plan
+(``parallel.tensor_parallel.head_plan``) and expert parallelism its experts as the trunk's.
+Plans that split the sequence across ranks or the layers (CP, PP) would need the head split
+with them, and are refused until they are (``UNSUPPORTED_PLANS`` says why).
 """
 
 from __future__ import annotations
@@ -51,11 +51,18 @@ def head_layers_of(job: JobConfig, args: ModelArgs) -> int:
 
 
 UNSUPPORTED_PLANS = (
-    ("pp", "parallelism.pipeline_parallel_degree"),
-    ("cp", "parallelism.context_parallel_degree"),
-    ("ep", "parallelism.expert_parallel_degree"),
+    (
+        "pp",
+        "parallelism.pipeline_parallel_degree",
+        "the head on the last stage reads the embeddings of the next tokens, which only the first stage holds",
+    ),
+    (
+        "cp",
+        "parallelism.context_parallel_degree",
+        "the head's shift by one token and its attention would cross the ranks' sequence chunks",
+    ),
 )
-"""Degrees the head is not split under yet: (``ParallelDims`` field, the job's field)."""
+"""Degrees the head is not split under yet: (``ParallelDims`` field, the job's field, why)."""
 
 
 def check_mtp(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
@@ -81,12 +88,11 @@ def check_mtp(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
             "--model.mtp_num_hidden_layers 1 for a fresh one, or use --mtp.enable false"
         )
     _check_initial_load(job, args)
-    for dim, field in UNSUPPORTED_PLANS:
+    for dim, field, why in UNSUPPORTED_PLANS:
         if getattr(dims, dim) > 1:
             raise ConfigError(
-                f"{field}={getattr(dims, dim)} with mtp.enable=true: the multi-token-prediction head does not "
-                f"run under it yet; use FSDP / HSDP (data_parallel_*_degree) with {field.split('.')[1]} 1, "
-                "or --mtp.enable false"
+                f"{field}={getattr(dims, dim)} with mtp.enable=true: not supported yet ({why}); use FSDP / HSDP / "
+                f"TP / EP with {field.split('.')[1]} 1, or --mtp.enable false"
             )
     refused = {
         "training.dataset_format='preference'": job.training.dataset_format == "preference",
