@@ -219,10 +219,6 @@ REFUSALS = [
     (("--mtp.only", "true"), "mtp.only=true without mtp.enable"),
     (("--mtp.detach", "true"), "mtp.detach=true without mtp.enable"),
     ((*HEAD, "--mtp.loss_scale", "0"), "mtp.loss_scale=0.0 must be > 0"),
-    (
-        (*HEAD, "--mtp.detach", "true", "--parallelism.tensor_parallel_degree", "2"),
-        "mtp.detach=true with parallelism.tensor_parallel_degree=2",
-    ),
     ((*HEAD, "--parallelism.pipeline_parallel_degree", "2"), "parallelism.pipeline_parallel_degree=2 with"),
     ((*HEAD, "--parallelism.context_parallel_degree", "2"), "parallelism.context_parallel_degree=2 with"),
     ((*HEAD, "--mtp.only", "true", "--lora.enable", "true"), "mtp.only=true with lora.enable=true"),
@@ -284,6 +280,7 @@ FSDP_CASES = {
     "fsdp-lora": (LORA, {}, "dp_shard=2"),
     "tp": (CHAT, {"vocab_size": CHAT_VOCAB}, "tp=2"),
     "tp-tied-only": (("--mtp.only", "true"), {"tie_word_embeddings": True}, "tp=2"),
+    "tp-detach": (("--mtp.detach", "true"), {}, "tp=2"),
     "tp-lora-gathered": (LORA, {}, "tp=2,sp=false,loss_parallel=false"),
 }
 """FSDP with the head in the root's group and the embedding and output head in groups of their
@@ -291,7 +288,8 @@ own (untied) or the root's (tied); the head's detached and head-only variants; t
 blocks recomputed in backward (the head's layer is not); LoRA on the trunk's and the head's
 linears. Tensor parallelism with sequence and
 loss parallel on packed chat documents (the document gate sequence-sharded, the head's logits
-vocab-sharded, its acceptance combined over the ranks), tied and the head alone, and with the
+vocab-sharded, its acceptance combined over the ranks), tied and the head alone, detached (the
+output head's weight read as ``lm_head`` lays it out), and with the
 sequence and the logits whole (and LoRA)."""
 HEAVY_CASES = {
     "fsdp-moe": ((), MOE, "dp_shard=2"),

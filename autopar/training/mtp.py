@@ -105,11 +105,6 @@ def check_mtp(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
                 "yet; turn it off, or use --mtp.enable false"
             )
     _check_lora(job)
-    if cfg.detach and dims.tp > 1:
-        raise ConfigError(
-            f"mtp.detach=true with parallelism.tensor_parallel_degree={dims.tp}: the detached head's "
-            "output-head GEMM is not split by tensor parallelism yet; use --mtp.detach false or FSDP alone"
-        )
     if cfg.detach and job.parallelism.fsdp_reshard_after_forward == "always":
         raise ConfigError(
             "mtp.detach=true with parallelism.fsdp_reshard_after_forward='always': the detached head "

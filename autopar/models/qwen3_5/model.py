@@ -204,7 +204,7 @@ class Qwen35(Qwen):
         head_hidden, head_routing = self._head_hidden(hidden, upcoming, positions, documents, detach)
         if detach:  # the output head's weight learns from the main loss only
             logits = self.lm_head(hidden)  # (B, S, V)
-            head_logits = F.linear(head_hidden, self.lm_head.weight.detach())  # (B, S, V)
+            head_logits = self._head().detached_output(head_hidden, self.lm_head.weight)  # (B, S, V)
         else:  # one call of the output head for both, so FSDP sees one use of its weight
             logits, head_logits = self.lm_head(torch.cat([hidden, head_hidden])).chunk(2)  # each (B, S, V)
         if not self.args.moe:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from autopar.models.args import ModelArgs
@@ -55,6 +56,7 @@ class MTPHead(nn.Module):
     ) -> None:
         super().__init__()
         self.next_gate = NextTokenGate()
+        self.detached_output = DetachedOutput()
         self.fc = nn.Linear(2 * args.hidden_size, args.hidden_size, bias=False)
         self.pre_fc_norm_embedding = make_norm(args)
         self.pre_fc_norm_hidden = make_norm(args)
@@ -97,6 +99,15 @@ class MTPHead(nn.Module):
             if stats is not None:
                 routing = stats if routing is None else routing + stats
         return self.norm(h), routing
+
+
+class DetachedOutput(nn.Module):
+    """The model's output head on the head's states with its weight detached (``mtp.detach``:
+    the head's loss leaves the shared output head alone). A module of its own (no weights) so
+    a plan can lay out its input and logits as it does the output head's."""
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, weight.detach())  # (B, S, V)
 
 
 class NextTokenGate(nn.Module):
