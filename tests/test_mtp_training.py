@@ -279,31 +279,30 @@ FSDP_CASES = {
     "fsdp-ac": ((), {}, f"dp_shard=2,{ac_flags('full', 'op')}"),
     "fsdp-lora": (LORA, {}, "dp_shard=2"),
     "tp": (CHAT, {"vocab_size": CHAT_VOCAB}, "tp=2"),
-    "tp-tied-only": (("--mtp.only", "true"), {"tie_word_embeddings": True}, "tp=2"),
     "tp-detach": (("--mtp.detach", "true"), {}, "tp=2"),
-    "tp-lora-gathered": (LORA, {}, "tp=2,sp=false,loss_parallel=false"),
 }
 """FSDP with the head in the root's group and the embedding and output head in groups of their
 own (untied) or the root's (tied); the head's detached and head-only variants; the trunk's
 blocks recomputed in backward (the head's layer is not); LoRA on the trunk's and the head's
-linears. Tensor parallelism with sequence and
-loss parallel on packed chat documents (the document gate sequence-sharded, the head's logits
-vocab-sharded, its acceptance combined over the ranks), tied and the head alone, detached (the
-output head's weight read as ``lm_head`` lays it out), and with the
-sequence and the logits whole (and LoRA)."""
+linears. Tensor parallelism with sequence and loss parallel on packed chat documents (the
+document gate sequence-sharded, the head's logits vocab-sharded, its acceptance combined over
+the ranks), and detached (the output head's weight read as ``lm_head`` lays it out)."""
 HEAVY_CASES = {
     "fsdp-moe": ((), MOE, "dp_shard=2"),
     "replicate": ((), {}, "dp_replicate=2"),
     "fsdp-compile": ((), {}, "dp_shard=2,compile.enable=true"),
+    "tp-tied-only": (("--mtp.only", "true"), {"tie_word_embeddings": True}, "tp=2"),
+    "tp-lora-gathered": (LORA, {}, "tp=2,sp=false,loss_parallel=false"),
     "tp-moe": ((), MOE, "tp=2"),
     "ep-moe": ((), MOE, "dp_shard=2,ep=2"),
     "fsdp-tp": (CHAT, {"vocab_size": CHAT_VOCAB}, "dp_shard=2,tp=2"),
 }
 """A mixture's head (its router in the load-balancing loss), replicated data parallelism, and
-the trunk's blocks compiled (the head runs eager); a mixture's head under tensor parallelism
-(its experts whole on each rank) and under expert parallelism (its experts split as the
-trunk's), and FSDP over tensor parallelism (four ranks): the same
-machinery again, at more spawns' and the compiler's cost."""
+the trunk's blocks compiled (the head runs eager); under tensor parallelism, tied with the head
+alone, with the sequence and the logits whole and LoRA, a mixture's head (its experts whole on
+each rank); a mixture's head under expert parallelism (its experts split as the trunk's), and
+FSDP over tensor parallelism (four ranks): the same machinery again, at more spawns' and the
+compiler's cost."""
 
 
 def data_parallel_runs(folder, cases: dict) -> dict:
