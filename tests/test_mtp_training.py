@@ -25,6 +25,7 @@ from autopar.data.chat import CHAT_EXAMPLE, CHATML_TOKENIZER
 from autopar.data.loader import IGNORE_INDEX, StepLoader
 from autopar.models import build_model, from_hf, to_hf
 from autopar.models.hf_config import read_hf_config
+from autopar.training.adapters import peft_name
 from autopar.training.metrics import read_metrics
 from autopar.training.preflight import check_job
 from autopar.training.resolve import model_args
@@ -74,7 +75,9 @@ def hand_losses(model, batches) -> dict[str, torch.Tensor]:
             logits.flatten(0, 1), b.labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
         )
         targets += (b.labels != IGNORE_INDEX).sum()
-        head_logits, _ = model.mtp_logits_from(hidden, b.inputs, b.documents)
+        head_logits = model.mtp_logits_from(hidden, b.inputs, b.documents)[0][
+            :, :-1
+        ]  # the last predicts nothing
         two_ahead = b.labels[:, 1:].clone()  # label i+1 is token i+2 (none across a document's end)
         if b.documents is not None:  # nor where token i+1 starts another document
             two_ahead[b.documents[:, 1:] != b.documents[:, :-1]] = IGNORE_INDEX
@@ -97,10 +100,11 @@ def grads(model) -> dict[str, torch.Tensor]:
 
 
 def assert_same_grad(ours: torch.Tensor, theirs: torch.Tensor, name: str) -> None:
-    """fp32, one device, the same forward: the order of sums only (measured at most 1.6e-7
-    of a tensor's largest value, lm_head's), so within 1e-5 of it; a missing, doubled or
-    mis-scaled term is off by O(1)."""
-    assert (ours - theirs).abs().max().item() <= 1e-5 * theirs.abs().max().item(), name
+    """fp32, one device, the same forward: the order of sums only. Measured: at most 7e-7 of a
+    tensor's largest value, but up to 1.5e-5 for the DeltaNet's decay (``A_log``, ``dt_bias``),
+    whose fp32 gradients each lie 2e-4 from fp64's (cancelling sums); so within 1e-4. A
+    missing, doubled or mis-scaled term is off by O(1)."""
+    assert (ours - theirs).abs().max().item() <= 1e-4 * theirs.abs().max().item(), name
 
 
 def step_against_hand(tmp_path, *flags: str):
@@ -147,6 +151,17 @@ def test_acceptance_is_the_share_of_targets_whose_argmax_is_two_ahead(tmp_path):
     assert acceptance == pytest.approx(hand["acceptance"].item(), abs=0.5 / hand["head_targets"].item())
 
 
+@pytest.mark.slow
+def test_acceptance_rises_over_training_on_the_shipped_chat_example(tmp_path):
+    # 24 steps of 4 packed rows at 5e-3, model and head together: measured 0.035 over the
+    # first six steps, 0.077 over the last six (seeded, so the same every run)
+    fast = ("--training.steps", "24", "--training.local_batch_size", "4", "--optimizer.lr", "5e-3")
+    one_process_trainer(head_job(tmp_path, *fast)).train()
+    accepted = [r["mtp_acceptance"] for r in read_metrics(tmp_path / "metrics.jsonl") if "loss" in r]
+    first, last = sum(accepted[:6]) / 6, sum(accepted[-6:]) / 6
+    assert len(accepted) == 24 and last > 0.06 and last > 1.5 * first
+
+
 def test_detach_leaves_the_trunk_gradients_of_the_main_loss_alone(tmp_path):
     trainer, batches, reference, _ = step_against_hand(tmp_path, "--mtp.detach", "true")
     hand_losses(reference, batches)["main"].backward()
@@ -173,6 +188,27 @@ def test_only_moves_the_head_and_nothing_else(tmp_path):
     assert trained == {id(p) for n, p in model.named_parameters() if n.startswith("mtp.")}
 
 
+def test_lora_adapts_the_heads_linears_by_their_hf_names(tmp_path):
+    trainer = one_process_trainer(head_job(tmp_path, *LORA))
+    model = trainer.parts[0]
+    trained = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in trained}
+    assert names == {n for n, p in model.named_parameters() if ".lora_" in n}
+    head = {n for n in names if n.startswith("mtp.")}
+    assert head == {
+        f"mtp.{m}.lora_{ab}.weight"
+        for m in ("fc", "layers.0.self_attn.q_proj", "layers.0.self_attn.v_proj", "layers.0.mlp.down_proj")
+        for ab in "AB"
+    }
+    # peft's names: the head at the top of the HF model, as its released tensors
+    assert peft_name("mtp.fc.lora_A.weight") == "base_model.model.mtp.fc.lora_A.weight"
+    assert peft_name("layers.0.mlp.down_proj.lora_B.weight") == (
+        "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"
+    )
+    trainer.run_step()
+    assert trainer.train_step.mtp_metrics[0] > 0
+
+
 NO_HEAD_REFUSALS = [
     (("--model.name", "qwen3"), "model.name='qwen3' has no multi-token-prediction head"),
     (("--model.name", "qwen2.5"), "model.name='qwen2.5' has no multi-token-prediction head"),
@@ -183,11 +219,13 @@ REFUSALS = [
     (("--mtp.only", "true"), "mtp.only=true without mtp.enable"),
     (("--mtp.detach", "true"), "mtp.detach=true without mtp.enable"),
     ((*HEAD, "--mtp.loss_scale", "0"), "mtp.loss_scale=0.0 must be > 0"),
-    ((*HEAD, "--parallelism.tensor_parallel_degree", "2"), "parallelism.tensor_parallel_degree=2 with mtp"),
     ((*HEAD, "--parallelism.pipeline_parallel_degree", "2"), "parallelism.pipeline_parallel_degree=2 with"),
     ((*HEAD, "--parallelism.context_parallel_degree", "2"), "parallelism.context_parallel_degree=2 with"),
-    ((*HEAD, "--parallelism.auto", "true"), "parallelism.auto=true with mtp.enable"),
-    ((*HEAD, "--lora.enable", "true"), "lora.enable=true with mtp.enable"),
+    ((*HEAD, "--mtp.only", "true", "--lora.enable", "true"), "mtp.only=true with lora.enable=true"),
+    (
+        (*HEAD, "--mtp.detach", "true", "--lora.enable", "true", "--lora.target_modules", "q_proj,lm_head"),
+        "mtp.detach=true with lm_head in lora.target_modules",
+    ),
     ((*HEAD, "--float8.enable", "true"), "float8.enable=true with mtp.enable"),
     (
         (*HEAD, "--mtp.detach", "true", "--parallelism.fsdp_reshard_after_forward", "always"),
@@ -200,16 +238,6 @@ REFUSALS = [
 def test_what_the_head_does_not_run_with_is_refused_in_one_line(flags, message, tmp_path):
     job = hybrid_job(tmp_path, *flags, mtp_num_hidden_layers=1)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")) as err:
-        check_job(job, 2)
-    assert "\n" not in str(err.value)
-
-
-def test_expert_parallel_is_refused_for_a_mixtures_head(tmp_path):
-    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
-    job = hybrid_job(
-        tmp_path, *HEAD, "--parallelism.expert_parallel_degree", "2", mtp_num_hidden_layers=1, **moe
-    )
-    with pytest.raises(ConfigError, match=r"parallelism\.expert_parallel_degree=2 with mtp\.enable") as err:
         check_job(job, 2)
     assert "\n" not in str(err.value)
 
@@ -238,6 +266,9 @@ def text_head_job(folder, *flags: str, **model: object):
     return hybrid_job(folder, *HEAD, *flags, mtp_num_hidden_layers=1, **model)
 
 
+LORA = ("--lora.enable", "true", "--lora.target_modules", "q_proj,v_proj,down_proj,fc")
+"""Adapters on the trunk's and the head's attention and MLP linears (by their HF names) and on
+the head's ``fc``."""
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
 MOE["shared_expert_intermediate_size"] = 48
 FSDP_CASES = {
@@ -246,18 +277,32 @@ FSDP_CASES = {
     "fsdp-detach": (("--mtp.detach", "true"), {}, "dp_shard=2"),
     "fsdp-only": (("--mtp.only", "true"), {}, "dp_shard=2"),
     "fsdp-ac": ((), {}, f"dp_shard=2,{ac_flags('full', 'op')}"),
+    "fsdp-lora": (LORA, {}, "dp_shard=2"),
+    "tp": (CHAT, {"vocab_size": CHAT_VOCAB}, "tp=2"),
+    "tp-detach": (("--mtp.detach", "true"), {}, "tp=2"),
 }
 """FSDP with the head in the root's group and the embedding and output head in groups of their
 own (untied) or the root's (tied); the head's detached and head-only variants; the trunk's
-blocks recomputed in backward (the head's layer is not)."""
+blocks recomputed in backward (the head's layer is not); LoRA on the trunk's and the head's
+linears. Tensor parallelism with sequence and loss parallel on packed chat documents (the
+document gate sequence-sharded, the head's logits vocab-sharded, its acceptance combined over
+the ranks), and detached (the output head's weight read as ``lm_head`` lays it out)."""
 HEAVY_CASES = {
     "fsdp-moe": ((), MOE, "dp_shard=2"),
     "replicate": ((), {}, "dp_replicate=2"),
     "fsdp-compile": ((), {}, "dp_shard=2,compile.enable=true"),
+    "tp-tied-only": (("--mtp.only", "true"), {"tie_word_embeddings": True}, "tp=2"),
+    "tp-lora-gathered": (LORA, {}, "tp=2,sp=false,loss_parallel=false"),
+    "tp-moe": ((), MOE, "tp=2"),
+    "ep-moe": ((), MOE, "dp_shard=2,ep=2"),
+    "fsdp-tp": (CHAT, {"vocab_size": CHAT_VOCAB}, "dp_shard=2,tp=2"),
 }
 """A mixture's head (its router in the load-balancing loss), replicated data parallelism, and
-the trunk's blocks compiled (the head runs eager): the same machinery again, at a second
-spawn's and the compiler's cost."""
+the trunk's blocks compiled (the head runs eager); under tensor parallelism, tied with the head
+alone, with the sequence and the logits whole and LoRA, a mixture's head (its experts whole on
+each rank); a mixture's head under expert parallelism (its experts split as the trunk's), and
+FSDP over tensor parallelism (four ranks): the same machinery again, at more spawns' and the
+compiler's cost."""
 
 
 def data_parallel_runs(folder, cases: dict) -> dict:

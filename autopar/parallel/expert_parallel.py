@@ -90,7 +90,10 @@ def expert_plan(args: ModelArgs, layer_ids: list[str]) -> dict[str, ParallelStyl
 
 
 def apply_ep(model: nn.Module, mesh: DeviceMesh, args: ModelArgs) -> None:
-    parallelize_module(model, mesh, expert_plan(args, list(model.layers.keys())))
+    plan = expert_plan(args, list(model.layers.keys()))
+    if getattr(model, "mtp", None) is not None and args.moe:  # Qwen3.5's head: experts in every layer
+        plan.update({f"mtp.layers.{i}.mlp.experts": ExpertParallel() for i in model.mtp.layers})
+    parallelize_module(model, mesh, plan)
 
 
 def local(weight: torch.Tensor) -> torch.Tensor:

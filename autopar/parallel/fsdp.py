@@ -80,6 +80,11 @@ def apply_fsdp(
     where = CPUOffloadPolicy(pin_memory=pin_memory) if offload else OffloadPolicy()
     if expert_mesh is not None:
         blocks = {paths[0]: reshard for paths, reshard in groups if paths[0].startswith("layers.")}
+        head = getattr(model, "mtp", None)  # Qwen3.5's multi-token-prediction head
+        if head is not None:
+            blocks.update(
+                dict.fromkeys((f"mtp.layers.{i}" for i in head.layers), reshards_blocks(policy, pipelined))
+            )
         for path, reshard in blocks.items():
             experts = getattr(model.get_submodule(path).mlp, "experts", None)
             if experts is not None:

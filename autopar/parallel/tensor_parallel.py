@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from autopar.models.args import ModelArgs
+from autopar.models.qwen3_5.mtp import head_layer_args
 
 
 class ReplicateParams(ParallelStyle):
@@ -239,6 +240,50 @@ def top_plan(sequence_parallel: bool, loss_parallel: bool) -> dict[str, Parallel
     }
 
 
+def head_plan(
+    args: ModelArgs,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    float8: bool = False,
+    fp8_all_gather: bool = False,
+) -> dict[str, ParallelStyle]:
+    """Qwen3.5's multi-token-prediction head (``mtp.*``; none without one): its norms as the
+    model's, ``fc`` column-wise back to the residual's layout, its layers by the plan of a
+    full-attention block. Under sequence parallel the document gate's ``keep`` (built whole)
+    takes the sequence-sharded layout of the embeddings it multiplies. The head's logits go
+    through the model's own ``lm_head`` (``top_plan``), or, detached (``mtp.detach``), through
+    its weight laid out as ``lm_head`` lays it out: the states whole, the logits vocab-sharded
+    under loss parallel, else gathered."""
+    if not args.mtp_num_hidden_layers:
+        return {}
+    residual = Shard(1) if sequence_parallel else Replicate()
+    norm = SequenceParallel() if sequence_parallel else ReplicateParams()
+    plan: dict[str, ParallelStyle] = {
+        "mtp.pre_fc_norm_embedding": norm,
+        "mtp.pre_fc_norm_hidden": norm,
+        "mtp.fc": ColwiseParallel(input_layouts=residual, output_layouts=residual),
+        "mtp.norm": norm,
+        "mtp.detached_output": PrepareModuleInputOutput(
+            input_layouts=(residual, None),  # (states, the output head's weight)
+            desired_input_layouts=(Replicate(), None),
+            output_layouts=(Shard(-1),),
+            desired_output_layouts=(Shard(-1) if loss_parallel else Replicate(),),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    if sequence_parallel:
+        plan["mtp.next_gate"] = PrepareModuleInput(
+            input_layouts=(Shard(1), Replicate()),  # (embeddings, keep)
+            desired_input_layouts=(Shard(1), Shard(1)),
+            use_local_output=True,
+        )
+    layer_args = head_layer_args(args)
+    for i in range(args.mtp_num_hidden_layers):
+        block = block_plan(layer_args, sequence_parallel, float8, fp8_all_gather, 0)
+        plan.update({f"mtp.layers.{i}.{path}": style for path, style in block.items()})
+    return plan
+
+
 def tp_plan(
     args: ModelArgs,
     layer_ids: list[str],
@@ -247,12 +292,13 @@ def tp_plan(
     float8: bool = False,
     fp8_all_gather: bool = False,
 ) -> dict[str, ParallelStyle]:
-    """The whole model's plan, for the given layers (a pipeline stage holds a subset)."""
+    """The whole model's plan, for the given layers (a pipeline stage holds a subset), and
+    the multi-token-prediction head's when the model has one."""
     plan = top_plan(sequence_parallel, loss_parallel)
     for i in layer_ids:
         block = block_plan(args, sequence_parallel, float8, fp8_all_gather, int(i))
         plan.update({f"layers.{i}.{path}": style for path, style in block.items()})
-    return plan
+    return plan | head_plan(args, sequence_parallel, loss_parallel, float8, fp8_all_gather)
 
 
 def apply_tp(

@@ -24,7 +24,8 @@ from autopar.config.sections import LoRA
 from autopar.models.args import ModelArgs
 from autopar.models.family import build_model, family_of
 from autopar.models.hf import save_hf_like
-from autopar.models.hf_names import to_hf_name
+from autopar.models.hf_layout import TEXT_PREFIX
+from autopar.models.hf_names import MTP_PREFIX, to_hf_name
 from autopar.training.dcp_state import read_model_tensors
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -48,8 +49,13 @@ _EXPERT_NAMES = {
 
 
 def peft_name(name: str) -> str:
+    """peft's name of our adapter ``name``; Qwen3.5's head (``mtp.*``) sits at the top of the
+    HF model, outside its text prefix."""
     module, _, leaf = name.rpartition(".")
-    return _PEFT_PREFIX + to_hf_name(f"{module}.{_EXPERT_NAMES[leaf]}" if leaf in _EXPERT_NAMES else name)
+    prefix = "" if name.startswith(MTP_PREFIX) else TEXT_PREFIX
+    return _PEFT_PREFIX + to_hf_name(
+        f"{module}.{_EXPERT_NAMES[leaf]}" if leaf in _EXPERT_NAMES else name, prefix
+    )
 
 
 def our_name(peft: str) -> str:

@@ -25,6 +25,7 @@ import torch
 from autopar.config.errors import ConfigError
 from autopar.models.args import ModelArgs
 from autopar.models.qwen3_5.delta_rule import CHUNK as DELTA_RULE_CHUNK
+from autopar.models.qwen3_5.mtp import head_layer_args
 from autopar.training.sinks import Sink
 
 logger = logging.getLogger("autopar")
@@ -83,6 +84,21 @@ def matmul_params(args: ModelArgs) -> int:
     return blocks + args.hidden_size * args.vocab_size
 
 
+def head_matmul_params(args: ModelArgs) -> int:
+    """Parameters one token meets in Qwen3.5's multi-token-prediction head (0 without one):
+    its ``fc`` (2H -> H), its full-attention layers, and a second pass through the output
+    head (the head's own vocabulary-wide logits)."""
+    layers = args.mtp_num_hidden_layers
+    if not layers:
+        return 0
+    hidden = args.hidden_size
+    return (
+        2 * hidden * hidden
+        + layers * block_matmul_params(head_layer_args(args), 0)
+        + hidden * args.vocab_size
+    )
+
+
 def delta_rule_flops(args: ModelArgs) -> float:
     """Training FLOPs per token of one Gated DeltaNet's recurrence, 3x its forward: per value
     head, the state read, the write and the output (2*dk*dv each) and, within a chunk of C
@@ -97,15 +113,16 @@ def flops_per_token(args: ModelArgs, seq_len: int, frozen: bool = False, referen
     counting the attention layers; a hybrid model's Gated DeltaNet layers add their
     recurrence's (``delta_rule_flops``). With the weights ``frozen`` (LoRA) backward computes
     no weight gradients: 4N (rank-r adapters add under 1%, left out). A preference step's
-    ``reference`` adds its forward, a third of 6N + attention."""
+    ``reference`` adds its forward, a third of 6N + attention. A model built with its
+    multi-token-prediction head (``[mtp] enable``) adds the head's matmuls to N and its
+    full-attention layers to L (``head_matmul_params``)."""
     mixers = [args.mixer(i) for i in range(args.num_hidden_layers)]
-    attention_layers = len(mixers) - mixers.count("linear_attention")
+    attention_layers = len(mixers) - mixers.count("linear_attention") + args.mtp_num_hidden_layers
     attention = 12 * attention_layers * args.num_attention_heads * args.head_dim * seq_len
     recurrence = mixers.count("linear_attention") * delta_rule_flops(args) if args.hybrid else 0.0
-    forward = 2 * matmul_params(args) + (attention + recurrence) / 3
-    return (
-        (4 if frozen else 6) * matmul_params(args) + attention + recurrence + (forward if reference else 0.0)
-    )
+    matmuls = matmul_params(args) + head_matmul_params(args)
+    forward = 2 * matmuls + (attention + recurrence) / 3
+    return (4 if frozen else 6) * matmuls + attention + recurrence + (forward if reference else 0.0)
 
 
 def peak_flops(device: torch.device) -> float | None:

@@ -3,8 +3,10 @@ job's checks, the head's layers read from the HF folder, and what a step needs t
 head's loss (``MTPTraining``).
 
 The head runs inside the model's forward (``Qwen35.forward(..., mtp=...)``), so FSDP gathers
-its weights as the model's. Plans that split the sequence, the layers, the heads or the
-experts (CP, PP, TP, EP) would need the head split with them, and are refused until they are.
+its weights as the model's, tensor parallelism splits it by its own plan
+(``parallel.tensor_parallel.head_plan``) and expert parallelism its experts as the trunk's.
+Plans that split the sequence across ranks or the layers (CP, PP) would need the head split
+with them, and are refused until they are (``UNSUPPORTED_PLANS`` says why).
 """
 
 from __future__ import annotations
@@ -49,12 +51,18 @@ def head_layers_of(job: JobConfig, args: ModelArgs) -> int:
 
 
 UNSUPPORTED_PLANS = (
-    ("tp", "parallelism.tensor_parallel_degree"),
-    ("pp", "parallelism.pipeline_parallel_degree"),
-    ("cp", "parallelism.context_parallel_degree"),
-    ("ep", "parallelism.expert_parallel_degree"),
+    (
+        "pp",
+        "parallelism.pipeline_parallel_degree",
+        "the head on the last stage reads the embeddings of the next tokens, which only the first stage holds",
+    ),
+    (
+        "cp",
+        "parallelism.context_parallel_degree",
+        "the head's shift by one token and its attention would cross the ranks' sequence chunks",
+    ),
 )
-"""Degrees the head is not split under yet: (``ParallelDims`` field, the job's field)."""
+"""Degrees the head is not split under yet: (``ParallelDims`` field, the job's field, why)."""
 
 
 def check_mtp(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
@@ -80,17 +88,14 @@ def check_mtp(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
             "--model.mtp_num_hidden_layers 1 for a fresh one, or use --mtp.enable false"
         )
     _check_initial_load(job, args)
-    for dim, field in UNSUPPORTED_PLANS:
+    for dim, field, why in UNSUPPORTED_PLANS:
         if getattr(dims, dim) > 1:
             raise ConfigError(
-                f"{field}={getattr(dims, dim)} with mtp.enable=true: the multi-token-prediction head does not "
-                f"run under it yet; use FSDP / HSDP (data_parallel_*_degree) with {field.split('.')[1]} 1, "
-                "or --mtp.enable false"
+                f"{field}={getattr(dims, dim)} with mtp.enable=true: not supported yet ({why}); use FSDP / HSDP / "
+                f"TP / EP with {field.split('.')[1]} 1, or --mtp.enable false"
             )
     refused = {
-        "parallelism.auto=true": job.parallelism.auto,
         "training.dataset_format='preference'": job.training.dataset_format == "preference",
-        "lora.enable=true": job.lora.enable,
         "float8.enable=true": job.float8.enable,
     }
     for setting, asked in refused.items():
@@ -99,10 +104,31 @@ def check_mtp(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
                 f"{setting} with mtp.enable=true: not supported with the multi-token-prediction head "
                 "yet; turn it off, or use --mtp.enable false"
             )
+    _check_lora(job)
     if cfg.detach and job.parallelism.fsdp_reshard_after_forward == "always":
         raise ConfigError(
             "mtp.detach=true with parallelism.fsdp_reshard_after_forward='always': the detached head "
             "reads the output head's weight after its forward; use 'default' or 'never'"
+        )
+
+
+def _check_lora(job: JobConfig) -> None:
+    """LoRA adapts the head's linears as the trunk's (``lora.target_modules`` by suffix:
+    ``q_proj`` adapts ``mtp.layers.0.self_attn.q_proj`` too; ``fc`` or ``mtp.fc`` its input
+    projection). ``only`` trains the head's whole weights, which LoRA freezes; a detached head
+    reads the output head's bare weight, past its adapter."""
+    cfg, lora = job.mtp, job.lora
+    if not lora.enable:
+        return
+    if cfg.only:
+        raise ConfigError(
+            "mtp.only=true with lora.enable=true: only trains the head's own weights, which LoRA freezes; "
+            "use one of them (LoRA adapts the head's linears by lora.target_modules, e.g. fc, q_proj)"
+        )
+    if cfg.detach and any(t.rpartition(".")[2] == "lm_head" for t in lora.target_modules):
+        raise ConfigError(
+            "mtp.detach=true with lm_head in lora.target_modules: the detached head reads the output head's "
+            "weight without its adapter; drop lm_head from lora.target_modules or use --mtp.detach false"
         )
 
 

@@ -32,7 +32,7 @@ from autopar.models.qwen import (
 )
 from autopar.models.qwen import initial_value as dense_initial_value
 from autopar.models.qwen3_5.gated_deltanet import GatedDeltaNet
-from autopar.models.qwen3_5.mtp import MTPHead, MTPMode, head_inputs
+from autopar.models.qwen3_5.mtp import MTPHead, MTPMode, keep_mask, next_tokens
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -197,16 +197,16 @@ class Qwen35(Qwen):
         only the head (``mtp_logits_from``)."""
         if mtp == "off":
             return super().forward(tokens, routing, positions=positions, documents=documents)
-        embedded = self.embed_tokens(tokens)  # (B, S, H)
+        both = self.embed_tokens(torch.cat([tokens, next_tokens(tokens)]))  # (2B, S, H)
+        embedded, upcoming = both.chunk(2)  # each (B, S, H)
         hidden, routing = self.decode(embedded, routing, positions=positions, documents=documents)
         detach = mtp == "detached"
-        head_hidden, head_routing = self._head_hidden(hidden, embedded, documents, detach)
+        head_hidden, head_routing = self._head_hidden(hidden, upcoming, positions, documents, detach)
         if detach:  # the output head's weight learns from the main loss only
             logits = self.lm_head(hidden)  # (B, S, V)
-            head_logits = F.linear(head_hidden, self.lm_head.weight.detach())  # (B, S-1, V)
+            head_logits = self._head().detached_output(head_hidden, self.lm_head.weight)  # (B, S, V)
         else:  # one call of the output head for both, so FSDP sees one use of its weight
-            both = self.lm_head(torch.cat([hidden, head_hidden], dim=1))  # (B, 2S-1, V)
-            logits, head_logits = both.split([hidden.shape[1], head_hidden.shape[1]], dim=1)
+            logits, head_logits = self.lm_head(torch.cat([hidden, head_hidden])).chunk(2)  # each (B, S, V)
         if not self.args.moe:
             return logits, head_logits
         if head_routing is not None:
@@ -221,7 +221,7 @@ class Qwen35(Qwen):
         document's end (a document's last position predicts nothing of use)."""
         self._head()  # before the trunk's work
         hidden, _ = self.trunk(tokens, documents=documents)
-        return self.mtp_logits_from(hidden, tokens, documents)[0]
+        return self.mtp_logits_from(hidden, tokens, documents)[0][:, :-1]
 
     def mtp_logits_from(
         self,
@@ -230,24 +230,31 @@ class Qwen35(Qwen):
         documents: torch.Tensor | None = None,
         detach: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The head's logits (B, S-1, V) from the trunk's final-normed ``hidden`` (B, S, H)
+        """The head's logits (B, S, V) from the trunk's final-normed ``hidden`` (B, S, H)
         (``trunk``), and the routing statistics of its experts. ``detach``: the head's loss
         trains only the head (no gradient into the trunk, the shared embedding or the shared
         output head; Megatron's ``mtp_detach_heads``). Outside a training step: a step
-        wrapped by FSDP gets the same from ``forward(..., mtp=...)``."""
-        head_hidden, routing = self._head_hidden(hidden, self.embed_tokens(tokens), documents, detach)
+        wrapped by FSDP gets the same from ``forward(..., mtp=...)``. The last position's
+        logits predict nothing (``mtp_logits`` leaves them out)."""
+        upcoming = self.embed_tokens(next_tokens(tokens))  # (B, S, H)
+        head_hidden, routing = self._head_hidden(hidden, upcoming, None, documents, detach)
         weight = self.lm_head.weight.detach() if detach else self.lm_head.weight
         return F.linear(head_hidden, weight), routing
 
     def _head_hidden(
-        self, hidden: torch.Tensor, embedded: torch.Tensor, documents: torch.Tensor | None, detach: bool
+        self,
+        hidden: torch.Tensor,
+        upcoming: torch.Tensor,
+        positions: torch.Tensor | None,
+        documents: torch.Tensor | None,
+        detach: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The head's normed states (B, S-1, H) from the trunk's states and the embedded
-        tokens (B, S, H) each, and its routing statistics."""
+        """The head's normed states (B, S, H) from the trunk's states and the embeddings of
+        the next tokens (B, S, H) each, and its routing statistics."""
         head = self._head()
         if detach:
-            hidden, embedded = hidden.detach(), embedded.detach()
-        return head(*head_inputs(hidden, embedded, documents))
+            hidden, upcoming = hidden.detach(), upcoming.detach()
+        return head(hidden, upcoming, keep_mask(documents, upcoming.dtype), positions, documents)
 
     def _head(self) -> MTPHead:
         if self.mtp is None:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from autopar.models.args import ModelArgs
@@ -54,6 +55,8 @@ class MTPHead(nn.Module):
         make_norm: Callable[[ModelArgs], nn.Module],
     ) -> None:
         super().__init__()
+        self.next_gate = NextTokenGate()
+        self.detached_output = DetachedOutput()
         self.fc = nn.Linear(2 * args.hidden_size, args.hidden_size, bias=False)
         self.pre_fc_norm_embedding = make_norm(args)
         self.pre_fc_norm_hidden = make_norm(args)
@@ -66,20 +69,30 @@ class MTPHead(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        next_embedded: torch.Tensor,
-        documents: torch.Tensor | None = None,
+        upcoming: torch.Tensor,
+        keep: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """hidden (B, S-1, H): the trunk's final-normed states at positions 0..S-2;
-        next_embedded (B, S-1, H): the embedding of the token after each. ``documents``
-        (B, S-1): each position's document, so attention and positions stay within it.
-        ``positions`` (B, S-1): the hidden states' own (decoding continues a sequence).
-        Returns the normed states (B, S-1, H) and the routing statistics of its experts."""
-        x = torch.cat([self.pre_fc_norm_embedding(next_embedded), self.pre_fc_norm_hidden(hidden)], dim=-1)
-        h = self.fc(x)  # (B, S-1, H)
+        """hidden (B, S, H): the trunk's final-normed states; upcoming (B, S, H): the
+        embedding of the token after each (the last position's is of no use: nothing is two
+        ahead of it, and causal attention keeps it from the others). ``keep`` (B, S, 1): 0
+        where the next token starts another document (``keep_mask``); ``positions`` the
+        hidden states' own (the trunk's; decoding continues a sequence), ``documents`` (B, S)
+        keep attention and positions within a document.
+        Returns the normed states (B, S, H) and the routing statistics of its experts.
+
+        The sequence stays S long (not S-1) so a plan that splits it (sequence parallel)
+        splits the head's as the trunk's."""
+        if keep is not None:
+            upcoming = self.next_gate(upcoming, keep)
+        x = torch.cat([self.pre_fc_norm_embedding(upcoming), self.pre_fc_norm_hidden(hidden)], dim=-1)
+        h = self.fc(x)  # (B, S, H)
         mask = None
         if documents is not None:
-            mask, positions = document_mask(documents), document_positions(documents)
+            mask = document_mask(documents)
+            if positions is None:
+                positions = document_positions(documents)
         routing = None
         for layer in self.layers.values():
             h, stats = split_output(layer(h, positions, mask, documents))
@@ -88,16 +101,38 @@ class MTPHead(nn.Module):
         return self.norm(h), routing
 
 
-def head_inputs(
-    hidden: torch.Tensor, embedded: torch.Tensor, documents: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The head's inputs from the trunk's (B, S, H) hidden states and token embeddings: the
-    states at 0..S-2 beside the embeddings at 1..S-1. Under ``documents`` the embedding of a
-    token that starts another document is zeroed (as Megatron's per-sequence roll leaves no
-    token there), so no position reads past its document's end; its logits are never a
-    target's (the token two ahead lies in another document)."""
-    nxt = embedded[:, 1:]  # (B, S-1, H)
+class DetachedOutput(nn.Module):
+    """The model's output head on the head's states with its weight detached (``mtp.detach``:
+    the head's loss leaves the shared output head alone). A module of its own (no weights) so
+    a plan can lay out its input and logits as it does the output head's."""
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, weight.detach())  # (B, S, V)
+
+
+class NextTokenGate(nn.Module):
+    """``upcoming * keep``: zeroes the embedding of a token that starts another document. A
+    module of its own (no weights) so a plan can give ``keep`` (B, S, 1), which the forward
+    builds whole, the layout of the embeddings (sequence-sharded under sequence parallel)."""
+
+    def forward(self, upcoming: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return upcoming * keep
+
+
+def next_tokens(tokens: torch.Tensor) -> torch.Tensor:
+    """(B, S) the token after each: ``tokens[:, 1:]`` and the last token again in the last
+    position (whose head output predicts nothing), so the head's inputs keep the sequence's
+    length and the embedding runs once on ``cat([tokens, next_tokens(tokens)])``."""
+    return torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
+
+
+def keep_mask(documents: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """(B, S, 1): 1 where token i+1 lies in token i's document, 0 where it starts another (and
+    at the last position); None without ``documents``. Zeroing the embedding there (as
+    Megatron's per-sequence roll leaves no token) keeps every position within its document;
+    those positions' logits are never a target's (the token two ahead lies elsewhere)."""
     if documents is None:
-        return hidden[:, :-1], nxt, None
-    same = (documents[:, 1:] == documents[:, :-1]).unsqueeze(-1)  # (B, S-1, 1)
-    return hidden[:, :-1], nxt * same, documents[:, :-1]
+        return None
+    same = documents[:, 1:] == documents[:, :-1]  # (B, S-1)
+    same = torch.cat([same, torch.zeros_like(same[:, :1])], dim=1)  # (B, S)
+    return same.unsqueeze(-1).to(dtype)
