@@ -462,16 +462,7 @@ def test_a_resumed_dpo_run_continues_exactly(tmp_path):
                 "--parallelism.pipeline_parallel_schedule",
                 "ZBVZeroBubble",
             ),
-            "does not run on torch's V-shaped schedules; use one of",
-        ),
-        (
-            (
-                "--parallelism.pipeline_parallel_degree",
-                "2",
-                *("--validation.enable", "true", "--validation.dataset_path", "x"),
-                *("--validation.local_batch_size", "1"),
-            ),
-            "use --validation.local_batch_size 2",
+            "training.dataset_format='preference' under parallelism.pipeline_parallel_schedule='ZBVZeroBubble'",
         ),
         (
             ("--parallelism.pipeline_parallel_degree", "2", *MOE_FLAGS),

@@ -139,6 +139,22 @@ def test_val_loss_under_a_plan_equals_one_device(plan_val_losses, plan):
             ),
             "validation.local_batch_size=4 and seq_len=32 under pipeline_parallel_degree=2",
         ),
+        (  # torch's eval of a V schedule runs its backward actions: the run died at its first validation
+            (
+                "--validation.dataset_path",
+                str(HELD_OUT),
+                *(
+                    "--parallelism.pipeline_parallel_degree",
+                    "2",
+                    "--parallelism.data_parallel_shard_degree",
+                    "1",
+                ),
+                *("--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"),
+                *("--validation.local_batch_size", "2"),
+            ),
+            "validation.enable=true under parallelism.pipeline_parallel_schedule='ZBVZeroBubble': it needs a "
+            "forward-only pass",
+        ),
         (
             (
                 "--validation.dataset_path",

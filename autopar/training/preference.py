@@ -33,7 +33,7 @@ from autopar.parallel.lora import adapters_off
 from autopar.parallel.materialize import FullValue, tensor_values
 from autopar.parallel.mesh import Meshes, ParallelDims
 from autopar.parallel.parallelize import build_parts
-from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, StageIO, build_pipeline, schedule_name
+from autopar.parallel.pipelining.schedule import StageIO, build_pipeline, check_forward_only_schedule
 from autopar.parallel.torch_internals import assume_static_stage_metadata
 from autopar.training.dcp_state import ModelState, run_dcp
 from autopar.training.preference_loss import LOSS_TYPES
@@ -124,27 +124,15 @@ def check_preference(job: JobConfig, dims: ParallelDims, args: ModelArgs) -> Non
 
 
 def _check_pipelined(job: JobConfig, args: ModelArgs) -> None:
-    """Pipelined DPO's own limits: a schedule whose forward-only pass runs, fixed shapes, and
-    rows that hold what one device's hold."""
+    """Pipelined DPO's own limits: a schedule whose forward-only pass runs (the reference's),
+    and rows that hold what one device's hold."""
     if args.moe and job.dpo.packing:
         raise ConfigError(
             "dpo.packing=true for a mixture of experts under pipeline parallelism: the load-balancing "
             "loss is per row, and a pipeline packs each micro-batch's pairs into rows of their own, "
             "other rows than one device's; use --dpo.packing false (each sequence its own row)"
         )
-    schedule = job.parallelism.pipeline_parallel_schedule
-    if SCHEDULE_STYLES[schedule_name(job.parallelism)].placement == "v":
-        loop = [name for name, style in SCHEDULE_STYLES.items() if style.placement == "loop"]
-        raise ConfigError(
-            f"parallelism.pipeline_parallel_schedule={schedule!r} with preference data: the reference's "
-            f"forward-only pass does not run on torch's V-shaped schedules; use one of {loop}"
-        )
-    if job.validation.enable and job.validation.local_batch_size != job.training.local_batch_size:
-        raise ConfigError(
-            f"validation.local_batch_size={job.validation.local_batch_size} under pipeline parallelism with "
-            "preference data: the pipeline's stages keep the shapes of training's micro-batches; use "
-            f"--validation.local_batch_size {job.training.local_batch_size}"
-        )
+    check_forward_only_schedule(job.parallelism, "training.dataset_format='preference'")
 
 
 def _reference_values(job: JobConfig, args: ModelArgs, device: torch.device, initial: FullValue) -> FullValue:

@@ -21,6 +21,7 @@ from autopar.data.loader import StepLoader, build_samples, check_data, table_col
 from autopar.data.tokenizer import Tokenizer
 from autopar.models.args import ModelArgs
 from autopar.parallel.mesh import ParallelDims, check_model_split
+from autopar.parallel.pipelining.schedule import check_forward_only_schedule
 from autopar.training.mtp import METRICS as MTP_METRICS
 from autopar.training.mtp import global_mtp_target_count
 from autopar.training.resolve import chat_format
@@ -62,6 +63,8 @@ def check_validation(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> Non
             f"pipeline_parallel_degree={dims.pp}: the pipeline's stages and micro-batches are built "
             f"for training's {job.training.local_batch_size} x {job.training.seq_len}; set both to those"
         )
+    if dims.pp > 1:
+        check_forward_only_schedule(job.parallelism, "validation.enable=true")
     check_model_split(
         dims,
         args,

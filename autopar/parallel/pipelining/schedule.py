@@ -133,6 +133,19 @@ def check_schedule(cfg: Parallelism, stages: int, microbatches: int) -> None:
         )
 
 
+def check_forward_only_schedule(cfg: Parallelism, wanted_by: str) -> None:
+    """A forward-only pass (``schedule.eval``: held-out loss, a DPO reference) runs the
+    schedule's own action order with backward switched off; torch's V-shaped schedules keep
+    their backward actions in it and fail at the first one (torch 2.11-2.13, seen here)."""
+    name = schedule_name(cfg)
+    if SCHEDULE_STYLES[name].placement == "v":
+        loop = [n for n, style in SCHEDULE_STYLES.items() if style.placement == "loop"]
+        raise ConfigError(
+            f"{wanted_by} under parallelism.pipeline_parallel_schedule={name!r}: it needs a forward-only "
+            f"pass, which torch's V-shaped schedules do not run; use one of {loop}"
+        )
+
+
 def interleaved_rounds_fit(microbatches: int, pp: int) -> bool:
     """torch's Interleaved1F1B rule: ``max(1, microbatches // pp)`` rounds of equal size."""
     return microbatches % max(1, microbatches // pp) == 0
