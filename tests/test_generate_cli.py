@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from autopar.cli.chat import INCOMPLETE, Stream
 from autopar.cli.generate import main
 from autopar.data.chat_template import render, template_text
 from autopar.data.tokenizer import build_tokenizer
@@ -161,4 +162,63 @@ def test_speculation_that_cannot_run_is_one_line(tmp_path, capsys, flags, messag
     code, records = run(tmp_path, [json.dumps({"prompt": "Hi"})], *flags, "--generate.speculative", "mtp")
     err = capsys.readouterr().err
     assert code == 2 and records == []
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_streamed_reply_writes_each_character_once_whole():
+    tokenizer = build_tokenizer(CHATML)
+    written: list[str] = []
+    stream = Stream(tokenizer, {tokenizer.eos_id}, written.append)
+    for token in [*tokenizer.encode("héllo ✓"), tokenizer.eos_id]:  # é and ✓ span several tokens
+        stream(0, token)
+    assert "".join(written) == "héllo ✓"
+    assert not any(INCOMPLETE in piece for piece in written)
+
+
+def test_a_chat_streams_each_reply_to_the_conversation_so_far(tmp_path, monkeypatch, capsys):
+    """Two turns typed, then end of input: each reply is greedy decoding of the conversation
+    rendered with the template (the first reply inside the second turn's prompt), streamed."""
+    model = build_model(get_flavor("qwen3", "debug"))
+    model.init_weights(seed=6)  # a model whose second reply depends on the first (checked below)
+    save_hf(model.state_dict(), model.args, tmp_path / "hf")
+    turns = iter(["Hi!", "", "Tell me more."])  # a blank line is no turn; then end of input
+
+    def typed() -> str:
+        line = next(turns, None)
+        if line is None:
+            raise EOFError
+        return line
+
+    monkeypatch.setattr("autopar.cli.generate.read_turn", typed)
+    flags = ("--checkpoint.initial_load_path", str(tmp_path / "hf"), "--checkpoint.initial_load_in_hf")
+    argv = ["--model.tokenizer_path", "chatml", "--generate.chat", "true", "--generate.max_new_tokens", "8"]
+    assert main([*argv, *flags]) == 0
+    tokenizer, template = build_tokenizer(CHATML), template_text(CHATML)
+    stops = {tokenizer.eos_id, tokenizer.encode("<|im_end|>")[0]}
+    messages, replies = [], []
+    for line in ("Hi!", "Tell me more."):
+        messages.append({"role": "user", "content": line})
+        prompt = tokenizer.encode(render(messages, template, generation_prompt=True))
+        new = generate(model.eval(), [prompt], 8, stop_ids=stops)[0]
+        replies.append(tokenizer.decode([t for t in new if t not in stops]))
+        messages.append({"role": "assistant", "content": replies[-1]})
+    assert capsys.readouterr().out == "".join(f"{r}\n" for r in replies) + "2 replies\n"
+    forgetful = [messages[0], messages[2]]  # the second turn without the first reply
+    prompt = tokenizer.encode(render(forgetful, template, generation_prompt=True))
+    assert generate(model, [prompt], 8, stop_ids=stops)[0] != new
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ("--generate.prompts", "p.jsonl"),
+            "generate.chat with generate.prompts='p.jsonl': one or the other",
+        ),
+        (("--generate.speculative", "mtp"), "generate.chat streams plain decoding"),
+    ],
+)
+def test_a_chat_that_cannot_run_is_one_line(capsys, flags, message):
+    assert main(["--model.tokenizer_path", "chatml", "--generate.chat", "true", *flags]) == 2
+    err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1

@@ -81,9 +81,10 @@ def train_on_chat_example(model: Qwen35, steps: int, seq_len: int = 192, lr: flo
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     model.train()
     for _ in range(steps):
-        logits, head_logits = model(tokens[:, :-1], mtp="on")  # (N, S-1, V), (N, S-2, V)
+        logits, head_logits = model(tokens[:, :-1], mtp="on")  # (N, S-1, V) each
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-        loss = loss + F.cross_entropy(head_logits.flatten(0, 1), tokens[:, 2:].flatten())
+        # the head's last position predicts nothing: (N, S-2, V) against the tokens two ahead
+        loss = loss + F.cross_entropy(head_logits[:, :-1].flatten(0, 1), tokens[:, 2:].flatten())
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -1,5 +1,6 @@
 """Sample from a model: ``python -m autopar.generate --job.config FILE --generate.prompts
-PROMPTS.jsonl [--section.field VALUE ...]`` (also ``autopar-generate``).
+PROMPTS.jsonl [--section.field VALUE ...]`` (also ``autopar-generate``), or talk to it with
+``--generate.chat true`` (``cli/chat.py``).
 
 The model, tokenizer and weights come from where training takes them: an HF folder
 (``checkpoint.initial_load_path`` with ``checkpoint.initial_load_in_hf``), a run's DCP
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from autopar.cli.chat import chat
 from autopar.config import ConfigError, JobConfig, help_text
 from autopar.data import DataError
 from autopar.data.chat_template import template_text
@@ -70,6 +72,22 @@ def check_parallelism(job: JobConfig, world: World) -> None:
     if degree > 1 and job.generate.speculative != "off":
         raise ConfigError(
             "generate.speculative=mtp runs on one process; use --generate.speculative off under tensor parallel"
+        )
+
+
+def check_chat(job: JobConfig, world: World) -> None:
+    """One line for a chat that cannot run: it is one process's, plain decoding, no file."""
+    settings = job.generate
+    if not settings.chat:
+        return
+    if world.size > 1:
+        raise ConfigError("generate.chat runs on one process; start it without torchrun")
+    if settings.speculative != "off":
+        raise ConfigError("generate.chat streams plain decoding; use --generate.speculative off")
+    if settings.prompts is not None:
+        raise ConfigError(
+            f"generate.chat with generate.prompts={settings.prompts!r}: one or the other (the chat reads "
+            "your turns from the terminal)"
         )
 
 
@@ -129,14 +147,20 @@ def summary(stats: list[Acceptance], draft_tokens: int) -> str:
 
 def run(job: JobConfig) -> tuple[Path | None, str | None]:
     """Generate for every prompt of the job and write the output file (rank 0); its path and,
-    with speculation, the summary line. Under torchrun every rank runs its share of the model."""
+    with speculation, the summary line. Under torchrun every rank runs its share of the model.
+    With ``generate.chat`` a conversation in the terminal instead (no file)."""
     settings = job.generate
     check_speculation(job)
     world = init_world(job.comm.init_timeout_seconds)
     check_parallelism(job, world)
+    check_chat(job, world)
     path = tokenizer_path(job)
     tokenizer = build_tokenizer(path)
     template = template_text(path, job.training.chat_template)
+    if settings.chat:
+        model = load_model(job, world.device)
+        replies = chat(model, tokenizer, template, settings, stop_ids(tokenizer), read_turn, write_now)
+        return None, f"{replies} replies"
     prompts = read_prompts(settings.prompts, tokenizer, template, "generate.prompts")
     model = load_model(job, world.device)
     try:
@@ -167,6 +191,15 @@ def run(job: JobConfig) -> tuple[Path | None, str | None]:
     if not world.is_main:
         return None, None
     return output, None if stats is None else summary(stats, settings.draft_tokens)
+
+
+def read_turn() -> str:
+    return input("> ")
+
+
+def write_now(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
 
 
 def main(argv: list[str]) -> int:

@@ -440,6 +440,10 @@ class Generate:
     records each prompt's acceptance. Needs a model with the head (an HF folder with mtp.*)."""
     draft_tokens: int = 2
     """With speculative=mtp: tokens the head drafts per verification forward (at least 1)."""
+    chat: bool = False
+    """An interactive conversation in the terminal instead of a prompts file: each line you
+    type is a user turn, rendered with the chat template and the turns before it, and the
+    reply streams as it is decoded (/reset starts over, /exit or end of input ends)."""
 
 
 @dataclass

@@ -4,7 +4,7 @@ until every row stops or reaches its budget."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -63,10 +63,12 @@ def generate(
     stop_ids: Collection[int] = (),
     prefill_chunk: int = PREFILL_CHUNK,
     compiled: bool = False,
+    on_token: Callable[[int, int], None] | None = None,
 ) -> list[list[int]]:
     """Each prompt's new tokens: up to ``max_new_tokens``, ending at the first of ``stop_ids``
     (kept). Greedy at ``temperature`` 0, else sampled (see ``Sampling``). ``compiled``: the
-    decode step runs through ``torch.compile`` (``Decoder.step``)."""
+    decode step runs through ``torch.compile`` (``Decoder.step``). ``on_token(row, token)``
+    hears each token as it is chosen (streaming)."""
     check_prompts(prompts, max_new_tokens, model.args.max_position_embeddings)
     if not prompts or max_new_tokens < 1:
         return [[] for _ in prompts]
@@ -88,6 +90,8 @@ def generate(
             if not done[row]:
                 new[row].append(token)
                 done[row] = token in stop_ids
+                if on_token is not None:
+                    on_token(row, token)
         if all(done) or step == max_new_tokens - 1:
             break
         last = decoder.step(chosen, position)
