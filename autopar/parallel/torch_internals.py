@@ -46,7 +46,10 @@ LEANED_ON = {
     ): "activation checkpointing",
     ("torch.nn.utils.stateless", "_reparametrize_module"): "mixed precision: cast weights for one call",
     ("torch.overrides", "_get_current_function_mode_stack"): "AC: recompute under the forward's modes",
-    ("torch.utils._python_dispatch", "TorchDispatchMode"): "per-op AC and the dry run's tracker",
+    (
+        "torch.utils._python_dispatch",
+        "TorchDispatchMode",
+    ): "per-op AC, the dry run's tracker and the probe's op counter",
     ("torch.utils._python_dispatch", "_get_current_dispatch_mode"): "dry run",
     ("torch.utils._python_dispatch", "_pop_mode_temporarily"): "dry run",
     ("torch.utils._pytree", "tree_map"): "AC",

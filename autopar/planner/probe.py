@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.models.args import ModelArgs
+from autopar.parallel.torch_internals import TorchDispatchMode
 from autopar.planner.profile import (
     AttentionPoint,
     CollectivePoint,
