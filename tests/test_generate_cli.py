@@ -83,6 +83,14 @@ def test_a_prompts_file_that_cannot_run_is_one_line(tmp_path, capsys, lines, mes
     assert message in err and len(err.strip().splitlines()) == 1
 
 
+def test_an_unknown_chat_template_is_one_line(tmp_path, capsys):
+    code, records = run(tmp_path, [json.dumps(CHAT)], "--training.chat_template", "qwen9")
+    err = capsys.readouterr().err
+    assert code == 2 and records == []
+    assert "chat template 'qwen9': no such file, nor a shipped template" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_a_tokenizer_larger_than_the_model_is_one_line(tmp_path, capsys):
     code, _ = run(tmp_path, [json.dumps({"prompt": "Hello"})], "--model.vocab_size", "64")
     err = capsys.readouterr().err
