@@ -1,9 +1,19 @@
-"""GPU tests run only where CUDA is; elsewhere they are reported as skipped, never passed."""
+"""GPU tests run only where CUDA is; elsewhere they are reported as skipped, never passed.
+Whatever autopar caches (``parallelism.auto``'s probed profiles) goes to the session's own
+folder, not the user's ``~/.cache``."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def autopar_cache(tmp_path_factory):
+    """Spawned ranks inherit it through the environment."""
+    os.environ["AUTOPAR_CACHE_DIR"] = str(tmp_path_factory.mktemp("autopar_cache"))
 
 
 def pytest_collection_modifyitems(config, items):

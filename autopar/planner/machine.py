@@ -1,7 +1,8 @@
 """The device spec of a machine from its measured profile, and the per-machine cache of
 profiles that ``parallelism.auto`` probes once and reads afterwards.
 
-The cache lives under ``$XDG_CACHE_HOME/autopar/profiles`` (``~/.cache/autopar/profiles``),
+The cache lives under ``$XDG_CACHE_HOME/autopar/profiles`` (``~/.cache/autopar/profiles``;
+``$AUTOPAR_CACHE_DIR/profiles`` where that is set),
 one file per device name, torch version and world shape, since each of them changes the
 figures. Only the first local rank probes; the others wait for its file, so every rank of a
 node plans with the same figures and the probe is not slowed by its neighbours.
@@ -26,6 +27,10 @@ WAIT_FOR_PROBE_S = 300.0
 
 
 def cache_dir() -> Path:
+    """``$AUTOPAR_CACHE_DIR/profiles`` where set (a cluster's shared home, a test session),
+    else ``$XDG_CACHE_HOME/autopar/profiles``."""
+    if os.environ.get("AUTOPAR_CACHE_DIR"):
+        return Path(os.environ["AUTOPAR_CACHE_DIR"]) / "profiles"
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "autopar" / "profiles"
 
