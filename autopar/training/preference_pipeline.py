@@ -140,18 +140,22 @@ def preference_pipeline_forward_backward(
     assert isinstance(stage_loss, PreferenceStageLoss)
     stage_loss.global_pairs, stage_loss.global_chosen = global_pairs, global_chosen_tokens
     device = global_chosen_tokens.device
-    total, balance = torch.zeros((), device=device), torch.zeros((), device=device)
     metrics = torch.zeros(len(METRICS), device=device)
-    ones = torch.ones((), device=device)
-    for batch in batches:
-        targets = with_targets(batch, reference(batch), stage_loss.pairs)
-        stage_loss.metric_sums.clear()
-        loss, aux = pipeline_forward_backward(
-            pipeline, [targets], ones, micro_batch, backward, global_sequences=global_rows
-        )
-        total, balance = total + loss, balance + aux
-        if pipeline.has_last:
-            metrics += torch.stack(stage_loss.metric_sums[-pipeline.n_micro :]).sum(0)
+    # every micro-step's reference first (a forward-only pass each), then one schedule run over
+    # them all, which divides the gradients once; the stage loss's last calls are the
+    # micro-batches' own (torch may first call it to infer gradient shapes)
+    targets = [with_targets(batch, reference(batch), stage_loss.pairs) for batch in batches]
+    stage_loss.metric_sums.clear()
+    total, balance = pipeline_forward_backward(
+        pipeline,
+        targets,
+        torch.ones((), device=device),
+        micro_batch,
+        backward,
+        global_sequences=global_rows,
+    )
+    if pipeline.has_last:
+        metrics += torch.stack(stage_loss.metric_sums[-pipeline.n_micro * len(batches) :]).sum(0)
     cp = 1 if cp_mesh is None else cp_mesh.size()
     return (
         all_reduce_sum(total / cp, pp_mesh),
