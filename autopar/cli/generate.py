@@ -4,7 +4,8 @@ PROMPTS.jsonl [--section.field VALUE ...]`` (also ``autopar-generate``), or talk
 
 The model, tokenizer and weights come from where training takes them: an HF folder
 (``checkpoint.initial_load_path`` with ``checkpoint.initial_load_in_hf``), a run's DCP
-checkpoint (``checkpoint.initial_load_path``), else the flavor's initial weights. One process,
+checkpoint (``checkpoint.initial_load_path``), else the flavor's initial weights; a LoRA
+run's adapters over them with ``generate.adapters``. One process,
 fp32 on CPU or the first GPU. Writes one JSONL record per prompt: prompt_ids, new_ids, text.
 """
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from autopar.cli.chat import chat
+from autopar.cli.generate_adapters import merge_adapters, read_adapters
 from autopar.config import ConfigError, JobConfig, help_text
 from autopar.data import DataError
 from autopar.data.chat_template import template_text
@@ -109,7 +111,17 @@ def tensor_parallel(model: Qwen, world: World) -> None:
 
 def load_model(job: JobConfig, device: torch.device) -> Qwen:
     """The job's model in fp32 with the weights its checkpoint settings name (with its MTP
-    head under ``generate.speculative=mtp``)."""
+    head under ``generate.speculative=mtp``), and ``generate.adapters`` merged into them."""
+    path = job.generate.adapters
+    adapters = None if path is None else read_adapters(path, job)  # a bad path: before the model
+    model = load_base(job, device)
+    if adapters is not None:
+        merge_adapters(model, *adapters, path, job)
+    return model
+
+
+def load_base(job: JobConfig, device: torch.device) -> Qwen:
+    """The model of the checkpoint settings, before any adapters."""
     checkpoint = job.checkpoint
     head = job.generate.speculative == "mtp"
     if checkpoint.initial_load_path is not None and checkpoint.initial_load_in_hf:

@@ -440,6 +440,10 @@ class Generate:
     records each prompt's acceptance. Needs a model with the head (an HF folder with mtp.*)."""
     draft_tokens: int = 2
     """With speculative=mtp: tokens the head drafts per verification forward (at least 1)."""
+    adapters: str | None = None
+    """A LoRA run's adapters, merged into the base the checkpoint settings load (the run's
+    [lora] job: its HF or DCP base, else the flavor's initial weights): its checkpoint step
+    folder (rank and alpha from the job's [lora] section) or its exported peft adapter folder."""
     chat: bool = False
     """An interactive conversation in the terminal instead of a prompts file: each line you
     type is a user turn, rendered with the chat template and the turns before it, and the
