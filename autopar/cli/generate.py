@@ -60,7 +60,7 @@ def check_speculation(job: JobConfig) -> None:
 
 def check_parallelism(job: JobConfig, world: World) -> None:
     """Generation splits the model by tensor parallelism only, over every process: one line
-    for another plan, or for a setting that runs on one process only."""
+    for another plan, or for a setting that runs on one process only (compile)."""
     degree = job.parallelism.tensor_parallel_degree
     if degree != world.size:
         raise ConfigError(
@@ -70,10 +70,6 @@ def check_parallelism(job: JobConfig, world: World) -> None:
     if degree > 1 and job.generate.compile:
         raise ConfigError(
             "generate.compile runs on one process; use --generate.compile false under tensor parallel"
-        )
-    if degree > 1 and job.generate.speculative != "off":
-        raise ConfigError(
-            "generate.speculative=mtp runs on one process; use --generate.speculative off under tensor parallel"
         )
 
 
@@ -97,7 +93,9 @@ def tensor_parallel(model: Qwen, world: World) -> None:
     """Shard ``model`` over all ranks with training's tensor-parallel plan (no sequence or
     loss parallel: every rank gets whole logits, so all choose the same tokens). Each
     attention and Gated DeltaNet layer then runs on its rank's heads, and the decoder's
-    caches, built from what the kernels see, hold those heads only."""
+    caches, built from what the kernels see, hold those heads only. An MTP head is split by
+    the head's plan, and its drafts go through the replicated-output ``lm_head``: whole
+    logits, the same draft on every rank."""
     if world.size == 1:
         return
     for field, size in tp_split_sizes(model.args).items():
