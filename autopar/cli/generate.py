@@ -33,6 +33,7 @@ from autopar.models.generation.speculative import Acceptance, speculative_genera
 from autopar.models.hf_config import HFCheckpointError
 from autopar.models.qwen import Qwen
 from autopar.parallel.mesh import tp_split_sizes
+from autopar.parallel.replicated_experts import split_experts
 from autopar.parallel.tensor_parallel import apply_tp
 from autopar.parallel.world import World, init_world
 from autopar.training.dcp_state import read_model_tensors
@@ -59,18 +60,27 @@ def check_speculation(job: JobConfig) -> None:
 
 
 def check_parallelism(job: JobConfig, world: World) -> None:
-    """Generation splits the model by tensor parallelism only, over every process: one line
-    for another plan, or for a setting that runs on one process only (compile)."""
-    degree = job.parallelism.tensor_parallel_degree
-    if degree != world.size:
+    """Generation splits the model over every process by tensor parallelism, expert
+    parallelism or both (each over all the processes): one line for another plan, or for a
+    setting that runs on one process only."""
+    degrees = {
+        "tensor_parallel_degree": job.parallelism.tensor_parallel_degree,
+        "expert_parallel_degree": job.parallelism.expert_parallel_degree,
+    }
+    for field, degree in degrees.items():
+        if degree not in (1, world.size):
+            raise ConfigError(
+                f"parallelism.{field}={degree} with {world.size} process(es): generation splits the model "
+                f"over every process or none; set it to {world.size} or 1"
+            )
+    if world.size > 1 and set(degrees.values()) == {1}:
         raise ConfigError(
-            f"parallelism.tensor_parallel_degree={degree} with {world.size} process(es): generation splits "
-            f"the model by tensor parallelism over every process; set it to {world.size}"
+            f"{world.size} processes with parallelism.tensor_parallel_degree=1 and expert_parallel_degree=1: "
+            f"generation splits the model over every process; set --parallelism.tensor_parallel_degree "
+            f"{world.size} (or expert_parallel_degree {world.size} for a mixture of experts)"
         )
-    if degree > 1 and job.generate.compile:
-        raise ConfigError(
-            "generate.compile runs on one process; use --generate.compile false under tensor parallel"
-        )
+    if world.size > 1 and job.generate.compile:
+        raise ConfigError("generate.compile runs on one process; use --generate.compile false under torchrun")
 
 
 def check_chat(job: JobConfig, world: World) -> None:
@@ -89,22 +99,36 @@ def check_chat(job: JobConfig, world: World) -> None:
         )
 
 
-def tensor_parallel(model: Qwen, world: World) -> None:
-    """Shard ``model`` over all ranks with training's tensor-parallel plan (no sequence or
-    loss parallel: every rank gets whole logits, so all choose the same tokens). Each
-    attention and Gated DeltaNet layer then runs on its rank's heads, and the decoder's
-    caches, built from what the kernels see, hold those heads only. An MTP head is split by
-    the head's plan, and its drafts go through the replicated-output ``lm_head``: whole
-    logits, the same draft on every rank."""
+def split_model(model: Qwen, world: World, tensor_parallel: bool, expert_parallel: bool) -> None:
+    """Split ``model`` over all ranks, which all decode the same prompts. ``tensor_parallel``:
+    training's tensor-parallel plan without sequence or loss parallel (every rank gets whole
+    logits, so all choose the same tokens); each attention and Gated DeltaNet layer then runs
+    on its rank's heads, and the decoder's caches, built from what the kernels see, hold those
+    heads only; an MTP head is split by the head's plan and drafts from whole logits too.
+    ``expert_parallel``: each rank holds its share of every mixture's experts
+    (``parallel/replicated_experts.py``)."""
     if world.size == 1:
         return
-    for field, size in tp_split_sizes(model.args).items():
+    args = model.args
+    sizes = tp_split_sizes(args) if tensor_parallel else {}
+    if expert_parallel and not args.moe:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree={world.size} splits a mixture's experts, and this model "
+            f"({args.family}) is dense; use --parallelism.tensor_parallel_degree {world.size} alone"
+        )
+    if expert_parallel:
+        sizes["num_experts"] = args.num_experts
+    for field, size in sizes.items():
         if size % world.size:
+            plan = "expert" if field == "num_experts" else "tensor"
             raise ConfigError(
-                f"parallelism.tensor_parallel_degree={world.size} does not divide the model's {field}={size}"
+                f"parallelism.{plan}_parallel_degree={world.size} does not divide the model's {field}={size}"
             )
-    mesh = init_device_mesh(world.device.type, (world.size,), mesh_dim_names=("tp",))
-    apply_tp(model, mesh, model.args, sequence_parallel=False, loss_parallel=False)
+    mesh = init_device_mesh(world.device.type, (world.size,), mesh_dim_names=("ranks",))
+    if tensor_parallel:
+        apply_tp(model, mesh, args, sequence_parallel=False, loss_parallel=False)
+    if expert_parallel:
+        split_experts(model, mesh, args)
 
 
 def load_model(job: JobConfig, device: torch.device) -> Qwen:
@@ -178,7 +202,8 @@ def run(job: JobConfig) -> tuple[Path | None, str | None]:
     except ValueError as err:
         raise DataError(f"{settings.prompts}: {err}") from None
     check_vocabulary(prompts, model.args.vocab_size, settings.prompts)
-    tensor_parallel(model, world)
+    parallelism = job.parallelism
+    split_model(model, world, parallelism.tensor_parallel_degree > 1, parallelism.expert_parallel_degree > 1)
     stops = stop_ids(tokenizer)
     sampling = (settings.temperature, settings.top_p, settings.top_k, settings.seed, stops)
     stats: list[Acceptance] | None = None
