@@ -109,6 +109,15 @@ def test_the_merged_export_loaded_as_an_hf_folder_gives_the_same_tokens(lora_run
             "adapters of rank 4, and lora.rank = 8",
         ),
         (
+            (
+                "--checkpoint.initial_load_path",
+                "{run}/checkpoint/step-6",
+                "--checkpoint.initial_load_in_hf",
+                "false",
+            ),
+            "is a LoRA run's checkpoint, which holds its adapters only; load the run's base there and give",
+        ),
+        (
             ("--generate.adapters", "{run}/hf/step-6", "--checkpoint.initial_load_path", "{folder}/other"),
             "load the base that run trained on",
         ),
@@ -121,7 +130,7 @@ def test_adapters_that_cannot_go_on_the_base_are_one_line(lora_run, capsys, flag
     code, _ = sample(folder, "--job.config", str(folder / "lora.toml"), *flags)
     err = capsys.readouterr().err
     assert code == 2
-    assert "generate.adapters=" in err and message in err and len(err.strip().splitlines()) == 1
+    assert "generate.adapters" in err and message in err and len(err.strip().splitlines()) == 1
 
 
 def test_a_peft_folder_of_qwen35s_fused_linear_merges_into_its_pieces(tmp_path):

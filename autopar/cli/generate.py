@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 
 from autopar.cli.chat import chat
@@ -163,8 +164,32 @@ def load_base(job: JobConfig, device: torch.device) -> Qwen:
         model.init_weights(seed=job.debug.seed)
     else:
         shapes = {n: p.shape for n, p in model.named_parameters()}
+        check_saved_model(checkpoint.initial_load_path, shapes)
         model.load_state_dict(read_model_tensors(checkpoint.initial_load_path, shapes), strict=False)
     return model.eval()
+
+
+def check_saved_model(path: str, shapes: dict[str, torch.Size]) -> None:
+    """One line for a DCP folder without the job's weights: a LoRA run's (its adapters only),
+    or another model's."""
+    saved = {
+        k.removeprefix("model."): torch.Size(v.size)
+        for k, v in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
+        if k.startswith("model.")
+    }
+    wrong = [n for n, shape in shapes.items() if saved.get(n) != shape]
+    if not wrong:
+        return
+    if any(".lora_" in n for n in saved):
+        raise ConfigError(
+            f"checkpoint.initial_load_path={path} is a LoRA run's checkpoint, which holds its adapters "
+            "only; load the run's base there and give this folder as --generate.adapters"
+        )
+    found = "not in it" if wrong[0] not in saved else f"{list(saved[wrong[0]])} there"
+    raise ConfigError(
+        f"checkpoint.initial_load_path={path} does not hold the job's model ({wrong[0]} is {found}, "
+        f"{list(shapes[wrong[0]])} in the model); pass the --job.config of the run that saved it"
+    )
 
 
 def summary(stats: list[Acceptance], draft_tokens: int) -> str:
