@@ -166,7 +166,7 @@ class Parallelism:
     expert_parallel_degree: int = 1
     """Ranks the experts of a mixture-of-experts model are split over (tokens reach their
     experts by all-to-all); borrowed from data_parallel_shard_degree x context_parallel_degree,
-    so it does not add to the world size."""
+    so it does not add to the world size. In autopar.generate: every process, or 1."""
     pipeline_parallel_schedule: str = "1F1B"
     """torch schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV."""
     pipeline_parallel_microbatch_size: int = 1
