@@ -246,7 +246,9 @@ def test_the_head_under_context_and_pipeline_parallelism_together_is_refused_in_
     micro-batches split only the tokens."""
     cp_pp = ("--parallelism.context_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2")
     job = hybrid_job(tmp_path, *HEAD, *cp_pp, mtp_num_hidden_layers=1)
-    with pytest.raises(ConfigError, match="context_parallel_degree > 1 with pipeline_parallel_degree > 1") as err:
+    with pytest.raises(
+        ConfigError, match="context_parallel_degree > 1 with pipeline_parallel_degree > 1"
+    ) as err:
         check_job(job, 4)
     assert "\n" not in str(err.value)
 
