@@ -220,7 +220,6 @@ REFUSALS = [
     (("--mtp.detach", "true"), "mtp.detach=true without mtp.enable"),
     ((*HEAD, "--mtp.loss_scale", "0"), "mtp.loss_scale=0.0 must be > 0"),
     ((*HEAD, "--parallelism.pipeline_parallel_degree", "2"), "parallelism.pipeline_parallel_degree=2 with"),
-    ((*HEAD, "--parallelism.context_parallel_degree", "2"), "parallelism.context_parallel_degree=2 with"),
     ((*HEAD, "--mtp.only", "true", "--lora.enable", "true"), "mtp.only=true with lora.enable=true"),
     (
         (*HEAD, "--mtp.detach", "true", "--lora.enable", "true", "--lora.target_modules", "q_proj,lm_head"),
@@ -239,6 +238,18 @@ def test_what_the_head_does_not_run_with_is_refused_in_one_line(flags, message, 
     job = hybrid_job(tmp_path, *flags, mtp_num_hidden_layers=1)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")) as err:
         check_job(job, 2)
+    assert "\n" not in str(err.value)
+
+
+def test_the_head_under_context_and_pipeline_parallelism_together_is_refused_in_one_line(tmp_path):
+    """CP alone splits the head's next tokens and targets with the tokens; a pipeline's
+    micro-batches split only the tokens."""
+    cp_pp = ("--parallelism.context_parallel_degree", "2", "--parallelism.pipeline_parallel_degree", "2")
+    job = hybrid_job(tmp_path, *HEAD, *cp_pp, mtp_num_hidden_layers=1)
+    with pytest.raises(
+        ConfigError, match="context_parallel_degree > 1 with pipeline_parallel_degree > 1"
+    ) as err:
+        check_job(job, 4)
     assert "\n" not in str(err.value)
 
 
