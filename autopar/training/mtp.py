@@ -4,9 +4,10 @@ head's loss (``MTPTraining``).
 
 The head runs inside the model's forward (``Qwen35.forward(..., mtp=...)``), so FSDP gathers
 its weights as the model's, tensor parallelism splits it by its own plan
-(``parallel.tensor_parallel.head_plan``) and expert parallelism its experts as the trunk's.
-Plans that split the sequence across ranks or the layers (CP, PP) would need the head split
-with them, and are refused until they are (``UNSUPPORTED_PLANS`` says why).
+(``parallel.tensor_parallel.head_plan``) and expert parallelism its experts as the trunk's;
+a pipeline runs it on the last stage (``mtp_pipeline``). A plan that splits the sequence
+across ranks (CP) would need the head split with it, and is refused until it is
+(``UNSUPPORTED_PLANS`` says why).
 """
 
 from __future__ import annotations
@@ -52,11 +53,6 @@ def head_layers_of(job: JobConfig, args: ModelArgs) -> int:
 
 UNSUPPORTED_PLANS = (
     (
-        "pp",
-        "parallelism.pipeline_parallel_degree",
-        "the head on the last stage reads the embeddings of the next tokens, which only the first stage holds",
-    ),
-    (
         "cp",
         "parallelism.context_parallel_degree",
         "the head's shift by one token and its attention would cross the ranks' sequence chunks",
@@ -88,6 +84,12 @@ def check_mtp(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
             "--model.mtp_num_hidden_layers 1 for a fresh one, or use --mtp.enable false"
         )
     _check_initial_load(job, args)
+    if dims.pp > 1 and dims.cp > 1:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_degree={dims.pp} with context_parallel_degree={dims.cp} and "
+            "mtp.enable=true: not supported yet (the first stage embeds each rank's next tokens, which "
+            "cross the sequence chunks); use one of them, or --mtp.enable false"
+        )
     for dim, field, why in UNSUPPORTED_PLANS:
         if getattr(dims, dim) > 1:
             raise ConfigError(

@@ -69,12 +69,23 @@ def mtp_loss_sum(
     step's micro-batches and ranks first. ``loss_fn``: the step's token-summed loss (chunked,
     compiled or vocab-parallel as the main loss is)."""
     targets = mtp_labels(labels, documents)
+    loss, accepted = head_loss_sum(logits, targets, loss_fn)
+    return loss, accepted, (targets != IGNORE_INDEX).sum()
+
+
+def head_loss_sum(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mtp_loss_sum``'s (summed loss, accepted targets) from the head's own ``targets``
+    (B, S) (``mtp_labels``), as a pipeline's last stage gets them in its schedule's target."""
     valid = targets != IGNORE_INDEX
     accepted = ((vocab_argmax(logits.detach()) == targets) & valid).sum()
     loss = loss_fn(logits, targets)
     if isinstance(loss, DTensor):
         loss = loss.full_tensor()
-    return loss, accepted, valid.sum()
+    return loss, accepted
 
 
 @dataclass(frozen=True)

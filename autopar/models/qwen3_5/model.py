@@ -194,12 +194,22 @@ class Qwen35(Qwen):
         logits (B, S-1, V))`` from the same pass: a training step gets both losses from one
         forward of the whole module (the way FSDP gathers and frees its weights), the head's
         experts' routing statistics added to the trunk's. "detached": the head's loss trains
-        only the head (``mtp_logits_from``)."""
+        only the head (``mtp_logits_from``).
+
+        A pipeline stage (no ``lm_head``, or no ``embed_tokens``) passes on its hidden states
+        and the embeddings of the next tokens stacked as one (2B, S, H) tensor: the head on
+        the last stage reads the embedding that only the first holds, and its gradient flows
+        back through every stage to it, as on one device."""
         if mtp == "off":
             return super().forward(tokens, routing, positions=positions, documents=documents)
-        both = self.embed_tokens(torch.cat([tokens, next_tokens(tokens)]))  # (2B, S, H)
+        if self.embed_tokens is not None:
+            both = self.embed_tokens(torch.cat([tokens, next_tokens(tokens)]))  # (2B, S, H)
+        else:  # a later pipeline stage: the stacked states the stage before passed on
+            both = tokens  # (2B, S, H)
         embedded, upcoming = both.chunk(2)  # each (B, S, H)
         hidden, routing = self.decode(embedded, routing, positions=positions, documents=documents)
+        if self.lm_head is None:  # a pipeline stage before the last
+            return self._with_routing(torch.cat([hidden, upcoming]), routing, hidden)  # (2B, S, H)
         detach = mtp == "detached"
         head_hidden, head_routing = self._head_hidden(hidden, upcoming, positions, documents, detach)
         if detach:  # the output head's weight learns from the main loss only
@@ -207,13 +217,20 @@ class Qwen35(Qwen):
             head_logits = self._head().detached_output(head_hidden, self.lm_head.weight)  # (B, S, V)
         else:  # one call of the output head for both, so FSDP sees one use of its weight
             logits, head_logits = self.lm_head(torch.cat([hidden, head_hidden])).chunk(2)  # each (B, S, V)
-        if not self.args.moe:
-            return logits, head_logits
         if head_routing is not None:
             routing = head_routing if routing is None else routing + head_routing
+        return self._with_routing(logits, routing, hidden), head_logits
+
+    def _with_routing(
+        self, out: torch.Tensor, routing: torch.Tensor | None, hidden: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``out``, and for a mixture of experts its routing statistics (B, 2, E) (zeros where
+        no expert ran yet), as ``Qwen.forward`` returns them."""
+        if not self.args.moe:
+            return out
         if routing is None:
             routing = hidden.new_zeros(hidden.shape[0], 2, self.args.num_experts, dtype=torch.float32)
-        return (logits, routing), head_logits
+        return out, routing
 
     def mtp_logits(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """The head's logits (B, S-1, V) for tokens (B, S): position i predicts token i+2 from

@@ -40,6 +40,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BalanceFn = Callable[[torch.Tensor], torch.Tensor]
 """A mixture of experts' routing statistics (B, 2, E) -> its load-balancing loss summed over
 the sequences."""
+HeadFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""A second output head's (logits, targets) -> (summed token loss, targets its argmax hits)."""
 MicroBatchContext = Callable[[Batch], contextlib.AbstractContextManager[tuple[Batch, "torch.Tensor | None"]]]
 """Full micro-batch -> context giving (this rank's part of it, its RoPE positions or None)."""
 
@@ -230,31 +232,65 @@ def check_pipeline(cfg: Parallelism, args: ModelArgs, local_batch_size: int) -> 
     check_schedule(cfg, len(stage_modules(cfg, args)), local_batch_size // mbs)
 
 
+@dataclass(frozen=True)
+class StageHead:
+    """A second output head on the last stage (Qwen3.5's multi-token prediction): the stages
+    run it when called with ``forward_flags``, the last one returns (the model's output, its
+    logits) (flattened for the schedule, ``_flat_head_output``), and the schedule's target
+    carries its targets beside the labels (B, S, 2)."""
+
+    loss_fn: HeadFn
+    scale: float
+    """Its loss's weight beside the main loss, each a mean over its own targets."""
+    forward_flags: dict[str, str]
+    """Keyword arguments of every stage's forward that turn the head on."""
+
+
 class StageLoss:
     """What the last stage's schedule backpropagates per micro-batch: the token loss sum
     (a DTensor from vocab-parallel loss made plain, as the schedule's backward expects) and,
     for a mixture of experts, ``coef`` x its load-balancing loss x ``balance_weight`` (the
-    step's targets over its sequences, since gradients are divided by the targets later).
-    ``parts`` keeps each call's (token loss, balance loss) for the step's log."""
+    step's targets over its sequences, since gradients are divided by the targets later);
+    with a ``head``, its scale x its loss sum x ``head_weight`` (the step's targets over
+    the head's). ``parts`` keeps each call's (token loss, balance loss, the head's (loss sum,
+    accepted targets)) for the step's log."""
 
-    def __init__(self, loss_fn: LossFn, balance_fn: BalanceFn | None = None, coef: float = 0.0) -> None:
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        balance_fn: BalanceFn | None = None,
+        coef: float = 0.0,
+        head: StageHead | None = None,
+    ) -> None:
         self.loss_fn = loss_fn
         self.balance_fn = balance_fn
         self.coef = coef
+        self.head = head
         self.balance_weight = torch.ones(())
-        self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.head_weight = torch.ones(())
+        self.parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
-    def __call__(
-        self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor
-    ) -> torch.Tensor:
-        logits, routing = split_output(output)
+    def __call__(self, output: torch.Tensor | tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
+        head_logits = None
+        if self.head is not None:  # (logits, head logits) or (logits, routing, head logits)
+            assert isinstance(output, tuple)
+            *main, head_logits = output
+            output = main[0] if len(main) == 1 else tuple(main)
+            labels, head_targets = labels.unbind(-1)  # (B, S) each
+        logits, routing = split_output(output)  # type: ignore[arg-type]
         value = self.loss_fn(logits, labels)
         value = value.full_tensor() if isinstance(value, DTensor) else value
         balance = torch.zeros((), device=value.device)
         if routing is not None and self.balance_fn is not None:
             balance = self.balance_fn(routing)
-        self.parts.append((value.detach(), balance.detach()))
-        return value + self.coef * balance * self.balance_weight
+        trained = value + self.coef * balance * self.balance_weight
+        head = torch.zeros(2, device=value.device)
+        if self.head is not None:
+            head_sum, accepted = self.head.loss_fn(head_logits, head_targets)
+            trained = trained + self.head.scale * head_sum * self.head_weight
+            head = torch.stack([head_sum.detach(), accepted.to(head.dtype)])
+        self.parts.append((value.detach(), balance.detach(), head))
+        return trained
 
 
 @dataclass
@@ -288,25 +324,41 @@ def build_pipeline(
     stage_io: list[StageIO] | None = None,
     balance_fn: BalanceFn | None = None,
     balance_coef: float = 0.0,
+    head: StageHead | None = None,
 ) -> Pipeline:
     """The schedule that runs this rank's ``parts`` (stages ``stage_ids``) with ``loss_fn``
-    (and a mixture of experts' ``balance_fn`` weighted by ``balance_coef``).
+    (and a mixture of experts' ``balance_fn`` weighted by ``balance_coef``, and a second
+    output ``head``).
     ``stage_io``: example tensors per part, for process groups that cannot exchange shapes at
     the first step (the dry run's fake group); by default torch infers them."""
     examples = stage_io or [{}] * len(parts)
+    if head is not None:
+        for part, sid in zip(parts, stage_ids, strict=True):
+            if sid == total_stages - 1:
+                part.register_forward_hook(_flat_head_output)
     stages = [
         PipelineStage(part, sid, total_stages, device, group=pp_mesh.get_group(), **io)
         for part, sid, io in zip(parts, stage_ids, examples, strict=True)
     ]
     cls = get_schedule_class(schedule_name(cfg))
     n_micro = local_batch_size // cfg.pipeline_parallel_microbatch_size
-    loss = StageLoss(loss_fn, balance_fn, balance_coef)
+    loss = StageLoss(loss_fn, balance_fn, balance_coef, head)
     if issubclass(cls, PipelineScheduleSingle):
         schedule = cls(stages[0], n_microbatches=n_micro, loss_fn=loss, scale_grads=False)
     else:
         schedule = cls(stages, n_microbatches=n_micro, loss_fn=loss, scale_grads=False)
     splits = SCHEDULE_STYLES[schedule_name(cfg)].splits_backward
     return Pipeline(schedule, parts, stage_ids, total_stages, loss, n_micro, splits)
+
+
+def _flat_head_output(
+    module: nn.Module, args: tuple, output: tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]
+) -> tuple[torch.Tensor, ...]:
+    """The last stage's (the model's output, the second head's logits) as one flat tuple of
+    tensors, as torch's schedules take a stage's output: (logits, head logits) or, for a
+    mixture of experts, (logits, routing, head logits)."""
+    main, head_logits = output
+    return (*main, head_logits) if isinstance(main, tuple) else (main, head_logits)
 
 
 def _compiled_backward_context(pipeline: Pipeline) -> contextlib.AbstractContextManager:
@@ -325,15 +377,21 @@ def pipeline_forward_backward(
     micro_batch_context: MicroBatchContext,
     backward: bool = True,
     global_sequences: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    global_head_targets: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run every micro-step through the schedule, then divide the gradients by
     ``global_targets``; returns this rank's share of the step's token loss (the last stage's
-    losses over the global targets, zero elsewhere) and of its load-balancing loss (over the
-    ``global_sequences``). Without ``backward``, the schedule runs forward only (a held-out
-    loss)."""
+    losses over the global targets, zero elsewhere), of its load-balancing loss (over the
+    ``global_sequences``) and the second head's (summed loss, accepted targets) (zeros
+    without one; its targets, ``global_head_targets``, in the batches' labels (B, S, 2)).
+    Without ``backward``, the schedule runs forward only (a held-out loss)."""
     total = torch.zeros((), device=global_targets.device)
     balance = torch.zeros((), device=global_targets.device)
+    head = torch.zeros(2, device=global_targets.device)
     pipeline.loss.balance_weight = global_targets / global_sequences
+    if global_head_targets is not None:
+        pipeline.loss.head_weight = global_targets / global_head_targets.clamp(min=1)
+    flags = pipeline.loss.head.forward_flags if pipeline.loss.head is not None else {}
     for full_batch in batches:
         losses: list[torch.Tensor] = []
         pipeline.loss.parts.clear()
@@ -341,20 +399,21 @@ def pipeline_forward_backward(
             args = (batch.inputs,) if pipeline.has_first else ()
             target = batch.labels if pipeline.has_last else None
             extra = {"positions": positions, "documents": batch.documents}
-            kwargs = {name: value for name, value in extra.items() if value is not None}
+            kwargs = {name: value for name, value in extra.items() if value is not None} | flags
             # return_outputs=False: the last stage keeps no logits of finished micro-batches
             run = pipeline.schedule.step if backward else pipeline.schedule.eval
             with _compiled_backward_context(pipeline):
                 run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         # the micro-batches' own calls are the last ones (torch may first call the loss to
         # infer gradient shapes)
-        for value, aux in pipeline.loss.parts[-pipeline.n_micro :] if pipeline.has_last else []:
+        for value, aux, head_sums in pipeline.loss.parts[-pipeline.n_micro :] if pipeline.has_last else []:
             total += value
             balance += aux
+            head += head_sums
     balance = balance / global_sequences
     if not backward:
-        return total / global_targets, balance
+        return total / global_targets, balance, head
     grads = (p.grad for part in pipeline.parts for p in part.parameters() if p.grad is not None)
     for group in by_mesh(grads):
         torch._foreach_div_(group, global_targets)  # a device tensor: no host sync
-    return total / global_targets, balance
+    return total / global_targets, balance, head

@@ -1,0 +1,39 @@
+"""Qwen3.5's multi-token-prediction head under pipeline parallelism (issue 55).
+
+The head runs on the last stage beside ``lm_head`` (``split.BESIDE_HEAD``). It reads the
+embedding of each next token, which only the first stage holds: every stage before the last
+passes its hidden states and those embeddings on stacked as one (2B, S, H) tensor
+(``Qwen35.forward``), so the gradient of the head's input flows back to the embedding through
+the pipeline, and a detached head sends zeros back for it (exact, at one more B x S x H per
+hop each way).
+
+The last stage's loss adds the head's summed loss (``StageLoss``), weighted by the step's
+targets over the head's targets, since the schedule's gradients are divided by the step's
+targets afterwards: the head's share is then its loss over its own targets, as on one device.
+Its targets are computed from the whole micro-step before any split and ride in the
+schedule's target beside the labels (``with_head_targets``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from autopar.data.loader import Batch
+from autopar.parallel.pipelining.schedule import LossFn, StageHead
+from autopar.training.mtp_loss import MTPTraining, head_loss_sum, mtp_labels
+
+
+def stage_head(mtp: MTPTraining, loss_fn: LossFn) -> StageHead:
+    """The head as the pipeline's last stage runs it: the step's token loss on its logits,
+    weighted by ``mtp.scale``, switched on by the forward's ``mtp`` argument."""
+    return StageHead(functools.partial(head_loss_sum, loss_fn=loss_fn), mtp.scale, {"mtp": mtp.mode})
+
+
+def with_head_targets(batch: Batch) -> Batch:
+    """``batch`` whose labels are the last stage's target (B, S, 2): each token's label and
+    the head's (``mtp_labels``, which reads the packed documents the stage loss never sees)."""
+    target = torch.stack([batch.labels, mtp_labels(batch.labels, batch.documents)], dim=-1)
+    return dataclasses.replace(batch, labels=target)
