@@ -300,13 +300,21 @@ HEAVY_CASES = {
     "tp-moe": ((), MOE, "tp=2"),
     "ep-moe": ((), MOE, "dp_shard=2,ep=2"),
     "fsdp-tp": (CHAT, {"vocab_size": CHAT_VOCAB}, "dp_shard=2,tp=2"),
+    "pp-tp": ((), {"tie_word_embeddings": False}, "pp=2,tp=2"),
+    "zbv-detach": (
+        ("--mtp.detach", "true", "--training.local_batch_size", "4"),
+        {"tie_word_embeddings": False},
+        "pp=2,schedule=ZBVZeroBubble",
+    ),
 }
 """A mixture's head (its router in the load-balancing loss), replicated data parallelism, and
 the trunk's blocks compiled (the head runs eager); under tensor parallelism, tied with the head
 alone, with the sequence and the logits whole and LoRA, a mixture's head (its experts whole on
 each rank); a mixture's head under expert parallelism (its experts split as the trunk's), and
-FSDP over tensor parallelism (four ranks): the same machinery again, at more spawns' and the
-compiler's cost."""
+FSDP over tensor parallelism (four ranks); the head on the last pipeline stage under tensor
+parallelism (four ranks), and detached under a zero-bubble V schedule (the first and last
+stage on one rank, the backward split in two): the same machinery again, at more spawns' and
+the compiler's cost."""
 
 
 def data_parallel_runs(folder, cases: dict) -> dict:
