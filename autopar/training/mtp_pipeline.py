@@ -22,7 +22,7 @@ import functools
 import torch
 
 from autopar.data.loader import Batch
-from autopar.parallel.pipelining.schedule import LossFn, StageHead
+from autopar.parallel.pipelining.stage_loss import LossFn, StageHead
 from autopar.training.mtp_loss import MTPTraining, head_loss_sum, mtp_labels
 
 

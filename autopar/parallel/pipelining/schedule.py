@@ -24,24 +24,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-from torch.distributed.tensor import DTensor
 
 from autopar.config.errors import ConfigError
 from autopar.config.sections import Parallelism
 from autopar.data.loader import Batch
 from autopar.models.args import ModelArgs
-from autopar.models.qwen import split_output
 from autopar.parallel.pipelining.split import StageStyle, check_split, even_split, stage_ids
+from autopar.parallel.pipelining.stage_loss import BalanceFn, LossFn, StageHead, StageLoss, flat_head_output
 from autopar.parallel.torch_internals import keep_donated_buffers
 from autopar.parallel.world import by_mesh
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""(logits, labels) -> summed token loss."""
-BalanceFn = Callable[[torch.Tensor], torch.Tensor]
-"""A mixture of experts' routing statistics (B, 2, E) -> its load-balancing loss summed over
-the sequences."""
-HeadFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-"""A second output head's (logits, targets) -> (summed token loss, targets its argmax hits)."""
 MicroBatchContext = Callable[[Batch], contextlib.AbstractContextManager[tuple[Batch, "torch.Tensor | None"]]]
 """Full micro-batch -> context giving (this rank's part of it, its RoPE positions or None)."""
 
@@ -232,67 +224,6 @@ def check_pipeline(cfg: Parallelism, args: ModelArgs, local_batch_size: int) -> 
     check_schedule(cfg, len(stage_modules(cfg, args)), local_batch_size // mbs)
 
 
-@dataclass(frozen=True)
-class StageHead:
-    """A second output head on the last stage (Qwen3.5's multi-token prediction): the stages
-    run it when called with ``forward_flags``, the last one returns (the model's output, its
-    logits) (flattened for the schedule, ``_flat_head_output``), and the schedule's target
-    carries its targets beside the labels (B, S, 2)."""
-
-    loss_fn: HeadFn
-    scale: float
-    """Its loss's weight beside the main loss, each a mean over its own targets."""
-    forward_flags: dict[str, str]
-    """Keyword arguments of every stage's forward that turn the head on."""
-
-
-class StageLoss:
-    """What the last stage's schedule backpropagates per micro-batch: the token loss sum
-    (a DTensor from vocab-parallel loss made plain, as the schedule's backward expects) and,
-    for a mixture of experts, ``coef`` x its load-balancing loss x ``balance_weight`` (the
-    step's targets over its sequences, since gradients are divided by the targets later);
-    with a ``head``, its scale x its loss sum x ``head_weight`` (the step's targets over
-    the head's). ``parts`` keeps each call's (token loss, balance loss, the head's (loss sum,
-    accepted targets)) for the step's log."""
-
-    def __init__(
-        self,
-        loss_fn: LossFn,
-        balance_fn: BalanceFn | None = None,
-        coef: float = 0.0,
-        head: StageHead | None = None,
-    ) -> None:
-        self.loss_fn = loss_fn
-        self.balance_fn = balance_fn
-        self.coef = coef
-        self.head = head
-        self.balance_weight = torch.ones(())
-        self.head_weight = torch.ones(())
-        self.parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-    def __call__(self, output: torch.Tensor | tuple[torch.Tensor, ...], labels: torch.Tensor) -> torch.Tensor:
-        head_logits = None
-        if self.head is not None:  # (logits, head logits) or (logits, routing, head logits)
-            assert isinstance(output, tuple)
-            *main, head_logits = output
-            output = main[0] if len(main) == 1 else tuple(main)
-            labels, head_targets = labels.unbind(-1)  # (B, S) each
-        logits, routing = split_output(output)  # type: ignore[arg-type]
-        value = self.loss_fn(logits, labels)
-        value = value.full_tensor() if isinstance(value, DTensor) else value
-        balance = torch.zeros((), device=value.device)
-        if routing is not None and self.balance_fn is not None:
-            balance = self.balance_fn(routing)
-        trained = value + self.coef * balance * self.balance_weight
-        head = torch.zeros(2, device=value.device)
-        if self.head is not None:
-            head_sum, accepted = self.head.loss_fn(head_logits, head_targets)
-            trained = trained + self.head.scale * head_sum * self.head_weight
-            head = torch.stack([head_sum.detach(), accepted.to(head.dtype)])
-        self.parts.append((value.detach(), balance.detach(), head))
-        return trained
-
-
 @dataclass
 class Pipeline:
     schedule: object
@@ -335,7 +266,7 @@ def build_pipeline(
     if head is not None:
         for part, sid in zip(parts, stage_ids, strict=True):
             if sid == total_stages - 1:
-                part.register_forward_hook(_flat_head_output)
+                part.register_forward_hook(flat_head_output)
     stages = [
         PipelineStage(part, sid, total_stages, device, group=pp_mesh.get_group(), **io)
         for part, sid, io in zip(parts, stage_ids, examples, strict=True)
@@ -349,16 +280,6 @@ def build_pipeline(
         schedule = cls(stages, n_microbatches=n_micro, loss_fn=loss, scale_grads=False)
     splits = SCHEDULE_STYLES[schedule_name(cfg)].splits_backward
     return Pipeline(schedule, parts, stage_ids, total_stages, loss, n_micro, splits)
-
-
-def _flat_head_output(
-    module: nn.Module, args: tuple, output: tuple[torch.Tensor | tuple[torch.Tensor, ...], torch.Tensor]
-) -> tuple[torch.Tensor, ...]:
-    """The last stage's (the model's output, the second head's logits) as one flat tuple of
-    tensors, as torch's schedules take a stage's output: (logits, head logits) or, for a
-    mixture of experts, (logits, routing, head logits)."""
-    main, head_logits = output
-    return (*main, head_logits) if isinstance(main, tuple) else (main, head_logits)
 
 
 def _compiled_backward_context(pipeline: Pipeline) -> contextlib.AbstractContextManager:
