@@ -224,6 +224,10 @@ REFUSALS = [
         (*HEAD, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.context_parallel_degree", "2"),
         "parallelism.pipeline_parallel_degree=2 with context_parallel_degree=2 and mtp.enable=true",
     ),
+    (
+        (*HEAD, "--mtp.only", "true", "--parallelism.pipeline_parallel_degree", "2"),
+        "mtp.only=true with parallelism.pipeline_parallel_degree=2",
+    ),
     ((*HEAD, "--parallelism.context_parallel_degree", "2"), "parallelism.context_parallel_degree=2 with"),
     ((*HEAD, "--mtp.only", "true", "--lora.enable", "true"), "mtp.only=true with lora.enable=true"),
     (

@@ -25,6 +25,7 @@ from autopar.models.hf import head_layers
 from autopar.models.hf_config import HFCheckpointError
 from autopar.parallel.mesh import ParallelDims
 from autopar.training.mtp_loss import mtp_labels
+from autopar.training.mtp_pipeline import check_pipelined_head
 from autopar.training.train_context import all_reduce_sum
 
 METRICS = ("mtp_loss", "mtp_acceptance")
@@ -84,12 +85,7 @@ def check_mtp(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
             "--model.mtp_num_hidden_layers 1 for a fresh one, or use --mtp.enable false"
         )
     _check_initial_load(job, args)
-    if dims.pp > 1 and dims.cp > 1:
-        raise ConfigError(
-            f"parallelism.pipeline_parallel_degree={dims.pp} with context_parallel_degree={dims.cp} and "
-            "mtp.enable=true: not supported yet (the first stage embeds each rank's next tokens, which "
-            "cross the sequence chunks); use one of them, or --mtp.enable false"
-        )
+    check_pipelined_head(cfg, dims)
     for dim, field, why in UNSUPPORTED_PLANS:
         if getattr(dims, dim) > 1:
             raise ConfigError(

@@ -21,9 +21,29 @@ import functools
 
 import torch
 
+from autopar.config.errors import ConfigError
+from autopar.config.sections import MTP
 from autopar.data.loader import Batch
+from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.pipelining.stage_loss import LossFn, StageHead
 from autopar.training.mtp_loss import MTPTraining, head_loss_sum, mtp_labels
+
+
+def check_pipelined_head(cfg: MTP, dims: ParallelDims) -> None:
+    """What the head does not run with under a pipeline yet, in one line naming the fields."""
+    if dims.pp == 1:
+        return
+    if dims.cp > 1:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_degree={dims.pp} with context_parallel_degree={dims.cp} and "
+            "mtp.enable=true: not supported yet (the first stage embeds each rank's next tokens, which "
+            "cross the sequence chunks); use one of them, or --mtp.enable false"
+        )
+    if cfg.only:
+        raise ConfigError(
+            f"mtp.only=true with parallelism.pipeline_parallel_degree={dims.pp}: the stages before the "
+            "last would hold no trained weights; train the head alone with FSDP / TP (pipeline degree 1)"
+        )
 
 
 def stage_head(mtp: MTPTraining, loss_fn: LossFn) -> StageHead:
