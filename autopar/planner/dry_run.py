@@ -181,8 +181,9 @@ def _stage_io(job: JobConfig, meshes: Meshes, built: ModelParts) -> list[StageIO
     """Example tensors of each pipeline stage, which the fake process group cannot exchange:
     token ids into the first stage, hidden states between stages (sequence-sharded under CP
     and SP; in the compute dtype under every plan; stacked with the next tokens' embeddings
-    when Qwen3.5's head trains, whose logits the last stage also returns). Built from shapes, not by running
-    a stage: a forward before the first step would make FSDP re-register its parameters."""
+    when Qwen3.5's head trains, whose logits the last stage also returns). Built from shapes,
+    not by running a stage: a forward before the first step would make FSDP re-register its
+    parameters."""
     dims = meshes.dims
     micro = job.parallelism.pipeline_parallel_microbatch_size
     seq = job.training.seq_len // dims.cp
