@@ -120,6 +120,25 @@ def test_a_runs_dcp_checkpoint_gives_the_weights(tmp_path):
     assert records[0]["new_ids"] == generate(model.eval(), [tokenizer.encode("Hello")], 12, stop_ids=stops)[0]
 
 
+def test_a_dcp_checkpoint_of_another_model_is_one_line(tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    model = build_model(get_flavor("qwen3", "debug"))
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(tmp_path / "step-10"), no_dist=True)
+    deeper = ("--model.num_hidden_layers", str(model.args.num_hidden_layers + 1))
+    code, _ = run(
+        tmp_path,
+        [json.dumps({"prompt": "Hi"})],
+        "--checkpoint.initial_load_path",
+        str(tmp_path / "step-10"),
+        *deeper,
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert f"step-10 does not hold the job's model (layers.{model.args.num_hidden_layers}." in err
+    assert "is not in it" in err and "pass the --job.config of the run that saved it" in err
+
+
 HEADED = ("--model.name", "qwen3.5", "--model.flavor", "debug", "--model.mtp_num_hidden_layers", "1")
 """The debug Qwen3.5 with a fresh MTP head (its initial weights), whose vocabulary holds chatml's."""
 

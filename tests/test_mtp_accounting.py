@@ -95,7 +95,8 @@ def test_auto_plans_a_job_with_the_head_among_the_plans_it_runs_under():
     job = real_scale_job("qwen3.5", "2B", HYBRID_4, *HEAD, "--parallelism.auto=true")
     args = model_args(job)
     plans = search(job, args, 8, 8, PRESETS["h100"])
-    assert plans and all(p.dims.cp == 1 for p in plans)  # the head under CP is refused
+    assert plans and not any(p.dims.cp > 1 and p.dims.pp > 1 for p in plans)  # refused together
+    assert any(p.dims.cp > 1 for p in plans)  # the head runs under context parallelism
     chosen = derive_job(job, [o.removeprefix("--") for o in plans[0].overrides])
     assert check_plan(chosen, model_args(chosen), 8, "cuda") == plans[0].dims
     without = real_scale_job("qwen3.5", "2B", HYBRID_4)

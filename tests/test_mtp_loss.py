@@ -34,7 +34,7 @@ def test_acceptance_counts_the_argmax_hitting_the_token_two_ahead():
     labels = torch.tensor([[5, 6, 7, 8, IGN]])
     targets = [6, 7, 8, 1]
     logits = F.one_hot(torch.tensor([[6, 7, 3, 1, 2]]), 10).float()  # right, right, wrong, ignored x2
-    loss, accepted, counted = mtp_loss_sum(logits, labels)
+    loss, accepted, counted = mtp_loss_sum(logits, mtp_labels(labels))
     assert (accepted.item(), counted.item()) == (2, 3)
     assert loss.item() == F.cross_entropy(logits[0, :3], torch.tensor(targets[:3]), reduction="sum").item()
 
@@ -54,7 +54,7 @@ def losses(model, x, labels, documents, detach: bool) -> tuple[torch.Tensor, tor
     hidden, _ = model.trunk(x, documents=documents)
     main = F.cross_entropy(model.lm_head(hidden).flatten(0, 1), labels.flatten(), ignore_index=IGN)
     logits, _ = model.mtp_logits_from(hidden, x, documents, detach=detach)
-    head, _, counted = mtp_loss_sum(logits, labels, documents)
+    head, _, counted = mtp_loss_sum(logits, mtp_labels(labels, documents))
     return main, head / counted
 
 

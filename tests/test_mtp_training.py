@@ -228,7 +228,6 @@ REFUSALS = [
         (*HEAD, "--mtp.only", "true", "--parallelism.pipeline_parallel_degree", "2"),
         "mtp.only=true with parallelism.pipeline_parallel_degree=2",
     ),
-    ((*HEAD, "--parallelism.context_parallel_degree", "2"), "parallelism.context_parallel_degree=2 with"),
     ((*HEAD, "--mtp.only", "true", "--lora.enable", "true"), "mtp.only=true with lora.enable=true"),
     (
         (*HEAD, "--mtp.detach", "true", "--lora.enable", "true", "--lora.target_modules", "q_proj,lm_head"),

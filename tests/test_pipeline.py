@@ -11,7 +11,7 @@ from autopar.cli.parity import Case, relative_deltas, run_cases, run_plans
 from autopar.cli.spawn import run_on_ranks
 from autopar.config import ConfigError
 from autopar.models import Qwen, build_model, get_flavor
-from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, rank_actions
+from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, rank_actions, rank_stage_gathers
 from autopar.parallel.pipelining.split import check_split, even_split, prune, stage_ids
 from autopar.planner import search
 from autopar.training.preflight import check_job
@@ -220,6 +220,10 @@ PLANS = {
     "5 layers / 2 stages": ("pp=2", 5),
     "7 layers / 4 stages": ("pp=4", 7),
     "7 layers / 4 interleaved stages": ("pp=2,schedule=Interleaved1F1B", 7),
+    "6 layers / 4 stages per rank": (  # the planner's deeper interleaving (search.STAGES_PER_RANK)
+        "pp=2,schedule=Interleaved1F1B,parallelism.pipeline_parallel_layers_per_stage=1",
+        6,
+    ),
     "PP2 x FSDP2": ("pp=2,dp_shard=2", 4),
     "PP2 x TP2": ("pp=2,tp=2", 4),
     # (PP x FSDP x TP runs in test_plan_combinations.py, in its one eight-rank group)
@@ -328,6 +332,13 @@ def test_checkpoint_saved_under_pp2_resumes_without_pipelining(tmp_path):
     uninterrupted, resumed = runs["pp2"], runs["pp2->fsdp2"]
     assert len(resumed.losses) == 3
     assert max(relative_deltas(resumed.losses, uninterrupted.losses[3:])) <= 1e-5
+
+
+def test_a_schedule_gathers_each_fsdp_stage_once_unless_it_holds_more_than_torch_keeps_gathered():
+    assert rank_stage_gathers("1F1B", 4, 4, 16, 0) == 1
+    assert rank_stage_gathers("Interleaved1F1B", 4, 8, 16, 0) == 2  # two stages, each once
+    assert rank_stage_gathers("ZBVZeroBubble", 4, 8, 16, 1) == 2
+    assert rank_stage_gathers("Interleaved1F1B", 4, 32, 16, 0) > 8  # eight stages, some again
 
 
 def test_rank_actions_follow_torchs_schedule_order():

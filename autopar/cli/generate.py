@@ -4,7 +4,8 @@ PROMPTS.jsonl [--section.field VALUE ...]`` (also ``autopar-generate``), or talk
 
 The model, tokenizer and weights come from where training takes them: an HF folder
 (``checkpoint.initial_load_path`` with ``checkpoint.initial_load_in_hf``), a run's DCP
-checkpoint (``checkpoint.initial_load_path``), else the flavor's initial weights. One process,
+checkpoint (``checkpoint.initial_load_path``), else the flavor's initial weights; a LoRA
+run's adapters over them with ``generate.adapters``. One process,
 fp32 on CPU or the first GPU. Writes one JSONL record per prompt: prompt_ids, new_ids, text.
 """
 
@@ -16,9 +17,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 
 from autopar.cli.chat import chat
+from autopar.cli.generate_adapters import merge_adapters, read_adapters
 from autopar.config import ConfigError, JobConfig, help_text
 from autopar.data import DataError
 from autopar.data.chat_template import template_text
@@ -31,6 +34,7 @@ from autopar.models.generation.speculative import Acceptance, speculative_genera
 from autopar.models.hf_config import HFCheckpointError
 from autopar.models.qwen import Qwen
 from autopar.parallel.mesh import tp_split_sizes
+from autopar.parallel.replicated_experts import split_experts
 from autopar.parallel.tensor_parallel import apply_tp
 from autopar.parallel.world import World, init_world
 from autopar.training.dcp_state import read_model_tensors
@@ -57,22 +61,27 @@ def check_speculation(job: JobConfig) -> None:
 
 
 def check_parallelism(job: JobConfig, world: World) -> None:
-    """Generation splits the model by tensor parallelism only, over every process: one line
-    for another plan, or for a setting that runs on one process only."""
-    degree = job.parallelism.tensor_parallel_degree
-    if degree != world.size:
+    """Generation splits the model over every process by tensor parallelism, expert
+    parallelism or both (each over all the processes): one line for another plan, or for a
+    setting that runs on one process only."""
+    degrees = {
+        "tensor_parallel_degree": job.parallelism.tensor_parallel_degree,
+        "expert_parallel_degree": job.parallelism.expert_parallel_degree,
+    }
+    for field, degree in degrees.items():
+        if degree not in (1, world.size):
+            raise ConfigError(
+                f"parallelism.{field}={degree} with {world.size} process(es): generation splits the model "
+                f"over every process or none; set it to {world.size} or 1"
+            )
+    if world.size > 1 and set(degrees.values()) == {1}:
         raise ConfigError(
-            f"parallelism.tensor_parallel_degree={degree} with {world.size} process(es): generation splits "
-            f"the model by tensor parallelism over every process; set it to {world.size}"
+            f"{world.size} processes with parallelism.tensor_parallel_degree=1 and expert_parallel_degree=1: "
+            f"generation splits the model over every process; set --parallelism.tensor_parallel_degree "
+            f"{world.size} (or expert_parallel_degree {world.size} for a mixture of experts)"
         )
-    if degree > 1 and job.generate.compile:
-        raise ConfigError(
-            "generate.compile runs on one process; use --generate.compile false under tensor parallel"
-        )
-    if degree > 1 and job.generate.speculative != "off":
-        raise ConfigError(
-            "generate.speculative=mtp runs on one process; use --generate.speculative off under tensor parallel"
-        )
+    if world.size > 1 and job.generate.compile:
+        raise ConfigError("generate.compile runs on one process; use --generate.compile false under torchrun")
 
 
 def check_chat(job: JobConfig, world: World) -> None:
@@ -91,25 +100,51 @@ def check_chat(job: JobConfig, world: World) -> None:
         )
 
 
-def tensor_parallel(model: Qwen, world: World) -> None:
-    """Shard ``model`` over all ranks with training's tensor-parallel plan (no sequence or
-    loss parallel: every rank gets whole logits, so all choose the same tokens). Each
-    attention and Gated DeltaNet layer then runs on its rank's heads, and the decoder's
-    caches, built from what the kernels see, hold those heads only."""
+def split_model(model: Qwen, world: World, tensor_parallel: bool, expert_parallel: bool) -> None:
+    """Split ``model`` over all ranks, which all decode the same prompts. ``tensor_parallel``:
+    training's tensor-parallel plan without sequence or loss parallel (every rank gets whole
+    logits, so all choose the same tokens); each attention and Gated DeltaNet layer then runs
+    on its rank's heads, and the decoder's caches, built from what the kernels see, hold those
+    heads only; an MTP head is split by the head's plan and drafts from whole logits too.
+    ``expert_parallel``: each rank holds its share of every mixture's experts
+    (``parallel/replicated_experts.py``)."""
     if world.size == 1:
         return
-    for field, size in tp_split_sizes(model.args).items():
+    args = model.args
+    sizes = tp_split_sizes(args) if tensor_parallel else {}
+    if expert_parallel and not args.moe:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree={world.size} splits a mixture's experts, and this model "
+            f"({args.family}) is dense; use --parallelism.tensor_parallel_degree {world.size} alone"
+        )
+    if expert_parallel:
+        sizes["num_experts"] = args.num_experts
+    for field, size in sizes.items():
         if size % world.size:
+            plan = "expert" if field == "num_experts" else "tensor"
             raise ConfigError(
-                f"parallelism.tensor_parallel_degree={world.size} does not divide the model's {field}={size}"
+                f"parallelism.{plan}_parallel_degree={world.size} does not divide the model's {field}={size}"
             )
-    mesh = init_device_mesh(world.device.type, (world.size,), mesh_dim_names=("tp",))
-    apply_tp(model, mesh, model.args, sequence_parallel=False, loss_parallel=False)
+    mesh = init_device_mesh(world.device.type, (world.size,), mesh_dim_names=("ranks",))
+    if tensor_parallel:
+        apply_tp(model, mesh, args, sequence_parallel=False, loss_parallel=False)
+    if expert_parallel:
+        split_experts(model, mesh, args)
 
 
 def load_model(job: JobConfig, device: torch.device) -> Qwen:
     """The job's model in fp32 with the weights its checkpoint settings name (with its MTP
-    head under ``generate.speculative=mtp``)."""
+    head under ``generate.speculative=mtp``), and ``generate.adapters`` merged into them."""
+    path = job.generate.adapters
+    adapters = None if path is None else read_adapters(path, job)  # a bad path: before the model
+    model = load_base(job, device)
+    if adapters is not None:
+        merge_adapters(model, *adapters, path, job)
+    return model
+
+
+def load_base(job: JobConfig, device: torch.device) -> Qwen:
+    """The model of the checkpoint settings, before any adapters."""
     checkpoint = job.checkpoint
     head = job.generate.speculative == "mtp"
     if checkpoint.initial_load_path is not None and checkpoint.initial_load_in_hf:
@@ -129,8 +164,32 @@ def load_model(job: JobConfig, device: torch.device) -> Qwen:
         model.init_weights(seed=job.debug.seed)
     else:
         shapes = {n: p.shape for n, p in model.named_parameters()}
+        check_saved_model(checkpoint.initial_load_path, shapes)
         model.load_state_dict(read_model_tensors(checkpoint.initial_load_path, shapes), strict=False)
     return model.eval()
+
+
+def check_saved_model(path: str, shapes: dict[str, torch.Size]) -> None:
+    """One line for a DCP folder without the job's weights: a LoRA run's (its adapters only),
+    or another model's."""
+    saved = {
+        k.removeprefix("model."): torch.Size(v.size)
+        for k, v in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
+        if k.startswith("model.")
+    }
+    wrong = [n for n, shape in shapes.items() if saved.get(n) != shape]
+    if not wrong:
+        return
+    if any(".lora_" in n for n in saved):
+        raise ConfigError(
+            f"checkpoint.initial_load_path={path} is a LoRA run's checkpoint, which holds its adapters "
+            "only; load the run's base there and give this folder as --generate.adapters"
+        )
+    found = "not in it" if wrong[0] not in saved else f"{list(saved[wrong[0]])} there"
+    raise ConfigError(
+        f"checkpoint.initial_load_path={path} does not hold the job's model ({wrong[0]} is {found}, "
+        f"{list(shapes[wrong[0]])} in the model); pass the --job.config of the run that saved it"
+    )
 
 
 def summary(stats: list[Acceptance], draft_tokens: int) -> str:
@@ -168,7 +227,8 @@ def run(job: JobConfig) -> tuple[Path | None, str | None]:
     except ValueError as err:
         raise DataError(f"{settings.prompts}: {err}") from None
     check_vocabulary(prompts, model.args.vocab_size, settings.prompts)
-    tensor_parallel(model, world)
+    parallelism = job.parallelism
+    split_model(model, world, parallelism.tensor_parallel_degree > 1, parallelism.expert_parallel_degree > 1)
     stops = stop_ids(tokenizer)
     sampling = (settings.temperature, settings.top_p, settings.top_k, settings.seed, stops)
     stats: list[Acceptance] | None = None

@@ -98,20 +98,19 @@ def split_options(argv: list[str]) -> tuple[dict[str, object], list[str]]:
 
 def table(plans: list[Plan]) -> str:
     experts = any(p.dims.ep > 1 for p in plans)  # a column for expert parallelism when it is used
-    # with a measured profile: elementwise work at the measured memory bandwidth, op dispatch
-    measured = any(p.time and (p.time.memory_bound or p.time.overhead) for p in plans)
-    parts = ("compute", "exposed_comm", "bubble", "recompute", "host_optimizer")
-    parts += ("memory_bound", "overhead") if measured else ()
+    parts = ("compute", "exposed_comm", "bubble", "recompute", "host_optimizer", "memory_bound", "overhead")
     head = (
         "| # | dp_rep | dp_shard | tp | cp | pp |"
         + (" ep |" if experts else "")
-        + " schedule/mbs | AC | reshard | local batch | peak GiB (largest parts) | tokens/s/GPU | MFU | compute/comm/bubble/recompute/host optimizer"
-        + ("/memory/op overhead |" if measured else " |")
+        + " schedule/mbs | AC | reshard | local batch | peak GiB (largest parts) | tokens/s/GPU | MFU |"
+        + " compute/comm/bubble/recompute/host optimizer/memory/op overhead |"
     )
     rows = [head, "|" + "---|" * (14 + experts)]
     for i, p in enumerate(plans, 1):
         d, s = p.dims, p.settings
         pipe = f"{s.schedule}/{s.microbatch}" if d.pp > 1 else "-"
+        if d.pp > 1 and s.layers_per_stage is not None:
+            pipe += f" ({s.layers_per_stage} layers/stage)"
         largest = sorted(p.memory.gib().items(), key=lambda kv: -kv[1])[:2]
         biggest = ", ".join(f"{k} {v:.1f}" for k, v in largest)
         split = p.time.split() if p.time else {}

@@ -166,7 +166,7 @@ class Parallelism:
     expert_parallel_degree: int = 1
     """Ranks the experts of a mixture-of-experts model are split over (tokens reach their
     experts by all-to-all); borrowed from data_parallel_shard_degree x context_parallel_degree,
-    so it does not add to the world size."""
+    so it does not add to the world size. In autopar.generate: every process, or 1."""
     pipeline_parallel_schedule: str = "1F1B"
     """torch schedule: GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV."""
     pipeline_parallel_microbatch_size: int = 1
@@ -440,6 +440,10 @@ class Generate:
     records each prompt's acceptance. Needs a model with the head (an HF folder with mtp.*)."""
     draft_tokens: int = 2
     """With speculative=mtp: tokens the head drafts per verification forward (at least 1)."""
+    adapters: str | None = None
+    """A LoRA run's adapters, merged into the base the checkpoint settings load (the run's
+    [lora] job: its HF or DCP base, else the flavor's initial weights): its checkpoint step
+    folder (rank and alpha from the job's [lora] section) or its exported peft adapter folder."""
     chat: bool = False
     """An interactive conversation in the terminal instead of a prompts file: each line you
     type is a user turn, rendered with the chat template and the turns before it, and the

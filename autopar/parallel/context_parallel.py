@@ -140,15 +140,26 @@ class ContextParallel:
 
     @contextlib.contextmanager
     def __call__(self, batch: Batch) -> Iterator[tuple[Batch, torch.Tensor]]:
-        """Yields (this rank's batch slice, its RoPE positions (B, S_local)). With packed
-        documents the slice keeps its tokens' document ids (for the layers that pass state
-        between ranks, ``state_passing.py``); attention is masked by document over the whole
-        sequence here, and the positions restart per document."""
+        """Yields (this rank's batch slice, its RoPE positions (B, S_local)) (``split``)."""
+        with self.split(batch) as (local, positions, _):
+            yield local, positions
+
+    @contextlib.contextmanager
+    def split(
+        self, batch: Batch, per_position: tuple[torch.Tensor | None, ...] = ()
+    ) -> Iterator[tuple[Batch, torch.Tensor, tuple[torch.Tensor | None, ...]]]:
+        """Yields (this rank's batch slice, its RoPE positions (B, S_local), its slices of
+        ``per_position``). With packed documents the slice keeps its tokens' document ids
+        (for the layers that pass state between ranks, ``state_passing.py``); attention is
+        masked by document over the whole sequence here, and the positions restart per
+        document. ``per_position``: more (B, S) tensors built on the whole sequences (None
+        stays None), split as the tokens are: what a position reads of the tokens after it
+        (the multi-token-prediction head's), which this rank's slice alone cannot tell."""
         bsz, seqlen = batch.inputs.shape
         positions = torch.arange(seqlen, device=batch.inputs.device).expand(bsz, seqlen).contiguous()
         if self.impl == "ring":
             assert batch.documents is None, "check_cp refuses document masking with ring attention"
-            with self._ring(batch, positions) as sharded:
+            with self._ring(batch, positions, per_position) as sharded:
                 yield sharded
             return
         rank, size = self.mesh.get_local_rank(), self.mesh.size()
@@ -159,20 +170,29 @@ class ContextParallel:
         )
         documents = batch.documents
         q_documents = None if documents is None else shard_sequence(documents, rank, size, self.head_tail)
+        local = tuple(
+            None if t is None else shard_sequence(t, rank, size, self.head_tail) for t in per_position
+        )
         with AllGatherKVAttention(self.mesh, pos[0], documents, q_documents):
-            yield Batch(inputs, labels, q_documents), rope
+            yield Batch(inputs, labels, q_documents), rope, local
 
     @contextlib.contextmanager
-    def _ring(self, batch: Batch, positions: torch.Tensor) -> Iterator[tuple[Batch, torch.Tensor]]:
+    def _ring(
+        self, batch: Batch, positions: torch.Tensor, per_position: tuple[torch.Tensor | None, ...]
+    ) -> Iterator[tuple[Batch, torch.Tensor, tuple[torch.Tensor | None, ...]]]:
         from torch.distributed.tensor.experimental import context_parallel
 
         # torch shards these in place, so they must be fresh contiguous tensors
         inputs, labels = batch.inputs.clone(), batch.labels.clone()
-        buffers = [inputs, labels, positions]
+        local = tuple(None if t is None else t.clone() for t in per_position)
+        buffers = [inputs, labels, positions, *(t for t in local if t is not None)]
         with (
             ring_attention_options(self.rotate_method, self.head_tail),
             context_parallel(
-                self.mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)
+                self.mesh,
+                buffers=buffers,
+                buffer_seq_dims=[1] * len(buffers),
+                no_restore_buffers=set(buffers),
             ),
         ):
-            yield Batch(inputs, labels), positions
+            yield Batch(inputs, labels), positions, local

@@ -1,10 +1,13 @@
-"""The time model's terms that only a measured device profile (``python -m autopar.probe``)
-prices: the dtype the GEMMs run in, the elementwise work at the measured memory bandwidth and
-each op's dispatch overhead. With a preset these are 0: the MFU measured on an H100 holds them.
+"""The time model's terms beside the GEMMs: the dtype they run in, the elementwise work and the
+optimizer's traffic at the memory bandwidth, and each op's dispatch overhead. A measured
+profile (``python -m autopar.probe``) gives the bandwidth and an op's seconds; a GPU preset
+takes its datasheet bandwidth and ``PRESET_OP_SECONDS``, fit with ``time.GEMM_EFFICIENCY`` to
+the H100 sitting's runs (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -17,13 +20,20 @@ from autopar.planner.memory import meta_model
 from autopar.planner.probe import count_ops, forward_backward
 
 MEMORY_PASSES = {"compiled": 2, "eager": 4}
-"""With a measured profile: how many times the bytes a block saves for backward cross memory
+"""How many times the bytes a block saves for backward cross memory
 in its elementwise work (norms, activations, residuals, softmax): written and read in forward
 and backward when eager, about half that when compiled fuses them. An assumption; the GEMMs'
 own traffic is inside their measured rate."""
-COMPILED_OP_SHARE = 0.25
-"""With a measured profile: the share of eager's op dispatches a compiled graph still makes
-(fused kernels, no Python per op). An assumption; eager is what the probe measures."""
+COMPILED_OP_SHARE = 0.10
+"""The share of eager's op dispatches a compiled graph still makes (fused kernels, no Python
+per op): fit with ``PRESET_OP_SECONDS`` and ``time.GEMM_EFFICIENCY`` to the H100 sitting's
+three compiled and two eager runs (each then within 2.6%); eager is what the probe measures."""
+PRESET_OP_SECONDS = 14.3e-6
+"""Seconds an eager aten op costs beside its kernel on a GPU without a profile: the same fit
+(an H100 host, torch 2.11)."""
+OPTIMIZER_BYTES_PER_PARAM = 36
+"""AdamW's float32 traffic per trained parameter a step: the parameter, its gradient and two
+moments read, three written, the gradient read again for the norm and zeroed."""
 
 
 def compute_dtype(job: JobConfig, device: DeviceSpec) -> str:
@@ -38,31 +48,36 @@ def compute_dtype(job: JobConfig, device: DeviceSpec) -> str:
 
 @functools.lru_cache(maxsize=16)
 def ops_per_micro_batch(args: ModelArgs) -> int:
-    """Aten ops of one forward and backward of the whole model (counted on meta tensors; the
-    count does not depend on the batch)."""
-    return count_ops(forward_backward(meta_model(args), torch.device("meta")))
+    """Aten ops of one forward and backward of the whole model (counted on meta tensors in
+    bf16, as mixed precision computes, which experts' grouped GEMMs require; the count does
+    not depend on the batch)."""
+    model = copy.deepcopy(meta_model(args)).to(torch.bfloat16)  # the cached model stays fp32
+    return count_ops(forward_backward(model, torch.device("meta")))
 
 
 def overhead_seconds(args: ModelArgs, job: JobConfig, device: DeviceSpec, block_passes: float) -> float:
-    """With a measured profile: this rank's ops per step (``block_passes``: its stage's blocks
-    times its micro-batches, each a forward and backward) at the measured seconds per op,
-    ``COMPILED_OP_SHARE`` of them when compiled; 0 with a preset, whose MFU already holds it."""
+    """This rank's ops per step (``block_passes``: its stage's blocks times its micro-batches,
+    each a forward and backward) at the measured seconds per op (``PRESET_OP_SECONDS`` for a
+    preset), ``COMPILED_OP_SHARE`` of them when compiled."""
     profile = device.profile
-    if profile is None or profile.op_overhead_s is None:
+    seconds = PRESET_OP_SECONDS if profile is None else profile.op_overhead_s
+    if seconds is None:
         return 0.0
     ops = ops_per_micro_batch(args) * block_passes / args.num_hidden_layers
-    return ops * profile.op_overhead_s * (COMPILED_OP_SHARE if job.compile.enable else 1.0)
+    return ops * seconds * (COMPILED_OP_SHARE if job.compile.enable else 1.0)
 
 
 def memory_bound_seconds(
     args: ModelArgs, job: JobConfig, device: DeviceSpec, z: Sizes, block_passes: float
 ) -> float:
-    """With a measured profile: the elementwise work beside the GEMMs, ``MEMORY_PASSES`` over
-    the bytes each block saves for backward (``z``: one micro-batch's sizes; ``block_passes``
-    as in ``overhead_seconds``) at the measured memory bandwidth; 0 with a preset, whose MFU
-    already holds it."""
-    if device.profile is None:
-        return 0.0
+    """The elementwise work beside the GEMMs: ``MEMORY_PASSES`` over the bytes each block saves
+    for backward (``z``: one micro-batch's sizes; ``block_passes`` as in ``overhead_seconds``)
+    at the device's memory bandwidth (measured, or the preset's datasheet figure)."""
     saved = sum(block_bytes_no_ac(z, args.layer_kind(i), args.qk_norm) for i in range(args.num_hidden_layers))
     passes = MEMORY_PASSES["compiled" if job.compile.enable else "eager"]
     return passes * saved * block_passes / args.num_hidden_layers / device.hbm_bytes_per_s
+
+
+def optimizer_seconds(device: DeviceSpec, params: float) -> float:
+    """AdamW's step over the ``params`` a rank trains, at the memory bandwidth."""
+    return OPTIMIZER_BYTES_PER_PARAM * params / device.hbm_bytes_per_s

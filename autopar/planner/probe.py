@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.models.args import ModelArgs
+from autopar.models.qwen import split_output
 from autopar.parallel.torch_internals import TorchDispatchMode
 from autopar.planner.profile import (
     AttentionPoint,
@@ -126,11 +127,13 @@ class _OpCounter(TorchDispatchMode):
 
 
 def forward_backward(model: torch.nn.Module, device: torch.device, tokens: int = 8) -> Callable[[], None]:
-    """One forward and backward of ``model`` over one sequence of ``tokens`` tokens."""
+    """One forward and backward of ``model`` over one sequence of ``tokens`` tokens (a mixture
+    of experts' logits, without its routing statistics)."""
     ids = torch.zeros(1, tokens, dtype=torch.long, device=device)
 
     def run() -> None:
-        model(ids).float().sum().backward()
+        logits, _ = split_output(model(ids))
+        logits.float().sum().backward()
         for p in model.parameters():
             p.grad = None
 

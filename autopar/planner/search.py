@@ -36,6 +36,8 @@ SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
 AC_MODES = (("none", "op"), ("selective", "op"), ("selective", "2"), ("full", "op"))
 LOCAL_BATCHES = (1, 2, 4, 8, 16)
 MICRO_BATCHES = (1, 2)
+STAGES_PER_RANK = (4, 8)
+"""Stages per rank an interleaved schedule is also searched with, beyond its default 2."""
 RUNTIME_GIB = 0.5
 """CUDA context and library workspaces outside torch's allocator (not yet measured here)."""
 NCCL_GIB_PER_GROUP = 0.25
@@ -66,7 +68,7 @@ class Plan:
         s = self.settings
         unused = set()
         if self.dims.pp == 1:
-            unused |= {"schedule", "microbatch"}
+            unused |= {"schedule", "microbatch", "layers_per_stage"}
         if s.ac_mode != "selective":
             unused.add("ac_option")
         return [f"--{key}={value}" for key, value in s.config(leave_out=unused).items()]
@@ -83,6 +85,7 @@ class Plan:
             + (d.ep > 1)
             + (self.settings.ac_mode != "none")
             + (self.settings.reshard != "default")
+            + (self.settings.layers_per_stage is not None)
         )
 
     def describe(self) -> str:
@@ -92,6 +95,8 @@ class Plan:
             text += f" ep={d.ep}"
         if d.pp > 1:
             text += f" {s.schedule} mbs={s.microbatch}"
+            if s.layers_per_stage is not None:
+                text += f" layers_per_stage={s.layers_per_stage}"
         text += f" ac={s.ac} local_batch={s.local_batch}"
         return text if s.reshard == "default" else f"{text} reshard={s.reshard}"
 
@@ -165,6 +170,8 @@ class _Space:
 
     own: PlanSettings
     pins: set[str]  # PlanSettings field names
+    first_less: int = 1  # the job's pipeline_parallel_first_stage_less_layers
+    last_less: int = 1  # and last_stage_less_layers
 
     def options(self, name: str, values: list) -> list:
         """``values``, or the job's own value of a pinned setting."""
@@ -176,7 +183,13 @@ def candidates(
 ) -> Iterator[PlanSettings]:
     """Settings of every plan to try (validity not yet checked); the settings whose
     ``section.field`` is in ``pinned`` keep the job's value."""
-    space = _Space(PlanSettings.of(job), setting_names(pinned))
+    cfg = job.parallelism
+    space = _Space(
+        PlanSettings.of(job),
+        setting_names(pinned),
+        cfg.pipeline_parallel_first_stage_less_layers,
+        cfg.pipeline_parallel_last_stage_less_layers,
+    )
     global_batch = job.training.global_batch_size
     for tp in space.options("tp", [d for d in _divisors(world_size) if d <= gpus_per_node]):
         rest = world_size // tp if world_size % tp == 0 else 0
@@ -204,8 +217,9 @@ def _data_parallel(
     replicates = _replicate_degrees(space, dp, tp * cp, gpus_per_node)
     locals_ = _local_batches(space, dp, global_batch)
     reshards = space.options("reshard", reshard_options(pp))
-    for replicate, local, (schedule, micro), (mode, option), reshard in itertools.product(
-        sorted(replicates), locals_, _pipeline_choices(space, pp), _ac_choices(space), reshards
+    pipelines = _pipeline_choices(space, args, pp)
+    for replicate, local, (schedule, micro, per_stage), (mode, option), reshard in itertools.product(
+        sorted(replicates), locals_, pipelines, _ac_choices(space), reshards
     ):
         if pp > 1 and local % micro:
             continue
@@ -221,6 +235,7 @@ def _data_parallel(
                 ep=ep,
                 schedule=schedule,
                 microbatch=micro,
+                layers_per_stage=per_stage,
                 reshard=reshard,
                 ac_mode=mode,
                 ac_option=option,
@@ -248,13 +263,35 @@ def _local_batches(space: _Space, dp: int, global_batch: int) -> list[int]:
     return space.options("local_batch", fill)
 
 
-def _pipeline_choices(space: _Space, pp: int) -> list[tuple[str, int]]:
-    """(schedule, micro-batch size) pairs: every searched one under pipelining, else the job's."""
+def _pipeline_choices(space: _Space, args: ModelArgs, pp: int) -> list[tuple[str, int, int | None]]:
+    """(schedule, micro-batch size, layers per stage): every searched one under pipelining,
+    else the job's. A schedule that runs any number of stages per rank is also tried with
+    ``STAGES_PER_RANK`` of them (a smaller bubble for more sends and in-flight activations)."""
+    own = (space.own.schedule, space.own.microbatch, space.own.layers_per_stage)
     if pp == 1:
-        return [(space.own.schedule, space.own.microbatch)]
-    return list(
-        itertools.product(space.options("schedule", SCHEDULES), space.options("microbatch", MICRO_BATCHES))
-    )
+        return [own]
+    choices = []
+    for schedule, micro in itertools.product(
+        space.options("schedule", SCHEDULES), space.options("microbatch", MICRO_BATCHES)
+    ):
+        splits = [None]
+        if SCHEDULE_STYLES[schedule].stages_per_rank is None:
+            splits += [n for n in _layers_per_stage(space, args, pp) if n is not None]
+        for per_stage in space.options("layers_per_stage", splits):
+            choices.append((schedule, micro, per_stage))
+    return choices
+
+
+def _layers_per_stage(space: _Space, args: ModelArgs, pp: int) -> list[int]:
+    """Layers per stage that give ``pp`` ranks each ``STAGES_PER_RANK`` stages exactly, the
+    embedding and head counted as the job's first- and last-stage layers."""
+    units = args.num_hidden_layers + space.first_less + space.last_less
+    found = []
+    for per_rank in STAGES_PER_RANK:
+        per_stage = -(-units // (pp * per_rank))
+        if per_stage >= 1 and -(-units // per_stage) == pp * per_rank:
+            found.append(per_stage)
+    return found
 
 
 def _ac_choices(space: _Space) -> list[tuple[str, str]]:

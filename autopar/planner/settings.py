@@ -21,6 +21,7 @@ CONFIG_FIELDS = {
     "ep": "parallelism.expert_parallel_degree",
     "schedule": "parallelism.pipeline_parallel_schedule",
     "microbatch": "parallelism.pipeline_parallel_microbatch_size",
+    "layers_per_stage": "parallelism.pipeline_parallel_layers_per_stage",
     "reshard": "parallelism.fsdp_reshard_after_forward",
     "ac_mode": "activation_checkpoint.mode",
     "ac_option": "activation_checkpoint.selective_ac_option",
@@ -45,6 +46,8 @@ class PlanSettings:
     ep: int | None
     schedule: str
     microbatch: int
+    layers_per_stage: int | None
+    """Layers in each pipeline stage; None: the schedule's own count of stages per rank."""
     reshard: str
     ac_mode: str
     ac_option: str
@@ -60,7 +63,7 @@ class PlanSettings:
         changes: dict[str, dict[str, object]] = {}
         for name, path in CONFIG_FIELDS.items():
             value = getattr(self, name)
-            if value is not None:
+            if value is not None or name == "layers_per_stage":  # None there is a choice too
                 section, field = path.split(".")
                 changes.setdefault(section, {})[field] = value
         return dataclasses.replace(

@@ -1,20 +1,26 @@
 """Predicted time of one optimizer step of a plan: compute, recompute, exposed communication
 and pipeline bubble.
 
-Compute is the step's model FLOPs (``metrics.flops_per_token``, the same count MFU uses) at a
-fraction of the device's peak measured on a real run: ``COMPUTE_EFFICIENCY`` is the MFU of
-``python -m autopar.bench`` on one H100 (BENCHMARKS.md, Qwen3-1.7B, seq 4096, batch 2):
-47.9% compiled, 29.4% eager; ``FP8_SPEEDUP`` the compiled FP8 / compiled bf16 tokens/s there.
+Compute is the step's model FLOPs (``metrics.flops_per_token``, the same count MFU uses) at the
+GEMM rate: measured at the plan's shapes with a device profile, else ``GEMM_EFFICIENCY`` of the
+preset's peak. Beside it run the memory-bound work (the blocks' elementwise passes and AdamW's
+traffic, ``planner/measured.py``) and each op's dispatch. The preset's three figures (GEMM
+efficiency, seconds per op, the share of ops a compiled graph keeps) are one least-squares fit
+to the five runs of the H100 sittings (BENCHMARKS.md: Qwen3-0.6B and 1.7B, eager and compiled,
+batch 2 and 4), each then within 2.6%; large models, whose step is almost all GEMM, run near
+``GEMM_EFFICIENCY``, small ones lose more to the rest, as measured.
 Communication is each collective's bytes per rank over the link its mesh dimension uses
 (NVLink when the group fits in a node, the network otherwise) at ``COMM_EFFICIENCY`` of the
 link. That figure is an assumption until a multi-GPU run calibrates it; every real run's
 ``plan.json`` records prediction beside measurement for that purpose.
 
 What overlaps: FSDP's all-gathers and reduce-scatters (and HSDP's all-reduce) run on their own
-stream behind compute, so only what exceeds compute plus the first all-gather is exposed;
-context-parallel k/v exchange hides behind attention; TP collectives, expert parallelism's
-all-to-alls (every routed row out and back, forward and backward) and pipeline sends sit on
-the critical path. A mixture of experts under TP runs whole on every TP rank, so its FLOPs
+stream behind compute, so only what exceeds compute plus the first all-gather is exposed; a
+pipeline's asynchronous sends travel while the next micro-batch computes; context-parallel
+k/v exchange hides behind attention; TP collectives and expert parallelism's all-to-alls
+(every routed row out and back, forward and backward) sit on the critical path. Under a
+pipeline FSDP gathers a stage's weights once per schedule step and reduces its gradients
+after the last micro-batch, as torch's schedules drive it (``rank_stage_gathers``). A mixture of experts under TP runs whole on every TP rank, so its FLOPs
 count tp times. The bubble is the schedule's idle fraction of the compute.
 
 Context parallelism in a hybrid model (``planner/hybrid_cp.py``): the attention layers pass
@@ -37,11 +43,15 @@ from autopar.parallel.activation_checkpoint import checkpointed_layers
 from autopar.parallel.float8 import eligible
 from autopar.parallel.fsdp import reshards_blocks
 from autopar.parallel.mesh import ParallelDims
-from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, schedule_name
+from autopar.parallel.pipelining.schedule import (
+    num_stages,
+    rank_stage_gathers,
+    schedule_name,
+)
 from autopar.planner.block_bytes import FP32, Sizes, block_bytes_no_ac, block_bytes_op_ac, state_passing
 from autopar.planner.devices import DeviceSpec
 from autopar.planner.hybrid_cp import chain_flops, map_flops_per_token
-from autopar.planner.measured import compute_dtype, memory_bound_seconds, overhead_seconds
+from autopar.planner.measured import compute_dtype, memory_bound_seconds, optimizer_seconds, overhead_seconds
 from autopar.planner.memory import (
     layer_expert_numel,
     meta_model,
@@ -53,8 +63,12 @@ from autopar.planner.profile import DeviceProfile, attention_flops, gemm_rate, g
 from autopar.training.metrics import block_matmul_params, delta_rule_flops, flops_per_token
 from autopar.training.preference import runs_reference_forward
 
-COMPUTE_EFFICIENCY = {"compiled": 0.479, "eager": 0.294}
-FP8_SPEEDUP = 39_492 / 36_037
+GEMM_EFFICIENCY = 0.595
+"""The share of a GPU preset's bf16 peak its model FLOPs run at (the fit above)."""
+FP8_GEMM_SPEEDUP = 1.15
+"""FP8 GEMMs over bf16 on a preset with FP8 tensor cores: what reproduces the compiled FP8 run
+of Qwen3-1.7B (39,492 against 36,037 tokens/s). At Qwen3-0.6B torchao's casts cost more than
+the GEMMs save, which this figure over-predicts by 10-21%."""
 COMM_EFFICIENCY = 0.7
 HOST_ADAM_PARAMS_PER_S = 1.8e9
 """CPU offload's optimizer step: torch 2.13's fused AdamW on this project's two-core CI
@@ -75,8 +89,8 @@ class StepTime:
     bubble: float
     comm_by_dim: dict[str, float] = field(default_factory=dict)  # total (not only exposed) seconds
     host_optimizer: float = 0.0  # CPU offload: AdamW on the host, after backward
-    memory_bound: float = 0.0  # with a measured profile: elementwise work at the measured bandwidth
-    overhead: float = 0.0  # with a measured profile: each op's dispatch beside its compute
+    memory_bound: float = 0.0  # elementwise work and the optimizer's traffic at the memory bandwidth
+    overhead: float = 0.0  # each op's dispatch beside its compute
 
     @property
     def total(self) -> float:
@@ -139,12 +153,12 @@ def compute_rate(
 ) -> float:
     """Model FLOP/s one GPU sustains for this job: with a measured profile, the measured GEMM
     rate at this plan's own shapes (a micro-batch of ``micro`` sequences, split by CP, weights
-    by TP) and dtype; otherwise the preset's peak at the MFU measured on an H100."""
+    by TP) and dtype; otherwise ``GEMM_EFFICIENCY`` of the preset's peak."""
     if device.profile is not None and args is not None and dims is not None:
         return measured_rate(device.profile, job, device, args, dims, micro)
-    rate = device.bf16_flops * COMPUTE_EFFICIENCY["compiled" if job.compile.enable else "eager"]
+    rate = device.bf16_flops * GEMM_EFFICIENCY
     if job.float8.enable and device.fp8_flops is not None:
-        rate *= FP8_SPEEDUP
+        rate *= FP8_GEMM_SPEEDUP
     return rate
 
 
@@ -197,6 +211,7 @@ def predict_time(
         layers=args.num_hidden_layers / dims.pp,
         linear_layers=_linear_layers(args) / dims.pp,
         moe_layers=sum(args.is_moe_layer(i) for i in range(args.num_hidden_layers)),
+        num_layers=args.num_hidden_layers,
         rate=compute_rate(job, device, args, dims, micro),
         z=sizes(args, job, dims, micro, "ring", c),
     )
@@ -206,19 +221,20 @@ def predict_time(
     comm, cp_exposed = _model_parallel_comm(args, job, dims, device, gpus_per_node, step, share)
     data_comm, host_optimizer = _data_parallel_comm(args, job, dims, device, gpus_per_node, step)
     comm |= data_comm
-    background = comm.get("fsdp", 0.0) + comm.get("dp_replicate", 0.0) + comm.get("host", 0.0)
     first_gather = comm.get("fsdp", 0.0) / max(1.0, step.layers * step.micro_batches * 3)
     if pipelined:
-        stages_per_rank = SCHEDULE_STYLES[schedule_name(job.parallelism)].stages_per_rank or 2
+        stages_per_rank = num_stages(job.parallelism, args.num_hidden_layers) // dims.pp
         p2p = 2 * c * step.z.hidden * step.z.tokens * step.micro_batches * stages_per_rank
         activation = c * step.z.hidden * step.z.tokens
         comm["pp"] = p2p / link_bytes_per_s(
             _spans(dims)["pp"], gpus_per_node, device, "send_recv", 2, activation
         )
+    # a pipeline's sends are asynchronous: in the steady state a micro-batch's activations
+    # travel while the next one computes (the warm-up's wait is in the bubble)
+    background = sum(comm.get(dim, 0.0) for dim in ("fsdp", "dp_replicate", "host", "pp"))
     exposed = (
         comm.get("tp", 0.0)
         + comm.get("ep", 0.0)
-        + comm.get("pp", 0.0)
         + cp_exposed
         + (max(0.0, background - compute - recompute) if _overlaps(device) else background)
         + first_gather
@@ -229,7 +245,16 @@ def predict_time(
     if pipelined:
         bubble = bubble_fraction(schedule_name(job.parallelism), dims.pp, n_micro, stages_per_rank)
         bubble *= compute + recompute + memory_bound + overhead
+    memory_bound += _optimizer_seconds(args, job, dims, device)  # after the flush
     return StepTime(compute, recompute, exposed, bubble, comm, host_optimizer, memory_bound, overhead)
+
+
+def _optimizer_seconds(args: ModelArgs, job: JobConfig, dims: ParallelDims, device: DeviceSpec) -> float:
+    """AdamW on the device over this rank's shard of its stage (none with CPU offload, whose
+    step is ``host_optimizer``; LoRA's adapters are too few to count)."""
+    if job.training.enable_cpu_offload or job.lora.enable:
+        return 0.0
+    return optimizer_seconds(device, _rank_params(args, job, dims) / (dims.dp_shard * dims.cp))
 
 
 @dataclass(frozen=True)
@@ -241,6 +266,7 @@ class _Step:
     layers: float  # blocks per pipeline rank
     linear_layers: float  # of them, Gated DeltaNets
     moe_layers: int  # of the whole model
+    num_layers: int  # of the whole model
     rate: float  # FLOP/s
     z: Sizes
 
@@ -280,7 +306,8 @@ def _compute_seconds(
             - block_bytes_op_ac(z, dims.tp, args.layer_kind(i))
             for i in range(args.num_hidden_layers)
         )
-        recompute = 2 * dropped / dims.pp * step.micro_batches / device.hbm_bytes_per_s
+        # (it can keep more than no checkpointing does: the collectives' outputs; nothing to redo then)
+        recompute = 2 * max(0.0, dropped) / dims.pp * step.micro_batches / device.hbm_bytes_per_s
     elif share:
         recompute = share * block_forward_flops(args, seq) * step.tokens / world / rate
     if dims.tp > 1 and step.moe_layers:
@@ -408,8 +435,8 @@ def _data_parallel_comm(
     comm: dict[str, float] = {}
     fsdp = dims.dp_shard * dims.cp
     unsharded = _rank_params(args, job, dims)
-    policy = job.parallelism.fsdp_reshard_after_forward
-    gathers = step.micro_batches * (2 if reshards_blocks(policy, dims.pp > 1) else 1)
+    gathers = _whole_gathers(job, dims, step)
+    reductions = micro_steps(job, dims)  # a pipeline syncs gradients after its last micro-batch
     if fsdp > 1:
         # each weight moves over its own FSDP group: experts' over the data ranks EP left
         experts = _rank_expert_params(args, dims)
@@ -420,11 +447,11 @@ def _data_parallel_comm(
         block = unsharded / max(1.0, step.layers)
         gather = link_bytes_per_s(spans["fsdp"], gpus_per_node, device, "all_gather", fsdp, c * block)
         scatter = link_bytes_per_s(spans["fsdp"], gpus_per_node, device, "reduce_scatter", fsdp, FP32 * block)
-        reduced = 0 if job.lora.enable else FP32 * step.micro_batches
+        reduced = 0 if job.lora.enable else FP32 * reductions
         comm["fsdp"] = moved * c * gathers / gather + moved * reduced / scatter
     if dims.dp_replicate > 1 and not job.lora.enable:
         r = dims.dp_replicate
-        moved = 2 * (r - 1) / r * 4 * unsharded / fsdp * step.micro_batches
+        moved = 2 * (r - 1) / r * 4 * unsharded / fsdp * reductions
         bucket = min(DDP_BUCKET_BYTES, FP32 * unsharded / fsdp)
         rate = link_bytes_per_s(spans["dp_replicate"], gpus_per_node, device, "all_reduce", r, bucket)
         comm["dp_replicate"] = moved / rate
@@ -438,6 +465,22 @@ def _data_parallel_comm(
         comm["host"] = FP32 * shard * copies / host
         host_optimizer = shard / HOST_ADAM_PARAMS_PER_S
     return comm, host_optimizer
+
+
+def _whole_gathers(job: JobConfig, dims: ParallelDims, step: _Step) -> float:
+    """How many times a step gathers the rank's whole weights: each micro-batch's forward
+    and backward when blocks reshard after forward, once per micro-step otherwise; a
+    pipeline keeps its stages gathered across micro-batches, but a rank with more stages
+    than torch keeps gathered at once gathers some again (``rank_stage_gathers``)."""
+    if reshards_blocks(job.parallelism.fsdp_reshard_after_forward, dims.pp > 1):
+        return 2.0 * step.micro_batches
+    if dims.pp == 1:
+        return float(micro_steps(job, dims))
+    name = schedule_name(job.parallelism)
+    stages = num_stages(job.parallelism, step.num_layers)
+    n_micro = job.training.local_batch_size // job.parallelism.pipeline_parallel_microbatch_size
+    gathers = rank_stage_gathers(name, dims.pp, stages, n_micro, 0)
+    return micro_steps(job, dims) * gathers / (stages // dims.pp)
 
 
 def bubble_fraction(schedule: str, pp: int, n_micro: int, stages_per_rank: int) -> float:

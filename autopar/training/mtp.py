@@ -4,10 +4,11 @@ head's loss (``MTPTraining``).
 
 The head runs inside the model's forward (``Qwen35.forward(..., mtp=...)``), so FSDP gathers
 its weights as the model's, tensor parallelism splits it by its own plan
-(``parallel.tensor_parallel.head_plan``) and expert parallelism its experts as the trunk's;
-a pipeline runs it on the last stage (``mtp_pipeline``). A plan that splits the sequence
-across ranks (CP) would need the head split with it, and is refused until it is
-(``UNSUPPORTED_PLANS`` says why).
+(``parallel.tensor_parallel.head_plan``) and expert parallelism its experts as the trunk's.
+Context parallelism splits what the head reads of the tokens after each position and its
+targets (``mtp_loss.HeadSequences``, built on the whole sequences) as it splits the tokens,
+and gathers the head's attention as the trunk's; a pipeline runs it on the last stage
+(``mtp_pipeline``, which refuses the two together).
 """
 
 from __future__ import annotations
@@ -52,16 +53,6 @@ def head_layers_of(job: JobConfig, args: ModelArgs) -> int:
         ) from None
 
 
-UNSUPPORTED_PLANS = (
-    (
-        "cp",
-        "parallelism.context_parallel_degree",
-        "the head's shift by one token and its attention would cross the ranks' sequence chunks",
-    ),
-)
-"""Degrees the head is not split under yet: (``ParallelDims`` field, the job's field, why)."""
-
-
 def check_mtp(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
     """``[mtp]`` is consistent, the model has a head, and nothing the head does not run
     under yet is asked for: one line naming the field and what to do instead."""
@@ -86,12 +77,6 @@ def check_mtp(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
         )
     _check_initial_load(job, args)
     check_pipelined_head(cfg, dims)
-    for dim, field, why in UNSUPPORTED_PLANS:
-        if getattr(dims, dim) > 1:
-            raise ConfigError(
-                f"{field}={getattr(dims, dim)} with mtp.enable=true: not supported yet ({why}); use FSDP / HSDP / "
-                f"TP / EP with {field.split('.')[1]} 1, or --mtp.enable false"
-            )
     refused = {
         "training.dataset_format='preference'": job.training.dataset_format == "preference",
         "float8.enable=true": job.float8.enable,

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from autopar.config.sections import JobConfig
-from autopar.data.loader import IGNORE_INDEX
-from autopar.models.qwen3_5.mtp import MTPMode
+from autopar.data.loader import IGNORE_INDEX, Batch
+from autopar.models.qwen3_5.mtp import MTPMode, NextTokens
 from autopar.training.loss import token_loss_sum
 
 
@@ -34,6 +35,30 @@ def mtp_labels(labels: torch.Tensor, documents: torch.Tensor | None = None) -> t
     two_ahead = torch.cat([same[:, 1:], torch.ones_like(same[:, :1])], dim=1)  # token i+2 in i+1's
     keep = torch.cat([same & two_ahead, torch.zeros_like(same[:, :1])], dim=1)  # (B, S)
     return shifted.masked_fill(~keep, IGNORE_INDEX)
+
+
+class HeadSequences(NamedTuple):
+    """What the head reads and learns at each position of a micro-batch, each (B, S), built
+    on its whole sequences (``of``) before a plan splits them: under context parallel a
+    rank's part ends where the next token and the token two ahead lie in another's (and a
+    head-tail part is two ranges), so the rank receives these split as its tokens."""
+
+    ids: torch.Tensor
+    """The next tokens' ids (``NextTokens.ids``)."""
+    keep: torch.Tensor | None
+    """Whether the next token lies in the same document (``NextTokens.keep``)."""
+    targets: torch.Tensor
+    """The head's targets (``mtp_labels``)."""
+
+    @staticmethod
+    def of(batch: Batch) -> HeadSequences:
+        upcoming = NextTokens.of(batch.inputs, batch.documents)
+        return HeadSequences(upcoming.ids, upcoming.keep, mtp_labels(batch.labels, batch.documents))
+
+    @property
+    def upcoming(self) -> NextTokens:
+        """The model's input of them (``Qwen35.forward(..., upcoming=)``)."""
+        return NextTokens(self.ids, self.keep)
 
 
 def vocab_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -59,33 +84,21 @@ def vocab_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def mtp_loss_sum(
     logits: torch.Tensor,
-    labels: torch.Tensor,
-    documents: torch.Tensor | None = None,
+    targets: torch.Tensor,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed fp32 cross-entropy, head's argmax equal to its target, targets) of the head's
-    ``logits`` (B, S, V) against the batch's ``labels`` (B, S): ``mtp_loss`` is the first
+    ``logits`` (B, S, V) against its ``targets`` (B, S) (``mtp_labels`` of the whole
+    sequences: under context parallel, this rank's part of them): ``mtp_loss`` is the first
     over the third and ``mtp_acceptance`` the second over the third, each summed over the
     step's micro-batches and ranks first. ``loss_fn``: the step's token-summed loss (chunked,
     compiled or vocab-parallel as the main loss is)."""
-    targets = mtp_labels(labels, documents)
-    loss, accepted = head_loss_sum(logits, targets, loss_fn)
-    return loss, accepted, (targets != IGNORE_INDEX).sum()
-
-
-def head_loss_sum(
-    logits: torch.Tensor,
-    targets: torch.Tensor,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_sum,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``mtp_loss_sum``'s (summed loss, accepted targets) from the head's own ``targets``
-    (B, S) (``mtp_labels``), as a pipeline's last stage gets them in its schedule's target."""
     valid = targets != IGNORE_INDEX
     accepted = ((vocab_argmax(logits.detach()) == targets) & valid).sum()
     loss = loss_fn(logits, targets)
     if isinstance(loss, DTensor):
         loss = loss.full_tensor()
-    return loss, accepted
+    return loss, accepted, valid.sum()
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from autopar.config.sections import MTP
 from autopar.data.loader import Batch
 from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.pipelining.stage_loss import LossFn, StageHead
-from autopar.training.mtp_loss import MTPTraining, head_loss_sum, mtp_labels
+from autopar.training.mtp_loss import MTPTraining, mtp_labels, mtp_loss_sum
 
 
 def check_pipelined_head(cfg: MTP, dims: ParallelDims) -> None:
@@ -36,8 +36,9 @@ def check_pipelined_head(cfg: MTP, dims: ParallelDims) -> None:
     if dims.cp > 1:
         raise ConfigError(
             f"parallelism.pipeline_parallel_degree={dims.pp} with context_parallel_degree={dims.cp} and "
-            "mtp.enable=true: not supported yet (the first stage embeds each rank's next tokens, which "
-            "cross the sequence chunks); use one of them, or --mtp.enable false"
+            "mtp.enable=true: not supported yet (the micro-batches carry each rank's chunk of the tokens, "
+            "not the head's next tokens and targets built on the whole sequences); use one of them (the "
+            "head runs under either alone), or --mtp.enable false"
         )
     if cfg.only:
         raise ConfigError(
@@ -49,7 +50,7 @@ def check_pipelined_head(cfg: MTP, dims: ParallelDims) -> None:
 def stage_head(mtp: MTPTraining, loss_fn: LossFn) -> StageHead:
     """The head as the pipeline's last stage runs it: the step's token loss on its logits,
     weighted by ``mtp.scale``, switched on by the forward's ``mtp`` argument."""
-    return StageHead(functools.partial(head_loss_sum, loss_fn=loss_fn), mtp.scale, {"mtp": mtp.mode})
+    return StageHead(functools.partial(mtp_loss_sum, loss_fn=loss_fn), mtp.scale, {"mtp": mtp.mode})
 
 
 def with_head_targets(batch: Batch) -> Batch:

@@ -31,7 +31,7 @@ from autopar.training.loss import (
 )
 from autopar.training.mtp import METRICS as MTP_METRICS
 from autopar.training.mtp import global_mtp_target_count
-from autopar.training.mtp_loss import MTPTraining, mtp_loss_sum
+from autopar.training.mtp_loss import HeadSequences, MTPTraining, mtp_loss_sum
 from autopar.training.mtp_pipeline import stage_head, with_head_targets
 from autopar.training.optim import build_optimizers, set_lr
 from autopar.training.preference_loss import METRICS
@@ -70,10 +70,15 @@ def microbatches_forward_backward(
     balance = torch.zeros((), device=global_targets.device)
     head = torch.zeros(2, device=global_targets.device)
     for full_batch in batches:
-        with context.sequence(full_batch) as (batch, positions), context.loss_parallel_context():
+        whole = () if context.mtp is None else HeadSequences.of(full_batch)
+        with context.split(full_batch, whole) as (batch, positions, local), context.loss_parallel_context():
+            head_inputs = HeadSequences(*local) if local else None
             with context.forward_precision():
                 out = model(
-                    batch.inputs, positions=positions, documents=batch.documents, **_head_flag(context)
+                    batch.inputs,
+                    positions=positions,
+                    documents=batch.documents,
+                    **_head_args(context, head_inputs),
                 )
             head_logits = None
             if context.mtp is not None:
@@ -88,9 +93,7 @@ def microbatches_forward_backward(
                 trained = loss + context.load_balancing.coef * aux
                 balance += aux.detach()
             if head_logits is not None:
-                head_sum, accepted, _ = mtp_loss_sum(
-                    head_logits, batch.labels, batch.documents, context.loss_fn
-                )
+                head_sum, accepted, _ = mtp_loss_sum(head_logits, head_inputs.targets, context.loss_fn)
                 if mtp_targets is not None:
                     trained = trained + context.mtp.scale * head_sum / mtp_targets.clamp(min=1)
                 head += torch.stack([head_sum.detach(), accepted.to(head.dtype)])
@@ -100,10 +103,13 @@ def microbatches_forward_backward(
     return total, balance, head
 
 
-def _head_flag(context: TrainContext) -> dict[str, str]:
-    """The forward's ``mtp`` argument when the step trains Qwen3.5's head (none otherwise:
-    other models' forward takes no such argument)."""
-    return {} if context.mtp is None else {"mtp": context.mtp.mode}
+def _head_args(context: TrainContext, head: HeadSequences | None) -> dict[str, object]:
+    """The forward's ``mtp`` and ``upcoming`` arguments when the step trains Qwen3.5's head
+    (none otherwise: other models' forward takes no such argument): the next tokens from the
+    whole sequences, split as the tokens under context parallel."""
+    if context.mtp is None or head is None:  # one is None exactly when the other is
+        return {}
+    return {"mtp": context.mtp.mode, "upcoming": head.upcoming}
 
 
 def _grads_by_mesh(parts: list[nn.Module]) -> list[list[torch.Tensor]]:

@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.data.loader import Batch
 from autopar.models.moe import load_balancing_loss
+from autopar.parallel.context_parallel import ContextParallel
 from autopar.training.loss import (
     chunk_loss_and_grad,
     chunked_token_loss_sum,
@@ -70,7 +71,7 @@ class TrainContext:
         compile_loss: bool = False,
         loss_chunk_tokens: int = 0,
         fp8_autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
-        context_parallel: Callable[[Batch], contextlib.AbstractContextManager] | None = None,
+        context_parallel: ContextParallel | None = None,
         load_balancing: LoadBalancing | None = None,
         mtp: MTPTraining | None = None,
     ):
@@ -108,6 +109,15 @@ class TrainContext:
         if self.context_parallel is None:
             return contextlib.nullcontext((batch, None))
         return self.context_parallel(batch)
+
+    def split(
+        self, batch: Batch, per_position: tuple[torch.Tensor | None, ...]
+    ) -> contextlib.AbstractContextManager:
+        """``sequence``, and this rank's part of ``per_position``'s (B, S) tensors built on
+        the whole sequences (``ContextParallel.split``): a third item yielded."""
+        if self.context_parallel is None:
+            return contextlib.nullcontext((batch, None, per_position))
+        return self.context_parallel.split(batch, per_position)
 
     @contextlib.contextmanager
     def micro_batch(self, batch: Batch) -> Iterator[tuple[Batch, torch.Tensor | None]]:

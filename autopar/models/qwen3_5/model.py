@@ -32,7 +32,7 @@ from autopar.models.qwen import (
 )
 from autopar.models.qwen import initial_value as dense_initial_value
 from autopar.models.qwen3_5.gated_deltanet import GatedDeltaNet
-from autopar.models.qwen3_5.mtp import MTPHead, MTPMode, keep_mask, next_tokens
+from autopar.models.qwen3_5.mtp import MTPHead, MTPMode, NextTokens, keep_mask
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -189,12 +189,15 @@ class Qwen35(Qwen):
         positions: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
         mtp: MTPMode = "off",
+        upcoming: NextTokens | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | tuple[object, torch.Tensor]:
         """``Qwen.forward``; with ``mtp`` "on" or "detached", ``(that output, the head's
-        logits (B, S-1, V))`` from the same pass: a training step gets both losses from one
+        logits (B, S, V))`` from the same pass: a training step gets both losses from one
         forward of the whole module (the way FSDP gathers and frees its weights), the head's
         experts' routing statistics added to the trunk's. "detached": the head's loss trains
-        only the head (``mtp_logits_from``).
+        only the head (``mtp_logits_from``). ``upcoming``: the next tokens as built on the
+        whole sequences, when ``tokens`` are only a part of them (context parallel); None:
+        ``NextTokens.of(tokens, documents)``.
 
         A pipeline stage (no ``lm_head``, or no ``embed_tokens``) passes on its hidden states
         and the embeddings of the next tokens stacked as one (2B, S, H) tensor: the head on
@@ -202,16 +205,20 @@ class Qwen35(Qwen):
         back through every stage to it, as on one device."""
         if mtp == "off":
             return super().forward(tokens, routing, positions=positions, documents=documents)
-        if self.embed_tokens is not None:
-            both = self.embed_tokens(torch.cat([tokens, next_tokens(tokens)]))  # (2B, S, H)
-        else:  # a later pipeline stage: the stacked states the stage before passed on
-            both = tokens  # (2B, S, H)
-        embedded, upcoming = both.chunk(2)  # each (B, S, H)
+        if self.embed_tokens is None:  # a later pipeline stage: the stacked states passed on
+            both, keep = tokens, keep_mask(documents)  # (2B, S, H), (B, S)
+        else:
+            upcoming = NextTokens.of(tokens, documents) if upcoming is None else upcoming
+            both = self.embed_tokens(torch.cat([tokens, upcoming.ids]))  # (2B, S, H)
+            keep = upcoming.keep
+        embedded, next_embedded = both.chunk(2)  # each (B, S, H)
         hidden, routing = self.decode(embedded, routing, positions=positions, documents=documents)
         if self.lm_head is None:  # a pipeline stage before the last
-            return self._with_routing(torch.cat([hidden, upcoming]), routing, hidden)  # (2B, S, H)
+            return self._with_routing(torch.cat([hidden, next_embedded]), routing, hidden)  # (2B, S, H)
         detach = mtp == "detached"
-        head_hidden, head_routing = self._head_hidden(hidden, upcoming, positions, documents, detach)
+        head_hidden, head_routing = self._head_hidden(
+            hidden, next_embedded, keep, positions, documents, detach
+        )
         if detach:  # the output head's weight learns from the main loss only
             logits = self.lm_head(hidden)  # (B, S, V)
             head_logits = self._head().detached_output(head_hidden, self.lm_head.weight)  # (B, S, V)
@@ -253,25 +260,31 @@ class Qwen35(Qwen):
         output head; Megatron's ``mtp_detach_heads``). Outside a training step: a step
         wrapped by FSDP gets the same from ``forward(..., mtp=...)``. The last position's
         logits predict nothing (``mtp_logits`` leaves them out)."""
-        upcoming = self.embed_tokens(next_tokens(tokens))  # (B, S, H)
-        head_hidden, routing = self._head_hidden(hidden, upcoming, None, documents, detach)
+        upcoming = NextTokens.of(tokens, documents)
+        next_embedded = self.embed_tokens(upcoming.ids)  # (B, S, H)
+        head_hidden, routing = self._head_hidden(
+            hidden, next_embedded, upcoming.keep, None, documents, detach
+        )
         weight = self.lm_head.weight.detach() if detach else self.lm_head.weight
         return F.linear(head_hidden, weight), routing
 
     def _head_hidden(
         self,
         hidden: torch.Tensor,
-        upcoming: torch.Tensor,
+        next_embedded: torch.Tensor,
+        keep: torch.Tensor | None,
         positions: torch.Tensor | None,
         documents: torch.Tensor | None,
         detach: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head's normed states (B, S, H) from the trunk's states and the embeddings of
-        the next tokens (B, S, H) each, and its routing statistics."""
+        the next tokens (B, S, H) each (``keep`` (B, S): ``NextTokens.keep``), and its
+        routing statistics."""
         head = self._head()
         if detach:
-            hidden, upcoming = hidden.detach(), upcoming.detach()
-        return head(hidden, upcoming, keep_mask(documents, upcoming.dtype), positions, documents)
+            hidden, next_embedded = hidden.detach(), next_embedded.detach()
+        gate = None if keep is None else keep.unsqueeze(-1).to(next_embedded.dtype)  # (B, S, 1)
+        return head(hidden, next_embedded, gate, positions, documents)
 
     def _head(self) -> MTPHead:
         if self.mtp is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +77,7 @@ class MTPHead(nn.Module):
         """hidden (B, S, H): the trunk's final-normed states; upcoming (B, S, H): the
         embedding of the token after each (the last position's is of no use: nothing is two
         ahead of it, and causal attention keeps it from the others). ``keep`` (B, S, 1): 0
-        where the next token starts another document (``keep_mask``); ``positions`` the
+        where the next token starts another document (``NextTokens.keep``); ``positions`` the
         hidden states' own (the trunk's; decoding continues a sequence), ``documents`` (B, S)
         keep attention and positions within a document.
         Returns the normed states (B, S, H) and the routing statistics of its experts.
@@ -119,6 +119,22 @@ class NextTokenGate(nn.Module):
         return upcoming * keep
 
 
+class NextTokens(NamedTuple):
+    """What the head reads of the token after each position, built on whole sequences
+    (``of``): a plan that splits the sequence (context parallel) splits these as it splits
+    the tokens, since at the end of a rank's part the next token lies in another's."""
+
+    ids: torch.Tensor
+    """(B, S) the token after each (``next_tokens``)."""
+    keep: torch.Tensor | None
+    """(B, S) bool: the next token lies in this one's document (``keep_mask``); None
+    without documents."""
+
+    @staticmethod
+    def of(tokens: torch.Tensor, documents: torch.Tensor | None = None) -> NextTokens:
+        return NextTokens(next_tokens(tokens), keep_mask(documents))
+
+
 def next_tokens(tokens: torch.Tensor) -> torch.Tensor:
     """(B, S) the token after each: ``tokens[:, 1:]`` and the last token again in the last
     position (whose head output predicts nothing), so the head's inputs keep the sequence's
@@ -126,13 +142,13 @@ def next_tokens(tokens: torch.Tensor) -> torch.Tensor:
     return torch.cat([tokens[:, 1:], tokens[:, -1:]], dim=1)
 
 
-def keep_mask(documents: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """(B, S, 1): 1 where token i+1 lies in token i's document, 0 where it starts another (and
-    at the last position); None without ``documents``. Zeroing the embedding there (as
-    Megatron's per-sequence roll leaves no token) keeps every position within its document;
-    those positions' logits are never a target's (the token two ahead lies elsewhere)."""
+def keep_mask(documents: torch.Tensor | None) -> torch.Tensor | None:
+    """(B, S) bool: True where token i+1 lies in token i's document, False where it starts
+    another (and at the last position); None without ``documents``. Zeroing the embedding
+    there (as Megatron's per-sequence roll leaves no token) keeps every position within its
+    document; those positions' logits are never a target's (the token two ahead lies
+    elsewhere)."""
     if documents is None:
         return None
     same = documents[:, 1:] == documents[:, :-1]  # (B, S-1)
-    same = torch.cat([same, torch.zeros_like(same[:, :1])], dim=1)  # (B, S)
-    return same.unsqueeze(-1).to(dtype)
+    return torch.cat([same, torch.zeros_like(same[:, :1])], dim=1)  # (B, S)

@@ -171,15 +171,11 @@ Action = tuple[str, int, int]
 weight gradient (zero-bubble schedules split ``B`` into ``I`` then ``W``)."""
 
 
-@functools.lru_cache(maxsize=4096)
-def rank_actions(name: str, pp: int, total_stages: int, n_micro: int, pp_rank: int) -> tuple[Action, ...]:
-    """The compute actions pipeline rank ``pp_rank`` runs in one schedule step, in order.
-
-    Read off torch's schedule class itself, built over stand-in stages (a schedule orders
-    its actions from the stage layout alone), so whoever models a step's timeline (the
-    planner's memory) follows torch's order rather than a copy of it."""
+def _stand_in_stages(name: str, pp: int, total_stages: int, pp_rank: int) -> list[SimpleNamespace]:
+    """What torch's schedule classes read of the stages of rank ``pp_rank`` (no modules):
+    enough to build a schedule and read its action order."""
     placement = SCHEDULE_STYLES[name].placement
-    stages = [
+    return [
         SimpleNamespace(
             stage_index=sid,
             num_stages=total_stages,
@@ -191,6 +187,16 @@ def rank_actions(name: str, pp: int, total_stages: int, n_micro: int, pp_rank: i
         )
         for sid in stage_ids(pp_rank, pp, total_stages, placement)
     ]
+
+
+@functools.lru_cache(maxsize=4096)
+def rank_actions(name: str, pp: int, total_stages: int, n_micro: int, pp_rank: int) -> tuple[Action, ...]:
+    """The compute actions pipeline rank ``pp_rank`` runs in one schedule step, in order.
+
+    Read off torch's schedule class itself, built over stand-in stages (a schedule orders
+    its actions from the stage layout alone), so whoever models a step's timeline (the
+    planner's memory) follows torch's order rather than a copy of it."""
+    stages = _stand_in_stages(name, pp, total_stages, pp_rank)
     cls = get_schedule_class(name)
     first: object = stages[0] if issubclass(cls, PipelineScheduleSingle) else stages
     order = cls(first, n_microbatches=n_micro).pipeline_order[pp_rank]
@@ -203,6 +209,23 @@ def rank_actions(name: str, pp: int, total_stages: int, n_micro: int, pp_rank: i
             if kind in ("F", "B", "I", "W"):
                 actions.append((kind, step.stage_index, step.microbatch_index))
     return tuple(actions)
+
+
+@functools.lru_cache(maxsize=4096)
+def rank_stage_gathers(name: str, pp: int, total_stages: int, n_micro: int, pp_rank: int) -> int:
+    """How many times one schedule step gathers an FSDP-sharded stage of rank ``pp_rank``
+    whole (weights kept gathered across micro-batches, as a pipeline's FSDP policy does).
+
+    A one-stage schedule gathers its stage once. The multi-stage ones keep at most a few
+    stages gathered and gather a stage again after evicting it (more than three stages per
+    rank); read off torch's own lowering of the schedule (its ``UNSHARD`` actions), over
+    stand-in stages as ``rank_actions`` does."""
+    cls = get_schedule_class(name)
+    if issubclass(cls, PipelineScheduleSingle):
+        return 1
+    stages = _stand_in_stages(name, pp, total_stages, pp_rank)
+    lowered = cls(stages, n_microbatches=n_micro).pipeline_order_with_comms[pp_rank]
+    return sum(a.computation_type.value == "UNSHARD" for a in lowered if a is not None)
 
 
 def check_pipeline(cfg: Parallelism, args: ModelArgs, local_batch_size: int) -> None:

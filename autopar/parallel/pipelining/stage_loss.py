@@ -22,8 +22,9 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BalanceFn = Callable[[torch.Tensor], torch.Tensor]
 """A mixture of experts' routing statistics (B, 2, E) -> its load-balancing loss summed over
 the sequences."""
-HeadFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-"""A second output head's (logits, targets) -> (summed token loss, targets its argmax hits)."""
+HeadFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+"""A second output head's (logits, targets) -> (summed token loss, targets its argmax hits,
+targets)."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class StageLoss:
         trained = value + self.coef * balance * self.balance_weight
         head = torch.zeros(2, device=value.device)
         if self.head is not None:
-            head_sum, accepted = self.head.loss_fn(head_logits, head_targets)
+            head_sum, accepted, _ = self.head.loss_fn(head_logits, head_targets)
             trained = trained + self.head.scale * head_sum * self.head_weight
             head = torch.stack([head_sum.detach(), accepted.to(head.dtype)])
         self.parts.append((value.detach(), balance.detach(), head))
