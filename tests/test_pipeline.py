@@ -10,7 +10,7 @@ import torch
 from autopar.cli.parity import Case, relative_deltas, run_cases, run_plans
 from autopar.cli.spawn import run_on_ranks
 from autopar.config import ConfigError
-from autopar.models import Qwen, get_flavor
+from autopar.models import Qwen, build_model, get_flavor
 from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, rank_actions, rank_stage_gathers
 from autopar.parallel.pipelining.split import check_split, even_split, prune, stage_ids
 from autopar.planner import search
@@ -43,6 +43,19 @@ def test_split_covers_every_parameter_exactly_once(layers, stages):
     names = [n for part in even_split(layers, stages, 1, 1) for n, _ in prune(model, part).named_parameters()]
     assert sorted(names) == sorted(n for n, _ in model.named_parameters())
     assert len(names) == len(set(names))
+
+
+def test_qwen3_5s_head_goes_to_the_last_stage_with_the_output_head():
+    args = get_flavor(
+        "qwen3.5", "debug", num_hidden_layers=4, mtp_num_hidden_layers=1, tie_word_embeddings=False
+    )
+    with torch.device("meta"):
+        model = build_model(args)
+    parts = [prune(model, names) for names in even_split(4, 3, 1, 1)]
+    heads = [{n for n, _ in part.named_parameters() if n.startswith("mtp.")} for part in parts]
+    assert heads[:-1] == [set(), set()] and heads[-1] == {
+        n for n, _ in model.named_parameters() if n.startswith("mtp.")
+    }
 
 
 def test_stage_ids_loop_and_v():

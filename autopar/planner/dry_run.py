@@ -180,16 +180,19 @@ def _fake_values(name: str, shape: torch.Size) -> torch.Tensor:
 def _stage_io(job: JobConfig, meshes: Meshes, built: ModelParts) -> list[StageIO]:
     """Example tensors of each pipeline stage, which the fake process group cannot exchange:
     token ids into the first stage, hidden states between stages (sequence-sharded under CP
-    and SP; in the compute dtype under every plan). Built from shapes, not by running
-    a stage: a forward before the first step would make FSDP re-register its parameters."""
+    and SP; in the compute dtype under every plan; stacked with the next tokens' embeddings
+    when Qwen3.5's head trains, whose logits the last stage also returns). Built from shapes,
+    not by running a stage: a forward before the first step would make FSDP re-register its
+    parameters."""
     dims = meshes.dims
     micro = job.parallelism.pipeline_parallel_microbatch_size
     seq = job.training.seq_len // dims.cp
     sp = dims.tp if dims.tp > 1 and job.parallelism.enable_sequence_parallel else 1
     compute = DTYPES[job.training.mixed_precision_param]
+    head = job.mtp.enable  # Qwen3.5's head: its logits too, and the next tokens' embeddings ride along
     io = []
     for part, sid in zip(built.parts, built.stage_ids, strict=True):
-        hidden = torch.empty((micro, seq // sp, part.args.hidden_size), dtype=compute)
+        hidden = torch.empty(((1 + head) * micro, seq // sp, part.args.hidden_size), dtype=compute)
         logits: torch.Tensor = torch.empty((micro, seq, part.args.vocab_size), dtype=compute)
         if loss_parallel_enabled(job, dims):
             local = torch.empty((micro, seq, part.args.vocab_size // dims.tp), dtype=compute)
@@ -202,17 +205,22 @@ def _stage_io(job: JobConfig, meshes: Meshes, built: ModelParts) -> list[StageIO
         if part.args.moe:  # every stage also passes on the routing statistics so far
             routing = torch.empty((micro, 2, part.args.num_experts))
             received, sent = (received, routing.requires_grad_()), (sent, routing)
-        grads = (lambda t: tuple(map(torch.empty_like, t))) if part.args.moe else torch.empty_like
+        if head and last:  # (logits[, routing], the head's logits)
+            sent = (*(sent if isinstance(sent, tuple) else (sent,)), logits.detach().clone().requires_grad_())
         io.append(
             {
                 "input_args": torch.zeros((micro, seq), dtype=torch.long) if first else received,
                 "output_args": sent,
-                "input_grads": None if first else grads(received),
+                "input_grads": None if first else _empty_grads(received),
                 # the last stage's too: torch >= 2.15 wants both grads of a stage with DTensors
-                "output_grads": grads(sent),
+                "output_grads": _empty_grads(sent),
             }
         )
     return io
+
+
+def _empty_grads(values: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    return tuple(map(torch.empty_like, values)) if isinstance(values, tuple) else torch.empty_like(values)
 
 
 class PeakTracker(TorchDispatchMode):
@@ -313,7 +321,10 @@ def measure_step(step: TrainStep, batches: list[Batch], lr: float) -> dict[str, 
     """Peak bytes by category of this rank over the forward and backward of a second training
     step on ``batches`` (the first creates the optimizer state), fake or real alike."""
     step(batches, lr)
-    if isinstance(step.parts[0], FSDPModule) and len(step.parts) == 1:
+    # a pipeline stage with Qwen3.5's head: FSDPMemTracker takes its second micro-batch's
+    # forward for another step's and raises ("multiple iterative calls"; torch 2.13, seen here)
+    head = step.pipeline is not None and step.pipeline.loss.head is not None
+    if isinstance(step.parts[0], FSDPModule) and len(step.parts) == 1 and not head:
         tracker: FSDPMemTracker | PeakTracker = FSDPMemTracker(step.parts[0], step.optimizers[0])
     else:
         tracker = PeakTracker(step.parts, step.optimizers)

@@ -486,8 +486,8 @@ def predict_dims(
             "plan with sdpa_backend auto, then pin math"
         )
     compute_bytes = compute_dtype(job, torch.device(device_type)).itemsize
+    head = ["mtp"] if args.mtp_num_hidden_layers else []  # Qwen3.5's multi-token-prediction head
     if dims.pp == 1:
-        head = ["mtp"] if args.mtp_num_hidden_layers else []  # Qwen3.5's multi-token-prediction head
         stages = [
             [
                 "embed_tokens",
@@ -500,6 +500,7 @@ def predict_dims(
         roles = {0: "all ranks"}
     else:
         stages = stage_modules(job.parallelism, args)
+        stages = [*stages[:-1], [*stages[-1], *head]]  # the head goes with lm_head (``BESIDE_HEAD``)
         roles = {0: "first stage", dims.pp // 2: "middle stage", dims.pp - 1: "last stage"}
     return [
         _predict_stage_rank(args, job, dims, stages, rank_stage, role, cp_impl, compute_bytes, device_type)
@@ -760,8 +761,10 @@ def _checkpointing_saves(
         for i in ids
     }
     # a stage keeps its blocks' saves, and under pipelining the activation it received and
-    # the one it sent (kept for backward)
-    saved = {i: sum(blocks[i]) + block_input * ((i > 0) + (i < len(stages) - 1)) + held_mask for i in ids}
+    # the one it sent (kept for backward); with Qwen3.5's head trained, each beside the next
+    # tokens' embeddings (``mtp_pipeline``)
+    hop = block_input * (2 if job.mtp.enable and args.mtp_num_hidden_layers else 1)
+    saved = {i: sum(blocks[i]) + hop * ((i > 0) + (i < len(stages) - 1)) + held_mask for i in ids}
     # what a block's backward rebuilds: all of it (full/every-k) or what per-op AC dropped
     recompute = {
         k: no_ac[k] - per_block[k] + op_only_bytes(z, k) if op else (no_ac[k] if full else 0.0) for k in kinds

@@ -7,8 +7,8 @@ its weights as the model's, tensor parallelism splits it by its own plan
 (``parallel.tensor_parallel.head_plan``) and expert parallelism its experts as the trunk's.
 Context parallelism splits what the head reads of the tokens after each position and its
 targets (``mtp_loss.HeadSequences``, built on the whole sequences) as it splits the tokens,
-and gathers the head's attention as the trunk's. Plans that split the layers (PP) would need
-the head split with them, and are refused until they are (``UNSUPPORTED_PLANS`` says why).
+and gathers the head's attention as the trunk's; a pipeline runs it on the last stage
+(``mtp_pipeline``, which refuses the two together).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from autopar.models.hf import head_layers
 from autopar.models.hf_config import HFCheckpointError
 from autopar.parallel.mesh import ParallelDims
 from autopar.training.mtp_loss import mtp_labels
+from autopar.training.mtp_pipeline import check_pipelined_head
 from autopar.training.train_context import all_reduce_sum
 
 METRICS = ("mtp_loss", "mtp_acceptance")
@@ -52,16 +53,6 @@ def head_layers_of(job: JobConfig, args: ModelArgs) -> int:
         ) from None
 
 
-UNSUPPORTED_PLANS = (
-    (
-        "pp",
-        "parallelism.pipeline_parallel_degree",
-        "the head on the last stage reads the embeddings of the next tokens, which only the first stage holds",
-    ),
-)
-"""Degrees the head is not split under yet: (``ParallelDims`` field, the job's field, why)."""
-
-
 def check_mtp(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
     """``[mtp]`` is consistent, the model has a head, and nothing the head does not run
     under yet is asked for: one line naming the field and what to do instead."""
@@ -85,18 +76,7 @@ def check_mtp(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
             "--model.mtp_num_hidden_layers 1 for a fresh one, or use --mtp.enable false"
         )
     _check_initial_load(job, args)
-    if dims.cp > 1 and dims.pp > 1:
-        raise ConfigError(
-            "parallelism.context_parallel_degree > 1 with pipeline_parallel_degree > 1 and mtp.enable=true: "
-            "not supported yet (the pipeline's micro-batches split the tokens, not the head's next tokens and "
-            "targets); use one of them, or --mtp.enable false"
-        )
-    for dim, field, why in UNSUPPORTED_PLANS:
-        if getattr(dims, dim) > 1:
-            raise ConfigError(
-                f"{field}={getattr(dims, dim)} with mtp.enable=true: not supported yet ({why}); use FSDP / HSDP / "
-                f"TP / EP with {field.split('.')[1]} 1, or --mtp.enable false"
-            )
+    check_pipelined_head(cfg, dims)
     refused = {
         "training.dataset_format='preference'": job.training.dataset_format == "preference",
         "float8.enable=true": job.float8.enable,

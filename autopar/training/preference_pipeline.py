@@ -146,7 +146,7 @@ def preference_pipeline_forward_backward(
     # micro-batches' own (torch may first call it to infer gradient shapes)
     targets = [with_targets(batch, reference(batch), stage_loss.pairs) for batch in batches]
     stage_loss.metric_sums.clear()
-    total, balance = pipeline_forward_backward(
+    total, balance, _ = pipeline_forward_backward(
         pipeline,
         targets,
         torch.ones((), device=device),

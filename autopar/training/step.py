@@ -32,6 +32,7 @@ from autopar.training.loss import (
 from autopar.training.mtp import METRICS as MTP_METRICS
 from autopar.training.mtp import global_mtp_target_count
 from autopar.training.mtp_loss import HeadSequences, MTPTraining, mtp_loss_sum
+from autopar.training.mtp_pipeline import stage_head, with_head_targets
 from autopar.training.optim import build_optimizers, set_lr
 from autopar.training.preference_loss import METRICS
 from autopar.training.preference_pipeline import preference_pipeline_forward_backward
@@ -192,6 +193,7 @@ class TrainStep:
                 stage_io,
                 self.context.load_balancing.sequence_sum if self.context.load_balancing else None,
                 built.args.router_aux_loss_coef,
+                stage_head(self.context.mtp, self.context.loss_fn) if self.context.mtp is not None else None,
             )
 
     def _context_parallel(self, device: torch.device) -> ContextParallel | None:
@@ -223,13 +225,10 @@ class TrainStep:
         self.targets = global_target_count(batches, self.meshes.get("dp"))
         targets = self.targets.clamp(min=1)  # a step without targets (prompts only) has loss 0, not 0/0
         sequences = sum(b.inputs.shape[0] for b in batches) * self.dims.dp
+        head_targets = self._head_targets(batches)
         if self.pipeline is not None:
-            local_loss, aux = pipeline_forward_backward(
-                self.pipeline, batches, targets, self.context.micro_batch, global_sequences=sequences
-            )
-            local_loss, aux = (all_reduce_sum(value, self.meshes.get("pp")) for value in (local_loss, aux))
+            local_loss, aux, head = self._pipeline_pass(batches, targets, head_targets, sequences=sequences)
         else:
-            head_targets = self._head_targets(batches)
             local_loss, aux, head = microbatches_forward_backward(
                 self.parts[0],
                 batches,
@@ -238,11 +237,31 @@ class TrainStep:
                 global_sequences=sequences,
                 mtp_targets=head_targets,
             )
-            if head_targets is not None:
-                self.mtp_metrics = self._head_metrics(head, head_targets)
+        if head_targets is not None:
+            self.mtp_metrics = self._head_metrics(head, head_targets)
         self.aux_loss = all_reduce_sum(aux, self.meshes.get("loss"))
         self.local_loss = local_loss
         return all_reduce_sum(local_loss, self.meshes.get("loss"))
+
+    def _pipeline_pass(
+        self,
+        batches: list[Batch],
+        targets: torch.Tensor,
+        head_targets: torch.Tensor | None,
+        backward: bool = True,
+        sequences: int = 1,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``pipeline_forward_backward`` with the head's targets in the schedule's target when
+        the step trains the head (``head_targets`` of them over the global batch weigh its loss
+        in backward), each result summed over the pipeline ranks."""
+        assert self.pipeline is not None
+        if self.context.mtp is not None:
+            batches = [with_head_targets(b) for b in batches]
+        results = pipeline_forward_backward(
+            self.pipeline, batches, targets, self.context.micro_batch, backward, sequences, head_targets
+        )
+        local_loss, aux, head = (all_reduce_sum(value, self.meshes.get("pp")) for value in results)
+        return local_loss, aux, head
 
     def _head_targets(self, batches: list[Batch]) -> torch.Tensor | None:
         """The head's targets over the global batch (None when the step does not train it)."""
@@ -318,12 +337,8 @@ class TrainStep:
         """The loss of ``batches`` (``targets`` of them over every rank) without gradients:
         the same forward, plan and loss as a training step (collective); and the head's
         (summed loss, accepted targets) over every rank (zeros without ``[mtp]``)."""
-        head = torch.zeros(2, device=targets.device)
         if self.pipeline is not None:
-            local_loss, _ = pipeline_forward_backward(
-                self.pipeline, batches, targets, self.context.micro_batch, backward=False
-            )
-            local_loss = all_reduce_sum(local_loss, self.meshes.get("pp"))
+            local_loss, _, head = self._pipeline_pass(batches, targets, None, backward=False)
         else:
             local_loss, _, head = microbatches_forward_backward(
                 self.parts[0], batches, targets, self.context, backward=False

@@ -32,7 +32,7 @@ from autopar.models.qwen import (
 )
 from autopar.models.qwen import initial_value as dense_initial_value
 from autopar.models.qwen3_5.gated_deltanet import GatedDeltaNet
-from autopar.models.qwen3_5.mtp import MTPHead, MTPMode, NextTokens
+from autopar.models.qwen3_5.mtp import MTPHead, MTPMode, NextTokens, keep_mask
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -197,30 +197,47 @@ class Qwen35(Qwen):
         experts' routing statistics added to the trunk's. "detached": the head's loss trains
         only the head (``mtp_logits_from``). ``upcoming``: the next tokens as built on the
         whole sequences, when ``tokens`` are only a part of them (context parallel); None:
-        ``NextTokens.of(tokens, documents)``."""
+        ``NextTokens.of(tokens, documents)``.
+
+        A pipeline stage (no ``lm_head``, or no ``embed_tokens``) passes on its hidden states
+        and the embeddings of the next tokens stacked as one (2B, S, H) tensor: the head on
+        the last stage reads the embedding that only the first holds, and its gradient flows
+        back through every stage to it, as on one device."""
         if mtp == "off":
             return super().forward(tokens, routing, positions=positions, documents=documents)
-        if upcoming is None:
-            upcoming = NextTokens.of(tokens, documents)
-        both = self.embed_tokens(torch.cat([tokens, upcoming.ids]))  # (2B, S, H)
+        if self.embed_tokens is None:  # a later pipeline stage: the stacked states passed on
+            both, keep = tokens, keep_mask(documents)  # (2B, S, H), (B, S)
+        else:
+            upcoming = NextTokens.of(tokens, documents) if upcoming is None else upcoming
+            both = self.embed_tokens(torch.cat([tokens, upcoming.ids]))  # (2B, S, H)
+            keep = upcoming.keep
         embedded, next_embedded = both.chunk(2)  # each (B, S, H)
         hidden, routing = self.decode(embedded, routing, positions=positions, documents=documents)
+        if self.lm_head is None:  # a pipeline stage before the last
+            return self._with_routing(torch.cat([hidden, next_embedded]), routing, hidden)  # (2B, S, H)
         detach = mtp == "detached"
         head_hidden, head_routing = self._head_hidden(
-            hidden, next_embedded, upcoming.keep, positions, documents, detach
+            hidden, next_embedded, keep, positions, documents, detach
         )
         if detach:  # the output head's weight learns from the main loss only
             logits = self.lm_head(hidden)  # (B, S, V)
             head_logits = self._head().detached_output(head_hidden, self.lm_head.weight)  # (B, S, V)
         else:  # one call of the output head for both, so FSDP sees one use of its weight
             logits, head_logits = self.lm_head(torch.cat([hidden, head_hidden])).chunk(2)  # each (B, S, V)
-        if not self.args.moe:
-            return logits, head_logits
         if head_routing is not None:
             routing = head_routing if routing is None else routing + head_routing
+        return self._with_routing(logits, routing, hidden), head_logits
+
+    def _with_routing(
+        self, out: torch.Tensor, routing: torch.Tensor | None, hidden: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``out``, and for a mixture of experts its routing statistics (B, 2, E) (zeros where
+        no expert ran yet), as ``Qwen.forward`` returns them."""
+        if not self.args.moe:
+            return out
         if routing is None:
             routing = hidden.new_zeros(hidden.shape[0], 2, self.args.num_experts, dtype=torch.float32)
-        return (logits, routing), head_logits
+        return out, routing
 
     def mtp_logits(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """The head's logits (B, S-1, V) for tokens (B, S): position i predicts token i+2 from

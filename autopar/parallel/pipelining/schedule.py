@@ -24,22 +24,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-from torch.distributed.tensor import DTensor
 
 from autopar.config.errors import ConfigError
 from autopar.config.sections import Parallelism
 from autopar.data.loader import Batch
 from autopar.models.args import ModelArgs
-from autopar.models.qwen import split_output
 from autopar.parallel.pipelining.split import StageStyle, check_split, even_split, stage_ids
+from autopar.parallel.pipelining.stage_loss import BalanceFn, LossFn, StageHead, StageLoss, flat_head_output
 from autopar.parallel.torch_internals import keep_donated_buffers
 from autopar.parallel.world import by_mesh
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""(logits, labels) -> summed token loss."""
-BalanceFn = Callable[[torch.Tensor], torch.Tensor]
-"""A mixture of experts' routing statistics (B, 2, E) -> its load-balancing loss summed over
-the sequences."""
 MicroBatchContext = Callable[[Batch], contextlib.AbstractContextManager[tuple[Batch, "torch.Tensor | None"]]]
 """Full micro-batch -> context giving (this rank's part of it, its RoPE positions or None)."""
 
@@ -253,33 +247,6 @@ def check_pipeline(cfg: Parallelism, args: ModelArgs, local_batch_size: int) -> 
     check_schedule(cfg, len(stage_modules(cfg, args)), local_batch_size // mbs)
 
 
-class StageLoss:
-    """What the last stage's schedule backpropagates per micro-batch: the token loss sum
-    (a DTensor from vocab-parallel loss made plain, as the schedule's backward expects) and,
-    for a mixture of experts, ``coef`` x its load-balancing loss x ``balance_weight`` (the
-    step's targets over its sequences, since gradients are divided by the targets later).
-    ``parts`` keeps each call's (token loss, balance loss) for the step's log."""
-
-    def __init__(self, loss_fn: LossFn, balance_fn: BalanceFn | None = None, coef: float = 0.0) -> None:
-        self.loss_fn = loss_fn
-        self.balance_fn = balance_fn
-        self.coef = coef
-        self.balance_weight = torch.ones(())
-        self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def __call__(
-        self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor
-    ) -> torch.Tensor:
-        logits, routing = split_output(output)
-        value = self.loss_fn(logits, labels)
-        value = value.full_tensor() if isinstance(value, DTensor) else value
-        balance = torch.zeros((), device=value.device)
-        if routing is not None and self.balance_fn is not None:
-            balance = self.balance_fn(routing)
-        self.parts.append((value.detach(), balance.detach()))
-        return value + self.coef * balance * self.balance_weight
-
-
 @dataclass
 class Pipeline:
     schedule: object
@@ -311,19 +278,25 @@ def build_pipeline(
     stage_io: list[StageIO] | None = None,
     balance_fn: BalanceFn | None = None,
     balance_coef: float = 0.0,
+    head: StageHead | None = None,
 ) -> Pipeline:
     """The schedule that runs this rank's ``parts`` (stages ``stage_ids``) with ``loss_fn``
-    (and a mixture of experts' ``balance_fn`` weighted by ``balance_coef``).
+    (and a mixture of experts' ``balance_fn`` weighted by ``balance_coef``, and a second
+    output ``head``).
     ``stage_io``: example tensors per part, for process groups that cannot exchange shapes at
     the first step (the dry run's fake group); by default torch infers them."""
     examples = stage_io or [{}] * len(parts)
+    if head is not None:
+        for part, sid in zip(parts, stage_ids, strict=True):
+            if sid == total_stages - 1:
+                part.register_forward_hook(flat_head_output)
     stages = [
         PipelineStage(part, sid, total_stages, device, group=pp_mesh.get_group(), **io)
         for part, sid, io in zip(parts, stage_ids, examples, strict=True)
     ]
     cls = get_schedule_class(schedule_name(cfg))
     n_micro = local_batch_size // cfg.pipeline_parallel_microbatch_size
-    loss = StageLoss(loss_fn, balance_fn, balance_coef)
+    loss = StageLoss(loss_fn, balance_fn, balance_coef, head)
     if issubclass(cls, PipelineScheduleSingle):
         schedule = cls(stages[0], n_microbatches=n_micro, loss_fn=loss, scale_grads=False)
     else:
@@ -348,15 +321,21 @@ def pipeline_forward_backward(
     micro_batch_context: MicroBatchContext,
     backward: bool = True,
     global_sequences: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    global_head_targets: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run every micro-step through the schedule, then divide the gradients by
     ``global_targets``; returns this rank's share of the step's token loss (the last stage's
-    losses over the global targets, zero elsewhere) and of its load-balancing loss (over the
-    ``global_sequences``). Without ``backward``, the schedule runs forward only (a held-out
-    loss)."""
+    losses over the global targets, zero elsewhere), of its load-balancing loss (over the
+    ``global_sequences``) and the second head's (summed loss, accepted targets) (zeros
+    without one; its targets, ``global_head_targets``, in the batches' labels (B, S, 2)).
+    Without ``backward``, the schedule runs forward only (a held-out loss)."""
     total = torch.zeros((), device=global_targets.device)
     balance = torch.zeros((), device=global_targets.device)
+    head = torch.zeros(2, device=global_targets.device)
     pipeline.loss.balance_weight = global_targets / global_sequences
+    if global_head_targets is not None:
+        pipeline.loss.head_weight = global_targets / global_head_targets.clamp(min=1)
+    flags = pipeline.loss.head.forward_flags if pipeline.loss.head is not None else {}
     for full_batch in batches:
         losses: list[torch.Tensor] = []
         pipeline.loss.parts.clear()
@@ -364,20 +343,21 @@ def pipeline_forward_backward(
             args = (batch.inputs,) if pipeline.has_first else ()
             target = batch.labels if pipeline.has_last else None
             extra = {"positions": positions, "documents": batch.documents}
-            kwargs = {name: value for name, value in extra.items() if value is not None}
+            kwargs = {name: value for name, value in extra.items() if value is not None} | flags
             # return_outputs=False: the last stage keeps no logits of finished micro-batches
             run = pipeline.schedule.step if backward else pipeline.schedule.eval
             with _compiled_backward_context(pipeline):
                 run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         # the micro-batches' own calls are the last ones (torch may first call the loss to
         # infer gradient shapes)
-        for value, aux in pipeline.loss.parts[-pipeline.n_micro :] if pipeline.has_last else []:
+        for value, aux, head_sums in pipeline.loss.parts[-pipeline.n_micro :] if pipeline.has_last else []:
             total += value
             balance += aux
+            head += head_sums
     balance = balance / global_sequences
     if not backward:
-        return total / global_targets, balance
+        return total / global_targets, balance, head
     grads = (p.grad for part in pipeline.parts for p in part.parameters() if p.grad is not None)
     for group in by_mesh(grads):
         torch._foreach_div_(group, global_targets)  # a device tensor: no host sync
-    return total / global_targets, balance
+    return total / global_targets, balance, head

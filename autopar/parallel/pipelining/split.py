@@ -18,6 +18,9 @@ from autopar.config.errors import ConfigError
 
 HEAD = ("norm", "lm_head")
 EMBEDDING = "embed_tokens"
+BESIDE_HEAD = ("mtp",)
+"""Modules a model may have that read the output head's input and weight (Qwen3.5's
+multi-token-prediction head): they go where ``lm_head`` goes, so a split never names them."""
 StageStyle = Literal["loop", "v"]
 
 
@@ -100,11 +103,15 @@ def stage_ids(pp_rank: int, pp_size: int, num_stages: int, style: StageStyle) ->
 
 
 def prune(model: nn.Module, keep: list[str]) -> nn.Module:
-    """A copy of the (meta-device) ``model`` holding only the modules in ``keep``."""
+    """A copy of the (meta-device) ``model`` holding only the modules in ``keep`` (and, with
+    ``lm_head``, those ``BESIDE_HEAD``)."""
     stage = copy.deepcopy(model)
     kept = set(keep)
     for name in [EMBEDDING, *HEAD]:
         if name not in kept:
+            setattr(stage, name, None)
+    for name in BESIDE_HEAD:
+        if getattr(stage, name, None) is not None and "lm_head" not in kept:
             setattr(stage, name, None)
     for i in list(stage.layers.keys()):
         if f"layers.{i}" not in kept:
