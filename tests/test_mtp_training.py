@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from test_mtp_float8 import FSDP_CASES as FP8_FSDP_CASES
+from test_mtp_float8 import HEAVY_CASES as FP8_HEAVY_CASES
 
 from autopar.cli.parity import Case, plan_job, run_cases
 from autopar.cli.spawn import run_on_ranks
@@ -233,7 +235,19 @@ REFUSALS = [
         (*HEAD, "--mtp.detach", "true", "--lora.enable", "true", "--lora.target_modules", "q_proj,lm_head"),
         "mtp.detach=true with lm_head in lora.target_modules",
     ),
-    ((*HEAD, "--float8.enable", "true"), "float8.enable=true with mtp.enable"),
+    (
+        (
+            *HEAD,
+            "--mtp.detach",
+            "true",
+            "--float8.enable",
+            "true",
+            "--float8.filter_fqns=",
+            "--float8.enable_fsdp_float8_all_gather",
+            "true",
+        ),
+        "mtp.detach=true with float8.enable_fsdp_float8_all_gather=true and lm_head in FP8",
+    ),
     (
         (*HEAD, "--mtp.detach", "true", "--parallelism.fsdp_reshard_after_forward", "always"),
         "mtp.detach=true with parallelism.fsdp_reshard_after_forward='always'",
@@ -285,6 +299,7 @@ FSDP_CASES = {
     "fsdp-only": (("--mtp.only", "true"), {}, "dp_shard=2"),
     "fsdp-ac": ((), {}, f"dp_shard=2,{ac_flags('full', 'op')}"),
     "fsdp-lora": (LORA, {}, "dp_shard=2"),
+    **FP8_FSDP_CASES,  # FP8 with the head (test_mtp_float8.py)
     "tp": (CHAT, {"vocab_size": CHAT_VOCAB}, "tp=2"),
     "tp-detach": (("--mtp.detach", "true"), {}, "tp=2"),
 }
@@ -309,6 +324,7 @@ HEAVY_CASES = {
         {"tie_word_embeddings": False},
         "pp=2,schedule=ZBVZeroBubble",
     ),
+    **FP8_HEAVY_CASES,  # FP8 with the head (test_mtp_float8.py)
 }
 """A mixture's head (its router in the load-balancing loss), replicated data parallelism, and
 the trunk's blocks compiled (the head runs eager); under tensor parallelism, tied with the head

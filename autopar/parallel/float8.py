@@ -2,8 +2,9 @@
 
 Which linears: every ``nn.Linear`` whose name matches none of ``float8.filter_fqns`` (the
 head by default, whose error would reach the loss directly) and whose dims are multiples
-of 16 (what FP8 GEMMs need). Parameter names do not change, so checkpoints and HF export
-work as in high precision.
+of 16 (what FP8 GEMMs need). Qwen3.5's multi-token-prediction head (``mtp.*``) is converted
+as the trunk: its ``fc`` and its layer's projections, not its router or shared-expert gate.
+Parameter names do not change, so checkpoints and HF export work as in high precision.
 
 What each backend composes with:
 
@@ -72,6 +73,16 @@ def eligible(
         )
 
     return keep_fp8
+
+
+def output_head_in_fp8(cfg: Float8, args: ModelArgs) -> bool:
+    """Whether FP8 converts the output head ``lm_head``: enabled, outside ``filter_fqns``
+    (which holds it by default) and with dims FP8 GEMMs take."""
+    if not cfg.enable:
+        return False
+    with torch.device("meta"):
+        head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+    return eligible(cfg.filter_fqns, family_of(args).high_precision)(head, "lm_head")
 
 
 def check_float8_filter(cfg: Float8, args: ModelArgs) -> None:

@@ -24,6 +24,7 @@ from autopar.data.loader import IGNORE_INDEX, Batch
 from autopar.models.args import ModelArgs
 from autopar.models.hf import head_layers
 from autopar.models.hf_config import HFCheckpointError
+from autopar.parallel.float8 import output_head_in_fp8
 from autopar.parallel.mesh import ParallelDims
 from autopar.training.mtp_loss import mtp_labels
 from autopar.training.mtp_pipeline import check_pipelined_head
@@ -79,7 +80,6 @@ def check_mtp(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
     check_pipelined_head(cfg, dims)
     refused = {
         "training.dataset_format='preference'": job.training.dataset_format == "preference",
-        "float8.enable=true": job.float8.enable,
     }
     for setting, asked in refused.items():
         if asked:
@@ -92,6 +92,23 @@ def check_mtp(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
         raise ConfigError(
             "mtp.detach=true with parallelism.fsdp_reshard_after_forward='always': the detached head "
             "reads the output head's weight after its forward; use 'default' or 'never'"
+        )
+    _check_detached_float8(job, args)
+
+
+def _check_detached_float8(job: JobConfig, args: ModelArgs) -> None:
+    """FP8 converts the head's linears as the trunk's (``fc`` and its layer's projections;
+    ``float8.filter_fqns`` and the family's high-precision ones alike). A detached head
+    multiplies by the output head's bare weight (``DetachedOutput``), outside ``lm_head``'s
+    own forward: in high precision where that weight is a plain tensor, but FSDP's FP8
+    all-gather hands over an FP8 weight that only an FP8 linear can multiply."""
+    fp8 = job.float8
+    if job.mtp.detach and fp8.enable_fsdp_float8_all_gather and output_head_in_fp8(fp8, args):
+        raise ConfigError(
+            "mtp.detach=true with float8.enable_fsdp_float8_all_gather=true and lm_head in FP8 (not in "
+            "float8.filter_fqns): FSDP gathers the output head's weight as an FP8 tensor, which the detached "
+            "head cannot multiply outside lm_head's FP8 linear; add lm_head to float8.filter_fqns (the "
+            "default), set --float8.enable_fsdp_float8_all_gather false, or use --mtp.detach false"
         )
 
 
