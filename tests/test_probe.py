@@ -74,12 +74,22 @@ def test_the_probe_on_cpu_writes_a_profile_whose_figures_are_positive_and_round_
     assert DeviceProfile.from_json(json.loads(path.read_text())) == profile
 
 
-def test_collectives_are_measured_on_two_gloo_ranks_per_op_and_message_size():
-    profile = machine_probe(torch.device("cpu"), 2)
+@pytest.fixture(scope="module")
+def two_rank_profile() -> DeviceProfile:
+    return machine_probe(torch.device("cpu"), 2)
+
+
+def test_collectives_are_measured_on_two_gloo_ranks_per_op_and_message_size(two_rank_profile):
+    profile = two_rank_profile
     assert profile.world_size == 2 and profile.local_world_size == 2
     measured = {(c.op, c.group, c.bytes) for c in profile.collectives}
     assert measured == {(op, 2, size) for op in COLLECTIVES for size in (1 << 16, 1 << 20, 1 << 23)}
     assert all(c.bus_bytes_per_s > 0 and math.isfinite(c.bus_bytes_per_s) for c in profile.collectives)
+
+
+def test_tensor_and_context_parallel_machinery_is_timed_per_op_on_two_ranks(two_rank_profile):
+    plans = dict(two_rank_profile.plan_op_overhead_s)
+    assert set(plans) == {"tp", "cp"} and all(s > 0 and math.isfinite(s) for s in plans.values())
 
 
 def fsdp2(*flags: str):
@@ -198,6 +208,19 @@ def test_the_overhead_term_counts_the_models_own_ops():
     time = predict_time(args, job, dims, spec_from_profile(flat_profile(op_s=1e-5)), 2)
     assert ops_per_micro_batch(args) > 500  # the debug model's forward and backward, counted on meta
     assert time.overhead == pytest.approx(ops_per_micro_batch(args) * 1e-5, rel=1e-9)  # one micro-batch
+
+
+def test_a_plan_pays_the_per_op_overhead_probed_for_its_machinery():
+    job, args, _ = fsdp2()
+    profile = dataclasses.replace(flat_profile(op_s=1e-5), plan_op_overhead_s=(("tp", 4e-5), ("cp", 2e-5)))
+    device, ops = spec_from_profile(profile), ops_per_micro_batch(args)
+
+    def overhead(dims: ParallelDims) -> float:
+        return predict_time(args, job, dims, device, 2).overhead
+
+    assert overhead(ParallelDims(1, 2, 1, 1, 1)) == pytest.approx(ops * 1e-5, rel=1e-9)
+    assert overhead(ParallelDims(1, 1, 1, 2, 1)) == pytest.approx(ops * 4e-5, rel=1e-9)
+    assert overhead(ParallelDims(1, 1, 2, 1, 1)) == pytest.approx(ops * 2e-5, rel=1e-9)
 
 
 class CountingProbe:

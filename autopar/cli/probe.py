@@ -25,7 +25,13 @@ from autopar.cli.spawn import run_on_ranks
 from autopar.config import ConfigError
 from autopar.config.checks import check_output_file
 from autopar.planner.machine import cache_path
-from autopar.planner.probe import CPU_MESSAGES, CUDA_MESSAGES, probe_collectives, run_probe
+from autopar.planner.probe import (
+    CPU_MESSAGES,
+    CUDA_MESSAGES,
+    probe_collectives,
+    probe_plan_overheads,
+    run_probe,
+)
 from autopar.planner.profile import COLLECTIVES, DeviceProfile, gemm_shapes
 from autopar.training.resolve import model_args, parse_job
 
@@ -86,6 +92,9 @@ def describe(profile: DeviceProfile) -> str:
     lines.append(f"  elementwise     {profile.memory_bytes_per_s / 1e9:8.1f} GB/s")
     host = "n/a (CPU)" if profile.host_bytes_per_s is None else f"{profile.host_bytes_per_s / 1e9:.1f} GB/s"
     lines.append(f"  host -> device  {host}")
+    if profile.op_overhead_s is not None:
+        per_op = [("eager", profile.op_overhead_s), *profile.plan_op_overhead_s]
+        lines.append("  per op          " + ", ".join(f"{plan} {s * 1e6:.1f} us" for plan, s in per_op))
     for op in COLLECTIVES:
         best = [c for c in profile.collectives if c.op == op]
         if best:
@@ -96,15 +105,16 @@ def describe(profile: DeviceProfile) -> str:
     return "\n".join(lines)
 
 
-def _collectives_on_rank() -> list:
-    """This rank's part of the collectives probe (``run_on_ranks`` has joined the group)."""
+def _collectives_on_rank() -> tuple[list, tuple]:
+    """This rank's part of the collectives probe and of the plans' per-op overheads
+    (``run_on_ranks`` has joined the group)."""
     device = (
         torch.device("cuda", torch.cuda.current_device())
         if torch.cuda.is_available()
         else torch.device("cpu")
     )
     messages = CUDA_MESSAGES if device.type == "cuda" else CPU_MESSAGES
-    return probe_collectives(device, messages, COLLECTIVES)
+    return probe_collectives(device, messages, COLLECTIVES), probe_plan_overheads(device)
 
 
 def machine_probe(device: torch.device, local_world: int) -> DeviceProfile:
@@ -114,8 +124,10 @@ def machine_probe(device: torch.device, local_world: int) -> DeviceProfile:
     profile = run_probe(device, local_world=local_world)
     if local_world < 2:
         return profile
-    points = run_on_ranks(_collectives_on_rank, local_world, timeout_s=300)[0]
-    return dataclasses.replace(profile, collectives=tuple(points), world_size=local_world)
+    points, overheads = run_on_ranks(_collectives_on_rank, local_world, timeout_s=300)[0]
+    return dataclasses.replace(
+        profile, collectives=tuple(points), plan_op_overhead_s=overheads, world_size=local_world
+    )
 
 
 def main(argv: list[str]) -> int:

@@ -55,12 +55,15 @@ def ops_per_micro_batch(args: ModelArgs) -> int:
     return count_ops(forward_backward(model, torch.device("meta")))
 
 
-def overhead_seconds(args: ModelArgs, job: JobConfig, device: DeviceSpec, block_passes: float) -> float:
+def overhead_seconds(
+    args: ModelArgs, job: JobConfig, device: DeviceSpec, block_passes: float, tp: int = 1, cp: int = 1
+) -> float:
     """This rank's ops per step (``block_passes``: its stage's blocks times its micro-batches,
-    each a forward and backward) at the measured seconds per op (``PRESET_OP_SECONDS`` for a
-    preset), ``COMPILED_OP_SHARE`` of them when compiled."""
+    each a forward and backward) at the measured seconds per op (under ``tp`` or ``cp`` > 1 the
+    figure the probe timed for that plan; ``PRESET_OP_SECONDS`` for a preset),
+    ``COMPILED_OP_SHARE`` of them when compiled."""
     profile = device.profile
-    seconds = PRESET_OP_SECONDS if profile is None else profile.op_overhead_s
+    seconds = PRESET_OP_SECONDS if profile is None else profile.op_overhead(tp, cp)
     if seconds is None:
         return 0.0
     ops = ops_per_micro_batch(args) * block_passes / args.num_hidden_layers

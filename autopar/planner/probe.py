@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from autopar.models.args import ModelArgs
 from autopar.models.qwen import split_output
@@ -165,6 +166,61 @@ def probe_op_overhead(device: torch.device) -> float:
     run = forward_backward(model, device)
     ops = count_ops(run)
     return timed(run, device) / ops
+
+
+PLAN_OVERHEADS = ("tp", "cp")
+"""Plans whose own machinery (DTensor dispatch and its collectives, CP's attention mode and
+k/v all-gathers) the probe times per op, on pairs of ranks."""
+
+
+def probe_plan_overheads(device: torch.device) -> tuple[tuple[str, float], ...]:
+    """Seconds per model op of the reference model's forward and backward on 8 tokens split
+    by each of ``PLAN_OVERHEADS`` over pairs of ranks (training's own TP plan with sequence
+    parallel; the CP context of this device): what a plan pays per op beyond eager's, with
+    compute still negligible. Every rank calls; the slowest pair's figure; none on an odd
+    world."""
+    from autopar.config.sections import Parallelism
+    from autopar.data.loader import Batch
+    from autopar.models.family import build_model
+    from autopar.parallel.context_parallel import ContextParallel
+    from autopar.parallel.tensor_parallel import apply_tp
+
+    world = dist.get_world_size()
+    if world % 2:
+        return ()
+    pairs = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("pairs", "plan"))["plan"]
+    args = reference_args()
+    ops = count_ops(forward_backward(build_model(args).to(device), device))
+    ids = torch.zeros(1, 8, dtype=torch.long, device=device)
+    seconds = []
+    for plan in PLAN_OVERHEADS:
+        torch.manual_seed(0)  # the same weights on both ranks
+        with torch.device(device):
+            model = build_model(args)
+        if plan == "tp":
+            apply_tp(model, pairs, args, sequence_parallel=True, loss_parallel=False)
+            run = forward_backward(model, device)
+        else:
+            run = _context_parallel_pass(
+                model, ContextParallel(Parallelism(), pairs, device.type), Batch(ids, ids)
+            )
+        slowest = torch.tensor([timed(run, device)], device=device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        seconds.append((plan, slowest.item() / ops))
+    return tuple(seconds)
+
+
+def _context_parallel_pass(model: torch.nn.Module, cp, batch) -> Callable[[], None]:
+    """``forward_backward`` with the batch split by ``cp`` and attention spanning its ranks."""
+
+    def run() -> None:
+        with cp(batch) as (local, positions):
+            logits, _ = split_output(model(local.inputs, positions=positions))
+            logits.float().sum().backward()
+        for p in model.parameters():
+            p.grad = None
+
+    return run
 
 
 def group_sizes(world_size: int) -> list[int]:
@@ -322,6 +378,7 @@ def run_probe(
         attention=tuple(probe_attention(device, probe_dtypes(device), attention)),
         recurrence=tuple(probe_recurrence(device, probe_dtypes(device), job_recurrence)),
         collectives=tuple(probe_collectives(device, messages, collectives)) if grouped else (),
+        plan_op_overhead_s=probe_plan_overheads(device) if grouped and collectives else (),
     )
 
 

@@ -117,6 +117,9 @@ class DeviceProfile:
     op_overhead_s: float | None = None  # eager seconds per aten op beside its compute
     attention: tuple[AttentionPoint, ...] = ()
     recurrence: tuple[RecurrencePoint, ...] = ()
+    plan_op_overhead_s: tuple[tuple[str, float], ...] = ()
+    """(plan, seconds per model op) under a plan's own machinery ("tp", "cp"), timed on two
+    ranks; a plan without one pays ``op_overhead_s``."""
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -133,6 +136,7 @@ class DeviceProfile:
         fields["collectives"] = tuple(CollectivePoint(**p) for p in record.get("collectives", ()))
         fields["attention"] = tuple(AttentionPoint(**p) for p in record.get("attention", ()))
         fields["recurrence"] = tuple(RecurrencePoint(**p) for p in record.get("recurrence", ()))
+        fields["plan_op_overhead_s"] = tuple((str(k), v) for k, v in record.get("plan_op_overhead_s", ()))
         profile = cls(**fields)
         profile.check()
         return profile
@@ -147,6 +151,7 @@ class DeviceProfile:
         figures |= {f"{c.op} group {c.group} {c.bytes} B": c.bus_bytes_per_s for c in self.collectives}
         figures |= {f"attention {a.dtype} seq {a.seq}": a.flops_per_s for a in self.attention}
         figures |= {f"recurrence {r.dtype} seq {r.seq}": r.flops_per_s for r in self.recurrence}
+        figures |= {f"plan_op_overhead_s {plan}": s for plan, s in self.plan_op_overhead_s}
         for name, value in figures.items():
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} is {value!r}, not a positive number")
@@ -196,6 +201,13 @@ class DeviceProfile:
         chosen = [(c.bytes, c.bus_bytes_per_s) for c in points if c.group == size]
         at = message_bytes if message_bytes is not None else max(b for b, _ in chosen)
         return _interpolate(chosen, at)
+
+    def op_overhead(self, tp: int, cp: int) -> float | None:
+        """Seconds per op of a plan with these degrees: under TP or CP their measured figure
+        (the larger when both), else eager's."""
+        plans = dict(self.plan_op_overhead_s)
+        under = [plans[p] for p, degree in (("tp", tp), ("cp", cp)) if degree > 1 and p in plans]
+        return max(under) if under else self.op_overhead_s
 
     @property
     def peak_flops(self) -> float:

@@ -240,7 +240,7 @@ def predict_time(
         + first_gather
     )
     memory_bound = memory_bound_seconds(args, job, device, step.z, step.layers * step.micro_batches)
-    overhead = overhead_seconds(args, job, device, step.layers * step.micro_batches)
+    overhead = overhead_seconds(args, job, device, step.layers * step.micro_batches, dims.tp, dims.cp)
     bubble = 0.0
     if pipelined:
         bubble = bubble_fraction(schedule_name(job.parallelism), dims.pp, n_micro, stages_per_rank)
