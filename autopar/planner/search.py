@@ -274,9 +274,9 @@ def _pipeline_choices(space: _Space, args: ModelArgs, pp: int) -> list[tuple[str
     for schedule, micro in itertools.product(
         space.options("schedule", SCHEDULES), space.options("microbatch", MICRO_BATCHES)
     ):
-        splits = [None]
+        splits: list[int | None] = [None]
         if SCHEDULE_STYLES[schedule].stages_per_rank is None:
-            splits += [n for n in _layers_per_stage(space, args, pp) if n is not None]
+            splits += _layers_per_stage(space, args, pp)
         for per_stage in space.options("layers_per_stage", splits):
             choices.append((schedule, micro, per_stage))
     return choices

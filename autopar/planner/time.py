@@ -211,7 +211,6 @@ def predict_time(
         layers=args.num_hidden_layers / dims.pp,
         linear_layers=_linear_layers(args) / dims.pp,
         moe_layers=sum(args.is_moe_layer(i) for i in range(args.num_hidden_layers)),
-        num_layers=args.num_hidden_layers,
         rate=compute_rate(job, device, args, dims, micro),
         z=sizes(args, job, dims, micro, "ring", c),
     )
@@ -266,7 +265,6 @@ class _Step:
     layers: float  # blocks per pipeline rank
     linear_layers: float  # of them, Gated DeltaNets
     moe_layers: int  # of the whole model
-    num_layers: int  # of the whole model
     rate: float  # FLOP/s
     z: Sizes
 
@@ -435,7 +433,7 @@ def _data_parallel_comm(
     comm: dict[str, float] = {}
     fsdp = dims.dp_shard * dims.cp
     unsharded = _rank_params(args, job, dims)
-    gathers = _whole_gathers(job, dims, step)
+    gathers = _whole_gathers(job, dims, step, args.num_hidden_layers)
     reductions = micro_steps(job, dims)  # a pipeline syncs gradients after its last micro-batch
     if fsdp > 1:
         # each weight moves over its own FSDP group: experts' over the data ranks EP left
@@ -467,7 +465,7 @@ def _data_parallel_comm(
     return comm, host_optimizer
 
 
-def _whole_gathers(job: JobConfig, dims: ParallelDims, step: _Step) -> float:
+def _whole_gathers(job: JobConfig, dims: ParallelDims, step: _Step, num_layers: int) -> float:
     """How many times a step gathers the rank's whole weights: each micro-batch's forward
     and backward when blocks reshard after forward, once per micro-step otherwise; a
     pipeline keeps its stages gathered across micro-batches, but a rank with more stages
@@ -477,7 +475,7 @@ def _whole_gathers(job: JobConfig, dims: ParallelDims, step: _Step) -> float:
     if dims.pp == 1:
         return float(micro_steps(job, dims))
     name = schedule_name(job.parallelism)
-    stages = num_stages(job.parallelism, step.num_layers)
+    stages = num_stages(job.parallelism, num_layers)
     n_micro = job.training.local_batch_size // job.parallelism.pipeline_parallel_microbatch_size
     gathers = rank_stage_gathers(name, dims.pp, stages, n_micro, 0)
     return micro_steps(job, dims) * gathers / (stages // dims.pp)

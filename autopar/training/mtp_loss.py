@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from autopar.config.sections import JobConfig
 from autopar.data.loader import IGNORE_INDEX, Batch
-from autopar.models.qwen3_5.mtp import MTPMode, NextTokens
+from autopar.models.qwen3_5.mtp import MTPMode, NextTokens, keep_mask
 from autopar.training.loss import token_loss_sum
 
 
@@ -31,10 +31,10 @@ def mtp_labels(labels: torch.Tensor, documents: torch.Tensor | None = None) -> t
     shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
     if documents is None:
         return shifted
-    same = documents[:, 1:] == documents[:, :-1]  # (B, S-1): token i+1 in token i's document
-    two_ahead = torch.cat([same[:, 1:], torch.ones_like(same[:, :1])], dim=1)  # token i+2 in i+1's
-    keep = torch.cat([same & two_ahead, torch.zeros_like(same[:, :1])], dim=1)  # (B, S)
-    return shifted.masked_fill(~keep, IGNORE_INDEX)
+    next_in = keep_mask(documents)  # (B, S): token i+1 in token i's document, False at the end
+    # token i+2 in token i+1's (the last two positions left to the labels and to next_in)
+    two_ahead = torch.cat([next_in[:, 1:-1], torch.ones_like(next_in[:, :2])], dim=1)
+    return shifted.masked_fill(~(next_in & two_ahead), IGNORE_INDEX)
 
 
 class HeadSequences(NamedTuple):
