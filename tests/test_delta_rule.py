@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from autopar.models.qwen3_5.delta_rule import (
+    LOG_DECAY_FLOOR,
     SEGMENT,
+    _decay,
     delta_rule_map,
     gated_delta_rule,
     reference_gated_delta_rule,
@@ -50,6 +52,26 @@ def test_chunked_kernel_equals_the_recurrence_token_by_token(seqlen):
     x = inputs(seqlen)
     ours, reference = gated_delta_rule(*x), reference_gated_delta_rule(*x)
     # fp32 both ways; the chunk form sums in another order: measured <= 3e-7 in values
+    torch.testing.assert_close(ours, reference, rtol=0, atol=1e-5)
+    for mine, theirs in zip(grads(ours, x), grads(reference, x)):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_decays_below_the_floor_are_zero_not_subnormal():
+    # a trained model's long-range decays: exp(-200) is subnormal in fp32, and x86 matmuls and
+    # solves that meet one slow down several times
+    log_decay = torch.linspace(-200.0, 0.0, 2001)
+    decay = _decay(torch.ones_like(log_decay, dtype=torch.bool), log_decay)
+    tiny = torch.finfo(torch.float32).tiny
+    assert not ((decay > 0) & (decay < tiny)).any()
+    above = log_decay > LOG_DECAY_FLOOR
+    torch.testing.assert_close(decay[above], log_decay[above].exp(), rtol=0, atol=0)
+    assert (decay[~above] == 0).all()
+
+
+def test_strong_decay_still_equals_the_recurrence_token_by_token():
+    x = inputs(150, decay=8.0)  # a chunk's decays span exp(0) to exp(-500)
+    ours, reference = gated_delta_rule(*x), reference_gated_delta_rule(*x)
     torch.testing.assert_close(ours, reference, rtol=0, atol=1e-5)
     for mine, theirs in zip(grads(ours, x), grads(reference, x)):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)

@@ -21,6 +21,7 @@ from autopar.planner.search import TIE, candidates, evaluate, no_fit_message, ra
 from autopar.planner.time import (
     block_forward_flops,
     bubble_fraction,
+    busiest_stage_rank,
     compute_rate,
     link_bytes_per_s,
     predict_time,
@@ -207,6 +208,38 @@ def test_a_pipeline_gathers_fsdp_weights_once_per_step_however_many_micro_batche
     few, many = comm(4), comm(16)
     assert few["fsdp"] == pytest.approx(many["fsdp"])  # torch syncs the stage after its last micro-batch
     assert many["pp"] == pytest.approx(4 * few["pp"])  # the sends do scale
+
+
+def debug_pipeline(schedule: str, *flags: str):
+    job = parse_job([
+        "--job.config", "debug_model", "--parallelism.pipeline_parallel_degree=2",
+        f"--parallelism.pipeline_parallel_schedule={schedule}", "--training.local_batch_size=8",
+        "--parallelism.pipeline_parallel_microbatch_size=2", *flags,
+    ])  # fmt: skip
+    return job, model_args(job)
+
+
+def test_a_v_schedules_rank_holding_three_of_four_blocks_is_priced_for_three():
+    # the embedding and the head count as a layer each: stages [embed, 0], [1, 2], [3], [head];
+    # V pairs stage 0 with 3 (one block and the head) and 1 with 2 (three blocks)
+    zbv, args = debug_pipeline("ZBVZeroBubble")
+    loop, _ = debug_pipeline("1F1B")
+    assert busiest_stage_rank(args, zbv, 2).layers == 3 and busiest_stage_rank(args, loop, 2).layers == 2
+    dims = ParallelDims(1, 1, 1, 1, 2)
+    ratio = predict_time(args, zbv, dims, H100, 8).compute / predict_time(args, loop, dims, H100, 8).compute
+    blocks = [block_forward_flops(args, zbv.training.seq_len) / args.num_hidden_layers] * 4  # all equal
+    head = 2 * args.hidden_size * args.vocab_size
+    loop_rank = (2 * blocks[0] + head) / (sum(blocks) + head)  # the second: two blocks and the head
+    assert ratio == pytest.approx(3 * blocks[0] / (sum(blocks) + head) / loop_rank, rel=1e-9)
+
+
+def test_a_zero_bubble_schedule_recomputes_checkpointed_blocks_in_both_backward_passes():
+    flags = ("--parallelism.pipeline_parallel_layers_per_stage=1", "--activation_checkpoint.mode=full")
+    split, args = debug_pipeline("InterleavedZeroBubble", *flags)
+    whole, _ = debug_pipeline("Interleaved1F1B", *flags)
+    dims = ParallelDims(1, 1, 1, 1, 2)
+    once = predict_time(args, whole, dims, H100, 8).recompute
+    assert once > 0 and predict_time(args, split, dims, H100, 8).recompute == pytest.approx(2 * once)
 
 
 def test_bubble_shrinks_with_more_micro_batches_interleaving_and_zero_bubble():

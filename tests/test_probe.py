@@ -21,7 +21,7 @@ from autopar.parallel.mesh import ParallelDims
 from autopar.planner.auto import auto_job
 from autopar.planner.devices import PRESETS
 from autopar.planner.machine import spec_from_profile
-from autopar.planner.measured import ops_per_micro_batch
+from autopar.planner.measured import ops_per_micro_batch, optimizer_seconds
 from autopar.planner.memory import meta_model
 from autopar.planner.probe import probe_recurrence, run_probe
 from autopar.planner.profile import (
@@ -30,8 +30,10 @@ from autopar.planner.profile import (
     CollectivePoint,
     DeviceProfile,
     MatmulPoint,
+    ModelStepPoint,
     RecurrencePoint,
     load_profile,
+    model_key,
 )
 from autopar.planner.time import StepTime, compute_rate, predict_time, tokens_per_step
 from autopar.training.metrics import delta_rule_flops, flops_per_token
@@ -71,6 +73,11 @@ def test_the_probe_on_cpu_writes_a_profile_whose_figures_are_positive_and_round_
     # heads of 32) and its vocabulary head (512)
     shapes = {(p.m, p.n, p.k) for p in profile.matmul}
     assert {(512, 512, 128), (512, 128, 256)} <= shapes
+    # and the job's whole model, a step of 4 of its 8 sequences, in the float32 a CPU trains in
+    (step,) = profile.model_steps
+    args = model_args(debug_job("--training.seq_len", "64"))
+    assert profile.model_step(args, "float32") == step and (step.batch, step.seq) == (4, 64)
+    assert 0 < step.seconds < 10
     assert DeviceProfile.from_json(json.loads(path.read_text())) == profile
 
 
@@ -138,6 +145,49 @@ def test_a_hybrid_models_recurrence_runs_at_the_measured_delta_rule_rate():
     recurrence = linear * delta_rule_flops(args)  # per token, at 1e9 FLOP/s; the rest at 1e11
     per_token = (flops_per_token(args, 512, False) - recurrence) / 1e11 + recurrence / 1e9
     assert time.compute == pytest.approx(per_token * tokens_per_step(job, dims) / 2, rel=1e-9)
+
+
+def test_attention_runs_at_the_rate_timed_at_its_own_sequence_length():
+    # equal FLOPs, different kernels' speeds: one sequence of 1024 and four of 512
+    fast, slow = AttentionPoint("float32", 1, 8, 1024, 32, 4e10), AttentionPoint("float32", 4, 8, 512, 32, 1e10)
+    profile = dataclasses.replace(flat_profile(), attention=(fast, slow))
+    assert fast.flops == slow.flops
+    assert profile.attention_flops_per_s("float32", slow.flops, 512) == 1e10
+    assert profile.attention_flops_per_s("float32", slow.flops, 1024) == 4e10
+
+
+def one_rank(*flags: str):
+    job = debug_job("--training.seq_len", "512", "--training.local_batch_size", "4", *flags)
+    return job, model_args(job), ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1)
+
+
+def adamw_seconds(device, args) -> float:
+    """A one-rank step's AdamW traffic (the probe's model step has no optimizer)."""
+    return optimizer_seconds(device, sum(p.numel() for p in meta_model(args).parameters()))
+
+
+@pytest.mark.parametrize("seconds", [0.4, 0.8])
+def test_the_models_timed_step_is_what_the_planner_predicts_for_that_step(seconds):
+    job, args, one = one_rank()
+    point = ModelStepPoint(model_key(args), "float32", 4, 512, seconds)
+    device = spec_from_profile(dataclasses.replace(flat_profile(), model_steps=(point,)))
+    time = predict_time(args, job, one, device, 1)
+    assert time.total - adamw_seconds(device, args) == pytest.approx(seconds, rel=1e-9)
+    # what its GEMMs and dispatch do not explain is elementwise work, which scales with the
+    # bytes a plan's blocks save: twice the sequences, twice the time (within the few bytes
+    # per block that do not grow with the batch)
+    double = predict_time(args, one_rank("--training.local_batch_size", "8")[0], one, device, 1)
+    elementwise = time.memory_bound - adamw_seconds(device, args)
+    assert double.memory_bound - adamw_seconds(device, args) == pytest.approx(2 * elementwise, rel=0.01)
+
+
+def test_another_models_timed_step_leaves_the_measured_bandwidth_in_place():
+    job, args, one = one_rank()
+    other = model_args(debug_job("--model.name", "qwen3.5"))
+    point = ModelStepPoint(model_key(other), "float32", 4, 512, 5.0)
+    timed = spec_from_profile(dataclasses.replace(flat_profile(), model_steps=(point,)))
+    plain = spec_from_profile(flat_profile())
+    assert predict_time(args, job, one, timed, 1) == predict_time(args, job, one, plain, 1)
 
 
 def test_the_probe_times_the_models_own_delta_rule_kernel():

@@ -54,12 +54,17 @@ def _options(argv: list[str]) -> tuple[Path, bool, list[str]]:
     return output, cache, rest
 
 
-def job_shapes(job_argv: list[str]) -> tuple[list, list, list]:
+STEP_BATCH = 4
+"""Sequences in the probe's timed step of the job's whole model (at most the job's local
+batch): enough rows that its elementwise work, not its dispatch, sets the time."""
+
+
+def job_shapes(job_argv: list[str]) -> tuple[list, list, list, tuple | None]:
     """The job's linears (m, n, k), attention (batch, heads, seq, head_dim) and, for a hybrid
-    model, gated delta rule (batch, seq, key heads, value heads, dk, dv) at its micro-batch;
-    none without ``--job.config``."""
+    model, gated delta rule (batch, seq, key heads, value heads, dk, dv) at its micro-batch,
+    and its model step (arguments, batch, seq); none without ``--job.config``."""
     if not any(a.partition("=")[0] == "--job.config" for a in job_argv):
-        return [], [], []
+        return [], [], [], None
     job = parse_job(job_argv)
     args, batch, seq = model_args(job), job.training.local_batch_size, job.training.seq_len
     gemms = sorted({(m, n, k) for m, n, k, _ in gemm_shapes(args, batch * seq)})
@@ -68,7 +73,7 @@ def job_shapes(job_argv: list[str]) -> tuple[list, list, list]:
     recurrence = (
         [(batch, seq, *heads, args.linear_key_head_dim, args.linear_value_head_dim)] if args.hybrid else []
     )
-    return gemms, attention, recurrence
+    return gemms, attention, recurrence, (args, min(batch, STEP_BATCH), seq)
 
 
 def describe(profile: DeviceProfile) -> str:
@@ -90,6 +95,8 @@ def describe(profile: DeviceProfile) -> str:
     for r in profile.recurrence:
         lines.append(f"  delta rule {r.dtype:5} {r.flops_per_s / 1e12:8.3f} TFLOP/s (seq {r.seq}, fwd+bwd)")
     lines.append(f"  elementwise     {profile.memory_bytes_per_s / 1e9:8.1f} GB/s")
+    for m in profile.model_steps:
+        lines.append(f"  job's model     {m.seconds * 1e3:8.1f} ms a step ({m.batch} x {m.seq} tokens, {m.dtype})")
     host = "n/a (CPU)" if profile.host_bytes_per_s is None else f"{profile.host_bytes_per_s / 1e9:.1f} GB/s"
     lines.append(f"  host -> device  {host}")
     if profile.op_overhead_s is not None:
@@ -137,7 +144,7 @@ def main(argv: list[str]) -> int:
     try:
         output, cache, job_argv = _options(argv)
         check_output_file(output, "--output", "device_profile.json")
-        shapes, attention, recurrence = job_shapes(job_argv)
+        shapes, attention, recurrence, step = job_shapes(job_argv)
     except ConfigError as err:
         print(f"probe error: {err}", file=sys.stderr)
         return 2
@@ -148,7 +155,7 @@ def main(argv: list[str]) -> int:
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         profile = run_probe(
-            world.device, shapes, COLLECTIVES if launched else (), local, attention, recurrence
+            world.device, shapes, COLLECTIVES if launched else (), local, attention, recurrence, step
         )
     finally:
         if dist.is_initialized():

@@ -71,14 +71,20 @@ def overhead_seconds(
 
 
 def memory_bound_seconds(
-    args: ModelArgs, job: JobConfig, device: DeviceSpec, z: Sizes, block_passes: float
+    args: ModelArgs,
+    job: JobConfig,
+    device: DeviceSpec,
+    z: Sizes,
+    block_passes: float,
+    bytes_per_s: float | None = None,
 ) -> float:
     """The elementwise work beside the GEMMs: ``MEMORY_PASSES`` over the bytes each block saves
     for backward (``z``: one micro-batch's sizes; ``block_passes`` as in ``overhead_seconds``)
-    at the device's memory bandwidth (measured, or the preset's datasheet figure)."""
+    at ``bytes_per_s`` (``time.elementwise_bytes_per_s``: the rate the job's own model step
+    showed), else the device's memory bandwidth (measured, or the preset's datasheet figure)."""
     saved = sum(block_bytes_no_ac(z, args.layer_kind(i), args.qk_norm) for i in range(args.num_hidden_layers))
     passes = MEMORY_PASSES["compiled" if job.compile.enable else "eager"]
-    return passes * saved * block_passes / args.num_hidden_layers / device.hbm_bytes_per_s
+    return passes * saved * block_passes / args.num_hidden_layers / (bytes_per_s or device.hbm_bytes_per_s)
 
 
 def optimizer_seconds(device: DeviceSpec, params: float) -> float:

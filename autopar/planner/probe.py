@@ -24,8 +24,10 @@ from autopar.planner.profile import (
     CollectivePoint,
     DeviceProfile,
     MatmulPoint,
+    ModelStepPoint,
     RecurrencePoint,
     attention_flops,
+    model_key,
     recurrence_flops,
 )
 
@@ -139,6 +141,34 @@ def forward_backward(model: torch.nn.Module, device: torch.device, tokens: int =
             p.grad = None
 
     return run
+
+
+def probe_model_step(
+    device: torch.device, args: ModelArgs, batch: int, seq: int, dtype: str
+) -> ModelStepPoint | None:
+    """Seconds of one forward, cross-entropy and backward of the job's model (``args``, its
+    weights in ``dtype``) over ``batch`` sequences of ``seq`` tokens; None where it does not
+    fit on the device."""
+    from autopar.models.family import build_model
+
+    try:
+        with torch.device(device):
+            model = build_model(args).to(getattr(torch, dtype))
+        ids = torch.randint(0, args.vocab_size, (batch, seq), device=device)
+
+        def run() -> None:
+            logits, _ = split_output(model(ids))
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten()).backward()
+            for p in model.parameters():
+                p.grad = None
+
+        seconds = timed(run, device, repeats=3)
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return ModelStepPoint(model_key(args), dtype, batch, seq, seconds)
 
 
 def count_ops(fn: Callable[[], None]) -> int:
@@ -352,10 +382,13 @@ def run_probe(
     local_world: int = 1,
     job_attention: Iterable[tuple[int, int, int, int]] = (),
     job_recurrence: Iterable[tuple[int, int, int, int, int, int]] = (),
+    job_step: tuple[ModelArgs, int, int] | None = None,
 ) -> DeviceProfile:
     """The profile of ``device``: matmuls at the probe's squares and ``job_shapes``, attention
     at the probe's shapes and ``job_attention``, memory and host bandwidth, per-op overhead,
-    and ``collectives`` when a process group is initialised (every rank calls)."""
+    the job's whole model step (``job_step``: its arguments, batch and sequence length, in
+    the dtype it computes in here), and ``collectives`` when a process group is initialised
+    (every rank calls)."""
     attention = sorted(set(CUDA_ATTENTION if device.type == "cuda" else CPU_ATTENTION) | set(job_attention))
     squares = CUDA_SQUARES if device.type == "cuda" else CPU_SQUARES
     shapes = sorted({(s, s, s) for s in squares} | set(job_shapes))
@@ -379,7 +412,18 @@ def run_probe(
         recurrence=tuple(probe_recurrence(device, probe_dtypes(device), job_recurrence)),
         collectives=tuple(probe_collectives(device, messages, collectives)) if grouped else (),
         plan_op_overhead_s=probe_plan_overheads(device) if grouped and collectives else (),
+        model_steps=_model_steps(device, job_step),
     )
+
+
+def _model_steps(device: torch.device, job_step: tuple[ModelArgs, int, int] | None) -> tuple[ModelStepPoint, ...]:
+    """The job's model step in the dtype training computes in on ``device`` (float32 on CPU,
+    bfloat16 on GPUs, as ``training.mixed_precision_param = "auto"`` picks)."""
+    if job_step is None:
+        return ()
+    args, batch, seq = job_step
+    point = probe_model_step(device, args, batch, seq, "bfloat16" if device.type == "cuda" else "float32")
+    return (point,) if point is not None else ()
 
 
 def _driver() -> str | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -89,6 +90,25 @@ def recurrence_flops(tokens: int, value_heads: int, dk: int, dv: int) -> float:
 
 
 @dataclass(frozen=True)
+class ModelStepPoint:
+    """One timed forward, cross-entropy and backward of a job's whole model on one rank, every
+    rank at once as training runs them: what the time model's terms do not itemise (norms,
+    rotary, activations, residuals, the loss, the short convolution and gates of a hybrid
+    model) is what this took beyond its GEMMs, attention, recurrence and dispatch."""
+
+    model: str  # model_key of the model's arguments
+    dtype: str
+    batch: int
+    seq: int
+    seconds: float
+
+
+def model_key(args: ModelArgs) -> str:
+    """A short stable name of a model's architecture, for matching a profile's timed step."""
+    return hashlib.sha1(repr(args).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
 class CollectivePoint:
     """One timed collective over ``group`` consecutive ranks, ``bytes`` the full tensor's size."""
 
@@ -120,6 +140,7 @@ class DeviceProfile:
     plan_op_overhead_s: tuple[tuple[str, float], ...] = ()
     """(plan, seconds per model op) under a plan's own machinery ("tp", "cp"), timed on two
     ranks; a plan without one pays ``op_overhead_s``."""
+    model_steps: tuple[ModelStepPoint, ...] = ()
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -137,6 +158,7 @@ class DeviceProfile:
         fields["attention"] = tuple(AttentionPoint(**p) for p in record.get("attention", ()))
         fields["recurrence"] = tuple(RecurrencePoint(**p) for p in record.get("recurrence", ()))
         fields["plan_op_overhead_s"] = tuple((str(k), v) for k, v in record.get("plan_op_overhead_s", ()))
+        fields["model_steps"] = tuple(ModelStepPoint(**p) for p in record.get("model_steps", ()))
         profile = cls(**fields)
         profile.check()
         return profile
@@ -152,6 +174,7 @@ class DeviceProfile:
         figures |= {f"attention {a.dtype} seq {a.seq}": a.flops_per_s for a in self.attention}
         figures |= {f"recurrence {r.dtype} seq {r.seq}": r.flops_per_s for r in self.recurrence}
         figures |= {f"plan_op_overhead_s {plan}": s for plan, s in self.plan_op_overhead_s}
+        figures |= {f"model step {m.model} seq {m.seq}": m.seconds for m in self.model_steps}
         for name, value in figures.items():
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} is {value!r}, not a positive number")
@@ -175,19 +198,29 @@ class DeviceProfile:
             return exact[0]
         return _interpolate([(p.flops, p.flops_per_s) for p in points], 6.0 * m * n * k)
 
-    def attention_flops_per_s(self, dtype: str, flops: float) -> float | None:
-        """FLOP/s of an attention of ``flops`` (``attention_flops``) in ``dtype`` (bfloat16's
-        for float8, whose attention runs in bf16); None when none was measured."""
+    def attention_flops_per_s(self, dtype: str, flops: float, seq: int | None = None) -> float | None:
+        """FLOP/s of an attention of ``flops`` (``attention_flops``) over ``seq`` keys in
+        ``dtype`` (bfloat16's for float8, whose attention runs in bf16), interpolated among
+        the points timed at that sequence length where there are any (a kernel's rate at one
+        length says little of another's at the same FLOPs); None when none was measured."""
         dtype = "bfloat16" if dtype == "float8" else dtype
-        points = [(a.flops, a.flops_per_s) for a in self.attention if a.dtype == dtype]
-        return _interpolate(points, flops) if points else None
+        points = [a for a in self.attention if a.dtype == dtype]
+        points = [a for a in points if a.seq == seq] or points
+        return _interpolate([(a.flops, a.flops_per_s) for a in points], flops) if points else None
 
-    def recurrence_flops_per_s(self, dtype: str, flops: float) -> float | None:
-        """FLOP/s of a gated delta rule of ``flops`` (``recurrence_flops``) in ``dtype``
-        (bfloat16's for float8); None when none was measured."""
+    def recurrence_flops_per_s(self, dtype: str, flops: float, seq: int | None = None) -> float | None:
+        """FLOP/s of a gated delta rule of ``flops`` (``recurrence_flops``) over sequences of
+        ``seq`` tokens in ``dtype`` (bfloat16's for float8), among the points of that length
+        where there are any; None when none was measured."""
         dtype = "bfloat16" if dtype == "float8" else dtype
-        points = [(r.flops, r.flops_per_s) for r in self.recurrence if r.dtype == dtype]
-        return _interpolate(points, flops) if points else None
+        points = [r for r in self.recurrence if r.dtype == dtype]
+        points = [r for r in points if r.seq == seq] or points
+        return _interpolate([(r.flops, r.flops_per_s) for r in points], flops) if points else None
+
+    def model_step(self, args: ModelArgs, dtype: str) -> ModelStepPoint | None:
+        """The timed step of this model in ``dtype``, if the probe ran its job."""
+        key = model_key(args)
+        return next((m for m in self.model_steps if m.model == key and m.dtype == dtype), None)
 
     def bus_bytes_per_s(self, op: str, group: int, message_bytes: float | None) -> float | None:
         """Bus bandwidth of ``op`` over ``group`` ranks for a tensor of ``message_bytes`` (None:

@@ -33,10 +33,11 @@ rank repeats. These are overhead beside the model FLOPs MFU counts.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from autopar.config.sections import JobConfig
+from autopar.config.sections import JobConfig, Training
 from autopar.models.args import ModelArgs
 from autopar.models.family import family_of
 from autopar.parallel.activation_checkpoint import checkpointed_layers
@@ -44,10 +45,13 @@ from autopar.parallel.float8 import eligible
 from autopar.parallel.fsdp import reshards_blocks
 from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.pipelining.schedule import (
+    SCHEDULE_STYLES,
     num_stages,
     rank_stage_gathers,
     schedule_name,
+    stage_modules,
 )
+from autopar.parallel.pipelining.split import stage_ids
 from autopar.planner.block_bytes import FP32, Sizes, block_bytes_no_ac, block_bytes_op_ac, state_passing
 from autopar.planner.devices import DeviceSpec
 from autopar.planner.hybrid_cp import chain_flops, map_flops_per_token
@@ -59,7 +63,14 @@ from autopar.planner.memory import (
     modules_numel,
     sizes,
 )
-from autopar.planner.profile import DeviceProfile, attention_flops, gemm_rate, gemm_shapes, recurrence_flops
+from autopar.planner.profile import (
+    DeviceProfile,
+    ModelStepPoint,
+    attention_flops,
+    gemm_rate,
+    gemm_shapes,
+    recurrence_flops,
+)
 from autopar.training.metrics import block_matmul_params, delta_rule_flops, flops_per_token
 from autopar.training.preference import runs_reference_forward
 
@@ -182,18 +193,71 @@ def measured_rate(
     attention = 12 * attention_layers * args.num_attention_heads * args.head_dim * seq
     heads = max(1, args.num_attention_heads // dims.tp)
     rank_call = attention_flops(micro, heads, seq, args.head_dim) / dims.cp
-    attention_rate = profile.attention_flops_per_s(dtype, rank_call) or gemm
+    attention_rate = profile.attention_flops_per_s(dtype, rank_call, seq) or gemm
     linear = sum(args.mixer(i) == "linear_attention" for i in range(args.num_hidden_layers))
     recurrence = linear * delta_rule_flops(args) if args.hybrid else 0.0
     value_heads = max(1, args.linear_num_value_heads // dims.tp)
     rank_rule = recurrence_flops(
         micro * seq // dims.cp, value_heads, args.linear_key_head_dim, args.linear_value_head_dim
     )
-    recurrence_rate = profile.recurrence_flops_per_s(dtype, rank_rule) or gemm
+    recurrence_rate = profile.recurrence_flops_per_s(dtype, rank_rule, seq // dims.cp) or gemm
     if runs_reference_forward(job):  # the reference's forward: a third of each again
         attention, recurrence = attention * 4 / 3, recurrence * 4 / 3
     gemms = total - attention - recurrence
     return total / (gemms / gemm + attention / attention_rate + recurrence / recurrence_rate)
+
+
+CALIBRATION_FLOOR = 0.01
+"""The least share of the probe's model step left to the elementwise work, so a step its
+GEMMs and attention already explain still gives a finite rate."""
+
+
+def elementwise_bytes_per_s(args: ModelArgs, job: JobConfig, device: DeviceSpec) -> float:
+    """The rate the model's elementwise work (everything beside its GEMMs, attention,
+    recurrence and dispatch) runs at, in the bytes ``memory_bound_seconds`` counts: where the
+    probe timed this model's step in the job's compute dtype, what that step took beyond those
+    terms; else the device's memory bandwidth. A large elementwise product is the best case;
+    a model's norms, rotary, gates, loss and small tensors run slower, by how much only its
+    own step tells (on this CPU 2-4x, BENCHMARKS.md)."""
+    profile = device.profile
+    point = profile.model_step(args, compute_dtype(job, device)) if profile is not None else None
+    if point is None:
+        return device.hbm_bytes_per_s
+    t = job.training
+    return _calibrated_bytes_per_s(
+        args, device, point, t.document_masking, t.mixed_precision_param, t.sdpa_backend
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def _calibrated_bytes_per_s(
+    args: ModelArgs,
+    device: DeviceSpec,
+    point: ModelStepPoint,
+    document_masking: bool,
+    mixed_precision_param: str,
+    sdpa_backend: str,
+) -> float:
+    """``elementwise_bytes_per_s`` from one timed step: one rank, eager, no checkpointing,
+    the job's attention as the plan's sizes count it."""
+    training = dataclasses.replace(
+        Training(),
+        seq_len=point.seq,
+        local_batch_size=point.batch,
+        document_masking=document_masking,
+        mixed_precision_param=mixed_precision_param,
+        sdpa_backend=sdpa_backend,
+    )
+    job = JobConfig(training=training)
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1)
+    flops = flops_per_token(args, point.seq, False) * point.batch * point.seq
+    itemised = flops / compute_rate(job, device, args, dims, point.batch)
+    itemised += overhead_seconds(args, job, device, args.num_hidden_layers)
+    c = 4 if point.dtype == "float32" else 2
+    z = sizes(args, job, dims, point.batch, "ring", c)
+    at_bandwidth = memory_bound_seconds(args, job, device, z, args.num_hidden_layers)
+    rest = max(point.seconds - itemised, CALIBRATION_FLOOR * point.seconds)
+    return device.hbm_bytes_per_s * at_bandwidth / rest
 
 
 def predict_time(
@@ -205,11 +269,13 @@ def predict_time(
     pipelined = dims.pp > 1
     micro = job.parallelism.pipeline_parallel_microbatch_size if pipelined else job.training.local_batch_size
     n_micro = job.training.local_batch_size // micro if pipelined else 1
+    busiest = busiest_stage_rank(args, job, dims.pp)
     step = _Step(
         tokens=tokens_per_step(job, dims),
         micro_batches=n_micro * micro_steps(job, dims),  # micro-batches this rank runs per step
-        layers=args.num_hidden_layers / dims.pp,
-        linear_layers=_linear_layers(args) / dims.pp,
+        layers=busiest.layers,
+        imbalance=busiest.share * dims.pp,
+        linear_layers=_linear_layers(args) * busiest.layers / args.num_hidden_layers,
         moe_layers=sum(args.is_moe_layer(i) for i in range(args.num_hidden_layers)),
         rate=compute_rate(job, device, args, dims, micro),
         z=sizes(args, job, dims, micro, "ring", c),
@@ -238,7 +304,10 @@ def predict_time(
         + (max(0.0, background - compute - recompute) if _overlaps(device) else background)
         + first_gather
     )
-    memory_bound = memory_bound_seconds(args, job, device, step.z, step.layers * step.micro_batches)
+    elementwise = elementwise_bytes_per_s(args, job, device)
+    memory_bound = memory_bound_seconds(
+        args, job, device, step.z, step.layers * step.micro_batches, elementwise
+    )
     overhead = overhead_seconds(args, job, device, step.layers * step.micro_batches, dims.tp, dims.cp)
     bubble = 0.0
     if pipelined:
@@ -262,7 +331,8 @@ class _Step:
 
     tokens: int  # of the whole step, all ranks
     micro_batches: int  # this rank runs
-    layers: float  # blocks per pipeline rank
+    layers: float  # blocks of the busiest pipeline rank
+    imbalance: float  # that rank's share of the model's FLOPs over an even share (1 unpipelined)
     linear_layers: float  # of them, Gated DeltaNets
     moe_layers: int  # of the whole model
     rate: float  # FLOP/s
@@ -288,6 +358,7 @@ def _compute_seconds(
         * step.tokens
         / world
         / rate
+        * step.imbalance
     )
     if job.lora.enable and job.float8.enable and not job.compile.enable:
         # torchao's eager backward forms the frozen FP8 weights' gradients and drops them
@@ -305,9 +376,12 @@ def _compute_seconds(
             for i in range(args.num_hidden_layers)
         )
         # (it can keep more than no checkpointing does: the collectives' outputs; nothing to redo then)
-        recompute = 2 * max(0.0, dropped) / dims.pp * step.micro_batches / device.hbm_bytes_per_s
+        rate = elementwise_bytes_per_s(args, job, device)
+        recompute = 2 * max(0.0, dropped) * step.layers / args.num_hidden_layers * step.micro_batches / rate
     elif share:
-        recompute = share * block_forward_flops(args, seq) * step.tokens / world / rate
+        recompute = share * block_forward_flops(args, seq) * step.tokens / world / rate * step.imbalance
+    if dims.pp > 1 and SCHEDULE_STYLES[schedule_name(job.parallelism)].splits_backward:
+        recompute *= 2  # the input- and weight-gradient passes each recompute what was dropped
     if dims.tp > 1 and step.moe_layers:
         # every TP rank runs a mixture of experts on the whole sequence (its shared expert
         # too): tp times its FLOPs
@@ -318,6 +392,43 @@ def _compute_seconds(
         compute += (dims.tp - 1) * 3 * moe_fwd * step.moe_layers * step.tokens / world / rate
         recompute += (dims.tp - 1) * share * moe_fwd * step.moe_layers * step.tokens / world / rate
     return compute, recompute, share
+
+
+@dataclass(frozen=True)
+class StageRank:
+    """The pipeline rank with the most work: its blocks and its share of the forward FLOPs."""
+
+    layers: int
+    share: float
+
+
+def busiest_stage_rank(args: ModelArgs, job: JobConfig, pp: int) -> StageRank:
+    """The rank of ``pp`` whose stages hold the most forward FLOPs (blocks, and the vocabulary
+    head where it sits): an even split counts the embedding and the head as layers
+    (``first/last_stage_less_layers``), and a V schedule's rank pairs its first stage with
+    its last, so ranks may hold unequal blocks (ZBV's 4 layers over 2 ranks: 1 and 3)."""
+    seq = job.training.seq_len
+    if pp == 1:
+        return StageRank(args.num_hidden_layers, 1.0)
+    per_block = {f"layers.{i}": _block_forward_flops(args, i, seq) for i in range(args.num_hidden_layers)}
+    weight = per_block | {"lm_head": 2.0 * args.hidden_size * args.vocab_size}
+    stages = stage_modules(job.parallelism, args)
+    style = SCHEDULE_STYLES[schedule_name(job.parallelism)].placement
+    total = sum(weight.values())
+    ranks = []
+    for rank in range(pp):
+        names = [n for s in stage_ids(rank, pp, len(stages), style) for n in stages[s]]
+        ranks.append(StageRank(sum(n in per_block for n in names), sum(weight.get(n, 0.0) for n in names) / total))
+    return max(ranks, key=lambda r: r.share)
+
+
+def _block_forward_flops(args: ModelArgs, layer: int, seq: int) -> float:
+    """Forward FLOPs per token of block ``layer``, as ``block_forward_flops`` counts them."""
+    if args.mixer(layer) == "linear_attention":
+        mixer = delta_rule_flops(args) / 3
+    else:
+        mixer = 4 * args.num_attention_heads * args.head_dim * seq
+    return 2 * block_matmul_params(args, layer) + mixer
 
 
 def block_forward_flops(args: ModelArgs, seq: int) -> float:

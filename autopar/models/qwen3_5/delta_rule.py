@@ -36,6 +36,12 @@ CHUNK = 64
 """Tokens solved together; the state passes between chunks."""
 SEGMENT = 8 * CHUNK
 """Tokens recomputed together in backward; one fp32 state per segment is kept from forward."""
+LOG_DECAY_FLOOR = -60.0
+"""Decays below exp(-60) (~1e-26, far under fp32's rounding of any sum they join, which holds
+the token's own undecayed term) are taken as zero. Left in, a trained model's long-range
+decays reach fp32's subnormal range, and on x86 CPUs every matmul and triangular solve that
+touches a subnormal slows down: the debug Qwen3.5 trained 22% slower after a few steps
+(BENCHMARKS.md). GPUs flush subnormals in these kernels anyway."""
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -101,9 +107,9 @@ def _segment(
     gamma = g.cumsum(-1)  # (B, K, R, n, C) log decay from the chunk's entry to each token
     same, enter = _document_masks(gamma, documents, previous_document, pad)
     diff = gamma[..., :, None] - gamma[..., None, :]  # (..., C, C) i - j
-    decay = torch.where(same, diff, float("-inf")).exp()  # exp(gamma_i - gamma_j), j <= i, same document
-    from_entry = torch.where(enter, gamma, float("-inf")).exp()  # (B, K, R, n, C)
-    to_exit = torch.where(same[..., -1, :], gamma[..., -1:] - gamma, float("-inf")).exp()  # (.., n, C)
+    decay = _decay(same, diff)  # exp(gamma_i - gamma_j), j <= i, same document
+    from_entry = _decay(enter, gamma)  # (B, K, R, n, C)
+    to_exit = _decay(same[..., -1, :], gamma[..., -1:] - gamma)  # (.., n, C)
 
     gram = k @ k.transpose(-1, -2)  # (B, K, 1, n, C, C) per key head
     system = (beta[..., None] * gram * decay).tril(-1)  # (B, K, R, n, C, C)
@@ -111,7 +117,7 @@ def _segment(
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     values, reads = solved.split((v.shape[-1], key_dim), dim=-1)  # (.., C, c), (.., C, dk)
     k_exit = k * to_exit[..., None]
-    exit_decay = torch.where(enter[..., -1], gamma[..., -1], float("-inf")).exp()[..., None, None]
+    exit_decay = _decay(enter[..., -1], gamma[..., -1])[..., None, None]
     if q is None:
         for value, read, key, decay_c in zip(*(t.unbind(3) for t in (values, reads, k_exit, exit_decay))):
             state = decay_c * state + key.transpose(-1, -2) @ (value - read @ state)
@@ -130,6 +136,11 @@ def _segment(
         state = decay_c * state + key.transpose(-1, -2) @ u
     out = torch.stack(outputs, dim=3).flatten(3, 4)[:, :, :, :seqlen]  # (B, K, R, L, c)
     return out.flatten(1, 2).transpose(1, 2), state  # (B, L, HV, c)
+
+
+def _decay(keep: torch.Tensor, log_decay: torch.Tensor) -> torch.Tensor:
+    """exp(``log_decay``) where ``keep`` and above ``LOG_DECAY_FLOOR``, else exactly zero."""
+    return torch.where(keep & (log_decay > LOG_DECAY_FLOOR), log_decay, float("-inf")).exp()
 
 
 def _with_autograd() -> torch._C._ForceDispatchKeyGuard:
