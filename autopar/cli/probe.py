@@ -68,11 +68,17 @@ def job_shapes(job_argv: list[str]) -> tuple[list, list, list, tuple | None]:
     job = parse_job(job_argv)
     args, batch, seq = model_args(job), job.training.local_batch_size, job.training.seq_len
     gemms = sorted({(m, n, k) for m, n, k, _ in gemm_shapes(args, batch * seq)})
-    attention = [(batch, args.num_attention_heads, seq, args.head_dim)]
-    heads = (args.linear_num_key_heads, args.linear_num_value_heads)
-    recurrence = (
-        [(batch, seq, *heads, args.linear_key_head_dim, args.linear_value_head_dim)] if args.hybrid else []
-    )
+    # one sequence and the local batch: a pipeline's micro-batches run between the two, and a
+    # small call's kernels run far below a large one's; the recurrence at half the sequence
+    # too, what each rank runs under CP 2
+    attention = [(b, args.num_attention_heads, seq, args.head_dim) for b in sorted({1, batch})]
+    heads = (args.linear_num_key_heads, args.linear_num_value_heads, args.linear_key_head_dim)
+    recurrence = [
+        (b, s, *heads, args.linear_value_head_dim)
+        for b in sorted({1, batch})
+        for s in sorted({seq // 2, seq})
+        if args.hybrid and s
+    ]
     return gemms, attention, recurrence, (args, min(batch, STEP_BATCH), seq)
 
 

@@ -55,6 +55,22 @@ def ops_per_micro_batch(args: ModelArgs) -> int:
     return count_ops(forward_backward(model, torch.device("meta")))
 
 
+@functools.lru_cache(maxsize=16)
+def forward_op_share(args: ModelArgs) -> float:
+    """The forward's share of a forward and backward's aten ops (counted on meta tensors as
+    ``ops_per_micro_batch``): what a recomputed forward dispatches again."""
+    model = copy.deepcopy(meta_model(args)).to(torch.bfloat16)
+    ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    with torch.no_grad():
+        forward = count_ops(lambda: model(ids))
+    return forward / ops_per_micro_batch(args)
+
+
+FORWARD_PASS_SHARE = 0.5
+"""The forward's share of ``MEMORY_PASSES``: the saved bytes are written and read once in the
+forward and once in the backward, eager or compiled."""
+
+
 def overhead_seconds(
     args: ModelArgs, job: JobConfig, device: DeviceSpec, block_passes: float, tp: int = 1, cp: int = 1
 ) -> float:
@@ -78,13 +94,24 @@ def memory_bound_seconds(
     block_passes: float,
     bytes_per_s: float | None = None,
 ) -> float:
-    """The elementwise work beside the GEMMs: ``MEMORY_PASSES`` over the bytes each block saves
-    for backward (``z``: one micro-batch's sizes; ``block_passes`` as in ``overhead_seconds``)
-    at ``bytes_per_s`` (``time.elementwise_bytes_per_s``: the rate the job's own model step
+    """The elementwise work beside the GEMMs of ``block_passes`` average blocks (as in
+    ``overhead_seconds``): ``block_memory_seconds`` over the model's blocks."""
+    per_block = block_memory_seconds(args, job, device, z, bytes_per_s)
+    return sum(per_block) * block_passes / args.num_hidden_layers
+
+
+def block_memory_seconds(
+    args: ModelArgs, job: JobConfig, device: DeviceSpec, z: Sizes, bytes_per_s: float | None = None
+) -> list[float]:
+    """Each block's elementwise work in one micro-batch's forward and backward:
+    ``MEMORY_PASSES`` over the bytes it saves for backward (``z``: the micro-batch's sizes) at
+    ``bytes_per_s`` (``time.elementwise_bytes_per_s``: the rate the job's own model step
     showed), else the device's memory bandwidth (measured, or the preset's datasheet figure)."""
-    saved = sum(block_bytes_no_ac(z, args.layer_kind(i), args.qk_norm) for i in range(args.num_hidden_layers))
     passes = MEMORY_PASSES["compiled" if job.compile.enable else "eager"]
-    return passes * saved * block_passes / args.num_hidden_layers / (bytes_per_s or device.hbm_bytes_per_s)
+    rate = bytes_per_s or device.hbm_bytes_per_s
+    return [
+        passes * block_bytes_no_ac(z, args.layer_kind(i), args.qk_norm) / rate for i in range(args.num_hidden_layers)
+    ]
 
 
 def optimizer_seconds(device: DeviceSpec, params: float) -> float:

@@ -55,7 +55,15 @@ from autopar.parallel.pipelining.split import stage_ids
 from autopar.planner.block_bytes import FP32, Sizes, block_bytes_no_ac, block_bytes_op_ac, state_passing
 from autopar.planner.devices import DeviceSpec
 from autopar.planner.hybrid_cp import chain_flops, map_flops_per_token
-from autopar.planner.measured import compute_dtype, memory_bound_seconds, optimizer_seconds, overhead_seconds
+from autopar.planner.measured import (
+    FORWARD_PASS_SHARE,
+    block_memory_seconds,
+    compute_dtype,
+    forward_op_share,
+    memory_bound_seconds,
+    optimizer_seconds,
+    overhead_seconds,
+)
 from autopar.planner.memory import (
     layer_expert_numel,
     meta_model,
@@ -155,6 +163,59 @@ def link_bytes_per_s(
     return link * COMM_EFFICIENCY
 
 
+@dataclass(frozen=True)
+class Rates:
+    """FLOP/s of a plan's three kinds of compute on one rank: its GEMMs, its attention and a
+    hybrid model's delta-rule recurrence."""
+
+    gemm: float
+    attention: float
+    recurrence: float
+
+
+def compute_rates(
+    job: JobConfig,
+    device: DeviceSpec,
+    args: ModelArgs | None = None,
+    dims: ParallelDims | None = None,
+    micro: int = 1,
+) -> Rates:
+    """With a measured profile, the rates measured at this plan's own per-rank shapes (a
+    micro-batch of ``micro`` sequences, split by CP, weights and heads by TP) and dtype: the
+    GEMMs' interpolated over their shapes, attention's and the recurrence's at their calls
+    where the probe timed them, else the GEMMs'. Otherwise ``GEMM_EFFICIENCY`` of the
+    preset's peak for all three."""
+    if device.profile is not None and args is not None and dims is not None:
+        return measured_rates(device.profile, job, device, args, dims, micro)
+    rate = device.bf16_flops * GEMM_EFFICIENCY
+    if job.float8.enable and device.fp8_flops is not None:
+        rate *= FP8_GEMM_SPEEDUP
+    return Rates(rate, rate, rate)
+
+
+def measured_rates(
+    profile: DeviceProfile,
+    job: JobConfig,
+    device: DeviceSpec,
+    args: ModelArgs,
+    dims: ParallelDims,
+    micro: int,
+) -> Rates:
+    """``compute_rates`` from a profile."""
+    seq, dtype = job.training.seq_len, compute_dtype(job, device)
+    tokens = micro * seq // dims.cp
+    gemm = gemm_rate(profile, dtype, gemm_shapes(args, tokens, dims.tp))
+    heads = max(1, args.num_attention_heads // dims.tp)
+    rank_call = attention_flops(micro, heads, seq, args.head_dim) / dims.cp
+    value_heads = max(1, args.linear_num_value_heads // dims.tp)
+    rank_rule = recurrence_flops(tokens, value_heads, args.linear_key_head_dim, args.linear_value_head_dim)
+    return Rates(
+        gemm,
+        profile.attention_flops_per_s(dtype, rank_call, seq) or gemm,
+        profile.recurrence_flops_per_s(dtype, rank_rule, seq // dims.cp) or gemm,
+    )
+
+
 def compute_rate(
     job: JobConfig,
     device: DeviceSpec,
@@ -162,49 +223,21 @@ def compute_rate(
     dims: ParallelDims | None = None,
     micro: int = 1,
 ) -> float:
-    """Model FLOP/s one GPU sustains for this job: with a measured profile, the measured GEMM
-    rate at this plan's own shapes (a micro-batch of ``micro`` sequences, split by CP, weights
-    by TP) and dtype; otherwise ``GEMM_EFFICIENCY`` of the preset's peak."""
-    if device.profile is not None and args is not None and dims is not None:
-        return measured_rate(device.profile, job, device, args, dims, micro)
-    rate = device.bf16_flops * GEMM_EFFICIENCY
-    if job.float8.enable and device.fp8_flops is not None:
-        rate *= FP8_GEMM_SPEEDUP
-    return rate
-
-
-def measured_rate(
-    profile: DeviceProfile,
-    job: JobConfig,
-    device: DeviceSpec,
-    args: ModelArgs,
-    dims: ParallelDims,
-    micro: int,
-) -> float:
-    """Model FLOP/s from a profile: the GEMMs' FLOPs at the measured rate of this plan's
-    per-rank GEMM shapes; the attention's and a hybrid model's delta-rule recurrence's at the
-    measured rates of their per-rank calls (heads split by TP, tokens by CP) where the probe
-    timed them, else at the GEMMs'."""
-    seq, dtype = job.training.seq_len, compute_dtype(job, device)
-    tokens = micro * seq // dims.cp
-    gemm = gemm_rate(profile, dtype, gemm_shapes(args, tokens, dims.tp))
+    """Model FLOP/s one GPU sustains for this job: the model's FLOPs (``flops_per_token``)
+    over the time its GEMMs, attention and recurrence take at ``compute_rates``."""
+    rates = compute_rates(job, device, args, dims, micro)
+    if args is None:
+        return rates.gemm
+    seq = job.training.seq_len
     total = flops_per_token(args, seq, job.lora.enable, reference=runs_reference_forward(job))
     attention_layers = sum(args.mixer(i) != "linear_attention" for i in range(args.num_hidden_layers))
     attention = 12 * attention_layers * args.num_attention_heads * args.head_dim * seq
-    heads = max(1, args.num_attention_heads // dims.tp)
-    rank_call = attention_flops(micro, heads, seq, args.head_dim) / dims.cp
-    attention_rate = profile.attention_flops_per_s(dtype, rank_call, seq) or gemm
-    linear = sum(args.mixer(i) == "linear_attention" for i in range(args.num_hidden_layers))
+    linear = args.num_hidden_layers - attention_layers
     recurrence = linear * delta_rule_flops(args) if args.hybrid else 0.0
-    value_heads = max(1, args.linear_num_value_heads // dims.tp)
-    rank_rule = recurrence_flops(
-        micro * seq // dims.cp, value_heads, args.linear_key_head_dim, args.linear_value_head_dim
-    )
-    recurrence_rate = profile.recurrence_flops_per_s(dtype, rank_rule, seq // dims.cp) or gemm
     if runs_reference_forward(job):  # the reference's forward: a third of each again
         attention, recurrence = attention * 4 / 3, recurrence * 4 / 3
     gemms = total - attention - recurrence
-    return total / (gemms / gemm + attention / attention_rate + recurrence / recurrence_rate)
+    return total / (gemms / rates.gemm + attention / rates.attention + recurrence / rates.recurrence)
 
 
 CALIBRATION_FLOOR = 0.01
@@ -269,18 +302,24 @@ def predict_time(
     pipelined = dims.pp > 1
     micro = job.parallelism.pipeline_parallel_microbatch_size if pipelined else job.training.local_batch_size
     n_micro = job.training.local_batch_size // micro if pipelined else 1
-    busiest = busiest_stage_rank(args, job, dims.pp)
+    z = sizes(args, job, dims, micro, "ring", c)
+    rates = compute_rates(job, device, args, dims, micro)
+    block_memory = block_memory_seconds(args, job, device, z, elementwise_bytes_per_s(args, job, device))
+    busiest = busiest_stage_rank(args, job, dims.pp, rates, block_memory, z.tokens)
     step = _Step(
         tokens=tokens_per_step(job, dims),
         micro_batches=n_micro * micro_steps(job, dims),  # micro-batches this rank runs per step
-        layers=busiest.layers,
+        layers=len(busiest.blocks),
         imbalance=busiest.share * dims.pp,
-        linear_layers=_linear_layers(args) * busiest.layers / args.num_hidden_layers,
+        linear_layers=sum(args.mixer(i) == "linear_attention" for i in busiest.blocks),
         moe_layers=sum(args.is_moe_layer(i) for i in range(args.num_hidden_layers)),
         rate=compute_rate(job, device, args, dims, micro),
-        z=sizes(args, job, dims, micro, "ring", c),
+        rates=rates,
+        z=z,
     )
-    compute, recompute, share = _compute_seconds(args, job, dims, device, step)
+    memory_bound = sum(block_memory[i] for i in busiest.blocks) * step.micro_batches
+    overhead = overhead_seconds(args, job, device, step.layers * step.micro_batches, dims.tp, dims.cp)
+    compute, recompute, share = _compute_seconds(args, job, dims, device, step, memory_bound, overhead)
     maps_compute, maps_recompute = _state_passing_seconds(args, dims, step, share)
     compute, recompute = compute + maps_compute, recompute + maps_recompute
     comm, cp_exposed = _model_parallel_comm(args, job, dims, device, gpus_per_node, step, share)
@@ -304,11 +343,8 @@ def predict_time(
         + (max(0.0, background - compute - recompute) if _overlaps(device) else background)
         + first_gather
     )
-    elementwise = elementwise_bytes_per_s(args, job, device)
-    memory_bound = memory_bound_seconds(
-        args, job, device, step.z, step.layers * step.micro_batches, elementwise
-    )
-    overhead = overhead_seconds(args, job, device, step.layers * step.micro_batches, dims.tp, dims.cp)
+    if pipelined and SCHEDULE_STYLES[schedule_name(job.parallelism)].splits_backward:
+        recompute *= 2  # the input- and weight-gradient passes each recompute what was dropped
     bubble = 0.0
     if pipelined:
         bubble = bubble_fraction(schedule_name(job.parallelism), dims.pp, n_micro, stages_per_rank)
@@ -335,7 +371,8 @@ class _Step:
     imbalance: float  # that rank's share of the model's FLOPs over an even share (1 unpipelined)
     linear_layers: float  # of them, Gated DeltaNets
     moe_layers: int  # of the whole model
-    rate: float  # FLOP/s
+    rate: float  # FLOP/s of the model's FLOPs, blended over its kinds
+    rates: Rates
     z: Sizes
 
 
@@ -348,10 +385,18 @@ def _fp8_numel(args: ModelArgs, filter_fqns: tuple[str, ...]) -> int:
 
 
 def _compute_seconds(
-    args: ModelArgs, job: JobConfig, dims: ParallelDims, device: DeviceSpec, step: _Step
+    args: ModelArgs,
+    job: JobConfig,
+    dims: ParallelDims,
+    device: DeviceSpec,
+    step: _Step,
+    memory_bound: float,
+    overhead: float,
 ) -> tuple[float, float, float]:
     """(compute, recompute, share of blocks fully recomputed). Full blocks rerun their
-    forward; per-op AC rereads and rewrites what it dropped."""
+    forward: its FLOPs, its ops' dispatch (``forward_op_share``) and its elementwise passes
+    (``FORWARD_PASS_SHARE``). Per-op AC rereads and rewrites what it dropped and dispatches
+    each op it did not save again. ``memory_bound`` and ``overhead``: the step's blocks'."""
     seq, world, rate, z = job.training.seq_len, dims.world_size, step.rate, step.z
     compute = (
         flops_per_token(args, seq, job.lora.enable, reference=runs_reference_forward(job))
@@ -378,10 +423,13 @@ def _compute_seconds(
         # (it can keep more than no checkpointing does: the collectives' outputs; nothing to redo then)
         rate = elementwise_bytes_per_s(args, job, device)
         recompute = 2 * max(0.0, dropped) * step.layers / args.num_hidden_layers * step.micro_batches / rate
+        recompute += forward_op_share(args) * overhead
     elif share:
-        recompute = share * block_forward_flops(args, seq) * step.tokens / world / rate * step.imbalance
-    if dims.pp > 1 and SCHEDULE_STYLES[schedule_name(job.parallelism)].splits_backward:
-        recompute *= 2  # the input- and weight-gradient passes each recompute what was dropped
+        recompute = share * (
+            block_forward_flops(args, seq) * step.tokens / world / rate * step.imbalance
+            + forward_op_share(args) * overhead
+            + FORWARD_PASS_SHARE * memory_bound
+        )
     if dims.tp > 1 and step.moe_layers:
         # every TP rank runs a mixture of experts on the whole sequence (its shared expert
         # too): tp times its FLOPs
@@ -396,39 +444,47 @@ def _compute_seconds(
 
 @dataclass(frozen=True)
 class StageRank:
-    """The pipeline rank with the most work: its blocks and its share of the forward FLOPs."""
+    """The pipeline rank with the most work: its blocks and its share of the model's FLOP time."""
 
-    layers: int
+    blocks: tuple[int, ...]
     share: float
 
 
-def busiest_stage_rank(args: ModelArgs, job: JobConfig, pp: int) -> StageRank:
-    """The rank of ``pp`` whose stages hold the most forward FLOPs (blocks, and the vocabulary
-    head where it sits): an even split counts the embedding and the head as layers
-    (``first/last_stage_less_layers``), and a V schedule's rank pairs its first stage with
-    its last, so ranks may hold unequal blocks (ZBV's 4 layers over 2 ranks: 1 and 3)."""
+def busiest_stage_rank(
+    args: ModelArgs, job: JobConfig, pp: int, rates: Rates, block_memory: list[float], tokens: int
+) -> StageRank:
+    """The rank of ``pp`` whose stages take the longest over a micro-batch of ``tokens``: each
+    block's FLOPs at ``rates`` and its elementwise work (``block_memory``), and the vocabulary
+    head where it sits. An even split counts the embedding and the head as layers
+    (``first/last_stage_less_layers``), a V schedule's rank pairs its first stage with its
+    last, and a hybrid model's Gated DeltaNets take longer than its attention layers, so
+    ranks may hold unequal work (ZBV's 4 layers over 2 ranks: 1 and 3)."""
     seq = job.training.seq_len
+    flops = {f"layers.{i}": 3 * _block_forward_seconds(args, i, seq, rates) for i in range(args.num_hidden_layers)}
+    flops["lm_head"] = 6.0 * args.hidden_size * args.vocab_size / rates.gemm
     if pp == 1:
-        return StageRank(args.num_hidden_layers, 1.0)
-    per_block = {f"layers.{i}": _block_forward_flops(args, i, seq) for i in range(args.num_hidden_layers)}
-    weight = per_block | {"lm_head": 2.0 * args.hidden_size * args.vocab_size}
+        return StageRank(tuple(range(args.num_hidden_layers)), 1.0)
     stages = stage_modules(job.parallelism, args)
     style = SCHEDULE_STYLES[schedule_name(job.parallelism)].placement
-    total = sum(weight.values())
-    ranks = []
-    for rank in range(pp):
+
+    def rank_of(rank: int) -> tuple[float, StageRank]:
         names = [n for s in stage_ids(rank, pp, len(stages), style) for n in stages[s]]
-        ranks.append(StageRank(sum(n in per_block for n in names), sum(weight.get(n, 0.0) for n in names) / total))
-    return max(ranks, key=lambda r: r.share)
+        blocks = tuple(int(n.split(".")[1]) for n in names if n.startswith("layers."))
+        flop_time = sum(flops.get(n, 0.0) for n in names)
+        busy = flop_time * tokens + sum(block_memory[i] for i in blocks)
+        return busy, StageRank(blocks, flop_time / sum(flops.values()))
+
+    return max((rank_of(r) for r in range(pp)), key=lambda pair: pair[0])[1]
 
 
-def _block_forward_flops(args: ModelArgs, layer: int, seq: int) -> float:
-    """Forward FLOPs per token of block ``layer``, as ``block_forward_flops`` counts them."""
+def _block_forward_seconds(args: ModelArgs, layer: int, seq: int, rates: Rates) -> float:
+    """Forward seconds per token of block ``layer``: its projections at the GEMM rate, its
+    mixer's FLOPs (as ``block_forward_flops`` counts them) at attention's or the recurrence's."""
     if args.mixer(layer) == "linear_attention":
-        mixer = delta_rule_flops(args) / 3
+        mixer = delta_rule_flops(args) / 3 / rates.recurrence
     else:
-        mixer = 4 * args.num_attention_heads * args.head_dim * seq
-    return 2 * block_matmul_params(args, layer) + mixer
+        mixer = 4 * args.num_attention_heads * args.head_dim * seq / rates.attention
+    return 2 * block_matmul_params(args, layer) / rates.gemm + mixer
 
 
 def block_forward_flops(args: ModelArgs, seq: int) -> float:
@@ -523,16 +579,20 @@ def _state_passing_seconds(
     args: ModelArgs, dims: ParallelDims, step: _Step, share: float
 ) -> tuple[float, float]:
     """(compute, recompute) of the Gated DeltaNets' CP maps: the map pass over every token
-    and the chain every CP rank runs, forward and backward (3x the forward), and the forward
-    again where blocks are fully recomputed."""
+    (the delta-rule kernel itself, at the recurrence's rate) and the chain of small matmuls
+    every CP rank runs (at the GEMMs'), forward and backward (3x the forward), and the
+    forward again where blocks are fully recomputed."""
     passing = state_passing(step.z)
     if passing is None or not step.linear_layers:
         return 0.0, 0.0
     dk, dv = args.linear_key_head_dim, args.linear_value_head_dim
     per_token = map_flops_per_token(args.linear_num_value_heads, dk, dv) * _linear_layers(args)
     chain = chain_flops(passing.cp_ranges, passing.value_heads, dk, dv) * passing.batch
-    forward = per_token * step.tokens / dims.world_size + chain * step.linear_layers * step.micro_batches
-    return 3 * forward / step.rate, share * forward / step.rate
+    forward = (
+        per_token * step.tokens / dims.world_size / step.rates.recurrence
+        + chain * step.linear_layers * step.micro_batches / step.rates.gemm
+    )
+    return 3 * forward, share * forward
 
 
 def _data_parallel_comm(
