@@ -185,14 +185,15 @@ def reference_args() -> ModelArgs:
     return model_args(parse_job(["--job.config", "debug_model"]))
 
 
-def probe_op_overhead(device: torch.device) -> float:
+def probe_op_overhead(device: torch.device, args: ModelArgs | None = None) -> float:
     """Seconds per aten op of an eager forward and backward whose compute is negligible (the
-    reference model on 8 tokens): dispatch, autograd and Python, what a small model or a small
-    shard pays beside its FLOPs."""
+    job's model, else the reference model, on 8 tokens): dispatch, autograd and Python, what a
+    small model or a small shard pays beside its FLOPs (a custom op's own ops, which a count
+    sees as one, included)."""
     from autopar.models.family import build_model
 
     with torch.device(device):
-        model = build_model(reference_args())
+        model = build_model(args or reference_args())
     run = forward_backward(model, device)
     ops = count_ops(run)
     return timed(run, device) / ops
@@ -203,12 +204,12 @@ PLAN_OVERHEADS = ("tp", "cp")
 k/v all-gathers) the probe times per op, on pairs of ranks."""
 
 
-def probe_plan_overheads(device: torch.device) -> tuple[tuple[str, float], ...]:
-    """Seconds per model op of the reference model's forward and backward on 8 tokens split
-    by each of ``PLAN_OVERHEADS`` over pairs of ranks (training's own TP plan with sequence
-    parallel; the CP context of this device): what a plan pays per op beyond eager's, with
-    compute still negligible. Every rank calls; the slowest pair's figure; none on an odd
-    world."""
+def probe_plan_overheads(device: torch.device, args: ModelArgs | None = None) -> tuple[tuple[str, float], ...]:
+    """Seconds per model op of the job's model's (else the reference model's) forward and
+    backward on 8 tokens split by each of ``PLAN_OVERHEADS`` over pairs of ranks (training's
+    own TP plan with sequence parallel; the CP context of this device): what a plan pays per
+    op beyond eager's, with compute still negligible. Every rank calls; the slowest pair's
+    figure; none on an odd world."""
     from autopar.config.sections import Parallelism
     from autopar.data.loader import Batch
     from autopar.models.family import build_model
@@ -219,7 +220,7 @@ def probe_plan_overheads(device: torch.device) -> tuple[tuple[str, float], ...]:
     if world % 2:
         return ()
     pairs = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("pairs", "plan"))["plan"]
-    args = reference_args()
+    args = args or reference_args()
     ops = count_ops(forward_backward(build_model(args).to(device), device))
     ids = torch.zeros(1, 8, dtype=torch.long, device=device)
     seconds = []
@@ -385,7 +386,8 @@ def run_probe(
     job_step: tuple[ModelArgs, int, int] | None = None,
 ) -> DeviceProfile:
     """The profile of ``device``: matmuls at the probe's squares and ``job_shapes``, attention
-    at the probe's shapes and ``job_attention``, memory and host bandwidth, per-op overhead,
+    at the probe's shapes and ``job_attention``, memory and host bandwidth, per-op overhead
+    (on the job's model where ``job_step`` names it, else the reference model),
     the job's whole model step (``job_step``: its arguments, batch and sequence length, in
     the dtype it computes in here), and ``collectives`` when a process group is initialised
     (every rank calls)."""
@@ -407,11 +409,13 @@ def run_probe(
         matmul=tuple(probe_matmul(device, probe_dtypes(device), shapes)),
         memory_bytes_per_s=probe_memory(device),
         host_bytes_per_s=probe_host(device),
-        op_overhead_s=probe_op_overhead(device),
+        op_overhead_s=probe_op_overhead(device, job_step[0] if job_step else None),
         attention=tuple(probe_attention(device, probe_dtypes(device), attention)),
         recurrence=tuple(probe_recurrence(device, probe_dtypes(device), job_recurrence)),
         collectives=tuple(probe_collectives(device, messages, collectives)) if grouped else (),
-        plan_op_overhead_s=probe_plan_overheads(device) if grouped and collectives else (),
+        plan_op_overhead_s=(
+            probe_plan_overheads(device, job_step[0] if job_step else None) if grouped and collectives else ()
+        ),
         model_steps=_model_steps(device, job_step),
     )
 
