@@ -6,6 +6,8 @@ few timed repeats after one warm-up, so a CPU probe takes seconds.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import platform
 import statistics
@@ -162,7 +164,7 @@ def probe_model_step(
             for p in model.parameters():
                 p.grad = None
 
-        seconds = timed(run, device, repeats=3)
+        seconds = timed(run, device)
     except torch.OutOfMemoryError:
         return None
     finally:
@@ -422,12 +424,23 @@ def run_probe(
 
 def _model_steps(device: torch.device, job_step: tuple[ModelArgs, int, int] | None) -> tuple[ModelStepPoint, ...]:
     """The job's model step in the dtype training computes in on ``device`` (float32 on CPU,
-    bfloat16 on GPUs, as ``training.mixed_precision_param = "auto"`` picks)."""
+    bfloat16 on GPUs, as ``training.mixed_precision_param = "auto"`` picks); in a process
+    group every rank times it at once and the slowest rank's figure is kept (none where a
+    rank ran out of memory)."""
     if job_step is None:
         return ()
     args, batch, seq = job_step
+    grouped = dist.is_available() and dist.is_initialized()
+    if grouped:
+        dist.barrier()  # every rank busy at once, as in training (a CPU's cores share its clock)
     point = probe_model_step(device, args, batch, seq, "bfloat16" if device.type == "cuda" else "float32")
-    return (point,) if point is not None else ()
+    if not grouped:
+        return (point,) if point is not None else ()
+    slowest = torch.tensor([point.seconds if point is not None else math.inf], device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    if point is None or not math.isfinite(slowest.item()):
+        return ()
+    return (dataclasses.replace(point, seconds=slowest.item()),)
 
 
 def _driver() -> str | None:

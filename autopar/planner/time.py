@@ -47,6 +47,7 @@ from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.pipelining.schedule import (
     SCHEDULE_STYLES,
     num_stages,
+    rank_actions,
     rank_stage_gathers,
     schedule_name,
     stage_modules,
@@ -71,6 +72,7 @@ from autopar.planner.memory import (
     modules_numel,
     sizes,
 )
+from autopar.planner.pipeline_sim import play
 from autopar.planner.profile import (
     DeviceProfile,
     ModelStepPoint,
@@ -328,8 +330,9 @@ def predict_time(
     first_gather = comm.get("fsdp", 0.0) / max(1.0, step.layers * step.micro_batches * 3)
     if pipelined:
         stages_per_rank = num_stages(job.parallelism, args.num_hidden_layers) // dims.pp
-        p2p = 2 * c * step.z.hidden * step.z.tokens * step.micro_batches * stages_per_rank
-        activation = c * step.z.hidden * step.z.tokens
+        # a stage sends its output as it holds it: under sequence parallelism each TP rank its shard
+        activation = c * step.z.hidden * step.z.tokens / step.z.sp_shards
+        p2p = 2 * activation * step.micro_batches * stages_per_rank
         comm["pp"] = p2p / link_bytes_per_s(
             _spans(dims)["pp"], gpus_per_node, device, "send_recv", 2, activation
         )
@@ -347,10 +350,51 @@ def predict_time(
         recompute *= 2  # the input- and weight-gradient passes each recompute what was dropped
     bubble = 0.0
     if pipelined:
-        bubble = bubble_fraction(schedule_name(job.parallelism), dims.pp, n_micro, stages_per_rank)
-        bubble *= compute + recompute + memory_bound + overhead
+        busy = compute + recompute + memory_bound + overhead
+        hop = activation / link_bytes_per_s(_spans(dims)["pp"], gpus_per_node, device, "send_recv", 2, activation)
+        played = _played_step(args, job, dims.pp, n_micro, busy / micro_steps(job, dims), step, block_memory, hop)
+        if played is None:
+            bubble = busy * bubble_fraction(schedule_name(job.parallelism), dims.pp, n_micro, stages_per_rank)
+        else:  # the hops on the schedule's critical path are in it; the rest of the sends hide
+            bubble = max(0.0, played * micro_steps(job, dims) - busy)
+            exposed -= comm["pp"] if not _overlaps(device) else 0.0
     memory_bound += _optimizer_seconds(args, job, dims, device)  # after the flush
     return StepTime(compute, recompute, exposed, bubble, comm, host_optimizer, memory_bound, overhead)
+
+
+def _played_step(
+    args: ModelArgs,
+    job: JobConfig,
+    pp: int,
+    n_micro: int,
+    busy: float,
+    step: _Step,
+    block_memory: list[float],
+    hop: float,
+) -> float | None:
+    """Seconds of one schedule step played out (``planner.pipeline_sim``): each stage's
+    actions sized by ``stage_work`` so that the busiest rank's add up to ``busy`` (its
+    compute, recompute, elementwise work and dispatch over the step's micro-batches), a
+    backward twice its forward, a zero-bubble input or weight gradient half a backward.
+    None for single-stage schedules, whose order torch does not list by micro-batch (the
+    closed form holds for them)."""
+    name = schedule_name(job.parallelism)
+    stages = stage_modules(job.parallelism, args)
+    if SCHEDULE_STYLES[name].stages_per_rank == 1:
+        return None
+    style = SCHEDULE_STYLES[name].placement
+    work = stage_work(args, job, step.rates, block_memory, step.z.tokens)
+    owned = {r: stage_ids(r, pp, len(stages), style) for r in range(pp)}
+    busiest = max(sum(work[s] for s in ids) for ids in owned.values())
+    scale = busy / (busiest * n_micro) if busiest else 0.0
+    seconds = {}
+    for s, w in enumerate(work):
+        fwd = scale * w / 3
+        seconds |= {("F", s): fwd, ("B", s): 2 * fwd, ("I", s): fwd, ("W", s): fwd}
+    orders = [rank_actions(name, pp, len(stages), n_micro, r) for r in range(pp)]
+    stage_rank = {s: r for r, ids in owned.items() for s in ids}
+    finish = play(orders, seconds, stage_rank, hop)
+    return max(finish) if finish is not None else None
 
 
 def _optimizer_seconds(args: ModelArgs, job: JobConfig, dims: ParallelDims, device: DeviceSpec) -> float:
@@ -453,28 +497,45 @@ class StageRank:
 def busiest_stage_rank(
     args: ModelArgs, job: JobConfig, pp: int, rates: Rates, block_memory: list[float], tokens: int
 ) -> StageRank:
-    """The rank of ``pp`` whose stages take the longest over a micro-batch of ``tokens``: each
-    block's FLOPs at ``rates`` and its elementwise work (``block_memory``), and the vocabulary
-    head where it sits. An even split counts the embedding and the head as layers
+    """The rank of ``pp`` whose stages take the longest over a micro-batch of ``tokens``
+    (``stage_work``). An even split counts the embedding and the head as layers
     (``first/last_stage_less_layers``), a V schedule's rank pairs its first stage with its
     last, and a hybrid model's Gated DeltaNets take longer than its attention layers, so
     ranks may hold unequal work (ZBV's 4 layers over 2 ranks: 1 and 3)."""
-    seq = job.training.seq_len
-    flops = {f"layers.{i}": 3 * _block_forward_seconds(args, i, seq, rates) for i in range(args.num_hidden_layers)}
-    flops["lm_head"] = 6.0 * args.hidden_size * args.vocab_size / rates.gemm
     if pp == 1:
         return StageRank(tuple(range(args.num_hidden_layers)), 1.0)
+    work = stage_work(args, job, rates, block_memory, tokens)
     stages = stage_modules(job.parallelism, args)
     style = SCHEDULE_STYLES[schedule_name(job.parallelism)].placement
+    flops = _flop_seconds(args, job, rates)
 
     def rank_of(rank: int) -> tuple[float, StageRank]:
-        names = [n for s in stage_ids(rank, pp, len(stages), style) for n in stages[s]]
+        ids = stage_ids(rank, pp, len(stages), style)
+        names = [n for s in ids for n in stages[s]]
         blocks = tuple(int(n.split(".")[1]) for n in names if n.startswith("layers."))
-        flop_time = sum(flops.get(n, 0.0) for n in names)
-        busy = flop_time * tokens + sum(block_memory[i] for i in blocks)
-        return busy, StageRank(blocks, flop_time / sum(flops.values()))
+        share = sum(flops.get(n, 0.0) for n in names) / sum(flops.values())
+        return sum(work[s] for s in ids), StageRank(blocks, share)
 
     return max((rank_of(r) for r in range(pp)), key=lambda pair: pair[0])[1]
+
+
+def stage_work(args: ModelArgs, job: JobConfig, rates: Rates, block_memory: list[float], tokens: int) -> list[float]:
+    """Seconds of each pipeline stage's forward and backward over a micro-batch of ``tokens``:
+    its blocks' FLOPs at their kinds' rates (and the head's) and their elementwise work
+    (``block_memory``); dispatch and recompute left out (the same share of every block)."""
+    flops = _flop_seconds(args, job, rates)
+    memory = {f"layers.{i}": m for i, m in enumerate(block_memory)}
+    return [
+        sum(flops.get(n, 0.0) * tokens + memory.get(n, 0.0) for n in names)
+        for names in stage_modules(job.parallelism, args)
+    ]
+
+
+def _flop_seconds(args: ModelArgs, job: JobConfig, rates: Rates) -> dict[str, float]:
+    """Forward-and-backward seconds per token of each block and of the head at ``rates``."""
+    seq = job.training.seq_len
+    flops = {f"layers.{i}": 3 * _block_forward_seconds(args, i, seq, rates) for i in range(args.num_hidden_layers)}
+    return flops | {"lm_head": 6.0 * args.hidden_size * args.vocab_size / rates.gemm}
 
 
 def _block_forward_seconds(args: ModelArgs, layer: int, seq: int, rates: Rates) -> float:
