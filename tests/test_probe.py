@@ -17,13 +17,14 @@ from autopar.cli.plan import main as plan_main
 from autopar.cli.plan_check import spearman
 from autopar.cli.probe import machine_probe
 from autopar.cli.probe import main as probe_main
+from autopar.cli.spawn import run_on_ranks
 from autopar.parallel.mesh import ParallelDims
 from autopar.planner.auto import auto_job
 from autopar.planner.devices import PRESETS
 from autopar.planner.machine import spec_from_profile
 from autopar.planner.measured import ops_per_micro_batch, optimizer_seconds
 from autopar.planner.memory import meta_model
-from autopar.planner.probe import probe_recurrence, run_probe
+from autopar.planner.probe import probe_job_step, probe_plan_overheads, probe_recurrence, run_probe
 from autopar.planner.profile import (
     COLLECTIVES,
     AttentionPoint,
@@ -99,6 +100,21 @@ def test_tensor_and_context_parallel_machinery_is_timed_per_op_on_two_ranks(two_
     assert set(plans) == {"tp", "cp"} and all(s > 0 and math.isfinite(s) for s in plans.values())
 
 
+def hybrid_job_on_rank() -> tuple:
+    """A rank's part of timing the debug Qwen3.5's own TP and CP passes and its model step."""
+    args = model_args(debug_job("--model.name", "qwen3.5"))
+    device = torch.device("cpu")
+    return probe_plan_overheads(device, args), probe_job_step(device, (args, 2, 64))
+
+
+def test_a_hybrid_jobs_own_model_is_timed_under_tp_and_cp_and_its_step_by_the_slowest_rank():
+    (overheads, steps), (others, their_steps) = run_on_ranks(hybrid_job_on_rank, 2, timeout_s=300)
+    assert overheads == others and steps == their_steps  # both ranks keep the same figures
+    assert {plan for plan, _ in overheads} == {"tp", "cp"} and all(s > 0 for _, s in overheads)
+    (step,) = steps
+    assert step.model == model_key(model_args(debug_job("--model.name", "qwen3.5"))) and step.seconds > 0
+
+
 def fsdp2(*flags: str):
     job = debug_job("--training.seq_len", "512", "--training.local_batch_size", "4", *flags)
     return job, model_args(job), ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1)
@@ -149,7 +165,10 @@ def test_a_hybrid_models_recurrence_runs_at_the_measured_delta_rule_rate():
 
 def test_attention_runs_at_the_rate_timed_at_its_own_sequence_length():
     # equal FLOPs, different kernels' speeds: one sequence of 1024 and four of 512
-    fast, slow = AttentionPoint("float32", 1, 8, 1024, 32, 4e10), AttentionPoint("float32", 4, 8, 512, 32, 1e10)
+    fast, slow = (
+        AttentionPoint("float32", 1, 8, 1024, 32, 4e10),
+        AttentionPoint("float32", 4, 8, 512, 32, 1e10),
+    )
     profile = dataclasses.replace(flat_profile(), attention=(fast, slow))
     assert fast.flops == slow.flops
     assert profile.attention_flops_per_s("float32", slow.flops, 512) == 1e10

@@ -102,7 +102,9 @@ def describe(profile: DeviceProfile) -> str:
         lines.append(f"  delta rule {r.dtype:5} {r.flops_per_s / 1e12:8.3f} TFLOP/s (seq {r.seq}, fwd+bwd)")
     lines.append(f"  elementwise     {profile.memory_bytes_per_s / 1e9:8.1f} GB/s")
     for m in profile.model_steps:
-        lines.append(f"  job's model     {m.seconds * 1e3:8.1f} ms a step ({m.batch} x {m.seq} tokens, {m.dtype})")
+        lines.append(
+            f"  job's model     {m.seconds * 1e3:8.1f} ms a step ({m.batch} x {m.seq} tokens, {m.dtype})"
+        )
     host = "n/a (CPU)" if profile.host_bytes_per_s is None else f"{profile.host_bytes_per_s / 1e9:.1f} GB/s"
     lines.append(f"  host -> device  {host}")
     if profile.op_overhead_s is not None:

@@ -110,7 +110,8 @@ def block_memory_seconds(
     passes = MEMORY_PASSES["compiled" if job.compile.enable else "eager"]
     rate = bytes_per_s or device.hbm_bytes_per_s
     return [
-        passes * block_bytes_no_ac(z, args.layer_kind(i), args.qk_norm) / rate for i in range(args.num_hidden_layers)
+        passes * block_bytes_no_ac(z, args.layer_kind(i), args.qk_norm) / rate
+        for i in range(args.num_hidden_layers)
     ]
 
 

@@ -206,7 +206,9 @@ PLAN_OVERHEADS = ("tp", "cp")
 k/v all-gathers) the probe times per op, on pairs of ranks."""
 
 
-def probe_plan_overheads(device: torch.device, args: ModelArgs | None = None) -> tuple[tuple[str, float], ...]:
+def probe_plan_overheads(
+    device: torch.device, args: ModelArgs | None = None
+) -> tuple[tuple[str, float], ...]:
     """Seconds per model op of the job's model's (else the reference model's) forward and
     backward on 8 tokens split by each of ``PLAN_OVERHEADS`` over pairs of ranks (training's
     own TP plan with sequence parallel; the CP context of this device): what a plan pays per
@@ -418,11 +420,13 @@ def run_probe(
         plan_op_overhead_s=(
             probe_plan_overheads(device, job_step[0] if job_step else None) if grouped and collectives else ()
         ),
-        model_steps=_model_steps(device, job_step),
+        model_steps=probe_job_step(device, job_step),
     )
 
 
-def _model_steps(device: torch.device, job_step: tuple[ModelArgs, int, int] | None) -> tuple[ModelStepPoint, ...]:
+def probe_job_step(
+    device: torch.device, job_step: tuple[ModelArgs, int, int] | None
+) -> tuple[ModelStepPoint, ...]:
     """The job's model step in the dtype training computes in on ``device`` (float32 on CPU,
     bfloat16 on GPUs, as ``training.mixed_precision_param = "auto"`` picks); in a process
     group every rank times it at once and the slowest rank's figure is kept (none where a

@@ -351,8 +351,12 @@ def predict_time(
     bubble = 0.0
     if pipelined:
         busy = compute + recompute + memory_bound + overhead
-        hop = activation / link_bytes_per_s(_spans(dims)["pp"], gpus_per_node, device, "send_recv", 2, activation)
-        played = _played_step(args, job, dims.pp, n_micro, busy / micro_steps(job, dims), step, block_memory, hop)
+        hop = activation / link_bytes_per_s(
+            _spans(dims)["pp"], gpus_per_node, device, "send_recv", 2, activation
+        )
+        played = _played_step(
+            args, job, dims.pp, n_micro, busy / micro_steps(job, dims), step, block_memory, hop
+        )
         if played is None:
             bubble = busy * bubble_fraction(schedule_name(job.parallelism), dims.pp, n_micro, stages_per_rank)
         else:  # the hops on the schedule's critical path are in it; the rest of the sends hide
@@ -519,7 +523,9 @@ def busiest_stage_rank(
     return max((rank_of(r) for r in range(pp)), key=lambda pair: pair[0])[1]
 
 
-def stage_work(args: ModelArgs, job: JobConfig, rates: Rates, block_memory: list[float], tokens: int) -> list[float]:
+def stage_work(
+    args: ModelArgs, job: JobConfig, rates: Rates, block_memory: list[float], tokens: int
+) -> list[float]:
     """Seconds of each pipeline stage's forward and backward over a micro-batch of ``tokens``:
     its blocks' FLOPs at their kinds' rates (and the head's) and their elementwise work
     (``block_memory``); dispatch and recompute left out (the same share of every block)."""
@@ -534,7 +540,9 @@ def stage_work(args: ModelArgs, job: JobConfig, rates: Rates, block_memory: list
 def _flop_seconds(args: ModelArgs, job: JobConfig, rates: Rates) -> dict[str, float]:
     """Forward-and-backward seconds per token of each block and of the head at ``rates``."""
     seq = job.training.seq_len
-    flops = {f"layers.{i}": 3 * _block_forward_seconds(args, i, seq, rates) for i in range(args.num_hidden_layers)}
+    flops = {
+        f"layers.{i}": 3 * _block_forward_seconds(args, i, seq, rates) for i in range(args.num_hidden_layers)
+    }
     return flops | {"lm_head": 6.0 * args.hidden_size * args.vocab_size / rates.gemm}
 
 
