@@ -329,13 +329,7 @@ def predict_time(
     comm |= data_comm
     first_gather = comm.get("fsdp", 0.0) / max(1.0, step.layers * step.micro_batches * 3)
     if pipelined:
-        stages_per_rank = num_stages(job.parallelism, args.num_hidden_layers) // dims.pp
-        # a stage sends its output as it holds it: under sequence parallelism each TP rank its shard
-        activation = c * step.z.hidden * step.z.tokens / step.z.sp_shards
-        p2p = 2 * activation * step.micro_batches * stages_per_rank
-        comm["pp"] = p2p / link_bytes_per_s(
-            _spans(dims)["pp"], gpus_per_node, device, "send_recv", 2, activation
-        )
+        comm["pp"] = _pipeline_send_seconds(args, job, dims, device, gpus_per_node, step)
     # a pipeline's sends are asynchronous: in the steady state a micro-batch's activations
     # travel while the next one computes (the warm-up's wait is in the bubble)
     background = sum(comm.get(dim, 0.0) for dim in ("fsdp", "dp_replicate", "host", "pp"))
@@ -351,19 +345,53 @@ def predict_time(
     bubble = 0.0
     if pipelined:
         busy = compute + recompute + memory_bound + overhead
-        hop = activation / link_bytes_per_s(
-            _spans(dims)["pp"], gpus_per_node, device, "send_recv", 2, activation
+        bubble, played = _pipeline_bubble(
+            args, job, dims, device, gpus_per_node, step, n_micro, busy, block_memory
         )
-        played = _played_step(
-            args, job, dims.pp, n_micro, busy / micro_steps(job, dims), step, block_memory, hop
-        )
-        if played is None:
-            bubble = busy * bubble_fraction(schedule_name(job.parallelism), dims.pp, n_micro, stages_per_rank)
-        else:  # the hops on the schedule's critical path are in it; the rest of the sends hide
-            bubble = max(0.0, played * micro_steps(job, dims) - busy)
-            exposed -= comm["pp"] if not _overlaps(device) else 0.0
+        if played and not _overlaps(device):
+            exposed -= comm["pp"]  # the hops on the critical path are in the played step; the rest hide
     memory_bound += _optimizer_seconds(args, job, dims, device)  # after the flush
     return StepTime(compute, recompute, exposed, bubble, comm, host_optimizer, memory_bound, overhead)
+
+
+def _activation_bytes(step: _Step) -> float:
+    """A stage's output as it sends it: under sequence parallelism each TP rank its shard."""
+    return step.z.dtype_bytes * step.z.hidden * step.z.tokens / step.z.sp_shards
+
+
+def _pipeline_send_seconds(
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, device: DeviceSpec, gpus_per_node: int, step: _Step
+) -> float:
+    """Seconds of a rank's stage-to-stage sends per step: each stage's output forward and its
+    gradient back, per micro-batch."""
+    stages_per_rank = num_stages(job.parallelism, args.num_hidden_layers) // dims.pp
+    activation = _activation_bytes(step)
+    moved = 2 * activation * step.micro_batches * stages_per_rank
+    return moved / link_bytes_per_s(_spans(dims)["pp"], gpus_per_node, device, "send_recv", 2, activation)
+
+
+def _pipeline_bubble(
+    args: ModelArgs,
+    job: JobConfig,
+    dims: ParallelDims,
+    device: DeviceSpec,
+    gpus_per_node: int,
+    step: _Step,
+    n_micro: int,
+    busy: float,
+    block_memory: list[float],
+) -> tuple[float, bool]:
+    """(the busiest rank's idle seconds per step beyond its ``busy`` work, whether the step
+    was played out): ``_played_step`` where torch lists the schedule's actions, else the
+    closed form ``bubble_fraction``."""
+    activation = _activation_bytes(step)
+    hop = activation / link_bytes_per_s(_spans(dims)["pp"], gpus_per_node, device, "send_recv", 2, activation)
+    accumulation = micro_steps(job, dims)
+    played = _played_step(args, job, dims.pp, n_micro, busy / accumulation, step, block_memory, hop)
+    if played is not None:
+        return max(0.0, played * accumulation - busy), True
+    stages_per_rank = num_stages(job.parallelism, args.num_hidden_layers) // dims.pp
+    return busy * bubble_fraction(schedule_name(job.parallelism), dims.pp, n_micro, stages_per_rank), False
 
 
 def _played_step(
