@@ -189,26 +189,36 @@ def _stand_in_stages(name: str, pp: int, total_stages: int, pp_rank: int) -> lis
     ]
 
 
-@functools.lru_cache(maxsize=4096)
 def rank_actions(name: str, pp: int, total_stages: int, n_micro: int, pp_rank: int) -> tuple[Action, ...]:
-    """The compute actions pipeline rank ``pp_rank`` runs in one schedule step, in order.
+    """The compute actions pipeline rank ``pp_rank`` runs in one schedule step, in order
+    (``schedule_actions``)."""
+    return schedule_actions(name, pp, total_stages, n_micro)[pp_rank]
 
-    Read off torch's schedule class itself, built over stand-in stages (a schedule orders
-    its actions from the stage layout alone), so whoever models a step's timeline (the
-    planner's memory) follows torch's order rather than a copy of it."""
-    stages = _stand_in_stages(name, pp, total_stages, pp_rank)
+
+@functools.lru_cache(maxsize=1024)
+def schedule_actions(name: str, pp: int, total_stages: int, n_micro: int) -> tuple[tuple[Action, ...], ...]:
+    """Every pipeline rank's compute actions in one schedule step, in order.
+
+    Read off torch's schedule class itself, built once over one rank's stand-in stages (a
+    schedule orders every rank's actions from the stage layout alone), so whoever models a
+    step's timeline (the planner's memory and time) follows torch's order rather than a copy
+    of it."""
+    stages = _stand_in_stages(name, pp, total_stages, 0)
     cls = get_schedule_class(name)
     first: object = stages[0] if issubclass(cls, PipelineScheduleSingle) else stages
-    order = cls(first, n_microbatches=n_micro).pipeline_order[pp_rank]
-    actions: list[Action] = []
-    for action in order:
-        if action is None:
-            continue
-        for step in action.sub_actions or (action,):
-            kind = step.computation_type.value
-            if kind in ("F", "B", "I", "W"):
-                actions.append((kind, step.stage_index, step.microbatch_index))
-    return tuple(actions)
+    order = cls(first, n_microbatches=n_micro).pipeline_order
+    ranks = []
+    for rank in range(pp):
+        actions: list[Action] = []
+        for action in order[rank]:
+            if action is None:
+                continue
+            for step in action.sub_actions or (action,):
+                kind = step.computation_type.value
+                if kind in ("F", "B", "I", "W"):
+                    actions.append((kind, step.stage_index, step.microbatch_index))
+        ranks.append(tuple(actions))
+    return tuple(ranks)
 
 
 @functools.lru_cache(maxsize=4096)
