@@ -26,6 +26,7 @@ from autopar.planner.time import (
     compute_rates,
     link_bytes_per_s,
     predict_time,
+    stage_work,
     tokens_per_step,
 )
 from autopar.training.metrics import block_matmul_params, flops_per_token
@@ -229,7 +230,7 @@ def test_a_v_schedules_rank_holding_three_of_four_blocks_is_priced_for_three():
     rates, memory = compute_rates(zbv, H100), [0.0] * args.num_hidden_layers
 
     def busiest(job) -> tuple[int, ...]:
-        return busiest_stage_rank(args, job, 2, rates, memory, 512).blocks
+        return busiest_stage_rank(args, job, 2, rates, stage_work(args, job, rates, memory, 512)).blocks
 
     assert busiest(zbv) == (1, 2, 3) and busiest(loop) == (2, 3)
     dims = ParallelDims(1, 1, 1, 1, 2)

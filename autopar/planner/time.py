@@ -225,11 +225,14 @@ def compute_rate(
     dims: ParallelDims | None = None,
     micro: int = 1,
 ) -> float:
-    """Model FLOP/s one GPU sustains for this job: the model's FLOPs (``flops_per_token``)
-    over the time its GEMMs, attention and recurrence take at ``compute_rates``."""
+    """Model FLOP/s one GPU sustains for this job: ``blended_rate`` of ``compute_rates``."""
     rates = compute_rates(job, device, args, dims, micro)
-    if args is None:
-        return rates.gemm
+    return rates.gemm if args is None else blended_rate(args, job, rates)
+
+
+def blended_rate(args: ModelArgs, job: JobConfig, rates: Rates) -> float:
+    """The model's FLOPs (``flops_per_token``) over the time its GEMMs, attention and
+    recurrence take at ``rates``."""
     seq = job.training.seq_len
     total = flops_per_token(args, seq, job.lora.enable, reference=runs_reference_forward(job))
     attention_layers = sum(args.mixer(i) != "linear_attention" for i in range(args.num_hidden_layers))
@@ -307,7 +310,8 @@ def predict_time(
     z = sizes(args, job, dims, micro, "ring", c)
     rates = compute_rates(job, device, args, dims, micro)
     block_memory = block_memory_seconds(args, job, device, z, elementwise_bytes_per_s(args, job, device))
-    busiest = busiest_stage_rank(args, job, dims.pp, rates, block_memory, z.tokens)
+    work = stage_work(args, job, rates, block_memory, z.tokens) if pipelined else []
+    busiest = busiest_stage_rank(args, job, dims.pp, rates, work)
     step = _Step(
         tokens=tokens_per_step(job, dims),
         micro_batches=n_micro * micro_steps(job, dims),  # micro-batches this rank runs per step
@@ -315,7 +319,7 @@ def predict_time(
         imbalance=busiest.share * dims.pp,
         linear_layers=sum(args.mixer(i) == "linear_attention" for i in busiest.blocks),
         moe_layers=sum(args.is_moe_layer(i) for i in range(args.num_hidden_layers)),
-        rate=compute_rate(job, device, args, dims, micro),
+        rate=blended_rate(args, job, rates),
         rates=rates,
         z=z,
     )
@@ -345,9 +349,7 @@ def predict_time(
     bubble = 0.0
     if pipelined:
         busy = compute + recompute + memory_bound + overhead
-        bubble, played = _pipeline_bubble(
-            args, job, dims, device, gpus_per_node, step, n_micro, busy, block_memory
-        )
+        bubble, played = _pipeline_bubble(args, job, dims, device, gpus_per_node, step, n_micro, busy, work)
         if played and not _overlaps(device):
             exposed -= comm["pp"]  # the hops on the critical path are in the played step; the rest hide
     memory_bound += _optimizer_seconds(args, job, dims, device)  # after the flush
@@ -379,7 +381,7 @@ def _pipeline_bubble(
     step: _Step,
     n_micro: int,
     busy: float,
-    block_memory: list[float],
+    work: list[float],
 ) -> tuple[float, bool]:
     """(the busiest rank's idle seconds per step beyond its ``busy`` work, whether the step
     was played out): ``_played_step`` where torch lists the schedule's actions, else the
@@ -387,7 +389,7 @@ def _pipeline_bubble(
     activation = _activation_bytes(step)
     hop = activation / link_bytes_per_s(_spans(dims)["pp"], gpus_per_node, device, "send_recv", 2, activation)
     accumulation = micro_steps(job, dims)
-    played = _played_step(args, job, dims.pp, n_micro, busy / accumulation, step, block_memory, hop)
+    played = _played_step(args, job, dims.pp, n_micro, busy / accumulation, work, hop)
     if played is not None:
         return max(0.0, played * accumulation - busy), True
     stages_per_rank = num_stages(job.parallelism, args.num_hidden_layers) // dims.pp
@@ -400,12 +402,11 @@ def _played_step(
     pp: int,
     n_micro: int,
     busy: float,
-    step: _Step,
-    block_memory: list[float],
+    work: list[float],
     hop: float,
 ) -> float | None:
     """Seconds of one schedule step played out (``planner.pipeline_sim``): each stage's
-    actions sized by ``stage_work`` so that the busiest rank's add up to ``busy`` (its
+    actions sized by their ``work`` (``stage_work``) so that the busiest rank's add up to ``busy`` (its
     compute, recompute, elementwise work and dispatch over the step's micro-batches), a
     backward twice its forward, a zero-bubble input or weight gradient half a backward.
     None for single-stage schedules, whose order torch does not list by micro-batch (the
@@ -415,7 +416,6 @@ def _played_step(
     if SCHEDULE_STYLES[name].stages_per_rank == 1:
         return None
     style = SCHEDULE_STYLES[name].placement
-    work = stage_work(args, job, step.rates, block_memory, step.z.tokens)
     owned = {r: stage_ids(r, pp, len(stages), style) for r in range(pp)}
     busiest = max(sum(work[s] for s in ids) for ids in owned.values())
     scale = busy / (busiest * n_micro) if busiest else 0.0
@@ -527,16 +527,14 @@ class StageRank:
 
 
 def busiest_stage_rank(
-    args: ModelArgs, job: JobConfig, pp: int, rates: Rates, block_memory: list[float], tokens: int
+    args: ModelArgs, job: JobConfig, pp: int, rates: Rates, work: list[float]
 ) -> StageRank:
-    """The rank of ``pp`` whose stages take the longest over a micro-batch of ``tokens``
-    (``stage_work``). An even split counts the embedding and the head as layers
+    """The rank of ``pp`` whose stages' ``work`` (``stage_work``) adds up to the most. An even split counts the embedding and the head as layers
     (``first/last_stage_less_layers``), a V schedule's rank pairs its first stage with its
     last, and a hybrid model's Gated DeltaNets take longer than its attention layers, so
     ranks may hold unequal work (ZBV's 4 layers over 2 ranks: 1 and 3)."""
     if pp == 1:
         return StageRank(tuple(range(args.num_hidden_layers)), 1.0)
-    work = stage_work(args, job, rates, block_memory, tokens)
     stages = stage_modules(job.parallelism, args)
     style = SCHEDULE_STYLES[schedule_name(job.parallelism)].placement
     flops = _flop_seconds(args, job, rates)
