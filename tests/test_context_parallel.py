@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.config import ConfigError
-from autopar.parallel.context_parallel import shard_sequence
+from autopar.config.sections import Parallelism
+from autopar.data.loader import Batch
+from autopar.models import Qwen
+from autopar.models.flavors import get_flavor
+from autopar.parallel.context_parallel import ContextParallel, shard_sequence
+from autopar.parallel.sdpa_backend import apply_attention_kernel
 from autopar.training.preflight import check_job
 
 from jobs import assert_fp32_parity, debug_job, parity_runs, tiny_job
@@ -74,3 +82,58 @@ def test_context_parallel_matches_single_device(cp_runs, plan):
     # fp32: attention over gathered k/v with a positional mask is the same math as one
     # device's causal SDPA; only summation order differs
     assert_fp32_parity(run, reference)
+
+
+class _KeyHeads(TorchDispatchMode):
+    """The head count of every tensor all-gathered and of every key CPU flash attention gets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gathered: list[int] = []
+        self.attended: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops._c10d_functional.all_gather_into_tensor.default and args[0].dim() == 4:
+            self.gathered.append(args[0].shape[1])
+        if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+            self.attended.append(args[1].shape[1])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def one_rank_mesh(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _forward_backward(model: torch.nn.Module, cp: ContextParallel | None) -> list[torch.Tensor]:
+    tokens = torch.randint(0, model.args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    if cp is None:
+        logits = model(tokens)
+    else:
+        with cp(Batch(tokens, tokens)) as (local, positions):
+            logits = model(local.inputs, positions)
+    logits.square().mean().backward()
+    return [logits, *(p.grad for p in model.parameters())]
+
+
+def test_all_gather_cp_gathers_grouped_kv_heads_and_expands_them_after_where_the_kernel_needs(one_rank_mesh):
+    def model() -> Qwen:
+        torch.manual_seed(0)
+        built = Qwen(get_flavor("qwen3", "debug"))  # 8 query heads share 4 k/v heads
+        built.init_weights(seed=0)
+        apply_attention_kernel(built, True)  # what model_groups_kv gives all-gather CP
+        return built
+
+    reference = _forward_backward(model(), None)
+    cp = ContextParallel(Parallelism(context_parallel_degree=2), one_rank_mesh, "cpu", expand_kv=True)
+    with _KeyHeads() as seen:
+        expanded = _forward_backward(model(), cp)
+    layers = get_flavor("qwen3", "debug").num_hidden_layers
+    assert seen.gathered == [4] * 2 * layers  # k and v, grouped
+    assert seen.attended == [8] * layers
+    for a, b in zip(expanded, reference, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -479,6 +479,21 @@ def test_a_plan_refusal_on_cpu_counts_cpu_processes_not_gpus():
     assert "GPU" not in message
 
 
+def test_all_gather_cp_moves_grouped_kv_heads_and_ring_attention_expanded_ones():
+    def cp_seconds(impl: str) -> float:
+        job = parse_job([
+            "--job.config", str(ROOT / "train_configs" / "qwen2.5_7b.toml"), "--activation_checkpoint.mode=none",
+            "--parallelism.context_parallel_degree=2", f"--parallelism.context_parallel_impl={impl}",
+        ])  # fmt: skip
+        dims = ParallelDims.resolve(job.parallelism, 8)
+        return predict_time(model_args(job), job, dims, H100, 8).comm_by_dim["cp"]
+
+    args = model_args(parse_job(["--job.config", str(ROOT / "train_configs" / "qwen2.5_7b.toml")]))
+    n_rep = args.num_attention_heads // args.num_key_value_heads  # 28 over 4
+    # ring: k/v forward, k/v and their gradients backward; all-gather: k/v forward, gradients back
+    assert cp_seconds("ring") / cp_seconds("allgather") == pytest.approx(3 * n_rep / 2, rel=1e-9)
+
+
 LLAMA3_405B = (
     "--job.config", str(ROOT / "train_configs" / "qwen2.5_7b.toml"),
     "--model.hf_assets_path", str(ROOT / "benchmarks" / "llama3_405b"),

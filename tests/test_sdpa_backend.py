@@ -16,7 +16,7 @@ from autopar.models.flavors import get_flavor
 from autopar.parallel.materialize import seeded_values
 from autopar.parallel.mesh import ParallelDims, build_meshes
 from autopar.parallel.parallelize import build_parts
-from autopar.parallel.sdpa_backend import BACKENDS, apply_attention_kernel, native_gqa
+from autopar.parallel.sdpa_backend import BACKENDS, apply_attention_kernel, model_groups_kv, native_gqa
 from autopar.parallel.world import single_process
 from autopar.planner.memory import predict
 from autopar.training.preflight import check_job
@@ -172,3 +172,17 @@ def test_cuda_groups_kv_heads_only_where_the_kernel_that_runs_takes_them(tmp_pat
 )
 def test_cpu_always_groups_kv_heads(tmp_path, flags):
     assert native_gqa(tiny_job(tmp_path, *flags), "cpu", "allgather")
+
+
+@pytest.mark.parametrize(
+    ("flags", "cp_impl", "grouped"),
+    [
+        (["--parallelism.context_parallel_degree", "2"], "allgather", True),  # expanded after the gather
+        (["--parallelism.context_parallel_degree", "2"], "ring", False),
+        (["--training.mixed_precision_param", "float32"], "allgather", False),  # no CP: the kernel's choice
+    ],
+)
+def test_all_gather_cp_gets_grouped_kv_heads_whatever_the_kernel_takes(tmp_path, flags, cp_impl, grouped):
+    job = tiny_job(tmp_path, "--training.mixed_precision_param", "auto", *flags)
+    assert not native_gqa(job, "cuda", cp_impl)
+    assert model_groups_kv(job, "cuda", cp_impl) is grouped

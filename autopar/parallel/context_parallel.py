@@ -10,8 +10,10 @@ Two implementations, one switch (``parallelism.context_parallel_impl``), the sam
   all-to-all). It dispatches only the CUDA SDPA kernels, so it needs CUDA.
 - ``allgather``: k and v are all-gathered over the CP ranks with an autograd-aware collective
   (backward reduce-scatters their gradients) and each rank attends with a causal mask built
-  from the global positions, as Megatron's ``cp_comm_type=allgather``. It runs anywhere,
-  which is why it exists: CI proves CP numerics on CPU with it.
+  from the global positions, as Megatron's ``cp_comm_type=allgather`` and Llama 3. It runs
+  anywhere, which is why it exists: CI proves CP numerics on CPU with it. It gathers the
+  grouped k/v heads (a GQA model's few), and expands them to every query head after the
+  gather where the kernel needs that (``expand_kv``).
 
 This module is the only place that touches torch's private CP options.
 """
@@ -29,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from autopar.config.errors import ConfigError
 from autopar.config.sections import Parallelism
 from autopar.data.loader import Batch
-from autopar.models.qwen import document_positions
+from autopar.models.qwen import document_positions, repeat_kv
 from autopar.parallel.torch_internals import funcol, ring_attention_options
 
 # torch 2.13 renamed the autograd-aware all-gather; 2.11 has only the old name
@@ -103,11 +105,14 @@ class AllGatherKVAttention(TorchFunctionMode):
         q_positions: torch.Tensor,
         documents: torch.Tensor | None = None,
         q_documents: torch.Tensor | None = None,
+        expand_kv: bool = False,
     ) -> None:
         """``q_positions`` (S_local,): where this rank's tokens sit; ``documents`` (B, S): the
-        whole rows' document ids, ``q_documents`` (B, S_local) this rank's."""
+        whole rows' document ids, ``q_documents`` (B, S_local) this rank's; ``expand_kv``:
+        grouped k/v heads are expanded after the gather (the kernel takes none grouped)."""
         super().__init__()
         self.mesh = mesh
+        self.expand_kv = expand_kv
         kv_positions = all_gather(q_positions, gather_dim=0, group=mesh)  # (S,) in k/v order
         self.mask = kv_positions[None, :] <= q_positions[:, None]  # (S_local, S)
         if documents is not None:
@@ -126,15 +131,22 @@ class AllGatherKVAttention(TorchFunctionMode):
         extra = {k: v for k, v in kwargs.items() if k not in ("is_causal", "attn_mask")}
         key = all_gather(key.contiguous(), gather_dim=2, group=self.mesh)  # (B, H, S, D)
         value = all_gather(value.contiguous(), gather_dim=2, group=self.mesh)
+        if self.expand_kv and extra.get("enable_gqa"):
+            n_rep = query.shape[1] // key.shape[1]
+            key, value = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
+            extra["enable_gqa"] = False
         return func(query, key, value, attn_mask=self.mask, **extra)
 
 
 class ContextParallel:
     """Shards one micro-batch and makes attention span the CP ranks while it runs."""
 
-    def __init__(self, cfg: Parallelism, mesh: DeviceMesh, device_type: str) -> None:
+    def __init__(self, cfg: Parallelism, mesh: DeviceMesh, device_type: str, expand_kv: bool = False) -> None:
+        """``expand_kv``: all-gather CP expands grouped k/v heads after gathering them (where
+        the kernel takes none grouped, ``sdpa_backend.native_gqa``)."""
         self.mesh = mesh
         self.impl = resolve_impl(cfg, device_type)
+        self.expand_kv = expand_kv
         self.head_tail = cfg.context_parallel_load_balancer == "headtail"
         self.rotate_method = cfg.context_parallel_rotate_method
 
@@ -173,7 +185,7 @@ class ContextParallel:
         local = tuple(
             None if t is None else shard_sequence(t, rank, size, self.head_tail) for t in per_position
         )
-        with AllGatherKVAttention(self.mesh, pos[0], documents, q_documents):
+        with AllGatherKVAttention(self.mesh, pos[0], documents, q_documents, self.expand_kv):
             yield Batch(inputs, labels, q_documents), rope, local
 
     @contextlib.contextmanager

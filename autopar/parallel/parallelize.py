@@ -31,7 +31,7 @@ from autopar.parallel.mesh import Meshes, ParallelDims
 from autopar.parallel.mixed_precision import apply_compute_dtype, compute_dtype, fsdp_policy
 from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, schedule_name, stage_modules
 from autopar.parallel.pipelining.split import prune, stage_ids
-from autopar.parallel.sdpa_backend import apply_attention_kernel, native_gqa
+from autopar.parallel.sdpa_backend import apply_attention_kernel, model_groups_kv, native_gqa
 from autopar.parallel.state_passing import apply_state_passing
 from autopar.parallel.tensor_parallel import apply_tp, keep_embedding_grad_sharded
 
@@ -134,14 +134,19 @@ def _tensor_parallel(
 
 def _kernels(model: nn.Module, args: ModelArgs, job: JobConfig, device: torch.device) -> None:
     """The attention kernel (and how it gets grouped k/v heads) and the experts' kernel."""
-    gqa = native_gqa(job, device.type, resolve_impl(job.parallelism, device.type))
+    impl = resolve_impl(job.parallelism, device.type)
+    gqa = model_groups_kv(job, device.type, impl)
     apply_attention_kernel(model, gqa, job.training.sdpa_backend)
     if job.training.sdpa_backend != "auto":
         logger.info("attention pinned to the %s SDPA backend", job.training.sdpa_backend)
     if args.num_key_value_heads < args.num_attention_heads:
         logger.debug(
             "attention: grouped-query k/v heads %s",
-            "passed to SDPA ungrouped (enable_gqa)" if gqa else "repeated to every query head",
+            "repeated to every query head"
+            if not gqa
+            else "passed to SDPA ungrouped (enable_gqa)"
+            if native_gqa(job, device.type, impl)
+            else "gathered grouped by context parallel, then repeated to every query head",
         )
     apply_expert_kernel(model, job.training.expert_kernel)
     apply_delta_rule_kernel(model, job.training.delta_rule_kernel)

@@ -70,6 +70,15 @@ def native_gqa(job: JobConfig, device_type: str, cp_impl: str) -> bool:
     return half and (backend == "cudnn" or (backend in ("auto", "flash") and not masked))
 
 
+def model_groups_kv(job: JobConfig, device_type: str, cp_impl: str) -> bool:
+    """Whether the model hands SDPA grouped k/v heads: where the kernel takes them
+    (``native_gqa``), and under all-gather CP, which gathers them grouped (a GQA model's
+    query-over-k/v heads times fewer bytes) and expands them after the gather where the
+    kernel needs that (``ContextParallel``'s ``expand_kv``)."""
+    all_gather_cp = job.parallelism.context_parallel_degree > 1 and cp_impl == "allgather"
+    return all_gather_cp or native_gqa(job, device_type, cp_impl)
+
+
 class PinnedScaledDotProduct(ScaledDotProduct):
     """``ScaledDotProduct`` under one named SDPA backend (``sdpa_kernel``)."""
 

@@ -57,7 +57,7 @@ from autopar.parallel.parallelize import (
     parallelized_parts,
 )
 from autopar.parallel.pipelining.schedule import StageIO
-from autopar.parallel.sdpa_backend import apply_attention_kernel, native_gqa
+from autopar.parallel.sdpa_backend import apply_attention_kernel, model_groups_kv, native_gqa
 from autopar.parallel.torch_internals import (
     FakeTensorMode,
     FSDPMemTracker,
@@ -284,7 +284,7 @@ class PeakTracker(TorchDispatchMode):
 def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) -> dict[str, int]:
     """``measure_step`` of ``rank`` under a fake process group of its own, destroyed after."""
     job = dry_run_job(job)
-    gqa = native_gqa(job, "cuda", "allgather")
+    gqa = model_groups_kv(job, "cuda", "allgather")
     job.training.sdpa_backend = "auto"  # CPU's flash kernel, with CUDA's choice of k/v heads
     dims = ParallelDims.resolve(job.parallelism, world_size)
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
@@ -303,6 +303,8 @@ def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) ->
             parts = materialize_parts(built, world.device, _fake_values)
             io = _stage_io(job, meshes, parts) if dims.pp > 1 else None
             step = TrainStep(job, world, meshes, parts, io)
+            if step.context.context_parallel is not None:  # CUDA's k/v heads after the gather too
+                step.context.context_parallel.expand_kv = not native_gqa(job, "cuda", "allgather")
             reference = _fake_preference(step, job, reference_built) if is_preference(job) else []
             if step.pipeline is not None:
                 # the schedule's warm-up vote on static metadata moves no data under the

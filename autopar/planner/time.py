@@ -41,6 +41,7 @@ from autopar.config.sections import JobConfig, Training
 from autopar.models.args import ModelArgs
 from autopar.models.family import family_of
 from autopar.parallel.activation_checkpoint import checkpointed_layers
+from autopar.parallel.context_parallel import resolve_impl
 from autopar.parallel.float8 import eligible
 from autopar.parallel.fsdp import reshards_blocks
 from autopar.parallel.mesh import ParallelDims
@@ -292,10 +293,15 @@ def _calibrated_bytes_per_s(
     itemised = flops / compute_rate(job, device, args, dims, point.batch)
     itemised += overhead_seconds(args, job, device, args.num_hidden_layers)
     c = 4 if point.dtype == "float32" else 2
-    z = sizes(args, job, dims, point.batch, "ring", c)
+    z = sizes(args, job, dims, point.batch, "ring", c, device_type_of(device))
     at_bandwidth = memory_bound_seconds(args, job, device, z, args.num_hidden_layers)
     rest = max(point.seconds - itemised, CALIBRATION_FLOOR * point.seconds)
     return device.hbm_bytes_per_s * at_bandwidth / rest
+
+
+def device_type_of(device: DeviceSpec) -> str:
+    """``cpu`` for a CPU's measured profile, else ``cuda`` (the presets, a GPU's profile)."""
+    return device.profile.device_type if device.profile is not None else "cuda"
 
 
 def predict_time(
@@ -307,7 +313,9 @@ def predict_time(
     pipelined = dims.pp > 1
     micro = job.parallelism.pipeline_parallel_microbatch_size if pipelined else job.training.local_batch_size
     n_micro = job.training.local_batch_size // micro if pipelined else 1
-    z = sizes(args, job, dims, micro, "ring", c)
+    device_type = device_type_of(device)
+    cp_impl = resolve_impl(job.parallelism, device_type)
+    z = sizes(args, job, dims, micro, cp_impl, c, device_type)
     rates = compute_rates(job, device, args, dims, micro)
     block_memory = block_memory_seconds(args, job, device, z, elementwise_bytes_per_s(args, job, device))
     work = stage_work(args, job, rates, block_memory, z.tokens) if pipelined else []
@@ -322,6 +330,7 @@ def predict_time(
         rate=blended_rate(args, job, rates),
         rates=rates,
         z=z,
+        cp_impl=cp_impl,
     )
     memory_bound = sum(block_memory[i] for i in busiest.blocks) * step.micro_batches
     overhead = overhead_seconds(args, job, device, step.layers * step.micro_batches, dims.tp, dims.cp)
@@ -450,6 +459,7 @@ class _Step:
     rate: float  # FLOP/s of the model's FLOPs, blended over its kinds
     rates: Rates
     z: Sizes
+    cp_impl: str  # ring or allgather
 
 
 @functools.lru_cache(maxsize=16)
@@ -615,15 +625,38 @@ def _model_parallel_comm(
         comm["tp"] = collectives * step.micro_batches * per_collective / rate
     cp_exposed = 0.0
     if dims.cp > 1:
-        kv = 2 * c * z.sdpa_kv_heads * z.head_dim * z.tokens  # ring attention passes k/v as SDPA gets them
         attention_layers = step.layers - step.linear_layers
-        cp_bytes = 3 * (dims.cp - 1) * kv * attention_layers * step.micro_batches
-        comm["cp"] = cp_bytes / link_bytes_per_s(spans["cp"], gpus_per_node, device, "send_recv", 2, kv)
-        seq = job.training.seq_len
-        attention = (
-            12 * z.q_heads * z.head_dim * seq * z.tokens * attention_layers * step.micro_batches / step.rate
-        )
-        cp_exposed = max(0.0, comm["cp"] - attention) if _overlaps(device) else comm["cp"]
+        if step.cp_impl == "allgather":
+            # k/v gathered as grouped heads, their gradients reduce-scattered, and gathered
+            # again where blocks recompute; attention waits for them
+            kv = 2 * c * z.kv_heads * z.head_dim * z.tokens
+            transfers = 2 + _gathers_again(job, share)
+            comm["cp"] = (
+                transfers
+                * (dims.cp - 1)
+                * kv
+                * attention_layers
+                * step.micro_batches
+                / link_bytes_per_s(spans["cp"], gpus_per_node, device, "all_gather", dims.cp, kv * dims.cp)
+            )
+            cp_exposed = comm["cp"]
+        else:
+            # ring attention passes k/v as SDPA gets them forward, k/v and their gradients backward
+            kv = 2 * c * z.sdpa_kv_heads * z.head_dim * z.tokens
+            cp_bytes = 3 * (dims.cp - 1) * kv * attention_layers * step.micro_batches
+            comm["cp"] = cp_bytes / link_bytes_per_s(spans["cp"], gpus_per_node, device, "send_recv", 2, kv)
+            seq = job.training.seq_len
+            attention = (
+                12
+                * z.q_heads
+                * z.head_dim
+                * seq
+                * z.tokens
+                * attention_layers
+                * step.micro_batches
+                / step.rate
+            )
+            cp_exposed = max(0.0, comm["cp"] - attention) if _overlaps(device) else comm["cp"]
         maps = _state_passing_bytes(job, step, share) / link_bytes_per_s(
             spans["cp"], gpus_per_node, device, "all_gather", dims.cp
         )

@@ -20,11 +20,12 @@ from autopar.config.sections import JobConfig
 from autopar.data.loader import Batch
 from autopar.models.args import ModelArgs
 from autopar.models.qwen import split_output
-from autopar.parallel.context_parallel import ContextParallel
+from autopar.parallel.context_parallel import ContextParallel, resolve_impl
 from autopar.parallel.float8 import after_optimizer_step, resolve_backend, te_autocast
 from autopar.parallel.mesh import Meshes
 from autopar.parallel.parallelize import ModelParts, loss_parallel_enabled
 from autopar.parallel.pipelining.schedule import Pipeline, StageIO, build_pipeline, pipeline_forward_backward
+from autopar.parallel.sdpa_backend import native_gqa
 from autopar.parallel.world import World, by_mesh
 from autopar.training.loss import (
     count_targets,
@@ -200,7 +201,9 @@ class TrainStep:
         cp_mesh = self.meshes.get("cp")
         if cp_mesh is None:
             return None
-        return ContextParallel(self.job.parallelism, cp_mesh, device.type)
+        impl = resolve_impl(self.job.parallelism, device.type)
+        expand = not native_gqa(self.job, device.type, impl)
+        return ContextParallel(self.job.parallelism, cp_mesh, device.type, expand_kv=expand)
 
     def _load_balancing(self, args: ModelArgs) -> LoadBalancing | None:
         if not args.moe:
