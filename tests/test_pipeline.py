@@ -344,6 +344,10 @@ def test_a_schedule_gathers_each_fsdp_stage_once_unless_it_holds_more_than_torch
 def test_rank_actions_follow_torchs_schedule_order():
     one_f_one_b = rank_actions("1F1B", 2, 2, 4, 0)
     assert [f"{k}{m}" for k, _, m in one_f_one_b] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+    last = rank_actions("1F1B", 2, 2, 4, 1)  # the loop torch runs, not the order it lists
+    assert [f"{k}{s}{m}" for k, s, m in last] == ["F10", "B10", "F11", "B11", "F12", "B12", "F13", "B13"]
+    gpipe = rank_actions("GPipe", 2, 2, 2, 1)
+    assert [f"{k}{m}" for k, _, m in gpipe] == ["F0", "F1", "B0", "B1"]
     zbv = rank_actions("ZBVZeroBubble", 2, 4, 2, 1)
     assert {s for _, s, _ in zbv} == {1, 2}  # the V: rank 1 holds stages 1 and 2
     assert {k for k, _, _ in zbv} == {"F", "I", "W"}

@@ -52,3 +52,11 @@ def test_each_hop_on_the_critical_path_adds_its_time():
 def test_an_order_waiting_for_an_action_nobody_runs_is_refused():
     orders = [[("F", 0, 0)], [("B", 1, 0)]]  # the last stage's backward needs its forward
     assert play(orders, seconds([1.0, 1.0]), {0: 0, 1: 1}, 0.0) is None
+
+
+def test_one_stage_1f1b_with_a_light_first_stage_idles_its_last_rank_for_one_forward_and_backward():
+    orders = [rank_actions("1F1B", 2, 2, 4, rank) for rank in range(2)]
+    finish = play(orders, seconds([1.0, 3.0]), {0: 0, 1: 1}, 0.0)
+    assert finish is not None
+    heavy = 4 * (3.0 + 6.0)  # the last rank's four forwards and backwards, never waiting after the first
+    assert max(finish) == pytest.approx(heavy + 1.0 + 2.0)  # (pp - 1) / n_micro of it would be 9

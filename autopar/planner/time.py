@@ -418,12 +418,9 @@ def _played_step(
     actions sized by their ``work`` (``stage_work``) so that the busiest rank's add up to ``busy`` (its
     compute, recompute, elementwise work and dispatch over the step's micro-batches), a
     backward twice its forward, a zero-bubble input or weight gradient half a backward.
-    None for single-stage schedules, whose order torch does not list by micro-batch (the
-    closed form holds for them)."""
+    None where the order cannot finish (the closed form stands in)."""
     name = schedule_name(job.parallelism)
     stages = stage_modules(job.parallelism, args)
-    if SCHEDULE_STYLES[name].stages_per_rank == 1:
-        return None
     style = SCHEDULE_STYLES[name].placement
     owned = {r: stage_ids(r, pp, len(stages), style) for r in range(pp)}
     busiest = max(sum(work[s] for s in ids) for ids in owned.values())

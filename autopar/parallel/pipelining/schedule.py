@@ -202,11 +202,11 @@ def schedule_actions(name: str, pp: int, total_stages: int, n_micro: int) -> tup
     Read off torch's schedule class itself, built once over one rank's stand-in stages (a
     schedule orders every rank's actions from the stage layout alone), so whoever models a
     step's timeline (the planner's memory and time) follows torch's order rather than a copy
-    of it."""
-    stages = _stand_in_stages(name, pp, total_stages, 0)
+    of it. The one-stage schedules run loops of their own instead (``_single_stage_actions``)."""
     cls = get_schedule_class(name)
-    first: object = stages[0] if issubclass(cls, PipelineScheduleSingle) else stages
-    order = cls(first, n_microbatches=n_micro).pipeline_order
+    if issubclass(cls, PipelineScheduleSingle):
+        return tuple(_single_stage_actions(name, pp, n_micro, rank) for rank in range(pp))
+    order = cls(_stand_in_stages(name, pp, total_stages, 0), n_microbatches=n_micro).pipeline_order
     ranks = []
     for rank in range(pp):
         actions: list[Action] = []
@@ -219,6 +219,22 @@ def schedule_actions(name: str, pp: int, total_stages: int, n_micro: int) -> tup
                     actions.append((kind, step.stage_index, step.microbatch_index))
         ranks.append(tuple(actions))
     return tuple(ranks)
+
+
+def _single_stage_actions(name: str, pp: int, n_micro: int, rank: int) -> tuple[Action, ...]:
+    """The order torch's one-stage schedules run (their ``_step_microbatches``; the
+    ``pipeline_order`` torch 2.13 lists for 1F1B's last rank is a micro-batch off, F1 B0 ...):
+    GPipe every forward, then every backward; 1F1B min(micro-batches, pp - rank) forwards,
+    then a backward and a forward in turn, then the backwards left."""
+    forwards = [("F", rank, m) for m in range(n_micro)]
+    backwards = [("B", rank, m) for m in range(n_micro)]
+    if name == "GPipe":
+        return tuple(forwards + backwards)
+    warmup = min(n_micro, pp - rank)
+    order = forwards[:warmup]
+    for m in range(n_micro - warmup):
+        order += [backwards[m], forwards[warmup + m]]
+    return tuple(order + backwards[n_micro - warmup :])
 
 
 @functools.lru_cache(maxsize=4096)
