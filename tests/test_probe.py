@@ -18,13 +18,20 @@ from autopar.cli.plan_check import spearman
 from autopar.cli.probe import machine_probe
 from autopar.cli.probe import main as probe_main
 from autopar.cli.spawn import run_on_ranks
+from autopar.models.family import build_model
 from autopar.parallel.mesh import ParallelDims
 from autopar.planner.auto import auto_job
 from autopar.planner.devices import PRESETS
 from autopar.planner.machine import spec_from_profile
 from autopar.planner.measured import ops_per_micro_batch, optimizer_seconds
 from autopar.planner.memory import meta_model
-from autopar.planner.probe import probe_job_step, probe_plan_overheads, probe_recurrence, run_probe
+from autopar.planner.probe import (
+    initialized_model,
+    probe_job_step,
+    probe_plan_overheads,
+    probe_recurrence,
+    run_probe,
+)
 from autopar.planner.profile import (
     COLLECTIVES,
     AttentionPoint,
@@ -358,3 +365,15 @@ def test_spearman_is_one_for_the_same_order_and_minus_one_for_the_reverse():
     assert spearman([3.0, 2.0, 1.0], [1.0, 2.0, 3.0]) == pytest.approx(-1.0)
     # one swap of neighbours among four: 1 - 6 * 2 / (4 * 15)
     assert spearman([4.0, 3.0, 2.0, 1.0], [4.0, 2.0, 3.0, 1.0]) == pytest.approx(0.8)
+
+
+@pytest.mark.parametrize("config", ["debug_model", "debug_model_qwen3.5"])
+def test_the_probe_times_models_holding_their_initial_weights_not_whatever_memory_held(config):
+    args = model_args(debug_job("--job.config", config))
+    with torch.device("meta"):
+        reference = build_model(args)
+    reference.to_empty(device="cpu")
+    reference.init_weights(seed=0)
+    timed = initialized_model(args, torch.device("cpu"))
+    for (name, got), want in zip(timed.state_dict().items(), reference.state_dict().values(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)

@@ -131,6 +131,18 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def initialized_model(args: ModelArgs, device: torch.device) -> torch.nn.Module:
+    """The model ``args`` describe on ``device``, holding its initial weights. Built alone, its
+    norms' weights are whatever memory held, and a step over such garbage (subnormals,
+    infinities) took anywhere from 0.3 to 10 s for the debug Qwen3's 0.3 s one on this CPU."""
+    from autopar.models.family import build_model
+
+    with torch.device(device):
+        model = build_model(args)
+    model.init_weights(seed=0)
+    return model
+
+
 def forward_backward(model: torch.nn.Module, device: torch.device, tokens: int = 8) -> Callable[[], None]:
     """One forward and backward of ``model`` over one sequence of ``tokens`` tokens (a mixture
     of experts' logits, without its routing statistics)."""
@@ -151,11 +163,8 @@ def probe_model_step(
     """Seconds of one forward, cross-entropy and backward of the job's model (``args``, its
     weights in ``dtype``) over ``batch`` sequences of ``seq`` tokens; None where it does not
     fit on the device."""
-    from autopar.models.family import build_model
-
     try:
-        with torch.device(device):
-            model = build_model(args).to(getattr(torch, dtype))
+        model = initialized_model(args, device).to(getattr(torch, dtype))
         ids = torch.randint(0, args.vocab_size, (batch, seq), device=device)
 
         def run() -> None:
@@ -192,11 +201,7 @@ def probe_op_overhead(device: torch.device, args: ModelArgs | None = None) -> fl
     job's model, else the reference model, on 8 tokens): dispatch, autograd and Python, what a
     small model or a small shard pays beside its FLOPs (a custom op's own ops, which a count
     sees as one, included)."""
-    from autopar.models.family import build_model
-
-    with torch.device(device):
-        model = build_model(args or reference_args())
-    run = forward_backward(model, device)
+    run = forward_backward(initialized_model(args or reference_args(), device), device)
     ops = count_ops(run)
     return timed(run, device) / ops
 
@@ -216,7 +221,6 @@ def probe_plan_overheads(
     figure; none on an odd world."""
     from autopar.config.sections import Parallelism
     from autopar.data.loader import Batch
-    from autopar.models.family import build_model
     from autopar.parallel.context_parallel import ContextParallel
     from autopar.parallel.tensor_parallel import apply_tp
 
@@ -225,13 +229,11 @@ def probe_plan_overheads(
         return ()
     pairs = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("pairs", "plan"))["plan"]
     args = args or reference_args()
-    ops = count_ops(forward_backward(build_model(args).to(device), device))
+    ops = count_ops(forward_backward(initialized_model(args, device), device))
     ids = torch.zeros(1, 8, dtype=torch.long, device=device)
     seconds = []
     for plan in PLAN_OVERHEADS:
-        torch.manual_seed(0)  # the same weights on both ranks
-        with torch.device(device):
-            model = build_model(args)
+        model = initialized_model(args, device)  # the same weights on both ranks
         if plan == "tp":
             apply_tp(model, pairs, args, sequence_parallel=True, loss_parallel=False)
             run = forward_backward(model, device)
