@@ -479,6 +479,27 @@ def test_a_plan_refusal_on_cpu_counts_cpu_processes_not_gpus():
     assert "GPU" not in message
 
 
+def test_full_recompute_runs_tps_forward_collectives_again_and_per_op_checkpointing_keeps_them():
+    def tp_seconds(mode: str) -> float:
+        job = parse_job(
+            [
+                "--job.config",
+                "debug_model",
+                "--parallelism.tensor_parallel_degree=2",
+                f"--activation_checkpoint.mode={mode}",
+            ]
+        )
+        return predict_time(
+            model_args(job), job, ParallelDims.resolve(job.parallelism, 2), H100, 8
+        ).comm_by_dim["tp"]
+
+    layers = 4  # each: two gathers and two reduce-scatters forward, as many backward
+    assert tp_seconds("full") / tp_seconds("none") == pytest.approx(
+        (6 * layers + 2) / (4 * layers + 2), rel=1e-9
+    )
+    assert tp_seconds("selective") == pytest.approx(tp_seconds("none"), rel=1e-9)
+
+
 def test_all_gather_cp_moves_grouped_kv_heads_and_ring_attention_expanded_ones():
     def cp_seconds(impl: str) -> float:
         job = parse_job([

@@ -234,6 +234,25 @@ def test_fsdp_traffic_moves_at_the_measured_bus_bandwidth():
     assert predict_time(args, job, dims, gpu, 2).exposed_comm < time.comm_by_dim["fsdp"] / 2
 
 
+def test_tp_reduce_scatters_move_at_their_own_measured_rate_not_the_gathers():
+    job = debug_job("--parallelism.tensor_parallel_degree", "2", "--activation_checkpoint.mode", "none")
+    args, dims = model_args(job), ParallelDims.resolve(job.parallelism, 2)
+    even = flat_profile(bus=1e9)
+    slow_scatter = dataclasses.replace(
+        even,
+        collectives=tuple(
+            dataclasses.replace(p, bus_bytes_per_s=p.bus_bytes_per_s / 2) if p.op == "reduce_scatter" else p
+            for p in even.collectives
+        ),
+    )
+
+    def tp_seconds(profile: DeviceProfile) -> float:
+        return predict_time(args, job, dims, spec_from_profile(profile), 2).comm_by_dim["tp"]
+
+    # as many reduce-scatters as gathers: half the traffic at half the rate
+    assert tp_seconds(slow_scatter) / tp_seconds(even) == pytest.approx(1.5, rel=1e-9)
+
+
 def test_halving_each_measured_figure_doubles_its_own_term_only():
     job, args, dims = fsdp2()
     base = spec_from_profile(flat_profile())

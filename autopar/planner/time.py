@@ -612,14 +612,22 @@ def _model_parallel_comm(
     c, z, spans = step.z.dtype_bytes, step.z, _spans(dims)
     comm: dict[str, float] = {}
     if dims.tp > 1:
-        # SP: all-gather + reduce-scatter around attention and MLP, forward and backward (all-reduces
-        # without SP move the same bytes); plus the embedding's and the head's
-        per_collective = (dims.tp - 1) / dims.tp * c * z.hidden * z.tokens
-        collectives = 8 * step.layers + 4
-        rate = link_bytes_per_s(
-            spans["tp"], gpus_per_node, device, "all_gather", dims.tp, c * z.hidden * z.tokens
-        )
-        comm["tp"] = collectives * step.micro_batches * per_collective / rate
+        # SP: an all-gather before attention and the MLP and a reduce-scatter after, forward,
+        # their mirror images backward and again where blocks recompute (per-op checkpointing
+        # keeps collectives' outputs); plus the embedding's and the head's. Without SP an
+        # all-reduce stands for each pair. Each at its own measured rate: gloo's
+        # reduce-scatter runs at half its all-gather's on this CPU.
+        message = c * z.hidden * z.tokens
+        per_collective = (dims.tp - 1) / dims.tp * message
+        pairs = ((4 + 2 * share) * step.layers + 2) * step.micro_batches
+
+        def rate(op: str) -> float:
+            return link_bytes_per_s(spans["tp"], gpus_per_node, device, op, dims.tp, message)
+
+        if job.parallelism.enable_sequence_parallel:
+            comm["tp"] = pairs * per_collective * (1 / rate("all_gather") + 1 / rate("reduce_scatter"))
+        else:
+            comm["tp"] = pairs * 2 * per_collective / rate("all_reduce")
     cp_exposed = 0.0
     if dims.cp > 1:
         attention_layers = step.layers - step.linear_layers
@@ -627,15 +635,12 @@ def _model_parallel_comm(
             # k/v gathered as grouped heads, their gradients reduce-scattered, and gathered
             # again where blocks recompute; attention waits for them
             kv = 2 * c * z.kv_heads * z.head_dim * z.tokens
-            transfers = 2 + _gathers_again(job, share)
-            comm["cp"] = (
-                transfers
-                * (dims.cp - 1)
-                * kv
-                * attention_layers
-                * step.micro_batches
-                / link_bytes_per_s(spans["cp"], gpus_per_node, device, "all_gather", dims.cp, kv * dims.cp)
-            )
+
+            def seconds(op: str, times: float) -> float:
+                moved = times * (dims.cp - 1) * kv * attention_layers * step.micro_batches
+                return moved / link_bytes_per_s(spans["cp"], gpus_per_node, device, op, dims.cp, kv * dims.cp)
+
+            comm["cp"] = seconds("all_gather", 1 + _gathers_again(job, share)) + seconds("reduce_scatter", 1)
             cp_exposed = comm["cp"]
         else:
             # ring attention passes k/v as SDPA gets them forward, k/v and their gradients backward
