@@ -479,6 +479,24 @@ def test_a_plan_refusal_on_cpu_counts_cpu_processes_not_gpus():
     assert "GPU" not in message
 
 
+def test_per_op_checkpointing_reruns_what_full_recompute_does_but_the_gemms_and_attention():
+    def step(*flags: str):
+        job = parse_job(["--job.config", "debug_model", "--parallelism.data_parallel_shard_degree=8", *flags])
+        dims = ParallelDims.resolve(job.parallelism, 8)
+        return job, dims, predict_time(model_args(job), job, dims, H100, 8)
+
+    job, dims, full = step("--activation_checkpoint.mode=full")
+    _, _, op = step(
+        "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"
+    )
+    args = model_args(job)
+    forward_flops = (
+        block_forward_flops(args, job.training.seq_len) * tokens_per_step(job, dims) / dims.world_size
+    )
+    assert full.recompute - op.recompute == pytest.approx(forward_flops / compute_rate(job, H100), rel=1e-9)
+    assert op.recompute > 0
+
+
 def test_full_recompute_runs_tps_forward_collectives_again_and_per_op_checkpointing_keeps_them():
     def tp_seconds(mode: str) -> float:
         job = parse_job(

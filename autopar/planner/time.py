@@ -54,7 +54,7 @@ from autopar.parallel.pipelining.schedule import (
     stage_modules,
 )
 from autopar.parallel.pipelining.split import stage_ids
-from autopar.planner.block_bytes import FP32, Sizes, block_bytes_no_ac, block_bytes_op_ac, state_passing
+from autopar.planner.block_bytes import FP32, Sizes, state_passing
 from autopar.planner.devices import DeviceSpec
 from autopar.planner.hybrid_cp import chain_flops, map_flops_per_token
 from autopar.planner.measured import (
@@ -478,8 +478,8 @@ def _compute_seconds(
 ) -> tuple[float, float, float]:
     """(compute, recompute, share of blocks fully recomputed). Full blocks rerun their
     forward: its FLOPs, its ops' dispatch (``forward_op_share``) and its elementwise passes
-    (``FORWARD_PASS_SHARE``). Per-op AC rereads and rewrites what it dropped and dispatches
-    each op it did not save again. ``memory_bound`` and ``overhead``: the step's blocks'."""
+    (``FORWARD_PASS_SHARE``). Per-op AC reruns the forward's ops it did not keep (not its
+    GEMMs, attention or collectives): the same elementwise passes and dispatch. ``memory_bound`` and ``overhead``: the step's blocks'."""
     seq, world, rate, z = job.training.seq_len, dims.world_size, step.rate, step.z
     compute = (
         flops_per_token(args, seq, job.lora.enable, reference=runs_reference_forward(job))
@@ -498,15 +498,9 @@ def _compute_seconds(
     ids = [str(i) for i in range(args.num_hidden_layers)]
     share = len(checkpointed_layers(ac, ids)) / len(ids) if ac.mode != "none" and not op else 0.0
     if op:
-        dropped = sum(
-            block_bytes_no_ac(z, args.layer_kind(i), args.qk_norm)
-            - block_bytes_op_ac(z, dims.tp, args.layer_kind(i))
-            for i in range(args.num_hidden_layers)
-        )
-        # (it can keep more than no checkpointing does: the collectives' outputs; nothing to redo then)
-        rate = elementwise_bytes_per_s(args, job, device)
-        recompute = 2 * max(0.0, dropped) * step.layers / args.num_hidden_layers * step.micro_batches / rate
-        recompute += forward_op_share(args) * overhead
+        # every forward op it did not keep runs again: all but the GEMMs, attention and
+        # collectives, so the forward's elementwise passes and their dispatch
+        recompute = FORWARD_PASS_SHARE * memory_bound + forward_op_share(args) * overhead
     elif share:
         recompute = share * (
             block_forward_flops(args, seq) * step.tokens / world / rate * step.imbalance
