@@ -606,58 +606,10 @@ def _model_parallel_comm(
     c, z, spans = step.z.dtype_bytes, step.z, _spans(dims)
     comm: dict[str, float] = {}
     if dims.tp > 1:
-        # SP: an all-gather before attention and the MLP and a reduce-scatter after, forward,
-        # their mirror images backward and again where blocks recompute (per-op checkpointing
-        # keeps collectives' outputs); plus the embedding's and the head's. Without SP an
-        # all-reduce stands for each pair. Each at its own measured rate: gloo's
-        # reduce-scatter runs at half its all-gather's on this CPU.
-        message = c * z.hidden * z.tokens
-        per_collective = (dims.tp - 1) / dims.tp * message
-        pairs = ((4 + 2 * share) * step.layers + 2) * step.micro_batches
-
-        def rate(op: str) -> float:
-            return link_bytes_per_s(spans["tp"], gpus_per_node, device, op, dims.tp, message)
-
-        if job.parallelism.enable_sequence_parallel:
-            comm["tp"] = pairs * per_collective * (1 / rate("all_gather") + 1 / rate("reduce_scatter"))
-        else:
-            comm["tp"] = pairs * 2 * per_collective / rate("all_reduce")
+        comm["tp"] = _tensor_parallel_seconds(job, dims, device, gpus_per_node, step, share)
     cp_exposed = 0.0
     if dims.cp > 1:
-        attention_layers = step.layers - step.linear_layers
-        if step.cp_impl == "allgather":
-            # k/v gathered as grouped heads, their gradients reduce-scattered, and gathered
-            # again where blocks recompute; attention waits for them
-            kv = 2 * c * z.kv_heads * z.head_dim * z.tokens
-
-            def seconds(op: str, times: float) -> float:
-                moved = times * (dims.cp - 1) * kv * attention_layers * step.micro_batches
-                return moved / link_bytes_per_s(spans["cp"], gpus_per_node, device, op, dims.cp, kv * dims.cp)
-
-            comm["cp"] = seconds("all_gather", 1 + _gathers_again(job, share)) + seconds("reduce_scatter", 1)
-            cp_exposed = comm["cp"]
-        else:
-            # ring attention passes k/v as SDPA gets them forward, k/v and their gradients backward
-            kv = 2 * c * z.sdpa_kv_heads * z.head_dim * z.tokens
-            cp_bytes = 3 * (dims.cp - 1) * kv * attention_layers * step.micro_batches
-            comm["cp"] = cp_bytes / link_bytes_per_s(spans["cp"], gpus_per_node, device, "send_recv", 2, kv)
-            seq = job.training.seq_len
-            attention = (
-                12
-                * z.q_heads
-                * z.head_dim
-                * seq
-                * z.tokens
-                * attention_layers
-                * step.micro_batches
-                / step.rate
-            )
-            cp_exposed = max(0.0, comm["cp"] - attention) if _overlaps(device) else comm["cp"]
-        maps = _state_passing_bytes(job, step, share) / link_bytes_per_s(
-            spans["cp"], gpus_per_node, device, "all_gather", dims.cp
-        )
-        comm["cp"] += maps
-        cp_exposed += maps
+        comm["cp"], cp_exposed = _context_parallel_seconds(job, dims, device, gpus_per_node, step, share)
     if dims.ep > 1 and step.moe_layers:
         # all-to-all of every routed row out and back, in forward, backward and recompute
         rows = z.top_k * z.tokens
@@ -668,6 +620,59 @@ def _model_parallel_comm(
         )
         comm["ep"] = moved / rate
     return comm, cp_exposed
+
+
+def _tensor_parallel_seconds(
+    job: JobConfig, dims: ParallelDims, device: DeviceSpec, gpus_per_node: int, step: _Step, share: float
+) -> float:
+    """TP's collectives under SP: an all-gather before attention and the MLP and a
+    reduce-scatter after, forward, their mirror images backward and again where blocks
+    recompute (per-op checkpointing keeps collectives' outputs); plus the embedding's and the
+    head's. Without SP an all-reduce stands for each pair. Each at its own measured rate:
+    gloo's reduce-scatter runs at half its all-gather's on this CPU."""
+    z = step.z
+    message = z.dtype_bytes * z.hidden * z.tokens
+    per_collective = (dims.tp - 1) / dims.tp * message
+    pairs = ((4 + 2 * share) * step.layers + 2) * step.micro_batches
+
+    def rate(op: str) -> float:
+        return link_bytes_per_s(_spans(dims)["tp"], gpus_per_node, device, op, dims.tp, message)
+
+    if job.parallelism.enable_sequence_parallel:
+        return pairs * per_collective * (1 / rate("all_gather") + 1 / rate("reduce_scatter"))
+    return pairs * 2 * per_collective / rate("all_reduce")
+
+
+def _context_parallel_seconds(
+    job: JobConfig, dims: ParallelDims, device: DeviceSpec, gpus_per_node: int, step: _Step, share: float
+) -> tuple[float, float]:
+    """(CP's traffic, what of it attention does not hide), by implementation: all-gather CP
+    gathers grouped k/v heads, reduce-scatters their gradients and gathers again where blocks
+    recompute, with attention waiting; ring attention passes k/v as SDPA gets them forward and
+    k/v and their gradients backward, behind attention on GPUs. A hybrid model's Gated
+    DeltaNets add their maps' exchange, on the critical path."""
+    z, span = step.z, _spans(dims)["cp"]
+    attention_layers = step.layers - step.linear_layers
+    if step.cp_impl == "allgather":
+        kv = 2 * z.dtype_bytes * z.kv_heads * z.head_dim * z.tokens
+
+        def seconds(op: str, times: float) -> float:
+            moved = times * (dims.cp - 1) * kv * attention_layers * step.micro_batches
+            return moved / link_bytes_per_s(span, gpus_per_node, device, op, dims.cp, kv * dims.cp)
+
+        comm = seconds("all_gather", 1 + _gathers_again(job, share)) + seconds("reduce_scatter", 1)
+        exposed = comm
+    else:
+        kv = 2 * z.dtype_bytes * z.sdpa_kv_heads * z.head_dim * z.tokens
+        cp_bytes = 3 * (dims.cp - 1) * kv * attention_layers * step.micro_batches
+        comm = cp_bytes / link_bytes_per_s(span, gpus_per_node, device, "send_recv", 2, kv)
+        attention_flops = 12 * z.q_heads * z.head_dim * job.training.seq_len * z.tokens * attention_layers
+        attention = attention_flops * step.micro_batches / step.rate
+        exposed = max(0.0, comm - attention) if _overlaps(device) else comm
+    maps = _state_passing_bytes(job, step, share) / link_bytes_per_s(
+        span, gpus_per_node, device, "all_gather", dims.cp
+    )
+    return comm + maps, exposed + maps
 
 
 def _overlaps(device: DeviceSpec) -> bool:
