@@ -149,10 +149,9 @@ def main(argv: list[str]) -> int:
         world = int(options["--world-size"])
         gpus_per_node = int(options.get("--gpus-per-node", 8))
         device = planned_device(options)
-        device_type = device.profile.device_type if device.profile else "cuda"
         pinned = pinned_fields(job, *explicit_keys(job_argv))
         start = time.perf_counter()
-        plans = search(job, args, world, gpus_per_node, device, pinned, device_type)
+        plans = search(job, args, world, gpus_per_node, device, pinned, device.device_type)
     except ConfigError as err:
         print(f"plan error: {err}", file=sys.stderr)
         return 2

@@ -135,18 +135,18 @@ def _tensor_parallel(
 def _kernels(model: nn.Module, args: ModelArgs, job: JobConfig, device: torch.device) -> None:
     """The attention kernel (and how it gets grouped k/v heads) and the experts' kernel."""
     impl = resolve_impl(job.parallelism, device.type)
-    gqa = model_groups_kv(job, device.type, impl)
+    native, gqa = native_gqa(job, device.type, impl), model_groups_kv(job, device.type, impl)
     apply_attention_kernel(model, gqa, job.training.sdpa_backend)
     if job.training.sdpa_backend != "auto":
         logger.info("attention pinned to the %s SDPA backend", job.training.sdpa_backend)
     if args.num_key_value_heads < args.num_attention_heads:
         logger.debug(
             "attention: grouped-query k/v heads %s",
-            "repeated to every query head"
-            if not gqa
-            else "passed to SDPA ungrouped (enable_gqa)"
-            if native_gqa(job, device.type, impl)
-            else "gathered grouped by context parallel, then repeated to every query head",
+            "passed to SDPA ungrouped (enable_gqa)"
+            if native
+            else "gathered grouped by context parallel, then repeated to every query head"
+            if gqa
+            else "repeated to every query head",
         )
     apply_expert_kernel(model, job.training.expert_kernel)
     apply_delta_rule_kernel(model, job.training.delta_rule_kernel)

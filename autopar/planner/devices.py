@@ -34,6 +34,11 @@ class DeviceSpec:
     """Measured figures (``python -m autopar.probe``) the time model reads instead of the
     constants above; None plans with the datasheet figures."""
 
+    @property
+    def device_type(self) -> str:
+        """``cpu`` for a CPU's measured profile, else ``cuda`` (the presets, a GPU's profile)."""
+        return self.profile.device_type if self.profile is not None else "cuda"
+
 
 PRESETS: dict[str, DeviceSpec] = {
     "h100": DeviceSpec("h100", 79.1, 989e12, 1979e12, 3350 * GB, 450 * GB, 50 * GB, 64 * GB),

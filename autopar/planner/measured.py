@@ -42,8 +42,7 @@ def compute_dtype(job: JobConfig, device: DeviceSpec) -> str:
     if job.float8.enable and device.fp8_flops is not None:
         return "float8"
     choice = job.training.mixed_precision_param
-    cpu = device.profile is not None and device.profile.device_type == "cpu"
-    return {"auto": "float32" if cpu else "bfloat16"}.get(choice, choice)
+    return {"auto": "float32" if device.device_type == "cpu" else "bfloat16"}.get(choice, choice)
 
 
 @functools.lru_cache(maxsize=16)

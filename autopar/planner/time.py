@@ -293,15 +293,10 @@ def _calibrated_bytes_per_s(
     itemised = flops / compute_rate(job, device, args, dims, point.batch)
     itemised += overhead_seconds(args, job, device, args.num_hidden_layers)
     c = 4 if point.dtype == "float32" else 2
-    z = sizes(args, job, dims, point.batch, "ring", c, device_type_of(device))
+    z = sizes(args, job, dims, point.batch, "ring", c, device.device_type)
     at_bandwidth = memory_bound_seconds(args, job, device, z, args.num_hidden_layers)
     rest = max(point.seconds - itemised, CALIBRATION_FLOOR * point.seconds)
     return device.hbm_bytes_per_s * at_bandwidth / rest
-
-
-def device_type_of(device: DeviceSpec) -> str:
-    """``cpu`` for a CPU's measured profile, else ``cuda`` (the presets, a GPU's profile)."""
-    return device.profile.device_type if device.profile is not None else "cuda"
 
 
 def predict_time(
@@ -313,9 +308,8 @@ def predict_time(
     pipelined = dims.pp > 1
     micro = job.parallelism.pipeline_parallel_microbatch_size if pipelined else job.training.local_batch_size
     n_micro = job.training.local_batch_size // micro if pipelined else 1
-    device_type = device_type_of(device)
-    cp_impl = resolve_impl(job.parallelism, device_type)
-    z = sizes(args, job, dims, micro, cp_impl, c, device_type)
+    cp_impl = resolve_impl(job.parallelism, device.device_type)
+    z = sizes(args, job, dims, micro, cp_impl, c, device.device_type)
     rates = compute_rates(job, device, args, dims, micro)
     block_memory = block_memory_seconds(args, job, device, z, elementwise_bytes_per_s(args, job, device))
     work = stage_work(args, job, rates, block_memory, z.tokens) if pipelined else []
@@ -370,15 +364,21 @@ def _activation_bytes(step: _Step) -> float:
     return step.z.dtype_bytes * step.z.hidden * step.z.tokens / step.z.sp_shards
 
 
+def _hop_seconds(dims: ParallelDims, device: DeviceSpec, gpus_per_node: int, step: _Step) -> float:
+    """One stage's output (or its gradient) sent to the next pipeline rank."""
+    activation = _activation_bytes(step)
+    return activation / link_bytes_per_s(
+        _spans(dims)["pp"], gpus_per_node, device, "send_recv", 2, activation
+    )
+
+
 def _pipeline_send_seconds(
     args: ModelArgs, job: JobConfig, dims: ParallelDims, device: DeviceSpec, gpus_per_node: int, step: _Step
 ) -> float:
     """Seconds of a rank's stage-to-stage sends per step: each stage's output forward and its
     gradient back, per micro-batch."""
     stages_per_rank = num_stages(job.parallelism, args.num_hidden_layers) // dims.pp
-    activation = _activation_bytes(step)
-    moved = 2 * activation * step.micro_batches * stages_per_rank
-    return moved / link_bytes_per_s(_spans(dims)["pp"], gpus_per_node, device, "send_recv", 2, activation)
+    return 2 * step.micro_batches * stages_per_rank * _hop_seconds(dims, device, gpus_per_node, step)
 
 
 def _pipeline_bubble(
@@ -393,10 +393,9 @@ def _pipeline_bubble(
     work: list[float],
 ) -> tuple[float, bool]:
     """(the busiest rank's idle seconds per step beyond its ``busy`` work, whether the step
-    was played out): ``_played_step`` where torch lists the schedule's actions, else the
-    closed form ``bubble_fraction``."""
-    activation = _activation_bytes(step)
-    hop = activation / link_bytes_per_s(_spans(dims)["pp"], gpus_per_node, device, "send_recv", 2, activation)
+    was played out): ``_played_step``, else (an order that cannot finish) the closed form
+    ``bubble_fraction``."""
+    hop = _hop_seconds(dims, device, gpus_per_node, step)
     accumulation = micro_steps(job, dims)
     played = _played_step(args, job, dims.pp, n_micro, busy / accumulation, work, hop)
     if played is not None:
@@ -415,8 +414,8 @@ def _played_step(
     hop: float,
 ) -> float | None:
     """Seconds of one schedule step played out (``planner.pipeline_sim``): each stage's
-    actions sized by their ``work`` (``stage_work``) so that the busiest rank's add up to ``busy`` (its
-    compute, recompute, elementwise work and dispatch over the step's micro-batches), a
+    actions sized by their ``work`` (``stage_work``) so that the busiest rank's add up to
+    ``busy`` (its compute, recompute, elementwise work and dispatch over the step's micro-batches), a
     backward twice its forward, a zero-bubble input or weight gradient half a backward.
     None where the order cannot finish (the closed form stands in)."""
     name = schedule_name(job.parallelism)
@@ -479,7 +478,8 @@ def _compute_seconds(
     """(compute, recompute, share of blocks fully recomputed). Full blocks rerun their
     forward: its FLOPs, its ops' dispatch (``forward_op_share``) and its elementwise passes
     (``FORWARD_PASS_SHARE``). Per-op AC reruns the forward's ops it did not keep (not its
-    GEMMs, attention or collectives): the same elementwise passes and dispatch. ``memory_bound`` and ``overhead``: the step's blocks'."""
+    GEMMs, attention or collectives): the same elementwise passes and dispatch.
+    ``memory_bound`` and ``overhead``: the step's blocks'."""
     seq, world, rate, z = job.training.seq_len, dims.world_size, step.rate, step.z
     compute = (
         flops_per_token(args, seq, job.lora.enable, reference=runs_reference_forward(job))
@@ -530,10 +530,11 @@ class StageRank:
 def busiest_stage_rank(
     args: ModelArgs, job: JobConfig, pp: int, rates: Rates, work: list[float]
 ) -> StageRank:
-    """The rank of ``pp`` whose stages' ``work`` (``stage_work``) adds up to the most. An even split counts the embedding and the head as layers
-    (``first/last_stage_less_layers``), a V schedule's rank pairs its first stage with its
-    last, and a hybrid model's Gated DeltaNets take longer than its attention layers, so
-    ranks may hold unequal work (ZBV's 4 layers over 2 ranks: 1 and 3)."""
+    """The rank of ``pp`` whose stages' ``work`` (``stage_work``) adds up to the most. An even
+    split counts the embedding and the head as layers (``first/last_stage_less_layers``), a V
+    schedule's rank pairs its first stage with its last, and a hybrid model's Gated DeltaNets
+    take longer than its attention layers, so ranks may hold unequal work (ZBV's 4 layers
+    over 2 ranks: 1 and 3)."""
     if pp == 1:
         return StageRank(tuple(range(args.num_hidden_layers)), 1.0)
     stages = stage_modules(job.parallelism, args)
@@ -679,7 +680,7 @@ def _overlaps(device: DeviceSpec) -> bool:
     """Whether data-parallel traffic and CP's k/v exchange run beside compute: on GPUs (their
     own streams and copy engines), not on a measured CPU, where gloo's threads take the cores
     compute needs."""
-    return device.profile is None or device.profile.device_type != "cpu"
+    return device.device_type != "cpu"
 
 
 def _linear_layers(args: ModelArgs) -> int:
