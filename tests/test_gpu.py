@@ -88,6 +88,48 @@ def test_cuda_ring_attention_machinery_on_one_rank_matches_plain_forward(tmp_pat
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "flash", "cudnn"])
+def test_cuda_ring_attention_with_grouped_kv_heads_equals_expanded_ones(tmp_path, backend):
+    """Whether torch's ring attention takes grouped k/v heads on each CUDA kernel (bf16, a CP
+    world of one: the dispatch and the kernels; the rotation itself is shape-agnostic and runs
+    grouped heads on CPU): logits and k/v projection gradients equal the expanded heads'."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.config.sections import Parallelism
+    from autopar.data.loader import Batch
+    from autopar.models import Qwen, get_flavor
+    from autopar.parallel.context_parallel import ContextParallel
+    from autopar.parallel.sdpa_backend import apply_attention_kernel
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("cp",))
+        model = Qwen(get_flavor("qwen3", "debug")).cuda()  # 8 query heads, 4 k/v heads
+        model.init_weights()
+        model.to(torch.bfloat16)
+        tokens = torch.randint(0, 512, (2, 256), device="cuda")
+        cfg = Parallelism(context_parallel_impl="ring")
+        results = {}
+        for native in (False, True):
+            apply_attention_kernel(model, native, backend)
+            model.zero_grad(set_to_none=True)
+            with ContextParallel(cfg, mesh, "cuda")(Batch(tokens, tokens)) as (batch, positions):
+                logits = model(batch.inputs, positions=positions).float()
+                logits.logsumexp(-1).mean().backward()
+            attention = model.layers["0"].self_attn
+            results[native] = (
+                logits,
+                attention.k_proj.weight.grad.float(),
+                attention.v_proj.weight.grad.float(),
+            )
+        for got, expected in zip(results[True], results[False]):
+            torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)  # bf16 kernels
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(("backend", "masked"), [("auto", False), ("cudnn", False), ("cudnn", True)])
 def test_cuda_grouped_kv_heads_run_the_fused_kernel_and_equal_expanded_ones(backend, masked):
     """Where ``native_gqa`` passes grouped k/v heads (bf16: flash or cuDNN, or a pinned cuDNN, masked

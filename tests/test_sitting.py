@@ -10,6 +10,7 @@ import pytest
 
 from autopar.cli.bench import parse_bench_args, variant_job
 from autopar.cli.bench_tables import tables
+from autopar.cli.plan import split_options
 from autopar.cli.sitting import PLANS, sit
 from autopar.training.preflight import check_plan
 from autopar.training.resolve import model_args, parse_job
@@ -43,14 +44,18 @@ def test_tables_reproduce_the_recorded_h100_figures():
     assert "Device NVIDIA H100 80GB HBM3, torch 2.11.0+cu130" in markdown
 
 
-@pytest.mark.parametrize("step", PLANS["gpu"], ids=lambda s: s.name)
+@pytest.mark.parametrize("step", PLANS["gpu"] + PLANS["planner"], ids=lambda s: s.name)
 def test_every_gpu_step_names_what_exists_and_its_jobs_pass_the_cuda_checks(step):
     """A typo in the sitting costs GPU minutes: modules, files and every benchmark variant's
-    job are checked here, for CUDA."""
+    or planned job are checked here, for CUDA."""
     assert importlib.util.find_spec(step.argv[0]) is not None
     for arg in step.argv:
         if arg.endswith((".py", ".toml")):
             assert (ROOT / arg).exists(), arg
+    if step.argv[0] == "autopar.plan":
+        options, job_argv = split_options([a for a in step.argv[1:] if a not in ("--json", "{json}")])
+        job = parse_job(job_argv)
+        check_plan(job, model_args(job), int(options["--world-size"]), "cuda")
     if step.argv[0] != "autopar.bench":
         return
     known, job_argv = parse_bench_args(list(step.argv[1:]))

@@ -32,7 +32,8 @@ from autopar.cli.bench import source_commit
 class Step:
     name: str
     command: str
-    """What follows ``python -m``; ``{json}`` becomes this step's JSON path."""
+    """What follows ``python -m``; ``{json}`` becomes this step's JSON path, ``{out}`` the
+    sitting's folder (for a file a later step reads)."""
     estimate_s: int
     """Seconds it is expected to take on the plan's device: it starts only if this fits."""
 
@@ -59,6 +60,9 @@ QWEN3_5_2B = (
     "--model.name qwen3.5 --model.flavor 2B --model.num_hidden_layers 8 "
     "--training.seq_len 4096 --training.local_batch_size 2"
 )
+PLAN_CHECK = "--world-size 1 --gpus-per-node 1 --steps 4"
+"""One GPU's plans checked against measurement (#57): the planner's predictions (the H100 preset;
+the probed profile re-predicts them from the JSON afterwards) beside measured tokens/s."""
 PLANS: dict[str, tuple[Step, ...]] = {
     "gpu": (
         Step("gpu_tests", "pytest -q -m gpu tests/test_gpu.py tests/test_fla_delta_rule.py", 290),
@@ -79,6 +83,27 @@ PLANS: dict[str, tuple[Step, ...]] = {
             210,
         ),
     ),
+    "planner": (
+        Step("gpu_ring_gqa", "pytest -q -m gpu tests/test_gpu.py -k ring", 60),
+        Step("probe", f"autopar.probe --output {{out}}/device_profile.json {QWEN3_1_7B}", 90),
+        Step(
+            "check_eager",
+            f"autopar.plan --json {{json}} {QWEN3_1_7B} {PLAN_CHECK} --compile.enable false --check 2",
+            60,
+        ),
+        Step("check_compiled", f"autopar.plan --json {{json}} {QWEN3_1_7B} {PLAN_CHECK} --check 4", 240),
+        Step(
+            "check_fp8",
+            f"autopar.plan --json {{json}} {QWEN3_1_7B} {PLAN_CHECK} --float8.backend torchao --check 1",
+            70,
+        ),
+        Step(
+            "auto_train",
+            f"autopar.train {QWEN3_1_7B} --parallelism.auto true --training.steps 8 --checkpoint.enable false "
+            "--metrics.log_freq 1 --job.dump_folder /tmp/autopar_auto_train",
+            150,
+        ),
+    ),
     "cpu": (
         Step("delta_rule_kernels", "autopar.cli.bench_delta_rule --seq 128 --repeat 1 --json {json}", 60),
         Step(
@@ -90,7 +115,10 @@ PLANS: dict[str, tuple[Step, ...]] = {
 }
 """Steps in the order they run: what only a GPU shows first (the CUDA tests, FLA's kernels
 against ours, Qwen3.5's speed by kernel), then the regression check against the pre-recipe
-figures, then what landed since (DPO against SFT). ``cpu`` is the same shape of sitting on the debug models, to test this script."""
+figures, then what landed since (DPO against SFT). ``planner`` is the planner's sitting: torch's
+ring attention with grouped k/v heads on the CUDA kernels, the probe on the job, and the
+planner's one-GPU predictions (eager, compiled by checkpointing mode, FP8) against measurement.
+``cpu`` is the same shape of sitting on the debug models, to test this script."""
 
 
 @dataclass
@@ -121,8 +149,12 @@ def device_name() -> str:
 def run_step(step: Step, out: Path, seconds_left: float, log) -> StepRecord:
     """Run ``step`` as ``python -m ...`` with output appended to ``log``, for at most ``seconds_left``."""
     json_path = out / f"{step.name}.json"
-    argv = [sys.executable, "-m", *(a.replace("{json}", str(json_path)) for a in step.argv)]
-    command = "python -m " + step.command.replace(" --json {json}", "")
+    argv = [
+        sys.executable,
+        "-m",
+        *(a.replace("{json}", str(json_path)).replace("{out}", str(out)) for a in step.argv),
+    ]
+    command = "python -m " + step.command.replace(" --json {json}", "").replace("{out}", str(out))
     if step.estimate_s > seconds_left:
         return StepRecord(step.name, command, "skipped")
     log.write(f"\n===== {step.name}: {command}\n")
