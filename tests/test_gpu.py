@@ -76,7 +76,7 @@ def test_cuda_ring_attention_machinery_on_one_rank_matches_plain_forward(tmp_pat
         mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("cp",))
         model = Qwen(get_flavor("qwen3", "debug")).cuda()
         model.init_weights()
-        apply_attention_kernel(model, False)  # what native_gqa gives ring attention
+        apply_attention_kernel(model, False)  # fp32: expanded heads, what native_gqa gives
         tokens = torch.randint(0, 512, (2, 64), device="cuda")
         expected = model(tokens)
         cfg = Parallelism(context_parallel_impl="ring", context_parallel_rotate_method=rotate)

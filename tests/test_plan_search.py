@@ -277,6 +277,23 @@ def test_plan_cli_prints_the_best_plans_and_writes_json(tmp_path):
     assert set(plans[0]) >= {"degrees", "overrides", "predicted_peak_gib", "breakdown_gib", "predicted_mfu"}
 
 
+def test_plan_check_trains_the_plan_and_records_its_speed_memory_and_loss_beside_the_prediction(tmp_path):
+    out = tmp_path / "check.json"
+    result = run(
+        "-m", "autopar.plan", "--job.config", "debug_model", "--training.seq_len", "64", "--world-size", "1",
+        "--gpus-per-node", "1", "--check", "1", "--steps", "1", "--json", str(out),
+        "--job.dump_folder", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    check = json.loads(out.read_text())["check"]
+    (row,) = check["plans"]
+    assert row["measured_tokens_per_s"] > 0 and row["measured_peak_gib"] > 0
+    assert row["error"] == pytest.approx(row["predicted_tokens_per_s"] / row["measured_tokens_per_s"] - 1)
+    assert row["predicted_peak_gib"] == json.loads(out.read_text())["plans"][0]["predicted_peak_gib"]
+    assert 0 < row["final_loss"] < 10  # trained: a debug model starts near ln(512) = 6.2
+    assert "loss at the end" in result.stdout
+
+
 @pytest.mark.parametrize(
     "where, why",
     [
@@ -418,11 +435,11 @@ def qwen3_5_27b_on_cp_8():
 def test_gated_deltanets_under_cp_move_the_other_ranges_maps_forward_and_back():
     # each of the 48 Gated DeltaNets receives the 14 other ranges' maps (float32, 48 heads x
     # 128 x (128 + 128)), again in full AC's recompute, and sends their gradients back; the
-    # 16 gated attention layers pass k/v around the ring three times (bf16, expanded to the
-    # 24 query heads of 256 as ring attention's SDPA takes them)
+    # 16 gated attention layers pass k/v around the ring three times (bf16, their 4 grouped
+    # heads of 256, which ring attention's flash kernel takes as they are)
     _, _, step = qwen3_5_27b_on_cp_8()
     maps = 3 * 14 * (4 * 48 * 128 * 256) * 48
-    kv = 3 * 7 * (2 * 2 * 24 * 256 * 16384) * 16
+    kv = 3 * 7 * (2 * 2 * 4 * 256 * 16384) * 16
     assert step.comm_by_dim["cp"] == pytest.approx((maps + kv) / link_bytes_per_s(8, 8, H100), rel=1e-12)
 
 
@@ -518,19 +535,25 @@ def test_full_recompute_runs_tps_forward_collectives_again_and_per_op_checkpoint
     assert tp_seconds("selective") == pytest.approx(tp_seconds("none"), rel=1e-9)
 
 
-def test_all_gather_cp_moves_grouped_kv_heads_and_ring_attention_expanded_ones():
+@pytest.mark.parametrize(("backend", "ring_heads"), [("auto", "grouped"), ("efficient", "expanded")])
+def test_cp_moves_the_kv_heads_its_kernel_takes(backend, ring_heads):
     def cp_seconds(impl: str) -> float:
         job = parse_job([
             "--job.config", str(ROOT / "train_configs" / "qwen2.5_7b.toml"), "--activation_checkpoint.mode=none",
             "--parallelism.context_parallel_degree=2", f"--parallelism.context_parallel_impl={impl}",
+            f"--training.sdpa_backend={backend}",
         ])  # fmt: skip
         dims = ParallelDims.resolve(job.parallelism, 8)
         return predict_time(model_args(job), job, dims, H100, 8).comm_by_dim["cp"]
 
     args = model_args(parse_job(["--job.config", str(ROOT / "train_configs" / "qwen2.5_7b.toml")]))
     n_rep = args.num_attention_heads // args.num_key_value_heads  # 28 over 4
-    # ring: k/v forward, k/v and their gradients backward; all-gather: k/v forward, gradients back
-    assert cp_seconds("ring") / cp_seconds("allgather") == pytest.approx(3 * n_rep / 2, rel=1e-9)
+    # all-gather CP gathers grouped heads whatever the kernel (it expands them after the
+    # gather); ring attention passes what SDPA gets: grouped heads to flash or cuDNN, expanded
+    # ones to the efficient kernel. Ring: k/v forward, k/v and their gradients backward;
+    # all-gather: k/v forward, gradients back.
+    ratio = 3 / 2 * (n_rep if ring_heads == "expanded" else 1)
+    assert cp_seconds("ring") / cp_seconds("allgather") == pytest.approx(ratio, rel=1e-9)
 
 
 LLAMA3_405B = (

@@ -111,7 +111,7 @@ def hybrid_job_on_rank() -> tuple:
     """A rank's part of timing the debug Qwen3.5's own TP and CP passes and its model step."""
     args = model_args(debug_job("--model.name", "qwen3.5"))
     device = torch.device("cpu")
-    return probe_plan_overheads(device, args), probe_job_step(device, (args, 2, 64))
+    return probe_plan_overheads(device, args), probe_job_step(device, (args, 2, 64, False))
 
 
 def test_a_hybrid_jobs_own_model_is_timed_under_tp_and_cp_and_its_step_by_the_slowest_rank():

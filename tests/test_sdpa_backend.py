@@ -158,7 +158,12 @@ def test_a_built_model_passes_grouped_kv_heads_to_cpu_flash_attention(tmp_path):
         (["--training.mixed_precision_param", "float32"], "ring", False),  # fp32: efficient
         (["--training.document_masking", "true"], "ring", False),  # masked: efficient
         (["--training.document_masking", "true", "--training.sdpa_backend", "cudnn"], "ring", True),
-        (["--parallelism.context_parallel_degree", "2"], "ring", False),  # torch's ring kernels
+        (["--parallelism.context_parallel_degree", "2"], "ring", True),  # ring around flash
+        (
+            ["--parallelism.context_parallel_degree", "2", "--training.sdpa_backend", "efficient"],
+            "ring",
+            False,
+        ),
         (["--parallelism.context_parallel_degree", "2"], "allgather", False),  # masked
     ],
 )
@@ -178,7 +183,11 @@ def test_cpu_always_groups_kv_heads(tmp_path, flags):
     ("flags", "cp_impl", "grouped"),
     [
         (["--parallelism.context_parallel_degree", "2"], "allgather", True),  # expanded after the gather
-        (["--parallelism.context_parallel_degree", "2"], "ring", False),
+        (
+            ["--parallelism.context_parallel_degree", "2", "--training.sdpa_backend", "efficient"],
+            "ring",
+            False,
+        ),
         (["--training.mixed_precision_param", "float32"], "allgather", False),  # no CP: the kernel's choice
     ],
 )

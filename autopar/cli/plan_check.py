@@ -53,7 +53,9 @@ def _ranks(values: list[float]) -> list[float]:
 
 
 def measure(plans: list[Plan], job: JobConfig, world: int, steps: int) -> list[dict]:
-    """Each plan trained for ``CHECK_WARMUP + steps`` steps: predicted and measured tokens/s."""
+    """Each plan trained for ``CHECK_WARMUP + steps`` steps: predicted and measured tokens/s and
+    peak memory (on CPU the process's peak resident memory, which the prediction does not
+    count alike), and the loss it ended at (speed beside learning)."""
     rows = []
     for i, plan in enumerate(plans, 1):
         spec = f"plan{i}:" + ",".join(f"{k}={v}" for k, v in plan.settings.config().items())
@@ -70,10 +72,15 @@ def measure(plans: list[Plan], job: JobConfig, world: int, steps: int) -> list[d
                 "measured_tokens_per_s": measured,
                 "error": plan.tokens_per_s / measured - 1,
                 "predicted_split": plan.time.split() if plan.time else None,
+                "predicted_peak_gib": plan.peak_gib,
+                "measured_peak_gib": result.peak_memory_gib,
+                "final_loss": result.final_loss,
             }
         )
         print(
-            f"  {i}: {plan.describe()}: predicted {plan.tokens_per_s:,.0f}, measured {measured:,.0f}",
+            f"  {i}: {plan.describe()}: predicted {plan.tokens_per_s:,.0f}, measured {measured:,.0f} "
+            f"tokens/s; peak predicted {plan.peak_gib:.1f} GiB, measured {result.peak_memory_gib:.1f}; "
+            f"loss at the end {result.final_loss:.3f}",
             flush=True,
         )
     return rows

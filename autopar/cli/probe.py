@@ -62,7 +62,7 @@ batch): enough rows that its elementwise work, not its dispatch, sets the time."
 def job_shapes(job_argv: list[str]) -> tuple[list, list, list, tuple | None]:
     """The job's linears (m, n, k), attention (batch, heads, seq, head_dim) and, for a hybrid
     model, gated delta rule (batch, seq, key heads, value heads, dk, dv) at its micro-batch,
-    and its model step (arguments, batch, seq); none without ``--job.config``."""
+    and its model step (arguments, batch, seq, compiled); none without ``--job.config``."""
     if not any(a.partition("=")[0] == "--job.config" for a in job_argv):
         return [], [], [], None
     job = parse_job(job_argv)
@@ -79,7 +79,7 @@ def job_shapes(job_argv: list[str]) -> tuple[list, list, list, tuple | None]:
         for s in sorted({seq // 2, seq})
         if args.hybrid and s
     ]
-    return gemms, attention, recurrence, (args, min(batch, STEP_BATCH), seq)
+    return gemms, attention, recurrence, (args, min(batch, STEP_BATCH), seq, job.compile.enable)
 
 
 def describe(profile: DeviceProfile) -> str:
@@ -102,8 +102,9 @@ def describe(profile: DeviceProfile) -> str:
         lines.append(f"  delta rule {r.dtype:5} {r.flops_per_s / 1e12:8.3f} TFLOP/s (seq {r.seq}, fwd+bwd)")
     lines.append(f"  elementwise     {profile.memory_bytes_per_s / 1e9:8.1f} GB/s")
     for m in profile.model_steps:
+        mode = "compiled" if m.compiled else "eager"
         lines.append(
-            f"  job's model     {m.seconds * 1e3:8.1f} ms a step ({m.batch} x {m.seq} tokens, {m.dtype})"
+            f"  job's model     {m.seconds * 1e3:8.1f} ms a step ({m.batch} x {m.seq} tokens, {m.dtype}, {mode})"
         )
     host = "n/a (CPU)" if profile.host_bytes_per_s is None else f"{profile.host_bytes_per_s / 1e9:.1f} GB/s"
     lines.append(f"  host -> device  {host}")

@@ -93,8 +93,24 @@ PLANS: dict[str, tuple[Step, ...]] = {
         ),
         Step("check_compiled", f"autopar.plan --json {{json}} {QWEN3_1_7B} {PLAN_CHECK} --check 4", 240),
         Step(
+            "probe_qwen3.5",
+            f"autopar.probe --output {{out}}/device_profile_qwen3.5.json {QWEN3_5_2B} --compile.enable true",
+            120,
+        ),
+        Step(
+            "check_qwen3.5",
+            f"autopar.plan --json {{json}} {QWEN3_5_2B} --compile.enable true {PLAN_CHECK} --check 2",
+            160,
+        ),
+        Step(
             "check_fp8",
-            f"autopar.plan --json {{json}} {QWEN3_1_7B} {PLAN_CHECK} --float8.backend torchao --check 1",
+            f"autopar.plan --json {{json}} {QWEN3_1_7B} {PLAN_CHECK} --float8.enable true "
+            "--float8.backend torchao --check 2",
+            80,
+        ),
+        Step(
+            "check_compiled_batch4",
+            f"autopar.plan --json {{json}} {QWEN3_1_7B} {PLAN_CHECK} --training.local_batch_size 4 --check 3",
             70,
         ),
         Step(

@@ -55,18 +55,16 @@ def native_gqa(job: JobConfig, device_type: str, cp_impl: str) -> bool:
     """Whether the kernel this job's attention will dispatch to takes grouped k/v heads itself.
 
     CPU's flash kernel does, with or without a mask. On CUDA (torch's order: flash, efficient,
-    math, cuDNN) flash and cuDNN do, in half precision; flash takes no mask and the efficient
-    kernel no grouped heads, so a masked or float32 call with grouped heads would land on the
-    math kernel, which saves the S x S matrix: those keep expanding k/v. So does torch's ring
-    attention (``cp_impl`` ``ring``), whose kernels have not been checked with grouped heads."""
+    math, cuDNN) flash and cuDNN do, in half precision, torch's ring attention around them
+    too (``tests/test_gpu.py``, on an H100 with torch 2.11); flash takes no mask and the
+    efficient kernel no grouped heads, so a masked or float32 call with grouped heads would
+    land on the math kernel, which saves the S x S matrix: those keep expanding k/v."""
     if device_type != "cuda":
         return True
-    context_parallel = job.parallelism.context_parallel_degree > 1
-    if context_parallel and cp_impl == "ring":
-        return False
     half = compute_dtype(job, torch.device(device_type)) != torch.float32
     backend = job.training.sdpa_backend
-    masked = job.training.document_masking or context_parallel  # all-gather CP masks by position
+    all_gather_cp = job.parallelism.context_parallel_degree > 1 and cp_impl == "allgather"
+    masked = job.training.document_masking or all_gather_cp  # all-gather CP masks by position
     return half and (backend == "cudnn" or (backend in ("auto", "flash") and not masked))
 
 

@@ -28,7 +28,7 @@ COMPILED_OP_SHARE = 0.10
 """The share of eager's op dispatches a compiled graph still makes (fused kernels, no Python
 per op): fit with ``PRESET_OP_SECONDS`` and ``time.GEMM_EFFICIENCY`` to the H100 sitting's
 three compiled and two eager runs (each then within 2.6%); eager is what the probe measures."""
-PRESET_OP_SECONDS = 14.3e-6
+PRESET_OP_SECONDS = 12.6e-6
 """Seconds an eager aten op costs beside its kernel on a GPU without a profile: the same fit
 (an H100 host, torch 2.11)."""
 OPTIMIZER_BYTES_PER_PARAM = 36
@@ -112,6 +112,21 @@ def block_memory_seconds(
         passes * block_bytes_no_ac(z, args.layer_kind(i), args.qk_norm) / rate
         for i in range(args.num_hidden_layers)
     ]
+
+
+CAST_BYTES_PER_PARAM = 12
+"""The mixed-precision recipe's casts per weight and micro-batch where it computes below
+float32 (``parallel.mixed_precision``): the float32 master weight read and its bf16 copy
+written in the forward, the bf16 gradient read and its float32 copy written in the backward.
+FSDP2 casts the shard before its gather, which this overstates by up to half."""
+
+
+def cast_seconds(job: JobConfig, device: DeviceSpec, params: float, micro_batches: float) -> float:
+    """The recipe's weight and gradient casts over ``params`` weights, once per micro-batch, at
+    the memory bandwidth; none in float32."""
+    if compute_dtype(job, device) == "float32":
+        return 0.0
+    return CAST_BYTES_PER_PARAM * params * micro_batches / device.hbm_bytes_per_s
 
 
 def optimizer_seconds(device: DeviceSpec, params: float) -> float:

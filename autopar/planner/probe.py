@@ -158,18 +158,31 @@ def forward_backward(model: torch.nn.Module, device: torch.device, tokens: int =
 
 
 def probe_model_step(
-    device: torch.device, args: ModelArgs, batch: int, seq: int, dtype: str
+    device: torch.device, args: ModelArgs, batch: int, seq: int, dtype: str, compiled: bool = False
 ) -> ModelStepPoint | None:
-    """Seconds of one forward, cross-entropy and backward of the job's model (``args``, its
-    weights in ``dtype``) over ``batch`` sequences of ``seq`` tokens; None where it does not
-    fit on the device."""
+    """Seconds of one forward, cross-entropy and backward of the job's model (``args``) over
+    ``batch`` sequences of ``seq`` tokens as training runs it: float32 master weights cast to
+    ``dtype`` in each block's forward (``parallel.mixed_precision``), each block and the loss
+    compiled where ``compiled``; None where it does not fit on the device."""
+    from autopar.config.sections import Compile
+    from autopar.parallel.compile import apply_compile
+    from autopar.parallel.mixed_precision import apply_compute_dtype
+
+    def loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
+
     try:
-        model = initialized_model(args, device).to(getattr(torch, dtype))
+        model = initialized_model(args, device)
+        if dtype != "float32":
+            apply_compute_dtype(model, getattr(torch, dtype))
+        if compiled:
+            apply_compile(model, Compile(enable=True))
+            loss = torch.compile(loss)
         ids = torch.randint(0, args.vocab_size, (batch, seq), device=device)
 
         def run() -> None:
             logits, _ = split_output(model(ids))
-            torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten()).backward()
+            loss(logits, ids).backward()
             for p in model.parameters():
                 p.grad = None
 
@@ -179,7 +192,7 @@ def probe_model_step(
     finally:
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return ModelStepPoint(model_key(args), dtype, batch, seq, seconds)
+    return ModelStepPoint(model_key(args), dtype, batch, seq, seconds, compiled)
 
 
 def count_ops(fn: Callable[[], None]) -> int:
@@ -389,13 +402,13 @@ def run_probe(
     local_world: int = 1,
     job_attention: Iterable[tuple[int, int, int, int]] = (),
     job_recurrence: Iterable[tuple[int, int, int, int, int, int]] = (),
-    job_step: tuple[ModelArgs, int, int] | None = None,
+    job_step: tuple[ModelArgs, int, int, bool] | None = None,
 ) -> DeviceProfile:
     """The profile of ``device``: matmuls at the probe's squares and ``job_shapes``, attention
     at the probe's shapes and ``job_attention``, memory and host bandwidth, per-op overhead
     (on the job's model where ``job_step`` names it, else the reference model),
-    the job's whole model step (``job_step``: its arguments, batch and sequence length, in
-    the dtype it computes in here), and ``collectives`` when a process group is initialised
+    the job's whole model step (``job_step``: its arguments, batch, sequence length and
+    whether it compiles, in the dtype it computes in here), and ``collectives`` when a process group is initialised
     (every rank calls)."""
     attention = sorted(set(CUDA_ATTENTION if device.type == "cuda" else CPU_ATTENTION) | set(job_attention))
     squares = CUDA_SQUARES if device.type == "cuda" else CPU_SQUARES
@@ -427,26 +440,39 @@ def run_probe(
 
 
 def probe_job_step(
-    device: torch.device, job_step: tuple[ModelArgs, int, int] | None
+    device: torch.device, job_step: tuple[ModelArgs, int, int, bool] | None
 ) -> tuple[ModelStepPoint, ...]:
     """The job's model step in the dtype training computes in on ``device`` (float32 on CPU,
-    bfloat16 on GPUs, as ``training.mixed_precision_param = "auto"`` picks); in a process
-    group every rank times it at once and the slowest rank's figure is kept (none where a
-    rank ran out of memory)."""
+    bfloat16 on GPUs, as ``training.mixed_precision_param = "auto"`` picks), eager and, where
+    the job compiles (``job_step``'s last item), compiled; in a process group every rank times
+    it at once and the slowest rank's figure is kept (none where a rank ran out of memory)."""
     if job_step is None:
         return ()
-    args, batch, seq = job_step
+    args, batch, seq, compiled = job_step
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    return tuple(
+        point
+        for mode in ((False, True) if compiled else (False,))
+        if (point := _slowest_rank_step(device, args, batch, seq, dtype, mode)) is not None
+    )
+
+
+def _slowest_rank_step(
+    device: torch.device, args: ModelArgs, batch: int, seq: int, dtype: str, compiled: bool
+) -> ModelStepPoint | None:
+    """``probe_model_step`` on every rank of a process group at once (a CPU's cores share
+    its clock), with the slowest rank's seconds; alone where there is no group."""
     grouped = dist.is_available() and dist.is_initialized()
     if grouped:
-        dist.barrier()  # every rank busy at once, as in training (a CPU's cores share its clock)
-    point = probe_model_step(device, args, batch, seq, "bfloat16" if device.type == "cuda" else "float32")
+        dist.barrier()
+    point = probe_model_step(device, args, batch, seq, dtype, compiled)
     if not grouped:
-        return (point,) if point is not None else ()
+        return point
     slowest = torch.tensor([point.seconds if point is not None else math.inf], device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     if point is None or not math.isfinite(slowest.item()):
-        return ()
-    return (dataclasses.replace(point, seconds=slowest.item()),)
+        return None
+    return dataclasses.replace(point, seconds=slowest.item())
 
 
 def _driver() -> str | None:

@@ -101,6 +101,9 @@ class ModelStepPoint:
     batch: int
     seq: int
     seconds: float
+    compiled: bool = False
+    """Each block and the loss under ``torch.compile``, as a compiled job trains (profiles
+    written before this field timed eager steps only)."""
 
 
 def model_key(args: ModelArgs) -> str:
@@ -217,10 +220,13 @@ class DeviceProfile:
         points = [r for r in points if r.seq == seq] or points
         return _interpolate([(r.flops, r.flops_per_s) for r in points], flops) if points else None
 
-    def model_step(self, args: ModelArgs, dtype: str) -> ModelStepPoint | None:
-        """The timed step of this model in ``dtype``, if the probe ran its job."""
+    def model_step(self, args: ModelArgs, dtype: str, compiled: bool = False) -> ModelStepPoint | None:
+        """The timed step of this model in ``dtype``, eager or ``compiled``, if the probe ran
+        its job so."""
         key = model_key(args)
-        return next((m for m in self.model_steps if m.model == key and m.dtype == dtype), None)
+        return next(
+            (m for m in self.model_steps if (m.model, m.dtype, m.compiled) == (key, dtype, compiled)), None
+        )
 
     def bus_bytes_per_s(self, op: str, group: int, message_bytes: float | None) -> float | None:
         """Bus bandwidth of ``op`` over ``group`` ranks for a tensor of ``message_bytes`` (None:

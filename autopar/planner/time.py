@@ -37,7 +37,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass, field
 
-from autopar.config.sections import JobConfig, Training
+from autopar.config.sections import Compile, JobConfig, Training
 from autopar.models.args import ModelArgs
 from autopar.models.family import family_of
 from autopar.parallel.activation_checkpoint import checkpointed_layers
@@ -60,6 +60,7 @@ from autopar.planner.hybrid_cp import chain_flops, map_flops_per_token
 from autopar.planner.measured import (
     FORWARD_PASS_SHARE,
     block_memory_seconds,
+    cast_seconds,
     compute_dtype,
     forward_op_share,
     memory_bound_seconds,
@@ -85,7 +86,7 @@ from autopar.planner.profile import (
 from autopar.training.metrics import block_matmul_params, delta_rule_flops, flops_per_token
 from autopar.training.preference import runs_reference_forward
 
-GEMM_EFFICIENCY = 0.595
+GEMM_EFFICIENCY = 0.614
 """The share of a GPU preset's bf16 peak its model FLOPs run at (the fit above)."""
 FP8_GEMM_SPEEDUP = 1.15
 """FP8 GEMMs over bf16 on a preset with FP8 tensor cores: what reproduces the compiled FP8 run
@@ -253,13 +254,19 @@ GEMMs and attention already explain still gives a finite rate."""
 
 def elementwise_bytes_per_s(args: ModelArgs, job: JobConfig, device: DeviceSpec) -> float:
     """The rate the model's elementwise work (everything beside its GEMMs, attention,
-    recurrence and dispatch) runs at, in the bytes ``memory_bound_seconds`` counts: where the
-    probe timed this model's step in the job's compute dtype, what that step took beyond those
-    terms; else the device's memory bandwidth. A large elementwise product is the best case;
-    a model's norms, rotary, gates, loss and small tensors run slower, by how much only its
-    own step tells (on this CPU 2-4x, BENCHMARKS.md)."""
+    recurrence, casts and dispatch) runs at, in the bytes ``memory_bound_seconds`` counts: where
+    the probe timed this model's step in the job's compute dtype (bf16 for FP8, whose
+    elementwise work runs in bf16), compiled where the job compiles and the probe timed that,
+    what that step took beyond those terms; else the device's memory bandwidth. A large
+    elementwise product is the best case; a model's norms, rotary, gates, loss and small
+    tensors run slower, by how much only its own step tells (on this CPU 2-4x, BENCHMARKS.md).
+    An eager step stands in for a compiled one, with ``MEMORY_PASSES``' assumed ratio."""
     profile = device.profile
-    point = profile.model_step(args, compute_dtype(job, device)) if profile is not None else None
+    if profile is None:
+        return device.hbm_bytes_per_s
+    dtype = compute_dtype(job, device)
+    dtype = "bfloat16" if dtype == "float8" else dtype
+    point = profile.model_step(args, dtype, job.compile.enable) or profile.model_step(args, dtype)
     if point is None:
         return device.hbm_bytes_per_s
     t = job.training
@@ -277,8 +284,8 @@ def _calibrated_bytes_per_s(
     mixed_precision_param: str,
     sdpa_backend: str,
 ) -> float:
-    """``elementwise_bytes_per_s`` from one timed step: one rank, eager, no checkpointing,
-    the job's attention as the plan's sizes count it."""
+    """``elementwise_bytes_per_s`` from one timed step: one rank, eager or compiled as the
+    step ran, no checkpointing, the job's attention as the plan's sizes count it."""
     training = dataclasses.replace(
         Training(),
         seq_len=point.seq,
@@ -287,11 +294,12 @@ def _calibrated_bytes_per_s(
         mixed_precision_param=mixed_precision_param,
         sdpa_backend=sdpa_backend,
     )
-    job = JobConfig(training=training)
+    job = JobConfig(training=training, compile=Compile(enable=point.compiled))
     dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1)
     flops = flops_per_token(args, point.seq, False) * point.batch * point.seq
     itemised = flops / compute_rate(job, device, args, dims, point.batch)
     itemised += overhead_seconds(args, job, device, args.num_hidden_layers)
+    itemised += cast_seconds(job, device, _rank_params(args, job, dims), 1)
     c = 4 if point.dtype == "float32" else 2
     z = sizes(args, job, dims, point.batch, "ring", c, device.device_type)
     at_bandwidth = memory_bound_seconds(args, job, device, z, args.num_hidden_layers)
@@ -327,6 +335,7 @@ def predict_time(
         cp_impl=cp_impl,
     )
     memory_bound = sum(block_memory[i] for i in busiest.blocks) * step.micro_batches
+    memory_bound += cast_seconds(job, device, _rank_params(args, job, dims), step.micro_batches)
     overhead = overhead_seconds(args, job, device, step.layers * step.micro_batches, dims.tp, dims.cp)
     compute, recompute, share = _compute_seconds(args, job, dims, device, step, memory_bound, overhead)
     maps_compute, maps_recompute = _state_passing_seconds(args, dims, step, share)
