@@ -15,7 +15,7 @@ import torch
 
 from autopar.cli.plan import main as plan_main
 from autopar.cli.plan_check import spearman
-from autopar.cli.probe import machine_probe
+from autopar.cli.probe import job_shapes, machine_probe
 from autopar.cli.probe import main as probe_main
 from autopar.cli.spawn import run_on_ranks
 from autopar.models.family import build_model
@@ -23,7 +23,12 @@ from autopar.parallel.mesh import ParallelDims
 from autopar.planner.auto import auto_job
 from autopar.planner.devices import PRESETS
 from autopar.planner.machine import spec_from_profile
-from autopar.planner.measured import ops_per_micro_batch, optimizer_seconds
+from autopar.planner.measured import (
+    CAST_BYTES,
+    cast_seconds,
+    ops_per_micro_batch,
+    optimizer_seconds,
+)
 from autopar.planner.memory import meta_model
 from autopar.planner.probe import (
     initialized_model,
@@ -87,6 +92,25 @@ def test_the_probe_on_cpu_writes_a_profile_whose_figures_are_positive_and_round_
     assert profile.model_step(args, "float32") == step and (step.batch, step.seq) == (4, 64)
     assert 0 < step.seconds < 10
     assert DeviceProfile.from_json(json.loads(path.read_text())) == profile
+
+
+def test_a_job_given_by_its_flags_alone_is_probed_like_one_given_by_a_config():
+    by_flags = job_shapes(["--model.name", "qwen3.5", "--model.flavor", "debug", "--training.seq_len", "64"])
+    by_config = job_shapes(["--job.config", "debug_model_qwen3.5", "--training.seq_len", "64"])
+    assert by_flags[1:] == by_config[1:] and by_flags[3] is not None and by_flags[2]  # step, recurrence
+    assert job_shapes([]) == ([], [], [], None)
+
+
+def test_a_compiling_jobs_step_is_timed_compiled_as_well_as_eager():
+    *_, step = job_shapes(
+        ["--job.config", "debug_model", "--training.seq_len", "32", "--compile.enable", "true"]
+    )
+    eager, compiled = probe_job_step(torch.device("cpu"), step)
+    assert (eager.compiled, compiled.compiled) == (False, True) and eager.model == compiled.model
+    profile = dataclasses.replace(flat_profile(), model_steps=(eager, compiled))
+    args = step[0]
+    assert profile.model_step(args, "float32", compiled=True) == compiled
+    assert profile.model_step(args, "float32") == eager
 
 
 @pytest.fixture(scope="module")
@@ -205,6 +229,32 @@ def test_the_models_timed_step_is_what_the_planner_predicts_for_that_step(second
     double = predict_time(args, one_rank("--training.local_batch_size", "8")[0], one, device, 1)
     elementwise = time.memory_bound - adamw_seconds(device, args)
     assert double.memory_bound - adamw_seconds(device, args) == pytest.approx(2 * elementwise, rel=0.01)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_compiled_jobs_prediction_reproduces_the_compiled_step_the_probe_timed(compiled):
+    flag = ("--compile.enable", "true" if compiled else "false")
+    job, args, one = one_rank(*flag)
+    eager = ModelStepPoint(model_key(args), "float32", 4, 512, 0.8)
+    fast = ModelStepPoint(model_key(args), "float32", 4, 512, 0.5, compiled=True)
+    device = spec_from_profile(dataclasses.replace(flat_profile(), model_steps=(eager, fast)))
+    time = predict_time(args, job, one, device, 1)
+    assert time.total - adamw_seconds(device, args) == pytest.approx(0.5 if compiled else 0.8, rel=1e-9)
+
+
+def test_bf16_training_pays_the_recipes_weight_and_gradient_casts_per_micro_batch(monkeypatch):
+    job, args, one = one_rank("--training.mixed_precision_param", "bfloat16")
+    device = spec_from_profile(flat_profile())
+    params = sum(p.numel() for p in meta_model(args).parameters())
+    with_casts = predict_time(args, job, one, device, 1).memory_bound
+    monkeypatch.setattr("autopar.planner.measured.CAST_BYTES", 0)
+    # each weight cast before the forward, each gradient after the backward: 6 bytes each
+    assert with_casts - predict_time(args, job, one, device, 1).memory_bound == pytest.approx(
+        2 * CAST_BYTES * params / device.hbm_bytes_per_s, rel=1e-9
+    )
+    monkeypatch.undo()
+    float32 = one_rank("--training.mixed_precision_param", "float32")[0]
+    assert cast_seconds(float32, device, params) == 0.0  # nothing to cast
 
 
 def test_another_models_timed_step_leaves_the_measured_bandwidth_in_place():

@@ -62,8 +62,9 @@ batch): enough rows that its elementwise work, not its dispatch, sets the time."
 def job_shapes(job_argv: list[str]) -> tuple[list, list, list, tuple | None]:
     """The job's linears (m, n, k), attention (batch, heads, seq, head_dim) and, for a hybrid
     model, gated delta rule (batch, seq, key heads, value heads, dk, dv) at its micro-batch,
-    and its model step (arguments, batch, seq, compiled); none without ``--job.config``."""
-    if not any(a.partition("=")[0] == "--job.config" for a in job_argv):
+    and its model step (arguments, batch, seq, compiled); none without a job's flags (``--job.config``
+    or any ``--section.field``)."""
+    if not job_argv:
         return [], [], [], None
     job = parse_job(job_argv)
     args, batch, seq = model_args(job), job.training.local_batch_size, job.training.seq_len

@@ -26,11 +26,12 @@ and backward when eager, about half that when compiled fuses them. An assumption
 own traffic is inside their measured rate."""
 COMPILED_OP_SHARE = 0.10
 """The share of eager's op dispatches a compiled graph still makes (fused kernels, no Python
-per op): fit with ``PRESET_OP_SECONDS`` and ``time.GEMM_EFFICIENCY`` to the H100 sitting's
-three compiled and two eager runs (each then within 2.6%); eager is what the probe measures."""
+per op): fit with ``PRESET_OP_SECONDS`` and ``time.GEMM_EFFICIENCY`` to the H100 sittings' five
+compiled and three eager runs (each then within 5%); a profile measures eager, and a compiled
+step where the job compiles."""
 PRESET_OP_SECONDS = 12.6e-6
 """Seconds an eager aten op costs beside its kernel on a GPU without a profile: the same fit
-(an H100 host, torch 2.11)."""
+(an H100 host, torch 2.11; the probe measured 13-15 us there)."""
 OPTIMIZER_BYTES_PER_PARAM = 36
 """AdamW's float32 traffic per trained parameter a step: the parameter, its gradient and two
 moments read, three written, the gradient read again for the norm and zeroed."""
@@ -114,19 +115,18 @@ def block_memory_seconds(
     ]
 
 
-CAST_BYTES_PER_PARAM = 12
-"""The mixed-precision recipe's casts per weight and micro-batch where it computes below
-float32 (``parallel.mixed_precision``): the float32 master weight read and its bf16 copy
-written in the forward, the bf16 gradient read and its float32 copy written in the backward.
-FSDP2 casts the shard before its gather, which this overstates by up to half."""
+CAST_BYTES = 6
+"""The mixed-precision recipe's cast of one element where it computes below float32
+(``parallel.mixed_precision``): a float32 master weight read and its bf16 copy written before
+a forward, or a bf16 weight gradient read and its float32 copy written after a backward."""
 
 
-def cast_seconds(job: JobConfig, device: DeviceSpec, params: float, micro_batches: float) -> float:
-    """The recipe's weight and gradient casts over ``params`` weights, once per micro-batch, at
-    the memory bandwidth; none in float32."""
+def cast_seconds(job: JobConfig, device: DeviceSpec, elements: float) -> float:
+    """The recipe's casts of ``elements`` weights and gradients at the memory bandwidth; none in
+    float32."""
     if compute_dtype(job, device) == "float32":
         return 0.0
-    return CAST_BYTES_PER_PARAM * params * micro_batches / device.hbm_bytes_per_s
+    return CAST_BYTES * elements / device.hbm_bytes_per_s
 
 
 def optimizer_seconds(device: DeviceSpec, params: float) -> float:

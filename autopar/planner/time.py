@@ -4,11 +4,12 @@ and pipeline bubble.
 Compute is the step's model FLOPs (``metrics.flops_per_token``, the same count MFU uses) at the
 GEMM rate: measured at the plan's shapes with a device profile, else ``GEMM_EFFICIENCY`` of the
 preset's peak. Beside it run the memory-bound work (the blocks' elementwise passes and AdamW's
-traffic, ``planner/measured.py``) and each op's dispatch. The preset's three figures (GEMM
-efficiency, seconds per op, the share of ops a compiled graph keeps) are one least-squares fit
-to the five runs of the H100 sittings (BENCHMARKS.md: Qwen3-0.6B and 1.7B, eager and compiled,
-batch 2 and 4), each then within 2.6%; large models, whose step is almost all GEMM, run near
-``GEMM_EFFICIENCY``, small ones lose more to the rest, as measured.
+traffic, the mixed-precision recipe's casts, ``planner/measured.py``) and each op's dispatch.
+The preset's figures (GEMM efficiency, seconds per op, the share of ops a compiled graph keeps)
+are one least-squares fit to the eight single-GPU runs of the H100 sittings (BENCHMARKS.md:
+Qwen3-0.6B and 1.7B, eager and compiled, batch 2 and 4), each then within 5%; large models,
+whose step is almost all GEMM, run near ``GEMM_EFFICIENCY``, small ones lose more to the rest,
+as measured.
 Communication is each collective's bytes per rank over the link its mesh dimension uses
 (NVLink when the group fits in a node, the network otherwise) at ``COMM_EFFICIENCY`` of the
 link. That figure is an assumption until a multi-GPU run calibrates it; every real run's
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 from autopar.config.sections import Compile, JobConfig, Training
 from autopar.models.args import ModelArgs
 from autopar.models.family import family_of
+from autopar.models.qwen3_5.delta_rule import CHUNK as DELTA_RULE_CHUNK
 from autopar.parallel.activation_checkpoint import checkpointed_layers
 from autopar.parallel.context_parallel import resolve_impl
 from autopar.parallel.float8 import eligible
@@ -88,10 +90,22 @@ from autopar.training.preference import runs_reference_forward
 
 GEMM_EFFICIENCY = 0.614
 """The share of a GPU preset's bf16 peak its model FLOPs run at (the fit above)."""
-FP8_GEMM_SPEEDUP = 1.15
-"""FP8 GEMMs over bf16 on a preset with FP8 tensor cores: what reproduces the compiled FP8 run
-of Qwen3-1.7B (39,492 against 36,037 tokens/s). At Qwen3-0.6B torchao's casts cost more than
-the GEMMs save, which this figure over-predicts by 10-21%."""
+FP8_GEMM_SPEEDUP = 1.33
+"""FP8 GEMMs over bf16 on a preset with FP8 tensor cores, beside their casts
+(``FP8_CAST_BYTES``): what reproduces the compiled FP8 runs of Qwen3-1.7B on an H100 (39,573
+and 39,214 tokens/s, with and without per-op checkpointing, 2026-11-27). The autocast-era
+Qwen3-0.6B FP8 runs it over-predicts by 12-25%."""
+FP8_CAST_BYTES = 7
+"""torchao's dynamic scaling, per element of an FP8 linear's input, output gradient and weight
+and per micro-batch: the bf16 tensor read for its absolute maximum and again for the cast, its
+float8 copy written (5 bytes), and a transposed float8 copy for the other GEMM (2 more)."""
+PRESET_DELTA_RULE_CHUNK_SECONDS = 1.7e-3
+"""Seconds a Gated DeltaNet layer's forward and backward spends per chunk of 64 tokens in our
+delta-rule kernel on a GPU preset, whatever the heads: its custom ops run eager inside compiled
+graphs and launch the same small kernels for every chunk, so on a GPU its time follows the
+chunks, not its FLOPs. Measured on an H100 with torch 2.11: Qwen3.5-2B cut to 8 layers,
+compiled, 2 x 4096 tokens, 10,783 tokens/s (BENCHMARKS.md). FLA's kernels
+(``delta_rule_kernel = "fla"``) are unmeasured and taken at the GEMMs' rate."""
 COMM_EFFICIENCY = 0.7
 HOST_ADAM_PARAMS_PER_S = 1.8e9
 """CPU offload's optimizer step: torch 2.13's fused AdamW on this project's two-core CI
@@ -188,13 +202,29 @@ def compute_rates(
     micro-batch of ``micro`` sequences, split by CP, weights and heads by TP) and dtype: the
     GEMMs' interpolated over their shapes, attention's and the recurrence's at their calls
     where the probe timed them, else the GEMMs'. Otherwise ``GEMM_EFFICIENCY`` of the
-    preset's peak for all three."""
+    preset's peak for all three, but our delta-rule kernel's on a GPU, which follows its chunks
+    (``PRESET_DELTA_RULE_CHUNK_SECONDS``)."""
     if device.profile is not None and args is not None and dims is not None:
         return measured_rates(device.profile, job, device, args, dims, micro)
     rate = device.bf16_flops * GEMM_EFFICIENCY
     if job.float8.enable and device.fp8_flops is not None:
         rate *= FP8_GEMM_SPEEDUP
-    return Rates(rate, rate, rate)
+    recurrence = (
+        rate if args is None or dims is None else _unprobed_recurrence(job, device, args, dims, micro, rate)
+    )
+    return Rates(rate, rate, recurrence)
+
+
+def _unprobed_recurrence(
+    job: JobConfig, device: DeviceSpec, args: ModelArgs, dims: ParallelDims, micro: int, gemm: float
+) -> float:
+    """The delta rule's FLOP/s where no probe timed it: on a GPU, our kernel's chunks at
+    ``PRESET_DELTA_RULE_CHUNK_SECONDS`` each; else (FLA's kernels, a CPU) the GEMMs' rate."""
+    if not args.hybrid or job.training.delta_rule_kernel != "autopar" or device.device_type != "cuda":
+        return gemm
+    # one layer's forward and backward over one chunk of each of the micro-batch's sequences
+    chunk_flops = delta_rule_flops(args) * DELTA_RULE_CHUNK * micro / dims.tp
+    return min(gemm, chunk_flops / PRESET_DELTA_RULE_CHUNK_SECONDS)
 
 
 def measured_rates(
@@ -216,7 +246,8 @@ def measured_rates(
     return Rates(
         gemm,
         profile.attention_flops_per_s(dtype, rank_call, seq) or gemm,
-        profile.recurrence_flops_per_s(dtype, rank_rule, seq // dims.cp) or gemm,
+        profile.recurrence_flops_per_s(dtype, rank_rule, seq // dims.cp)
+        or _unprobed_recurrence(job, device, args, dims, micro, gemm),
     )
 
 
@@ -299,7 +330,7 @@ def _calibrated_bytes_per_s(
     flops = flops_per_token(args, point.seq, False) * point.batch * point.seq
     itemised = flops / compute_rate(job, device, args, dims, point.batch)
     itemised += overhead_seconds(args, job, device, args.num_hidden_layers)
-    itemised += cast_seconds(job, device, _rank_params(args, job, dims), 1)
+    itemised += cast_seconds(job, device, 2 * _rank_params(args, job, dims))  # weights and gradients
     c = 4 if point.dtype == "float32" else 2
     z = sizes(args, job, dims, point.batch, "ring", c, device.device_type)
     at_bandwidth = memory_bound_seconds(args, job, device, z, args.num_hidden_layers)
@@ -335,7 +366,8 @@ def predict_time(
         cp_impl=cp_impl,
     )
     memory_bound = sum(block_memory[i] for i in busiest.blocks) * step.micro_batches
-    memory_bound += cast_seconds(job, device, _rank_params(args, job, dims), step.micro_batches)
+    memory_bound += _cast_seconds(args, job, dims, device, step)
+    memory_bound += _float8_cast_seconds(args, job, dims, device, step)
     overhead = overhead_seconds(args, job, device, step.layers * step.micro_batches, dims.tp, dims.cp)
     compute, recompute, share = _compute_seconds(args, job, dims, device, step, memory_bound, overhead)
     maps_compute, maps_recompute = _state_passing_seconds(args, dims, step, share)
@@ -468,11 +500,41 @@ class _Step:
 
 
 @functools.lru_cache(maxsize=16)
-def _fp8_numel(args: ModelArgs, filter_fqns: tuple[str, ...]) -> int:
-    """Weights of the linears FP8 converts (``parallel.float8.eligible``); cached, as the
-    planner asks once per candidate plan."""
+def _fp8_linears(args: ModelArgs, filter_fqns: tuple[str, ...]) -> tuple[int, int]:
+    """(weights, input plus output features) of the linears FP8 converts
+    (``parallel.float8.eligible``); cached, as the planner asks once per candidate plan."""
     keep = eligible(list(filter_fqns), family_of(args).high_precision)
-    return sum(m.weight.numel() for fqn, m in meta_model(args).named_modules() if keep(m, fqn))
+    linears = [m for fqn, m in meta_model(args).named_modules() if keep(m, fqn)]
+    return sum(m.weight.numel() for m in linears), sum(m.in_features + m.out_features for m in linears)
+
+
+def _cast_seconds(
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, device: DeviceSpec, step: _Step
+) -> float:
+    """The mixed-precision recipe's casts per step: without FSDP every forward casts the
+    rank's weights and every backward their gradients, per micro-batch; FSDP2 casts each
+    shard before its gather and each whole gradient before its reduce-scatter. LoRA's frozen
+    weights are stored in the compute dtype, and its adapters are too few to count."""
+    if job.lora.enable:
+        return 0.0
+    params, fsdp = _rank_params(args, job, dims), dims.dp_shard * dims.cp
+    if fsdp == 1:
+        return cast_seconds(job, device, 2 * params * step.micro_batches)
+    gathers = _whole_gathers(job, dims, step, args.num_hidden_layers)
+    return cast_seconds(job, device, params / fsdp * gathers + params * micro_steps(job, dims))
+
+
+def _float8_cast_seconds(
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, device: DeviceSpec, step: _Step
+) -> float:
+    """FP8's dynamic scaling around this rank's GEMMs per step (``FP8_CAST_BYTES`` per element
+    of each converted linear's input, output gradient and weight, per micro-batch, TP-sharded),
+    at the memory bandwidth; none where the GEMMs do not run in float8."""
+    if compute_dtype(job, device) != "float8":
+        return 0.0
+    weights, features = _fp8_linears(args, tuple(job.float8.filter_fqns))
+    elements = (features * step.z.tokens + weights) / dims.tp * step.layers / args.num_hidden_layers
+    return FP8_CAST_BYTES * elements * step.micro_batches / device.hbm_bytes_per_s
 
 
 def _compute_seconds(
@@ -487,7 +549,8 @@ def _compute_seconds(
     """(compute, recompute, share of blocks fully recomputed). Full blocks rerun their
     forward: its FLOPs, its ops' dispatch (``forward_op_share``) and its elementwise passes
     (``FORWARD_PASS_SHARE``). Per-op AC reruns the forward's ops it did not keep (not its
-    GEMMs, attention or collectives): the same elementwise passes and dispatch.
+    GEMMs, attention or collectives): the same elementwise passes and dispatch, eager; nothing
+    a compiled step does not rerun anyway.
     ``memory_bound`` and ``overhead``: the step's blocks'."""
     seq, world, rate, z = job.training.seq_len, dims.world_size, step.rate, step.z
     compute = (
@@ -500,15 +563,18 @@ def _compute_seconds(
     if job.lora.enable and job.float8.enable and not job.compile.enable:
         # torchao's eager backward forms the frozen FP8 weights' gradients and drops them
         # (a compiled graph drops the GEMM itself)
-        compute += 2 * _fp8_numel(args, tuple(job.float8.filter_fqns)) * step.tokens / world / rate
+        compute += 2 * _fp8_linears(args, tuple(job.float8.filter_fqns))[0] * step.tokens / world / rate
     ac = job.activation_checkpoint
     op = ac.mode == "selective" and ac.selective_ac_option == "op"
     recompute = 0.0
     ids = [str(i) for i in range(args.num_hidden_layers)]
     share = len(checkpointed_layers(ac, ids)) / len(ids) if ac.mode != "none" and not op else 0.0
-    if op:
+    if op and not job.compile.enable:
         # every forward op it did not keep runs again: all but the GEMMs, attention and
-        # collectives, so the forward's elementwise passes and their dispatch
+        # collectives, so the forward's elementwise passes and their dispatch. A compiled
+        # graph's backward reruns those already (inductor's partitioner keeps GEMM outputs and
+        # recomputes pointwise work), which its timed step includes: measured on an H100 and
+        # this CPU, compiled per-op checkpointing runs within 2% of no checkpointing
         recompute = FORWARD_PASS_SHARE * memory_bound + forward_op_share(args) * overhead
     elif share:
         recompute = share * (
