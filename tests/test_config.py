@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from autopar.config import ConfigError, JobConfig, to_toml
+from autopar.config.checks import inert_float8
 from autopar.config.parse import PRESETS, help_text
 from autopar.training.preflight import check_job
 from autopar.training.resolve import parse_job
@@ -308,3 +309,20 @@ def test_dcp_initial_load_needs_dcp_metadata(tmp_path):
 def test_valid_job_returns_the_model_args():
     args = check_job(parse_job(valid("--model.num_hidden_layers", "2")), world_size=1)
     assert args.num_hidden_layers == 2 and args.qk_norm
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--float8.backend", "torchao"], "float8.backend='torchao'"),
+        (["--float8.recipe", "rowwise"], "float8.recipe='rowwise'"),
+        (["--float8.backend", "torchao", "--float8.enable", "true"], None),
+        ([], None),
+    ],
+)
+def test_fp8_settings_with_fp8_off_are_named_with_the_flag_that_turns_it_on(flags, named):
+    note = inert_float8(parse_job([*VALID_FLAGS, *flags]))
+    if named is None:
+        assert note is None
+    else:
+        assert note.startswith(named) and "--float8.enable true" in note

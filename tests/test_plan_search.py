@@ -295,6 +295,14 @@ def test_plan_check_trains_the_plan_and_records_its_speed_memory_and_loss_beside
     assert "loss at the end" in result.stdout
 
 
+def test_plan_says_when_the_jobs_fp8_settings_do_nothing(capsys):
+    assert plan_main(["--job.config", "debug_model", "--world-size", "2", "--float8.backend", "torchao"]) == 0
+    assert (
+        "plan note: float8.backend='torchao' has no effect while float8.enable is false"
+        in capsys.readouterr().err
+    )
+
+
 @pytest.mark.parametrize(
     "where, why",
     [

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from autopar.config import ConfigError
-from autopar.config.checks import check_output_file
+from autopar.config.checks import check_output_file, inert_float8
 from autopar.config.parse import explicit_keys
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
@@ -157,6 +157,9 @@ def main(argv: list[str]) -> int:
         return 2
     elapsed = time.perf_counter() - start
     fitting = [p for p in plans if p.fits]
+    inert = inert_float8(job)
+    if inert:
+        print(f"plan note: {inert}", file=sys.stderr)
     print(
         f"{model_label(job, args)}, seq_len {job.training.seq_len}, on {world} x {device.name} "
         f"({device.memory_gib:.1f} GiB, {gpus_per_node} per node): {len(plans)} valid plans, "

@@ -124,3 +124,17 @@ def check_output_folders(job: JobConfig) -> None:
     for name, folder in folders.items():
         problem = unwritable(folder)
         require(problem is None, f"{name}: cannot write {folder}: {problem}; pick another folder")
+
+
+def inert_float8(job: JobConfig) -> str | None:
+    """Where the job names an FP8 backend or recipe but leaves ``float8.enable`` false, what to
+    tell the user: such a job means FP8, and would otherwise run in bf16 without a word (a
+    template may keep the settings switched off, so this warns rather than refuses)."""
+    cfg = job.float8
+    if cfg.enable or (cfg.backend == "auto" and cfg.recipe == "default"):
+        return None
+    named = f"float8.backend={cfg.backend!r}" if cfg.backend != "auto" else f"float8.recipe={cfg.recipe!r}"
+    return (
+        f"{named} has no effect while float8.enable is false: no linear runs in FP8; add "
+        "--float8.enable true to train in FP8"
+    )

@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from autopar.config.checks import inert_float8
 from autopar.config.sections import JobConfig
 from autopar.data.dataset import SampleSource
 from autopar.models.args import ModelArgs
@@ -66,6 +67,9 @@ def announce(
         global_batch,
         job.training.seq_len,
     )
+    inert = inert_float8(job)
+    if inert:
+        logger.warning(inert)
     if job.lr_scheduler.warmup_steps > job.training.steps:
         logger.warning(
             "lr_scheduler.warmup_steps=%d exceeds training.steps=%d: warming up over all %d steps",
