@@ -408,8 +408,8 @@ def run_probe(
     at the probe's shapes and ``job_attention``, memory and host bandwidth, per-op overhead
     (on the job's model where ``job_step`` names it, else the reference model),
     the job's whole model step (``job_step``: its arguments, batch, sequence length and
-    whether it compiles, in the dtype it computes in here), and ``collectives`` when a process group is initialised
-    (every rank calls)."""
+    whether it compiles, in the dtype it computes in here), and ``collectives`` when a process
+    group is initialised (every rank calls)."""
     attention = sorted(set(CUDA_ATTENTION if device.type == "cuda" else CPU_ATTENTION) | set(job_attention))
     squares = CUDA_SQUARES if device.type == "cuda" else CPU_SQUARES
     shapes = sorted({(s, s, s) for s in squares} | set(job_shapes))
