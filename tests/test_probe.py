@@ -22,7 +22,7 @@ from autopar.models.family import build_model
 from autopar.parallel.mesh import ParallelDims
 from autopar.planner.auto import auto_job
 from autopar.planner.devices import PRESETS
-from autopar.planner.machine import spec_from_profile
+from autopar.planner.machine import PROBE_VERSION, spec_from_profile
 from autopar.planner.measured import (
     CAST_BYTES,
     cast_seconds,
@@ -393,6 +393,17 @@ def test_auto_on_an_unknown_gpu_plans_with_its_probed_profile_not_an_h100s(tmp_p
     assert len(cached) == 1 and load_profile(cached[0]) == device.profile
     again = auto_job(job, argv, 1, "cuda", 1, probe, tmp_path)[2]
     assert probe.calls == 1 and again.profile == device.profile  # read from the cache
+
+
+def test_a_newer_probe_measures_again_rather_than_read_an_older_probes_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
+    probe = CountingProbe()
+    argv = ["--job.config", "debug_model", "--parallelism.auto", "true", "--parallelism.auto_verify", "false"]
+    job = debug_job(*argv[2:])
+    auto_job(job, argv, 1, "cuda", 1, probe, tmp_path)
+    monkeypatch.setattr("autopar.planner.machine.PROBE_VERSION", PROBE_VERSION + 1)
+    auto_job(job, argv, 1, "cuda", 1, probe, tmp_path)
+    assert probe.calls == 2 and len(list(tmp_path.glob("nvidia-l40s-*.json"))) == 2
 
 
 def test_plan_with_a_device_profile_names_the_measured_device(tmp_path, capsys, monkeypatch):

@@ -2,10 +2,10 @@
 profiles that ``parallelism.auto`` probes once and reads afterwards.
 
 The cache lives under ``$XDG_CACHE_HOME/autopar/profiles`` (``~/.cache/autopar/profiles``;
-``$AUTOPAR_CACHE_DIR/profiles`` where that is set),
-one file per device name, torch version and world shape, since each of them changes the
-figures. Only the first local rank probes; the others wait for its file, so every rank of a
-node plans with the same figures and the probe is not slowed by its neighbours.
+``$AUTOPAR_CACHE_DIR/profiles`` where that is set), one file per device name, torch version,
+probe version and world shape, since each of them changes the figures. Only the first local
+rank probes; the others wait for its file, so every rank of a node plans with the same figures
+and the probe is not slowed by its neighbours.
 """
 
 from __future__ import annotations
@@ -35,9 +35,18 @@ def cache_dir() -> Path:
     return Path(base) / "autopar" / "profiles"
 
 
+PROBE_VERSION = 3
+"""Raised whenever what the probe measures, or how, changes, so that a profile cached by an
+older probe is measured again rather than trusted: 2, its models initialized (their norms had
+held whatever memory held); 3, the job's step timed as training runs it."""
+
+
 def cache_path(device: str, world_size: int, local_world_size: int, folder: Path | None = None) -> Path:
-    """Where this machine's profile is cached: keyed by device name, torch version and world shape."""
-    slug = re.sub(r"[^a-z0-9.]+", "-", f"{device} torch{torch.__version__}".lower()).strip("-")
+    """Where this machine's profile is cached: keyed by device name, torch version, probe
+    version and world shape."""
+    slug = re.sub(
+        r"[^a-z0-9.]+", "-", f"{device} torch{torch.__version__} probe{PROBE_VERSION}".lower()
+    ).strip("-")
     return (folder or cache_dir()) / f"{slug}-w{world_size}-l{local_world_size}.json"
 
 
