@@ -167,17 +167,16 @@ def probe_model_step(
     from autopar.config.sections import Compile
     from autopar.parallel.compile import apply_compile
     from autopar.parallel.mixed_precision import apply_compute_dtype
+    from autopar.training.loss import token_loss_sum
 
-    def loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
-
+    loss = token_loss_sum
     try:
         model = initialized_model(args, device)
         if dtype != "float32":
             apply_compute_dtype(model, getattr(torch, dtype))
         if compiled:
             apply_compile(model, Compile(enable=True))
-            loss = torch.compile(loss)
+            loss = torch.compile(token_loss_sum)  # as ``TrainContext`` compiles it
         ids = torch.randint(0, args.vocab_size, (batch, seq), device=device)
 
         def run() -> None:
