@@ -26,13 +26,16 @@ from autopar.planner.machine import PROBE_VERSION, spec_from_profile
 from autopar.planner.measured import (
     CAST_BYTES,
     cast_seconds,
+    forward_op_share,
     ops_per_micro_batch,
     optimizer_seconds,
 )
 from autopar.planner.memory import meta_model
 from autopar.planner.probe import (
     initialized_model,
+    probe_checkpoint_overheads,
     probe_job_step,
+    probe_op_overhead,
     probe_plan_overheads,
     probe_recurrence,
     run_probe,
@@ -86,11 +89,13 @@ def test_the_probe_on_cpu_writes_a_profile_whose_figures_are_positive_and_round_
     # heads of 32) and its vocabulary head (512)
     shapes = {(p.m, p.n, p.k) for p in profile.matmul}
     assert {(512, 512, 128), (512, 128, 256)} <= shapes
-    # and the job's whole model, a step of 4 of its 8 sequences, in the float32 a CPU trains in
-    (step,) = profile.model_steps
+    # and the job's whole model, a step of one sequence and of 4 of its 8, in the float32 a CPU
+    # trains in
+    one, four = profile.model_steps
     args = model_args(debug_job("--training.seq_len", "64"))
-    assert profile.model_step(args, "float32") == step and (step.batch, step.seq) == (4, 64)
-    assert 0 < step.seconds < 10
+    assert profile.model_step(args, "float32") == (one, four)
+    assert [(s.batch, s.seq) for s in (one, four)] == [(1, 64), (4, 64)]
+    assert all(0 < s.seconds < 10 for s in (one, four))
     assert DeviceProfile.from_json(json.loads(path.read_text())) == profile
 
 
@@ -105,12 +110,12 @@ def test_a_compiling_jobs_step_is_timed_compiled_as_well_as_eager():
     *_, step = job_shapes(
         ["--job.config", "debug_model", "--training.seq_len", "32", "--compile.enable", "true"]
     )
-    eager, compiled = probe_job_step(torch.device("cpu"), step)
-    assert (eager.compiled, compiled.compiled) == (False, True) and eager.model == compiled.model
-    profile = dataclasses.replace(flat_profile(), model_steps=(eager, compiled))
+    eager_one, eager, compiled_one, compiled = probe_job_step(torch.device("cpu"), step)
+    assert [s.compiled for s in (eager_one, eager, compiled_one, compiled)] == [False, False, True, True]
+    profile = dataclasses.replace(flat_profile(), model_steps=(eager_one, eager, compiled_one, compiled))
     args = step[0]
-    assert profile.model_step(args, "float32", compiled=True) == compiled
-    assert profile.model_step(args, "float32") == eager
+    assert profile.model_step(args, "float32", compiled=True) == (compiled_one, compiled)
+    assert profile.model_step(args, "float32") == (eager_one, eager)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +140,7 @@ def hybrid_job_on_rank() -> tuple:
     """A rank's part of timing the debug Qwen3.5's own TP and CP passes and its model step."""
     args = model_args(debug_job("--model.name", "qwen3.5"))
     device = torch.device("cpu")
-    return probe_plan_overheads(device, args), probe_job_step(device, (args, 2, 64, False))
+    return probe_plan_overheads(device, args), probe_job_step(device, (args, (2,), 64, False))
 
 
 def test_a_hybrid_jobs_own_model_is_timed_under_tp_and_cp_and_its_step_by_the_slowest_rank():
@@ -229,6 +234,71 @@ def test_the_models_timed_step_is_what_the_planner_predicts_for_that_step(second
     double = predict_time(args, one_rank("--training.local_batch_size", "8")[0], one, device, 1)
     elementwise = time.memory_bound - adamw_seconds(device, args)
     assert double.memory_bound - adamw_seconds(device, args) == pytest.approx(2 * elementwise, rel=0.01)
+
+
+def test_each_micro_batch_the_probe_timed_is_predicted_as_it_was_timed_and_others_between():
+    # a step of one sequence took more than a quarter of four's: its dispatch is paid per
+    # micro-batch, its elementwise rate differs with its tensors' size
+    _, args, one = one_rank()
+    one_seq = ModelStepPoint(model_key(args), "float32", 1, 512, 0.1)
+    four_seq = ModelStepPoint(model_key(args), "float32", 4, 512, 0.3)
+    device = spec_from_profile(dataclasses.replace(flat_profile(), model_steps=(one_seq, four_seq)))
+
+    def predicted(batch: int) -> float:
+        job = one_rank("--training.local_batch_size", str(batch))[0]
+        return predict_time(args, job, one, device, 1).total - adamw_seconds(device, args)
+
+    assert predicted(1) == pytest.approx(0.1, rel=1e-9)
+    assert predicted(4) == pytest.approx(0.3, rel=1e-9)
+    assert 0.1 < predicted(2) < 0.3
+
+
+def test_per_op_checkpointing_pays_the_probed_machinery_at_every_op_of_each_recomputed_block():
+    flags = ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op")
+    _, args, one = one_rank(*flags)
+    plain = flat_profile(op_s=1e-5)
+    probed = dataclasses.replace(plain, checkpoint_op_overhead_s=(("op", 5e-5), ("full", 2e-5)))
+
+    def recompute(profile: DeviceProfile, *more: str) -> float:
+        return predict_time(args, one_rank(*flags, *more)[0], one, spec_from_profile(profile), 1).recompute
+
+    # beyond the plain op's dispatch and its forward's dispatch again: what the policy adds
+    per_op = 5e-5 - 1e-5 * (1 + forward_op_share(args))
+    assert recompute(probed) - recompute(plain) == pytest.approx(ops_per_micro_batch(args) * per_op, rel=1e-9)
+    # a compiled graph holds the policy's choices: nothing to pay at run time
+    assert recompute(probed, "--compile.enable", "true") == recompute(plain, "--compile.enable", "true")
+
+
+def test_the_probe_times_checkpointings_machinery_above_a_plain_ops_dispatch():
+    args = model_args(debug_job())
+    modes = dict(probe_checkpoint_overheads(torch.device("cpu"), args))
+    # per model op on 8 tokens: on this CPU 4-5 us plain, 11 us fully checkpointed, 17 us per-op
+    plain = probe_op_overhead(torch.device("cpu"), args)
+    assert set(modes) == {"op", "full"} and modes["op"] > 1.5 * plain and modes["full"] > plain
+
+
+def test_all_gather_cp_moves_kv_at_the_rate_probed_for_its_own_gather():
+    job = debug_job(
+        "--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"
+    )
+    args, dims = model_args(job), ParallelDims.resolve(job.parallelism, 2)
+    even = flat_profile(bus=1e9)
+    slow_own = dataclasses.replace(
+        even,
+        collectives=tuple(
+            dataclasses.replace(p, bus_bytes_per_s=p.bus_bytes_per_s / 2) if p.op.startswith("seq_") else p
+            for p in even.collectives
+        ),
+    )
+    plain_only = dataclasses.replace(
+        even, collectives=tuple(p for p in even.collectives if not p.op.startswith("seq_"))
+    )
+
+    def cp_seconds(profile: DeviceProfile) -> float:
+        return predict_time(args, job, dims, spec_from_profile(profile), 2).comm_by_dim["cp"]
+
+    assert cp_seconds(slow_own) == pytest.approx(2 * cp_seconds(even), rel=1e-9)
+    assert cp_seconds(plain_only) == pytest.approx(cp_seconds(even), rel=1e-9)  # older profiles
 
 
 @pytest.mark.parametrize("compiled", [False, True])

@@ -55,14 +55,15 @@ def _options(argv: list[str]) -> tuple[Path, bool, list[str]]:
 
 
 STEP_BATCH = 4
-"""Sequences in the probe's timed step of the job's whole model (at most the job's local
-batch): enough rows that its elementwise work, not its dispatch, sets the time."""
+"""Sequences in the probe's larger timed step of the job's whole model (at most the job's
+local batch): enough rows that its elementwise work, not its dispatch, sets the time. It is
+timed at one sequence too, a pipeline's smallest micro-batch."""
 
 
 def job_shapes(job_argv: list[str]) -> tuple[list, list, list, tuple | None]:
     """The job's linears (m, n, k), attention (batch, heads, seq, head_dim) and, for a hybrid
     model, gated delta rule (batch, seq, key heads, value heads, dk, dv) at its micro-batch,
-    and its model step (arguments, batch, seq, compiled); none without a job's flags (``--job.config``
+    and its model step (arguments, batches, seq, compiled); none without a job's flags (``--job.config``
     or any ``--section.field``)."""
     if not job_argv:
         return [], [], [], None
@@ -80,7 +81,8 @@ def job_shapes(job_argv: list[str]) -> tuple[list, list, list, tuple | None]:
         for s in sorted({seq // 2, seq})
         if args.hybrid and s
     ]
-    return gemms, attention, recurrence, (args, min(batch, STEP_BATCH), seq, job.compile.enable)
+    step_batches = tuple(sorted({1, min(batch, STEP_BATCH)}))
+    return gemms, attention, recurrence, (args, step_batches, seq, job.compile.enable)
 
 
 def describe(profile: DeviceProfile) -> str:
@@ -112,6 +114,11 @@ def describe(profile: DeviceProfile) -> str:
     if profile.op_overhead_s is not None:
         per_op = [("eager", profile.op_overhead_s), *profile.plan_op_overhead_s]
         lines.append("  per op          " + ", ".join(f"{plan} {s * 1e6:.1f} us" for plan, s in per_op))
+    if profile.checkpoint_op_overhead_s:
+        lines.append(
+            "  per op, checkpointed "
+            + ", ".join(f"{mode} {s * 1e6:.1f} us" for mode, s in profile.checkpoint_op_overhead_s)
+        )
     for op in COLLECTIVES:
         best = [c for c in profile.collectives if c.op == op]
         if best:

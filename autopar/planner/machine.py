@@ -35,10 +35,11 @@ def cache_dir() -> Path:
     return Path(base) / "autopar" / "profiles"
 
 
-PROBE_VERSION = 3
+PROBE_VERSION = 4
 """Raised whenever what the probe measures, or how, changes, so that a profile cached by an
 older probe is measured again rather than trusted: 2, its models initialized (their norms had
-held whatever memory held); 3, the job's step timed as training runs it."""
+held whatever memory held); 3, the job's step timed as training runs it; 4, that step at one
+sequence too, checkpointing's machinery, and CP's own k/v gather."""
 
 
 def cache_path(device: str, world_size: int, local_world_size: int, folder: Path | None = None) -> Path:

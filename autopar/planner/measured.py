@@ -66,6 +66,25 @@ def forward_op_share(args: ModelArgs) -> float:
     return forward / ops_per_micro_batch(args)
 
 
+def checkpoint_machinery_seconds(
+    args: ModelArgs, job: JobConfig, device: DeviceSpec, block_passes: float, mode: str
+) -> float:
+    """What checkpointing ``block_passes`` blocks in ``mode`` ("op" or "full") costs beside
+    the work it reruns and that work's dispatch: the saved-tensor hooks and, per op, per-op
+    AC's policy at every forward op and again in the recompute. The probe's eager forward and
+    backward with every block checkpointed so, on 8 tokens, less the plain one and its
+    forward's dispatch once more; none compiled (the graph holds the policy's choices) or
+    unmeasured."""
+    profile = device.profile
+    if job.compile.enable or profile is None or profile.op_overhead_s is None:
+        return 0.0
+    measured = dict(profile.checkpoint_op_overhead_s).get(mode)
+    if measured is None:
+        return 0.0
+    per_op = max(0.0, measured - profile.op_overhead_s * (1 + forward_op_share(args)))
+    return ops_per_micro_batch(args) * per_op * block_passes / args.num_hidden_layers
+
+
 FORWARD_PASS_SHARE = 0.5
 """The forward's share of ``MEMORY_PASSES``: the saved bytes are written and read once in the
 forward and once in the backward, eager or compiled."""

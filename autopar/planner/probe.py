@@ -218,6 +218,30 @@ def probe_op_overhead(device: torch.device, args: ModelArgs | None = None) -> fl
     return timed(run, device) / ops
 
 
+CHECKPOINT_MODES = {"op": ("selective", "op"), "full": ("full", "op")}
+"""Activation checkpointing whose machinery the probe times per op: (mode, selective option)."""
+
+
+def probe_checkpoint_overheads(
+    device: torch.device, args: ModelArgs | None = None
+) -> tuple[tuple[str, float], ...]:
+    """Seconds per model op of ``probe_op_overhead``'s forward and backward with every block
+    checkpointed in each of ``CHECKPOINT_MODES``, eager: on this CPU per-op AC's policy, a
+    Python call at every op in the forward and again in the recompute, made a one-sequence
+    micro-batch's recompute cost twice what rerunning its ops did (BENCHMARKS.md)."""
+    from autopar.config.sections import ActivationCheckpoint
+    from autopar.parallel.activation_checkpoint import apply_ac
+
+    args = args or reference_args()
+    ops = count_ops(forward_backward(initialized_model(args, device), device))
+    seconds = []
+    for name, (mode, option) in CHECKPOINT_MODES.items():
+        model = initialized_model(args, device)
+        apply_ac(model, ActivationCheckpoint(mode=mode, selective_ac_option=option), compiled=False)
+        seconds.append((name, timed(forward_backward(model, device), device) / ops))
+    return tuple(seconds)
+
+
 PLAN_OVERHEADS = ("tp", "cp")
 """Plans whose own machinery (DTensor dispatch and its collectives, CP's attention mode and
 k/v all-gathers) the probe times per op, on pairs of ranks."""
@@ -294,6 +318,8 @@ def _collective_fn(op: str, numel: int, group_ranks: list[int], group, device: t
     if op == "all_to_all":
         out = torch.empty_like(whole)
         return lambda: dist.all_to_all_single(out, whole, group=group), share
+    if op in ("seq_all_gather", "seq_reduce_scatter"):
+        return _sequence_gather_fn(op, numel // g, group, device), share
     first, last = group_ranks[0], group_ranks[-1]  # send/recv across the group's span
 
     def send_recv() -> None:
@@ -303,6 +329,21 @@ def _collective_fn(op: str, numel: int, group_ranks: list[int], group, device: t
             dist.recv(whole, src=first)
 
     return send_recv, 1.0
+
+
+def _sequence_gather_fn(op: str, numel: int, group, device: torch.device) -> Callable[[], object]:
+    """All-gather CP's gather of a rank's ``numel`` k/v elements along the sequence
+    (``parallel.context_parallel.all_gather``), forward, or its backward alone."""
+    from autopar.parallel.context_parallel import all_gather
+
+    batch, heads, head_dim = 8, 4, 32
+    part = torch.ones(batch, heads, max(1, numel // (batch * heads * head_dim)), head_dim, device=device)
+    if op == "seq_all_gather":
+        return lambda: all_gather(part, gather_dim=2, group=group)
+    part.requires_grad_()
+    gathered = all_gather(part, gather_dim=2, group=group)
+    grad = torch.ones_like(gathered)
+    return lambda: gathered.backward(grad, retain_graph=True)
 
 
 def probe_collectives(
@@ -401,12 +442,12 @@ def run_probe(
     local_world: int = 1,
     job_attention: Iterable[tuple[int, int, int, int]] = (),
     job_recurrence: Iterable[tuple[int, int, int, int, int, int]] = (),
-    job_step: tuple[ModelArgs, int, int, bool] | None = None,
+    job_step: tuple[ModelArgs, tuple[int, ...], int, bool] | None = None,
 ) -> DeviceProfile:
     """The profile of ``device``: matmuls at the probe's squares and ``job_shapes``, attention
     at the probe's shapes and ``job_attention``, memory and host bandwidth, per-op overhead
     (on the job's model where ``job_step`` names it, else the reference model),
-    the job's whole model step (``job_step``: its arguments, batch, sequence length and
+    the job's whole model step (``job_step``: its arguments, batches, sequence length and
     whether it compiles, in the dtype it computes in here), and ``collectives`` when a process
     group is initialised (every rank calls)."""
     attention = sorted(set(CUDA_ATTENTION if device.type == "cuda" else CPU_ATTENTION) | set(job_attention))
@@ -435,23 +476,26 @@ def run_probe(
             probe_plan_overheads(device, job_step[0] if job_step else None) if grouped and collectives else ()
         ),
         model_steps=probe_job_step(device, job_step),
+        checkpoint_op_overhead_s=probe_checkpoint_overheads(device, job_step[0] if job_step else None),
     )
 
 
 def probe_job_step(
-    device: torch.device, job_step: tuple[ModelArgs, int, int, bool] | None
+    device: torch.device, job_step: tuple[ModelArgs, tuple[int, ...], int, bool] | None
 ) -> tuple[ModelStepPoint, ...]:
     """The job's model step in the dtype training computes in on ``device`` (float32 on CPU,
-    bfloat16 on GPUs, as ``training.mixed_precision_param = "auto"`` picks), eager and, where
-    the job compiles (``job_step``'s last item), compiled; in a process group every rank times
-    it at once and the slowest rank's figure is kept (none where a rank ran out of memory)."""
+    bfloat16 on GPUs, as ``training.mixed_precision_param = "auto"`` picks) at each of
+    ``job_step``'s batches, eager and, where the job compiles (its last item), compiled; in a
+    process group every rank times it at once and the slowest rank's figure is kept (none
+    where a rank ran out of memory)."""
     if job_step is None:
         return ()
-    args, batch, seq, compiled = job_step
+    args, batches, seq, compiled = job_step
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     return tuple(
         point
         for mode in ((False, True) if compiled else (False,))
+        for batch in batches
         if (point := _slowest_rank_step(device, args, batch, seq, dtype, mode)) is not None
     )
 

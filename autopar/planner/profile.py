@@ -24,7 +24,19 @@ from autopar.config.errors import ConfigError
 from autopar.models.args import ModelArgs
 from autopar.training.metrics import DELTA_RULE_CHUNK
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
+COLLECTIVES = (
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "all_to_all",
+    "send_recv",
+    "seq_all_gather",
+    "seq_reduce_scatter",
+)
+"""The collectives the probe times. ``seq_all_gather`` is all-gather CP's k/v gather as it
+runs: the autograd-aware functional all-gather of a (batch, heads, seq, head_dim) tensor
+along its sequence, with the layout copies that dimension costs; ``seq_reduce_scatter`` is
+that gather's backward (on this CPU the two took 2.3x gloo's plain pair, BENCHMARKS.md)."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +156,11 @@ class DeviceProfile:
     """(plan, seconds per model op) under a plan's own machinery ("tp", "cp"), timed on two
     ranks; a plan without one pays ``op_overhead_s``."""
     model_steps: tuple[ModelStepPoint, ...] = ()
+    checkpoint_op_overhead_s: tuple[tuple[str, float], ...] = ()
+    """(activation checkpointing, "op" or "full": seconds per model op of an eager forward and
+    backward with every block checkpointed so, on ``op_overhead_s``'s 8 tokens): beyond
+    eager's, what the checkpoint's machinery (saved-tensor hooks, per-op AC's policy at every
+    op in the forward and again in the recompute) adds to a checkpointed block."""
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -162,6 +179,9 @@ class DeviceProfile:
         fields["recurrence"] = tuple(RecurrencePoint(**p) for p in record.get("recurrence", ()))
         fields["plan_op_overhead_s"] = tuple((str(k), v) for k, v in record.get("plan_op_overhead_s", ()))
         fields["model_steps"] = tuple(ModelStepPoint(**p) for p in record.get("model_steps", ()))
+        fields["checkpoint_op_overhead_s"] = tuple(
+            (str(k), v) for k, v in record.get("checkpoint_op_overhead_s", ())
+        )
         profile = cls(**fields)
         profile.check()
         return profile
@@ -178,6 +198,7 @@ class DeviceProfile:
         figures |= {f"recurrence {r.dtype} seq {r.seq}": r.flops_per_s for r in self.recurrence}
         figures |= {f"plan_op_overhead_s {plan}": s for plan, s in self.plan_op_overhead_s}
         figures |= {f"model step {m.model} seq {m.seq}": m.seconds for m in self.model_steps}
+        figures |= {f"checkpoint_op_overhead_s {mode}": s for mode, s in self.checkpoint_op_overhead_s}
         for name, value in figures.items():
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} is {value!r}, not a positive number")
@@ -199,7 +220,7 @@ class DeviceProfile:
         exact = [p.flops_per_s for p in points if (p.m, p.n, p.k) == (m, n, k)]
         if exact:
             return exact[0]
-        return _interpolate([(p.flops, p.flops_per_s) for p in points], 6.0 * m * n * k)
+        return log_interpolate([(p.flops, p.flops_per_s) for p in points], 6.0 * m * n * k)
 
     def attention_flops_per_s(self, dtype: str, flops: float, seq: int | None = None) -> float | None:
         """FLOP/s of an attention of ``flops`` (``attention_flops``) over ``seq`` keys in
@@ -209,7 +230,7 @@ class DeviceProfile:
         dtype = "bfloat16" if dtype == "float8" else dtype
         points = [a for a in self.attention if a.dtype == dtype]
         points = [a for a in points if a.seq == seq] or points
-        return _interpolate([(a.flops, a.flops_per_s) for a in points], flops) if points else None
+        return log_interpolate([(a.flops, a.flops_per_s) for a in points], flops) if points else None
 
     def recurrence_flops_per_s(self, dtype: str, flops: float, seq: int | None = None) -> float | None:
         """FLOP/s of a gated delta rule of ``flops`` (``recurrence_flops``) over sequences of
@@ -218,15 +239,13 @@ class DeviceProfile:
         dtype = "bfloat16" if dtype == "float8" else dtype
         points = [r for r in self.recurrence if r.dtype == dtype]
         points = [r for r in points if r.seq == seq] or points
-        return _interpolate([(r.flops, r.flops_per_s) for r in points], flops) if points else None
+        return log_interpolate([(r.flops, r.flops_per_s) for r in points], flops) if points else None
 
-    def model_step(self, args: ModelArgs, dtype: str, compiled: bool = False) -> ModelStepPoint | None:
-        """The timed step of this model in ``dtype``, eager or ``compiled``, if the probe ran
-        its job so."""
+    def model_step(self, args: ModelArgs, dtype: str, compiled: bool = False) -> tuple[ModelStepPoint, ...]:
+        """The timed steps of this model in ``dtype``, eager or ``compiled``, at each batch the
+        probe ran its job at (none if it did not)."""
         key = model_key(args)
-        return next(
-            (m for m in self.model_steps if (m.model, m.dtype, m.compiled) == (key, dtype, compiled)), None
-        )
+        return tuple(m for m in self.model_steps if (m.model, m.dtype, m.compiled) == (key, dtype, compiled))
 
     def bus_bytes_per_s(self, op: str, group: int, message_bytes: float | None) -> float | None:
         """Bus bandwidth of ``op`` over ``group`` ranks for a tensor of ``message_bytes`` (None:
@@ -239,7 +258,7 @@ class DeviceProfile:
         size = max((g for g in groups if g <= group), default=groups[0])
         chosen = [(c.bytes, c.bus_bytes_per_s) for c in points if c.group == size]
         at = message_bytes if message_bytes is not None else max(b for b, _ in chosen)
-        return _interpolate(chosen, at)
+        return log_interpolate(chosen, at)
 
     def op_overhead(self, tp: int, cp: int) -> float | None:
         """Seconds per op of a plan with these degrees: under TP or CP their measured figure
@@ -259,7 +278,7 @@ class DeviceProfile:
         return max((c.bus_bytes_per_s for c in self.collectives), default=None)
 
 
-def _interpolate(points: list[tuple[float, float]], x: float) -> float:
+def log_interpolate(points: list[tuple[float, float]], x: float) -> float:
     """y at ``x`` from (x, y) points, linear in log-log space, clamped at the ends."""
     points = sorted(points)
     xs = [math.log(px) for px, _ in points]

@@ -63,6 +63,7 @@ from autopar.planner.measured import (
     FORWARD_PASS_SHARE,
     block_memory_seconds,
     cast_seconds,
+    checkpoint_machinery_seconds,
     compute_dtype,
     forward_op_share,
     memory_bound_seconds,
@@ -83,6 +84,7 @@ from autopar.planner.profile import (
     attention_flops,
     gemm_rate,
     gemm_shapes,
+    log_interpolate,
     recurrence_flops,
 )
 from autopar.training.metrics import block_matmul_params, delta_rule_flops, flops_per_token
@@ -283,27 +285,30 @@ CALIBRATION_FLOOR = 0.01
 GEMMs and attention already explain still gives a finite rate."""
 
 
-def elementwise_bytes_per_s(args: ModelArgs, job: JobConfig, device: DeviceSpec) -> float:
+def elementwise_bytes_per_s(args: ModelArgs, job: JobConfig, device: DeviceSpec, tokens: int) -> float:
     """The rate the model's elementwise work (everything beside its GEMMs, attention,
-    recurrence, casts and dispatch) runs at, in the bytes ``memory_bound_seconds`` counts: where
-    the probe timed this model's step in the job's compute dtype (bf16 for FP8, whose
-    elementwise work runs in bf16), compiled where the job compiles and the probe timed that,
-    what that step took beyond those terms; else the device's memory bandwidth. A large
-    elementwise product is the best case; a model's norms, rotary, gates, loss and small
-    tensors run slower, by how much only its own step tells (on this CPU 2-4x, BENCHMARKS.md).
-    An eager step stands in for a compiled one, with ``MEMORY_PASSES``' assumed ratio."""
+    recurrence, casts and dispatch) runs at over a micro-batch of ``tokens`` on a rank, in the
+    bytes ``memory_bound_seconds`` counts: where the probe timed this model's step in the job's
+    compute dtype (bf16 for FP8, whose elementwise work runs in bf16), compiled where the job
+    compiles and the probe timed that, what that step took beyond those terms, interpolated
+    between the batches it timed (a step of one sequence is not a quarter of four's: on this
+    CPU its dispatch hides in its smaller tensors' cache hits); else the device's memory
+    bandwidth. A large elementwise product is the best case; a model's norms, rotary, gates,
+    loss and small tensors run slower, by how much only its own step tells (on this CPU 2-4x,
+    BENCHMARKS.md). An eager step stands in for a compiled one, with ``MEMORY_PASSES``' assumed
+    ratio."""
     profile = device.profile
     if profile is None:
         return device.hbm_bytes_per_s
     dtype = compute_dtype(job, device)
     dtype = "bfloat16" if dtype == "float8" else dtype
-    point = profile.model_step(args, dtype, job.compile.enable) or profile.model_step(args, dtype)
-    if point is None:
+    points = profile.model_step(args, dtype, job.compile.enable) or profile.model_step(args, dtype)
+    if not points:
         return device.hbm_bytes_per_s
     t = job.training
-    return _calibrated_bytes_per_s(
-        args, device, point, t.document_masking, t.mixed_precision_param, t.sdpa_backend
-    )
+    settings = (t.document_masking, t.mixed_precision_param, t.sdpa_backend)
+    rates = [(p.batch * p.seq, _calibrated_bytes_per_s(args, device, p, *settings)) for p in points]
+    return log_interpolate(rates, tokens)
 
 
 @functools.lru_cache(maxsize=16)
@@ -350,7 +355,9 @@ def predict_time(
     cp_impl = resolve_impl(job.parallelism, device.device_type)
     z = sizes(args, job, dims, micro, cp_impl, c, device.device_type)
     rates = compute_rates(job, device, args, dims, micro)
-    block_memory = block_memory_seconds(args, job, device, z, elementwise_bytes_per_s(args, job, device))
+    block_memory = block_memory_seconds(
+        args, job, device, z, elementwise_bytes_per_s(args, job, device, z.tokens)
+    )
     work = stage_work(args, job, rates, block_memory, z.tokens) if pipelined else []
     busiest = busiest_stage_rank(args, job, dims.pp, rates, work)
     step = _Step(
@@ -569,6 +576,7 @@ def _compute_seconds(
     recompute = 0.0
     ids = [str(i) for i in range(args.num_hidden_layers)]
     share = len(checkpointed_layers(ac, ids)) / len(ids) if ac.mode != "none" and not op else 0.0
+    passes = step.layers * step.micro_batches  # this rank's block forwards and backwards
     if op and not job.compile.enable:
         # every forward op it did not keep runs again: all but the GEMMs, attention and
         # collectives, so the forward's elementwise passes and their dispatch. A compiled
@@ -576,11 +584,13 @@ def _compute_seconds(
         # recomputes pointwise work), which its timed step includes: measured on an H100 and
         # this CPU, compiled per-op checkpointing runs within 2% of no checkpointing
         recompute = FORWARD_PASS_SHARE * memory_bound + forward_op_share(args) * overhead
+        recompute += checkpoint_machinery_seconds(args, job, device, passes, "op")
     elif share:
         recompute = share * (
             block_forward_flops(args, seq) * step.tokens / world / rate * step.imbalance
             + forward_op_share(args) * overhead
             + FORWARD_PASS_SHARE * memory_bound
+            + checkpoint_machinery_seconds(args, job, device, passes, "full")
         )
     if dims.tp > 1 and step.moe_layers:
         # every TP rank runs a mixture of experts on the whole sequence (its shared expert
@@ -736,7 +746,8 @@ def _context_parallel_seconds(
             moved = times * (dims.cp - 1) * kv * attention_layers * step.micro_batches
             return moved / link_bytes_per_s(span, gpus_per_node, device, op, dims.cp, kv * dims.cp)
 
-        comm = seconds("all_gather", 1 + _gathers_again(job, share)) + seconds("reduce_scatter", 1)
+        gather, scatter = (_as_cp_runs(device, op) for op in ("all_gather", "reduce_scatter"))
+        comm = seconds(gather, 1 + _gathers_again(job, share)) + seconds(scatter, 1)
         exposed = comm
     else:
         kv = 2 * z.dtype_bytes * z.sdpa_kv_heads * z.head_dim * z.tokens
@@ -749,6 +760,14 @@ def _context_parallel_seconds(
         span, gpus_per_node, device, "all_gather", dims.cp
     )
     return comm + maps, exposed + maps
+
+
+def _as_cp_runs(device: DeviceSpec, op: str) -> str:
+    """All-gather CP's own k/v gather (``seq_all_gather``) or its backward where the probe timed
+    them (``profile.COLLECTIVES``), else the plain collective."""
+    profile = device.profile
+    measured = profile is not None and any(c.op == f"seq_{op}" for c in profile.collectives)
+    return f"seq_{op}" if measured else op
 
 
 def _overlaps(device: DeviceSpec) -> bool:
