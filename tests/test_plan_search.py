@@ -282,13 +282,16 @@ def test_plan_check_trains_the_plan_and_records_its_speed_memory_and_loss_beside
     out = tmp_path / "check.json"
     result = run(
         "-m", "autopar.plan", "--job.config", "debug_model", "--training.seq_len", "64", "--world-size", "1",
-        "--gpus-per-node", "1", "--check", "1", "--steps", "1", "--json", str(out),
+        "--gpus-per-node", "1", "--check", "1", "--steps", "1", "--rounds", "2", "--json", str(out),
         "--job.dump_folder", str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     check = json.loads(out.read_text())["check"]
     (row,) = check["plans"]
     assert row["measured_tokens_per_s"] > 0 and row["measured_peak_gib"] > 0
+    # measured once per round, kept at its fastest
+    assert check["rounds"] == 2 and row["measured_tokens_per_s"] == max(row["rounds_tokens_per_s"])
+    assert len(row["rounds_tokens_per_s"]) == 2
     assert row["error"] == pytest.approx(row["predicted_tokens_per_s"] / row["measured_tokens_per_s"] - 1)
     assert row["predicted_peak_gib"] == json.loads(out.read_text())["plans"][0]["predicted_peak_gib"]
     assert 0 < row["final_loss"] < 10  # trained: a debug model starts near ln(512) = 6.2

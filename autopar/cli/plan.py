@@ -1,6 +1,6 @@
 """Choose a parallel plan before launch: ``python -m autopar.plan --job.config FILE --world-size N
 [--gpus-per-node 8] [--device h100 | --device-profile FILE] [--gpu-memory-gib G] [--top 10]
-[--json PATH] [--verify K] [--check N [--steps S]] [--section.field VALUE ...]``.
+[--json PATH] [--verify K] [--check N [--steps S] [--rounds R]] [--section.field VALUE ...]``.
 
 Prints the best plans that fit (degrees, schedule, activation checkpointing, batch, predicted
 peak memory and its largest parts, tokens/s per GPU, MFU and where the time goes), the flags
@@ -51,6 +51,7 @@ OPTIONS = {
     "--device-profile": str,
     "--check": int,
     "--steps": int,
+    "--rounds": int,
 }
 
 
@@ -79,7 +80,7 @@ def split_options(argv: list[str]) -> tuple[dict[str, object], list[str]]:
         raise ConfigError("--world-size N is required: the number of GPUs to plan for")
     if "--device" in found and "--device-profile" in found:
         raise ConfigError("give --device (a preset) or --device-profile (a measured machine), not both")
-    for name in ("--world-size", "--gpus-per-node", "--top", "--verify", "--check", "--steps"):
+    for name in ("--world-size", "--gpus-per-node", "--top", "--verify", "--check", "--steps", "--rounds"):
         if name in found and found[name] < 1:
             raise ConfigError(f"{name} {found[name]} must be >= 1")
     world, per_node = int(found["--world-size"]), int(found.get("--gpus-per-node", 8))

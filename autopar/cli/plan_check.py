@@ -4,6 +4,9 @@ spans FSDP, DDP, TP, CP, PP and AC rather than N local batches of one plan) for 
 each on this machine (``autopar.bench``'s machinery: fresh processes per plan, the median step after
 warm-up) and print predicted beside measured tokens/s per device, each plan's error, the
 median and worst error, and the Spearman rank correlation of predicted and measured order.
+``--rounds R`` measures every plan R times, one round of all plans after another, and keeps
+each plan's fastest: on a shared machine a run is only ever slowed by what else runs, and
+rounds spread a slow spell over all plans rather than the few that ran in it.
 With ``--json FILE`` the results, the commit and the command join the ranked plans there.
 """
 
@@ -52,17 +55,27 @@ def _ranks(values: list[float]) -> list[float]:
     return ranks
 
 
-def measure(plans: list[Plan], job: JobConfig, world: int, steps: int) -> list[dict]:
-    """Each plan trained for ``CHECK_WARMUP + steps`` steps: predicted and measured tokens/s and
-    peak memory (on CPU the process's peak resident memory, which the prediction does not
-    count alike), and the loss it ended at (speed beside learning)."""
+def measure(plans: list[Plan], job: JobConfig, world: int, steps: int, rounds: int = 1) -> list[dict]:
+    """Each plan trained for ``CHECK_WARMUP + steps`` steps, ``rounds`` times (every plan once
+    per round), at its fastest round: predicted and measured tokens/s and peak memory (on CPU
+    the process's peak resident memory, which the prediction does not count alike), and the
+    loss it ended at (speed beside learning)."""
+    specs = [
+        f"plan{i}:" + ",".join(f"{k}={v}" for k, v in plan.settings.config().items())
+        for i, plan in enumerate(plans, 1)
+    ]
+    runs: list[list] = [[] for _ in plans]
+    for _ in range(rounds):
+        for i, spec in enumerate(specs):
+            variant = variant_job(job, spec, CHECK_WARMUP + steps, world)
+            runs[i].append(
+                summarize(
+                    variant.name, spec, run_variant(variant.name, variant.job, world, CHECK_WARMUP), world
+                )
+            )
     rows = []
-    for i, plan in enumerate(plans, 1):
-        spec = f"plan{i}:" + ",".join(f"{k}={v}" for k, v in plan.settings.config().items())
-        variant = variant_job(job, spec, CHECK_WARMUP + steps, world)
-        result = summarize(
-            variant.name, spec, run_variant(variant.name, variant.job, world, CHECK_WARMUP), world
-        )
+    for i, (plan, results) in enumerate(zip(plans, runs), 1):
+        result = max(results, key=lambda r: r.tokens_per_second_per_device)
         measured = result.tokens_per_second_per_device
         rows.append(
             {
@@ -70,6 +83,7 @@ def measure(plans: list[Plan], job: JobConfig, world: int, steps: int) -> list[d
                 "overrides": plan.overrides,
                 "predicted_tokens_per_s": plan.tokens_per_s,
                 "measured_tokens_per_s": measured,
+                "rounds_tokens_per_s": [r.tokens_per_second_per_device for r in results],
                 "error": plan.tokens_per_s / measured - 1,
                 "predicted_split": plan.time.split() if plan.time else None,
                 "predicted_peak_gib": plan.peak_gib,
@@ -79,8 +93,8 @@ def measure(plans: list[Plan], job: JobConfig, world: int, steps: int) -> list[d
         )
         print(
             f"  {i}: {plan.describe()}: predicted {plan.tokens_per_s:,.0f}, measured {measured:,.0f} "
-            f"tokens/s; peak predicted {plan.peak_gib:.1f} GiB, measured {result.peak_memory_gib:.1f}; "
-            f"loss at the end {result.final_loss:.3f}",
+            f"tokens/s{f' (best of {rounds})' if rounds > 1 else ''}; peak predicted {plan.peak_gib:.1f} GiB, "
+            f"measured {result.peak_memory_gib:.1f}; loss at the end {result.final_loss:.3f}",
             flush=True,
         )
     return rows
@@ -123,9 +137,12 @@ def distinct_shapes(plans: list[Plan], count: int) -> list[Plan]:
 def check_plans(plans: list[Plan], job: JobConfig, world: int, options: dict, device: DeviceSpec) -> int:
     """Run, print and (``--json``) record the check of ``options['--check']`` plans."""
     top = distinct_shapes(plans, int(options["--check"]))
-    steps = int(options.get("--steps", CHECK_STEPS))
-    print(f"\nchecking the {len(top)} best plans: {CHECK_WARMUP} warm-up + {steps} timed steps each")
-    rows = measure(top, job, world, steps)
+    steps, rounds = int(options.get("--steps", CHECK_STEPS)), int(options.get("--rounds", 1))
+    print(
+        f"\nchecking the {len(top)} best plans: {CHECK_WARMUP} warm-up + {steps} timed steps each"
+        + (f", {rounds} rounds, each plan at its fastest" if rounds > 1 else "")
+    )
+    rows = measure(top, job, world, steps, rounds)
     stats = summary(rows)
     print(table(rows))
     print(
@@ -144,6 +161,7 @@ def check_plans(plans: list[Plan], job: JobConfig, world: int, options: dict, de
             "world_size": world,
             "steps": steps,
             "warmup": CHECK_WARMUP,
+            "rounds": rounds,
             "plans": rows,
             **stats,
         }
