@@ -33,6 +33,7 @@ from autopar.planner.measured import (
 from autopar.planner.memory import meta_model
 from autopar.planner.probe import (
     initialized_model,
+    probe_attention,
     probe_checkpoint_overheads,
     probe_job_step,
     probe_op_overhead,
@@ -51,7 +52,7 @@ from autopar.planner.profile import (
     load_profile,
     model_key,
 )
-from autopar.planner.time import StepTime, compute_rate, predict_time, tokens_per_step
+from autopar.planner.time import StepTime, compute_rate, compute_rates, predict_time, tokens_per_step
 from autopar.training.metrics import delta_rule_flops, flops_per_token
 from autopar.training.resolve import model_args
 from tests.jobs import debug_job
@@ -209,6 +210,32 @@ def test_attention_runs_at_the_rate_timed_at_its_own_sequence_length():
     assert fast.flops == slow.flops
     assert profile.attention_flops_per_s("float32", slow.flops, 512) == 1e10
     assert profile.attention_flops_per_s("float32", slow.flops, 1024) == 4e10
+
+
+def test_an_all_gather_cp_rank_computes_attention_at_the_rate_timed_for_its_masked_call():
+    job = debug_job(
+        "--parallelism.context_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"
+    )
+    args, dims = model_args(job), ParallelDims.resolve(job.parallelism, 2)
+    causal = tuple(AttentionPoint("float32", b, 8, 512, 32, 4e10) for b in (1, 8))
+    as_cp = tuple(AttentionPoint("float32", b, 8, 512, 32, 1e10, cp=2) for b in (1, 8))
+    assert as_cp[0].flops == causal[0].flops / 2  # a rank's share of the causal FLOPs
+
+    def rates(*points: AttentionPoint):
+        profile = dataclasses.replace(flat_profile(), attention=points)
+        return compute_rates(job, spec_from_profile(profile), args, dims, 8)
+
+    assert rates(*causal, *as_cp).attention == 1e10
+    assert rates(*causal).attention == 4e10  # a profile without it: as one rank calls attention
+    one = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1)
+    profile = dataclasses.replace(flat_profile(), attention=(*causal, *as_cp))
+    assert compute_rates(job, spec_from_profile(profile), args, one, 8).attention == 4e10
+
+
+def test_the_probe_times_attention_as_a_cp_rank_calls_it_beside_the_causal_call():
+    causal, rank = probe_attention(torch.device("cpu"), ["float32"], [(1, 2, 64, 16), (1, 2, 64, 16, 2)])
+    assert (causal.cp, rank.cp) == (1, 2) and rank.flops == causal.flops / 2
+    assert causal.flops_per_s > 0 and rank.flops_per_s > 0
 
 
 def one_rank(*flags: str):

@@ -61,7 +61,7 @@ timed at one sequence too, a pipeline's smallest micro-batch."""
 
 
 def job_shapes(job_argv: list[str]) -> tuple[list, list, list, tuple | None]:
-    """The job's linears (m, n, k), attention (batch, heads, seq, head_dim) and, for a hybrid
+    """The job's linears (m, n, k), attention (batch, heads, seq, head_dim[, cp]) and, for a hybrid
     model, gated delta rule (batch, seq, key heads, value heads, dk, dv) at its micro-batch,
     and its model step (arguments, batches, seq, compiled); none without a job's flags (``--job.config``
     or any ``--section.field``)."""
@@ -73,7 +73,12 @@ def job_shapes(job_argv: list[str]) -> tuple[list, list, list, tuple | None]:
     # one sequence and the local batch: a pipeline's micro-batches run between the two, and a
     # small call's kernels run far below a large one's; the recurrence at half the sequence
     # too, what each rank runs under CP 2
-    attention = [(b, args.num_attention_heads, seq, args.head_dim) for b in sorted({1, batch})]
+    # and as an all-gather CP rank of two calls it (CP's default on a CPU)
+    attention = [
+        (b, args.num_attention_heads, seq, args.head_dim, *cp)
+        for b in sorted({1, batch})
+        for cp in ((), (2,))
+    ]
     heads = (args.linear_num_key_heads, args.linear_num_value_heads, args.linear_key_head_dim)
     recurrence = [
         (b, s, *heads, args.linear_value_head_dim)
@@ -100,6 +105,11 @@ def describe(profile: DeviceProfile) -> str:
         best = max((a for a in profile.attention if a.dtype == dtype), key=lambda a: a.flops_per_s)
         lines.append(
             f"  attention {dtype:6} up to {best.flops_per_s / 1e12:8.3f} TFLOP/s (seq {best.seq}, fwd+bwd)"
+        )
+    for a in (a for a in profile.attention if a.cp > 1):
+        lines.append(
+            f"  attention {a.dtype:6} {a.flops_per_s / 1e12:8.3f} TFLOP/s as CP rank of {a.cp} "
+            f"({a.batch} x {a.seq} tokens, fwd+bwd)"
         )
     for r in profile.recurrence:
         lines.append(f"  delta rule {r.dtype:5} {r.flops_per_s / 1e12:8.3f} TFLOP/s (seq {r.seq}, fwd+bwd)")

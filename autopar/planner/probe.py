@@ -60,6 +60,22 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int = REPEATS
     return statistics.median(times)
 
 
+def timed_together(
+    fns: list[Callable[[], object]], device: torch.device, repeats: int = REPEATS
+) -> list[float]:
+    """Median seconds of each of ``fns`` over ``repeats`` rounds in which each runs once in
+    turn (each already warmed up)."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, own in zip(fns, times):
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            own.append(time.perf_counter() - start)
+    return [statistics.median(own) for own in times]
+
+
 def probe_dtypes(device: torch.device) -> list[str]:
     """float32 and bfloat16 everywhere; float8 where the GPU has FP8 tensor cores (sm 8.9+)."""
     dtypes = ["float32", "bfloat16"]
@@ -157,26 +173,34 @@ def forward_backward(model: torch.nn.Module, device: torch.device, tokens: int =
     return run
 
 
-def probe_model_step(
-    device: torch.device, args: ModelArgs, batch: int, seq: int, dtype: str, compiled: bool = False
-) -> ModelStepPoint | None:
+def probe_model_steps(
+    device: torch.device,
+    args: ModelArgs,
+    batches: tuple[int, ...],
+    seq: int,
+    dtype: str,
+    compiled: bool = False,
+) -> list[ModelStepPoint]:
     """Seconds of one forward, cross-entropy and backward of the job's model (``args``) over
-    ``batch`` sequences of ``seq`` tokens as training runs it: float32 master weights cast to
-    ``dtype`` in each block's forward (``parallel.mixed_precision``), each block and the loss
-    compiled where ``compiled``; None where it does not fit on the device."""
+    each of ``batches`` sequences of ``seq`` tokens as training runs it: float32 master weights
+    cast to ``dtype`` in each block's forward (``parallel.mixed_precision``), each block and the
+    loss compiled where ``compiled``. The batches take turns (``timed_together``), so a slow
+    spell of a shared machine slows each alike rather than one. A batch that does not fit on
+    the device is left out."""
     from autopar.config.sections import Compile
     from autopar.parallel.compile import apply_compile
     from autopar.parallel.mixed_precision import apply_compute_dtype
     from autopar.training.loss import token_loss_sum
 
     loss = token_loss_sum
-    try:
-        model = initialized_model(args, device)
-        if dtype != "float32":
-            apply_compute_dtype(model, getattr(torch, dtype))
-        if compiled:
-            apply_compile(model, Compile(enable=True))
-            loss = torch.compile(token_loss_sum)  # as ``TrainContext`` compiles it
+    model = initialized_model(args, device)
+    if dtype != "float32":
+        apply_compute_dtype(model, getattr(torch, dtype))
+    if compiled:
+        apply_compile(model, Compile(enable=True))
+        loss = torch.compile(token_loss_sum)  # as ``TrainContext`` compiles it
+
+    def step(batch: int) -> Callable[[], None]:
         ids = torch.randint(0, args.vocab_size, (batch, seq), device=device)
 
         def run() -> None:
@@ -185,13 +209,20 @@ def probe_model_step(
             for p in model.parameters():
                 p.grad = None
 
-        seconds = timed(run, device)
-    except torch.OutOfMemoryError:
-        return None
-    finally:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return ModelStepPoint(model_key(args), dtype, batch, seq, seconds, compiled)
+        return run
+
+    fitting = {}
+    for batch in batches:
+        try:
+            fitting[batch] = step(batch)
+            fitting[batch]()  # the warm-up (and, compiled, the compilation) at this shape
+        except torch.OutOfMemoryError:
+            del fitting[batch]
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    seconds = timed_together(list(fitting.values()), device)
+    return [ModelStepPoint(model_key(args), dtype, b, seq, s, compiled) for b, s in zip(fitting, seconds)]
 
 
 def count_ops(fn: Callable[[], None]) -> int:
@@ -369,26 +400,40 @@ def probe_collectives(
     return points
 
 
-def _attention_fn(dtype: str, b: int, h: int, seq: int, d: int, device: torch.device) -> Callable[[], None]:
-    """One causal SDPA forward and backward over (b, h, seq, d) in ``dtype``."""
-    q, k, v = (
-        torch.randn(b, h, seq, d, device=device, dtype=getattr(torch, dtype), requires_grad=True)
-        for _ in range(3)
-    )
-    return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+def _attention_fn(
+    dtype: str, b: int, h: int, seq: int, d: int, device: torch.device, cp: int = 1
+) -> Callable[[], None]:
+    """One causal SDPA forward and backward over (b, h, seq, d) in ``dtype``; with ``cp`` > 1
+    the first all-gather CP rank's call (``AttentionPoint``)."""
+    half = getattr(torch, dtype)
+    k, v = (torch.randn(b, h, seq, d, device=device, dtype=half, requires_grad=True) for _ in range(2))
+    if cp == 1:
+        q = torch.randn(b, h, seq, d, device=device, dtype=half, requires_grad=True)
+        return lambda: (
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        )
+    from autopar.parallel.context_parallel import shard_sequence
+
+    positions = shard_sequence(torch.arange(seq, device=device), 0, cp, head_tail=True, dim=0)
+    mask = torch.arange(seq, device=device)[None, :] <= positions[:, None]
+    q = torch.randn(b, h, len(positions), d, device=device, dtype=half, requires_grad=True)
+    return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum().backward()
 
 
 def probe_attention(
-    device: torch.device, dtypes: Iterable[str], shapes: Iterable[tuple[int, int, int, int]]
+    device: torch.device, dtypes: Iterable[str], shapes: Iterable[tuple[int, ...]]
 ) -> list[AttentionPoint]:
-    """FLOP/s of a causal SDPA forward and backward at each (batch, heads, seq, head_dim)."""
+    """FLOP/s of a causal SDPA forward and backward at each (batch, heads, seq, head_dim), or
+    (..., cp) as an all-gather CP rank of ``cp`` calls it."""
     points = []
     for dtype in dtypes:
         if dtype == "float8":  # attention runs in bf16 under FP8 training
             continue
-        for b, h, seq, d in shapes:
-            seconds = timed(_attention_fn(dtype, b, h, seq, d, device), device)
-            points.append(AttentionPoint(dtype, b, h, seq, d, attention_flops(b, h, seq, d) / seconds))
+        for b, h, seq, d, *rest in shapes:
+            cp = rest[0] if rest else 1
+            seconds = timed(_attention_fn(dtype, b, h, seq, d, device, cp), device)
+            flops = attention_flops(b, h, seq, d) / cp
+            points.append(AttentionPoint(dtype, b, h, seq, d, flops / seconds, cp))
     return points
 
 
@@ -440,7 +485,7 @@ def run_probe(
     job_shapes: Iterable[tuple[int, int, int]] = (),
     collectives: Iterable[str] = (),
     local_world: int = 1,
-    job_attention: Iterable[tuple[int, int, int, int]] = (),
+    job_attention: Iterable[tuple[int, ...]] = (),
     job_recurrence: Iterable[tuple[int, int, int, int, int, int]] = (),
     job_step: tuple[ModelArgs, tuple[int, ...], int, bool] | None = None,
 ) -> DeviceProfile:
@@ -495,27 +540,29 @@ def probe_job_step(
     return tuple(
         point
         for mode in ((False, True) if compiled else (False,))
-        for batch in batches
-        if (point := _slowest_rank_step(device, args, batch, seq, dtype, mode)) is not None
+        for point in _slowest_rank_steps(device, args, batches, seq, dtype, mode)
     )
 
 
-def _slowest_rank_step(
-    device: torch.device, args: ModelArgs, batch: int, seq: int, dtype: str, compiled: bool
-) -> ModelStepPoint | None:
-    """``probe_model_step`` on every rank of a process group at once (a CPU's cores share
-    its clock), with the slowest rank's seconds; alone where there is no group."""
+def _slowest_rank_steps(
+    device: torch.device, args: ModelArgs, batches: tuple[int, ...], seq: int, dtype: str, compiled: bool
+) -> list[ModelStepPoint]:
+    """``probe_model_steps`` on every rank of a process group at once (a CPU's cores share
+    its clock), with the slowest rank's seconds at each batch; alone where there is no group."""
     grouped = dist.is_available() and dist.is_initialized()
     if grouped:
         dist.barrier()
-    point = probe_model_step(device, args, batch, seq, dtype, compiled)
+    points = probe_model_steps(device, args, batches, seq, dtype, compiled)
     if not grouped:
-        return point
-    slowest = torch.tensor([point.seconds if point is not None else math.inf], device=device)
+        return points
+    mine = {p.batch: p for p in points}
+    slowest = torch.tensor([mine[b].seconds if b in mine else math.inf for b in batches], device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    if point is None or not math.isfinite(slowest.item()):
-        return None
-    return dataclasses.replace(point, seconds=slowest.item())
+    return [
+        dataclasses.replace(mine[b], seconds=s)
+        for b, s in zip(batches, slowest.tolist())
+        if b in mine and math.isfinite(s)
+    ]
 
 
 def _driver() -> str | None:

@@ -56,7 +56,10 @@ class MatmulPoint:
 
 @dataclass(frozen=True)
 class AttentionPoint:
-    """One timed causal SDPA forward and backward over (batch, heads, seq, head_dim)."""
+    """One timed causal SDPA forward and backward over (batch, heads, seq, head_dim); with
+    ``cp`` > 1, as one of ``cp`` ranks of all-gather CP calls it: its seq / cp queries (the
+    head and tail chunks) against every key under the causal mask, a rectangle the kernel
+    cannot skip the masked half of."""
 
     dtype: str
     batch: int
@@ -64,10 +67,12 @@ class AttentionPoint:
     seq: int
     head_dim: int
     flops_per_s: float  # counted as training FLOPs count attention: 12 x heads x head_dim x seq per token
+    cp: int = 1
 
     @property
     def flops(self) -> float:
-        return attention_flops(self.batch, self.heads, self.seq, self.head_dim)
+        """The call's share of the causal attention's FLOPs (a CP rank's: 1 / ``cp``)."""
+        return attention_flops(self.batch, self.heads, self.seq, self.head_dim) / self.cp
 
 
 def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
@@ -194,7 +199,7 @@ class DeviceProfile:
                 figures[name] = getattr(self, name)
         figures |= {f"matmul {p.dtype} {p.m}x{p.n}x{p.k}": p.flops_per_s for p in self.matmul}
         figures |= {f"{c.op} group {c.group} {c.bytes} B": c.bus_bytes_per_s for c in self.collectives}
-        figures |= {f"attention {a.dtype} seq {a.seq}": a.flops_per_s for a in self.attention}
+        figures |= {f"attention {a.dtype} seq {a.seq} cp {a.cp}": a.flops_per_s for a in self.attention}
         figures |= {f"recurrence {r.dtype} seq {r.seq}": r.flops_per_s for r in self.recurrence}
         figures |= {f"plan_op_overhead_s {plan}": s for plan, s in self.plan_op_overhead_s}
         figures |= {f"model step {m.model} seq {m.seq}": m.seconds for m in self.model_steps}
@@ -222,13 +227,18 @@ class DeviceProfile:
             return exact[0]
         return log_interpolate([(p.flops, p.flops_per_s) for p in points], 6.0 * m * n * k)
 
-    def attention_flops_per_s(self, dtype: str, flops: float, seq: int | None = None) -> float | None:
-        """FLOP/s of an attention of ``flops`` (``attention_flops``) over ``seq`` keys in
-        ``dtype`` (bfloat16's for float8, whose attention runs in bf16), interpolated among
-        the points timed at that sequence length where there are any (a kernel's rate at one
-        length says little of another's at the same FLOPs); None when none was measured."""
+    def attention_flops_per_s(
+        self, dtype: str, flops: float, seq: int | None = None, cp: int = 1
+    ) -> float | None:
+        """FLOP/s of an attention of ``flops`` (``attention_flops``, a CP rank's share) over
+        ``seq`` keys in ``dtype`` (bfloat16's for float8, whose attention runs in bf16), as an
+        all-gather CP rank of ``cp`` calls it where the probe timed that (else as one rank
+        does), interpolated among the points timed at that sequence length where there are
+        any (a kernel's rate at one length says little of another's at the same FLOPs); None
+        when none was measured."""
         dtype = "bfloat16" if dtype == "float8" else dtype
         points = [a for a in self.attention if a.dtype == dtype]
+        points = [a for a in points if a.cp == cp] or [a for a in points if a.cp == 1]
         points = [a for a in points if a.seq == seq] or points
         return log_interpolate([(a.flops, a.flops_per_s) for a in points], flops) if points else None
 

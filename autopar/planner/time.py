@@ -245,9 +245,10 @@ def measured_rates(
     rank_call = attention_flops(micro, heads, seq, args.head_dim) / dims.cp
     value_heads = max(1, args.linear_num_value_heads // dims.tp)
     rank_rule = recurrence_flops(tokens, value_heads, args.linear_key_head_dim, args.linear_value_head_dim)
+    cp = dims.cp if resolve_impl(job.parallelism, device.device_type) == "allgather" else 1
     return Rates(
         gemm,
-        profile.attention_flops_per_s(dtype, rank_call, seq) or gemm,
+        profile.attention_flops_per_s(dtype, rank_call, seq, cp) or gemm,
         profile.recurrence_flops_per_s(dtype, rank_rule, seq // dims.cp)
         or _unprobed_recurrence(job, device, args, dims, micro, gemm),
     )
@@ -734,7 +735,8 @@ def _context_parallel_seconds(
 ) -> tuple[float, float]:
     """(CP's traffic, what of it attention does not hide), by implementation: all-gather CP
     gathers grouped k/v heads, reduce-scatters their gradients and gathers again where blocks
-    recompute, with attention waiting; ring attention passes k/v as SDPA gets them forward and
+    recompute, with attention waiting, at the rates the probe timed its own gather and that
+    gather's backward at (``_as_cp_runs``); ring attention passes k/v as SDPA gets them forward and
     k/v and their gradients backward, behind attention on GPUs. A hybrid model's Gated
     DeltaNets add their maps' exchange, on the critical path."""
     z, span = step.z, _spans(dims)["cp"]
