@@ -356,9 +356,7 @@ def predict_time(
     cp_impl = resolve_impl(job.parallelism, device.device_type)
     z = sizes(args, job, dims, micro, cp_impl, c, device.device_type)
     rates = compute_rates(job, device, args, dims, micro)
-    block_memory = block_memory_seconds(
-        args, job, device, z, elementwise_bytes_per_s(args, job, device, z.tokens)
-    )
+    block_memory = _block_memory(args, job, device, z)
     work = stage_work(args, job, rates, block_memory, z.tokens) if pipelined else []
     busiest = busiest_stage_rank(args, job, dims.pp, rates, work)
     step = _Step(
@@ -406,6 +404,12 @@ def predict_time(
             exposed -= comm["pp"]  # the hops on the critical path are in the played step; the rest hide
     memory_bound += _optimizer_seconds(args, job, dims, device)  # after the flush
     return StepTime(compute, recompute, exposed, bubble, comm, host_optimizer, memory_bound, overhead)
+
+
+def _block_memory(args: ModelArgs, job: JobConfig, device: DeviceSpec, z: Sizes) -> list[float]:
+    """Each block's elementwise seconds per micro-batch of ``z``, at the rate the probe's model
+    steps give for its tokens."""
+    return block_memory_seconds(args, job, device, z, elementwise_bytes_per_s(args, job, device, z.tokens))
 
 
 def _activation_bytes(step: _Step) -> float:
