@@ -7,6 +7,7 @@ has already imported torch and autopar, so each costs a fork rather than a fresh
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import tempfile
@@ -34,6 +35,7 @@ def _child(
     from autopar.cli.log import setup_logging
     from autopar.parallel.world import backend_for, device_for
 
+    faulthandler.enable()  # a native crash (SIGSEGV, SIGABRT) prints every thread's Python stack
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     setup_logging(rank)
@@ -109,7 +111,8 @@ def _collect(procs: list[Any], queue: Any, timeout_s: float) -> tuple[dict[int, 
             for rank, p in enumerate(procs):
                 if p.exitcode not in (None, 0) and rank not in results and rank not in errors:
                     errors[rank] = (
-                        f"exited with code {p.exitcode} without a traceback (a negative code is the signal)"
+                        f"exited with code {p.exitcode} without a traceback (a negative code is the "
+                        "signal; a crash's Python stacks are on its stderr)"
                     )
                     deadline = min(deadline, time.monotonic() + _GRACE_S)
             continue
