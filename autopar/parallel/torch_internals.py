@@ -73,6 +73,7 @@ LEANED_ON = {
     ): "ring_attention_options",
     ("torch.distributed.tensor.experimental._attention", "set_rotate_method"): "ring_attention_options",
     ("torch._functorch.config", "donated_buffer"): "keep_donated_buffers: split-backward pipelines",
+    ("torch._dynamo.config", "automatic_dynamic_shapes"): "static_shapes: the probe's compiled steps",
 }
 
 LEANED_ON_BEFORE = {
@@ -217,3 +218,10 @@ def keep_donated_buffers() -> contextlib.AbstractContextManager:
     """AOT autograd keeps the buffers it would donate to the backward: needed where a backward
     runs with ``retain_graph`` (a split backward's input pass, before its weight pass)."""
     return torch._functorch.config.patch(donated_buffer=False)
+
+
+def static_shapes() -> contextlib.AbstractContextManager:
+    """torch.compile keeps a static graph per input shape rather than recompiling one with
+    dynamic sizes when a second shape arrives: a graph per batch, as a job compiling its one
+    shape gets (the probe times two batches on one compiled model)."""
+    return torch._dynamo.config.patch(automatic_dynamic_shapes=False)

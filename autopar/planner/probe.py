@@ -190,6 +190,7 @@ def probe_model_steps(
     from autopar.config.sections import Compile
     from autopar.parallel.compile import apply_compile
     from autopar.parallel.mixed_precision import apply_compute_dtype
+    from autopar.parallel.torch_internals import static_shapes
     from autopar.training.loss import token_loss_sum
 
     loss = token_loss_sum
@@ -212,16 +213,19 @@ def probe_model_steps(
         return run
 
     fitting = {}
-    for batch in batches:
-        try:
-            fitting[batch] = step(batch)
-            fitting[batch]()  # the warm-up (and, compiled, the compilation) at this shape
-        except torch.OutOfMemoryError:
-            del fitting[batch]
-        finally:
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    seconds = timed_together(list(fitting.values()), device)
+    # a static graph per batch, as a job compiles its one shape (a second shape would otherwise
+    # recompile the graph with a dynamic batch: 4% slower on this CPU)
+    with static_shapes():
+        for batch in batches:
+            try:
+                fitting[batch] = step(batch)
+                fitting[batch]()  # the warm-up (and, compiled, the compilation) at this shape
+            except torch.OutOfMemoryError:
+                del fitting[batch]
+            finally:
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        seconds = timed_together(list(fitting.values()), device)
     return [ModelStepPoint(model_key(args), dtype, b, seq, s, compiled) for b, s in zip(fitting, seconds)]
 
 
