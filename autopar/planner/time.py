@@ -292,8 +292,9 @@ def elementwise_bytes_per_s(args: ModelArgs, job: JobConfig, device: DeviceSpec,
     bytes ``memory_bound_seconds`` counts: where the probe timed this model's step in the job's
     compute dtype (bf16 for FP8, whose elementwise work runs in bf16), compiled where the job
     compiles and the probe timed that, what that step took beyond those terms, interpolated
-    between the batches it timed (a step of one sequence is not a quarter of four's: on this
-    CPU its dispatch hides in its smaller tensors' cache hits); else the device's memory
+    between the batches it timed (on this CPU one sequence's step is a quarter of four's, where
+    four's rate plus a micro-batch's dispatch said 8% more: its small tensors' cache hits hide
+    the dispatch); else the device's memory
     bandwidth. A large elementwise product is the best case; a model's norms, rotary, gates,
     loss and small tensors run slower, by how much only its own step tells (on this CPU 2-4x,
     BENCHMARKS.md). An eager step stands in for a compiled one, with ``MEMORY_PASSES``' assumed
