@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 
 from autopar.config.errors import ConfigError
-from autopar.planner.profile import DeviceProfile
+from autopar.planner.profile import DeviceProfile, MatmulPoint
 
 GB = 1e9
 
@@ -45,6 +45,30 @@ PRESETS: dict[str, DeviceSpec] = {
     "h200": DeviceSpec("h200", 139.8, 989e12, 1979e12, 4800 * GB, 450 * GB, 50 * GB, 64 * GB),
     "a100": DeviceSpec("a100", 79.2, 312e12, None, 2039 * GB, 300 * GB, 25 * GB, 32 * GB),
 }
+
+
+H100_MATMUL: tuple[MatmulPoint, ...] = (
+    MatmulPoint("bfloat16", 1024, 1024, 1024, 66.7e12),
+    MatmulPoint("bfloat16", 4096, 4096, 4096, 736.5e12),
+    MatmulPoint("bfloat16", 8192, 2048, 2048, 667.1e12),
+    MatmulPoint("bfloat16", 8192, 2048, 6144, 740.7e12),
+    MatmulPoint("bfloat16", 8192, 4096, 2048, 722.6e12),
+    MatmulPoint("bfloat16", 8192, 8192, 8192, 772.4e12),
+    MatmulPoint("bfloat16", 8192, 12288, 2048, 762.0e12),
+    MatmulPoint("float8", 1024, 1024, 1024, 44.5e12),
+    MatmulPoint("float8", 4096, 4096, 4096, 1121.7e12),
+    MatmulPoint("float8", 8192, 2048, 2048, 909.8e12),
+    MatmulPoint("float8", 8192, 2048, 6144, 1218.6e12),
+    MatmulPoint("float8", 8192, 4096, 2048, 1065.7e12),
+    MatmulPoint("float8", 8192, 8192, 8192, 1289.3e12),
+    MatmulPoint("float8", 8192, 12288, 2048, 1180.5e12),
+)
+"""The probe's bf16 and FP8 GEMM table on an H100 SXM (torch 2.11, CUDA 13): the mean of its
+two runs on 2026-11-27 (``benchmarks/device_profile_h100_qwen3_1.7b*.json``), but the vocabulary
+head's shape, which stays in bf16 under FP8 training and whose narrow k would stand in for the
+largest blocks' GEMMs. The presets read only how FP8's gain over bf16 varies with the GEMM's
+shape from it (``time.preset_fp8_speedup``): 1.4x at 8192 x 2048 x 2048, 1.65x at
+8192 x 2048 x 6144, 1.7x at 8192^3."""
 
 
 def device_spec(name: str, memory_gib: float | None = None) -> DeviceSpec:

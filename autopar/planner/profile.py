@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,17 +216,9 @@ class DeviceProfile:
         path.write_text(json.dumps(self.to_json(), indent=2))
 
     def matmul_flops_per_s(self, dtype: str, m: int, n: int, k: int) -> float:
-        """FLOP/s of a linear's training GEMMs (m rows, k in, n out) in ``dtype``: the measured
-        figure of that shape, else interpolated over FLOPs (bfloat16's figures stand in for an
-        unmeasured float8, float32's for an unmeasured bfloat16 and the reverse)."""
-        fallback = {"float8": "bfloat16", "bfloat16": "float32", "float32": "bfloat16"}
-        points = [p for p in self.matmul if p.dtype == dtype] or [
-            p for p in self.matmul if p.dtype == fallback[dtype]
-        ]
-        exact = [p.flops_per_s for p in points if (p.m, p.n, p.k) == (m, n, k)]
-        if exact:
-            return exact[0]
-        return log_interpolate([(p.flops, p.flops_per_s) for p in points], 6.0 * m * n * k)
+        """FLOP/s of a linear's training GEMMs (m rows, k in, n out) in ``dtype``
+        (``matmul_flops_per_s`` over this profile's points)."""
+        return matmul_flops_per_s(self.matmul, dtype, m, n, k)
 
     def attention_flops_per_s(
         self, dtype: str, flops: float, seq: int | None = None, cp: int = 1
@@ -340,8 +333,21 @@ def gemm_shapes(args: ModelArgs, tokens: int, tp: int = 1) -> list[tuple[int, in
     ]
 
 
-def gemm_rate(profile: DeviceProfile, dtype: str, shapes: list[tuple[int, int, int, int]]) -> float:
-    """FLOP/s over ``shapes`` (m, n, k, count) together: their FLOPs over the sum of each one's time."""
+def matmul_flops_per_s(points: Sequence[MatmulPoint], dtype: str, m: int, n: int, k: int) -> float:
+    """FLOP/s of a linear's training GEMMs (m rows, k in, n out) in ``dtype``: the measured
+    figure of that shape among ``points``, else interpolated over FLOPs (bfloat16's figures
+    stand in for an unmeasured float8, float32's for an unmeasured bfloat16 and the reverse)."""
+    fallback = {"float8": "bfloat16", "bfloat16": "float32", "float32": "bfloat16"}
+    same = [p for p in points if p.dtype == dtype] or [p for p in points if p.dtype == fallback[dtype]]
+    exact = [p.flops_per_s for p in same if (p.m, p.n, p.k) == (m, n, k)]
+    if exact:
+        return exact[0]
+    return log_interpolate([(p.flops, p.flops_per_s) for p in same], 6.0 * m * n * k)
+
+
+def gemm_rate(points: Sequence[MatmulPoint], dtype: str, shapes: list[tuple[int, int, int, int]]) -> float:
+    """FLOP/s over ``shapes`` (m, n, k, count) together, at ``points``' rates: their FLOPs over
+    the sum of each one's time."""
     flops = sum(2.0 * m * n * k * c for m, n, k, c in shapes)
-    seconds = sum(2.0 * m * n * k * c / profile.matmul_flops_per_s(dtype, m, n, k) for m, n, k, c in shapes)
+    seconds = sum(2.0 * m * n * k * c / matmul_flops_per_s(points, dtype, m, n, k) for m, n, k, c in shapes)
     return flops / seconds

@@ -57,7 +57,7 @@ from autopar.parallel.pipelining.schedule import (
 )
 from autopar.parallel.pipelining.split import stage_ids
 from autopar.planner.block_bytes import FP32, Sizes, state_passing
-from autopar.planner.devices import DeviceSpec
+from autopar.planner.devices import H100_MATMUL, DeviceSpec
 from autopar.planner.hybrid_cp import chain_flops, map_flops_per_token
 from autopar.planner.measured import (
     FORWARD_PASS_SHARE,
@@ -92,11 +92,11 @@ from autopar.training.preference import runs_reference_forward
 
 GEMM_EFFICIENCY = 0.614
 """The share of a GPU preset's bf16 peak its model FLOPs run at (the fit above)."""
-FP8_GEMM_SPEEDUP = 1.33
-"""FP8 GEMMs over bf16 on a preset with FP8 tensor cores, beside their casts
-(``FP8_CAST_BYTES``): what reproduces the compiled FP8 runs of Qwen3-1.7B on an H100 (39,573
-and 39,214 tokens/s, with and without per-op checkpointing, 2026-11-27). The autocast-era
-Qwen3-0.6B FP8 runs it over-predicts by 12-25%."""
+FP8_GEMM_SHARE = 0.864
+"""The share of the H100's measured FP8-over-bf16 GEMM speedup at a job's shapes
+(``devices.H100_MATMUL``) its model keeps on a preset, beside its casts (``FP8_CAST_BYTES``):
+what reproduces the compiled FP8 runs of Qwen3-1.7B on an H100 (39,573 and 39,214 tokens/s,
+with and without per-op checkpointing, 2026-11-27), 1.33x where the table gives 1.54x."""
 FP8_CAST_BYTES = 7
 """torchao's dynamic scaling, per element of an FP8 linear's input, output gradient and weight
 and per micro-batch: the bf16 tensor read for its absolute maximum and again for the cast, its
@@ -194,27 +194,30 @@ class Rates:
 
 
 def compute_rates(
-    job: JobConfig,
-    device: DeviceSpec,
-    args: ModelArgs | None = None,
-    dims: ParallelDims | None = None,
-    micro: int = 1,
+    job: JobConfig, device: DeviceSpec, args: ModelArgs, dims: ParallelDims, micro: int = 1
 ) -> Rates:
     """With a measured profile, the rates measured at this plan's own per-rank shapes (a
     micro-batch of ``micro`` sequences, split by CP, weights and heads by TP) and dtype: the
     GEMMs' interpolated over their shapes, attention's and the recurrence's at their calls
     where the probe timed them, else the GEMMs'. Otherwise ``GEMM_EFFICIENCY`` of the
-    preset's peak for all three, but our delta-rule kernel's on a GPU, which follows its chunks
-    (``PRESET_DELTA_RULE_CHUNK_SECONDS``)."""
-    if device.profile is not None and args is not None and dims is not None:
+    preset's peak for all three (``preset_fp8_speedup`` more in FP8), but our delta-rule
+    kernel's on a GPU, which follows its chunks (``PRESET_DELTA_RULE_CHUNK_SECONDS``)."""
+    if device.profile is not None:
         return measured_rates(device.profile, job, device, args, dims, micro)
     rate = device.bf16_flops * GEMM_EFFICIENCY
     if job.float8.enable and device.fp8_flops is not None:
-        rate *= FP8_GEMM_SPEEDUP
-    recurrence = (
-        rate if args is None or dims is None else _unprobed_recurrence(job, device, args, dims, micro, rate)
-    )
-    return Rates(rate, rate, recurrence)
+        rate *= preset_fp8_speedup(gemm_shapes(args, micro * job.training.seq_len // dims.cp, dims.tp))
+    return Rates(rate, rate, _unprobed_recurrence(job, device, args, dims, micro, rate))
+
+
+def preset_fp8_speedup(shapes: list[tuple[int, int, int, int]]) -> float:
+    """FP8 GEMMs over bf16 on a preset, at a rank's ``shapes`` (``gemm_shapes``): FP8 gains more
+    on larger GEMMs (the H100 measured 1.33x over Qwen3-0.6B's at 8192 tokens, 1.54x over
+    1.7B's, 1.6x over a 70B's under TP 4), of which the model keeps ``FP8_GEMM_SHARE``. The
+    vocabulary head stays in bf16, so only the blocks' shapes count."""
+    blocks = shapes[:-1]
+    measured = gemm_rate(H100_MATMUL, "float8", blocks) / gemm_rate(H100_MATMUL, "bfloat16", blocks)
+    return FP8_GEMM_SHARE * measured
 
 
 def _unprobed_recurrence(
@@ -240,7 +243,7 @@ def measured_rates(
     """``compute_rates`` from a profile."""
     seq, dtype = job.training.seq_len, compute_dtype(job, device)
     tokens = micro * seq // dims.cp
-    gemm = gemm_rate(profile, dtype, gemm_shapes(args, tokens, dims.tp))
+    gemm = gemm_rate(profile.matmul, dtype, gemm_shapes(args, tokens, dims.tp))
     heads = max(1, args.num_attention_heads // dims.tp)
     rank_call = attention_flops(micro, heads, seq, args.head_dim) / dims.cp
     value_heads = max(1, args.linear_num_value_heads // dims.tp)
@@ -255,15 +258,10 @@ def measured_rates(
 
 
 def compute_rate(
-    job: JobConfig,
-    device: DeviceSpec,
-    args: ModelArgs | None = None,
-    dims: ParallelDims | None = None,
-    micro: int = 1,
+    job: JobConfig, device: DeviceSpec, args: ModelArgs, dims: ParallelDims, micro: int = 1
 ) -> float:
     """Model FLOP/s one GPU sustains for this job: ``blended_rate`` of ``compute_rates``."""
-    rates = compute_rates(job, device, args, dims, micro)
-    return rates.gemm if args is None else blended_rate(args, job, rates)
+    return blended_rate(args, job, compute_rates(job, device, args, dims, micro))
 
 
 def blended_rate(args: ModelArgs, job: JobConfig, rates: Rates) -> float:
