@@ -169,8 +169,18 @@ def test_fp8_gains_more_over_bf16_on_larger_gemms_as_the_h100_measured():
 
     small, fit, large = speedup("qwen3_0.6b"), speedup("qwen3_1.7b"), speedup("qwen3_32b")
     assert small < fit < large
-    assert fit == pytest.approx(1.33, abs=0.01)  # the constant it replaced, at the runs it was fit to
+    assert fit == pytest.approx(1.465, abs=0.01)  # FP8_GEMM_SHARE of the table's 1.54x at the runs fit
     assert speedup("qwen3_32b", tp=8) < large  # TP's narrower GEMMs gain less
+
+
+def test_a_presets_attention_runs_in_bf16_under_fp8_training():
+    def rates(fp8: bool):
+        job = preset("qwen3_1.7b", f"--float8.enable={fp8}")
+        return compute_rates(job, H100, model_args(job), ParallelDims(1, 1, 1, 1, 1), micro=2)
+
+    bf16, fp8 = rates(False), rates(True)
+    assert fp8.gemm > bf16.gemm
+    assert fp8.attention == bf16.attention == bf16.gemm
 
 
 @pytest.mark.parametrize(("reference", "forward"), [("copy", True), ("precomputed", False)])
