@@ -179,8 +179,12 @@ def main(argv: list[str]) -> int:
             return 2
     if not top:
         print(no_fit_message(plans[0], device, world, pinned), file=sys.stderr)
+        if job.compile.enable:
+            print(COMPILED_PEAKS, file=sys.stderr)
         return 2
     print(table(top))
+    if job.compile.enable:
+        print(f"\n{COMPILED_PEAKS}")
     if top[0].memory.host:
         host = sum(top[0].memory.host.values()) / 2**30
         print(f"\nCPU offload keeps {host:.1f} GiB per GPU in host memory (weights, gradients, AdamW state)")
@@ -197,6 +201,14 @@ def main(argv: list[str]) -> int:
 
         return check_plans(fitting, job, world, options, device)
     return 0
+
+
+COMPILED_PEAKS = (
+    "compile.enable: the peaks are the eager step's, an upper bound for the compiled one (on an "
+    "H100, compiled Qwen3 and Qwen3.5 steps peaked at 0.5-0.7x of them; docs/planner.md)"
+)
+"""The memory model walks an eager step; inductor keeps less (it recomputes pointwise work and
+fuses the loss), so a compiled job is told its peaks are a bound, not a figure."""
 
 
 def planned_device(options: dict[str, object]) -> DeviceSpec:
