@@ -183,18 +183,7 @@ def main(argv: list[str]) -> int:
             print(COMPILED_PEAKS, file=sys.stderr)
         return 2
     print(table(top))
-    if job.compile.enable:
-        print(f"\n{COMPILED_PEAKS}")
-    if top[0].memory.host:
-        host = sum(top[0].memory.host.values()) / 2**30
-        print(f"\nCPU offload keeps {host:.1f} GiB per GPU in host memory (weights, gradients, AdamW state)")
-    print("\nrun the best plan with:\n  " + " ".join(top[0].overrides))
-    if world > gpus_per_node:
-        print(
-            f"on {world // gpus_per_node} nodes (torchrun --nnodes {world // gpus_per_node} --nproc-per-node "
-            f"{gpus_per_node}), with --parallelism.gpus_per_node={gpus_per_node}: a launch of another shape "
-            "is then refused before any work (docs/multinode.md)"
-        )
+    print(best_plan_lines(job, top[0], world, gpus_per_node))
     print(own_plan_line(job, args, world, gpus_per_node, device, top[0]))
     if "--check" in options:
         from autopar.cli.plan_check import check_plans
@@ -209,6 +198,24 @@ COMPILED_PEAKS = (
 )
 """The memory model walks an eager step; inductor keeps less (it recomputes pointwise work and
 fuses the loss), so a compiled job is told its peaks are a bound, not a figure."""
+
+
+def best_plan_lines(job: JobConfig, best: Plan, world: int, gpus_per_node: int) -> str:
+    """What to know of the best plan beyond the table, and how to launch it."""
+    lines = [f"\n{COMPILED_PEAKS}"] if job.compile.enable else []
+    if best.memory.host:
+        host = sum(best.memory.host.values()) / 2**30
+        lines.append(
+            f"\nCPU offload keeps {host:.1f} GiB per GPU in host memory (weights, gradients, AdamW state)"
+        )
+    lines.append("\nrun the best plan with:\n  " + " ".join(best.overrides))
+    if world > gpus_per_node:
+        lines.append(
+            f"on {world // gpus_per_node} nodes (torchrun --nnodes {world // gpus_per_node} --nproc-per-node "
+            f"{gpus_per_node}), with --parallelism.gpus_per_node={gpus_per_node}: a launch of another shape "
+            "is then refused before any work (docs/multinode.md)"
+        )
+    return "\n".join(lines)
 
 
 def planned_device(options: dict[str, object]) -> DeviceSpec:

@@ -316,19 +316,20 @@ def load_profile(path: Path, flag: str = "--device-profile") -> DeviceProfile:
 
 def gemm_shapes(args: ModelArgs, tokens: int, tp: int = 1) -> list[tuple[int, int, int, int]]:
     """(m, n, k, count) of one micro-batch's forward GEMMs on one rank: ``tokens`` rows through
-    each attention block's q/k/v and output projections, the MLP's gate+up and down (routed
-    experts at their own width over their share of rows) and the vocabulary head, with TP
+    each attention block's q/k/v and output projections, the MLP's gate+up and down (each
+    routed expert at its own width over its share of rows) and the vocabulary head, with TP
     splitting each weight. The Gated DeltaNets' projections are counted as attention's (same
-    width within 2x; the planner reads only the rate, not the FLOPs, from these)."""
+    width within 2x), so their FLOPs weigh the shapes' rates only roughly."""
     h, layers = args.hidden_size, args.num_hidden_layers
     qkv = (args.num_attention_heads + 2 * args.num_key_value_heads) * args.head_dim
     inter = args.moe_intermediate_size if args.num_experts else args.intermediate_size
     rows = tokens * args.num_experts_per_tok // args.num_experts if args.num_experts else tokens
+    mlps = layers * max(1, args.num_experts)
     return [
         (tokens, max(1, qkv // tp), h, layers),
         (tokens, h, max(1, args.num_attention_heads * args.head_dim // tp), layers),
-        (max(1, rows), max(1, 2 * inter // tp), h, layers),
-        (max(1, rows), h, max(1, inter // tp), layers),
+        (max(1, rows), max(1, 2 * inter // tp), h, mlps),
+        (max(1, rows), h, max(1, inter // tp), mlps),
         (tokens, max(1, args.vocab_size // tp), h, 1),
     ]
 
