@@ -729,3 +729,31 @@ def test_interleaving_gains_what_torchtitan_measured_at_its_405b_pipeline():
     assert two / one == pytest.approx(128 / 100, rel=0.10)
     # on its 500 W HBM2e H100s: the 700 W preset may predict faster, never slower
     assert 1.0 <= one / 100 <= 1.25 and 1.0 <= two / 128 <= 1.25
+
+
+@pytest.mark.parametrize(
+    "model, world, seq, tp, pp, cp, published",
+    [
+        ("llama3_8b", 8, 8192, 1, 1, 2, 12_273),
+        ("llama2_7b", 8, 4096, 1, 1, 1, 16_934),
+        ("llama2_13b", 16, 4096, 1, 4, 1, 8_715),
+        ("llama3_70b", 64, 8192, 4, 4, 2, 1_524),
+        ("llama2_70b", 64, 4096, 4, 4, 1, 1_728),
+    ],
+)
+def test_the_best_plan_at_nemos_degrees_predicts_its_published_throughput_within_a_quarter(
+    model, world, seq, tp, pp, cp, published
+):
+    # NVIDIA NeMo's H100 pre-training figures (FP8, global batch 128, docs/planner.md)
+    argv = [
+        "--job.config", str(ROOT / "train_configs" / "qwen2.5_7b.toml"),
+        "--model.hf_assets_path", str(ROOT / "benchmarks" / model), f"--training.seq_len={seq}",
+        "--training.global_batch_size=128", f"--parallelism.tensor_parallel_degree={tp}",
+        f"--parallelism.pipeline_parallel_degree={pp}", f"--parallelism.context_parallel_degree={cp}",
+        "--float8.enable=true", "--float8.backend=torchao", "--compile.enable=true",
+    ]  # fmt: skip
+    job = parse_job(argv)
+    pinned = {arg.split("=")[0].removeprefix("--") for arg in argv[4:]}
+    best = search(job, model_args(job), world, 8, H100, pinned)[0]
+    assert (best.dims.tp, best.dims.pp, best.dims.cp) == (tp, pp, cp)
+    assert abs(best.tokens_per_s / published - 1) <= 0.25, best.tokens_per_s
