@@ -26,7 +26,7 @@ from autopar.data.prepare import prepare
 from autopar.data.tokens import source_files
 from autopar.models import Qwen, to_hf
 from autopar.parallel.lora import apply_lora
-from autopar.training.dcp_state import ModelState
+from autopar.training.checkpointing.dcp_state import ModelState
 from autopar.training.resolve import model_args
 
 from jobs import CHAT_VOCAB, TINY_FLAGS, tiny_job

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from autopar.training.metrics import read_metrics
+from autopar.training.metrics.logger import read_metrics
 
 from jobs import free_port, rank_env, train_py
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from autopar.training.metrics import read_metrics
+from autopar.training.metrics.logger import read_metrics
 from autopar.training.resolve import parse_job
 
 from jobs import TINY_FLAGS, free_port, rank_env, train_py

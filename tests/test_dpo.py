@@ -23,12 +23,12 @@ from autopar.data.chat import CHATML_TOKENIZER
 from autopar.data.pair_batches import PairLoader, chosen_targets, pack_groups, pack_pairs
 from autopar.data.preference import PREFERENCE_EXAMPLE
 from autopar.models import Qwen
-from autopar.training.metrics import read_metrics
-from autopar.training.preference_loss import LOSS_TYPES, METRICS, Objective, sequence_logps, sequence_sums
-from autopar.training.preference_pipeline import with_targets
-from autopar.training.preference_step import objective_from
+from autopar.training.metrics.logger import read_metrics
+from autopar.training.objectives.dpo.loss import LOSS_TYPES, METRICS, Objective, sequence_logps, sequence_sums
+from autopar.training.objectives.dpo.pipeline import with_targets
+from autopar.training.objectives.dpo.reference_table import TABLE_FILE
+from autopar.training.objectives.dpo.step import objective_from
 from autopar.training.preflight import check_job
-from autopar.training.reference_table import TABLE_FILE
 from autopar.training.resolve import parse_job
 
 from jobs import (

@@ -19,10 +19,10 @@ import torch
 from autopar.cli.train import main as train_main
 from autopar.data.chat import CHATML_TOKENIZER
 from autopar.data.errors import DataError
+from autopar.training.checkpointing.manifest import broken_file
+from autopar.training.checkpointing.run_lock import LOCK_NAME, dump_folder_lock
 from autopar.training.faults import TrainingStopped
-from autopar.training.manifest import broken_file
 from autopar.training.preflight import check_job
-from autopar.training.run_lock import LOCK_NAME, dump_folder_lock
 from autopar.training.trainer import Trainer
 
 from jobs import CHAT_VOCAB, TINY_FLAGS, free_port, one_process_trainer, rank_env, tiny_job, train_py

@@ -139,7 +139,7 @@ def test_a_peft_folder_of_qwen35s_fused_linear_merges_into_its_pieces(tmp_path):
     from autopar.cli.generate_adapters import merge_adapters, read_adapters
     from autopar.config.sections import LoRA
     from autopar.parallel.lora import apply_lora
-    from autopar.training.adapters import save_adapter
+    from autopar.training.checkpointing.adapters import save_adapter
 
     from jobs import debug_job
 

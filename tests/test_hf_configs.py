@@ -277,7 +277,7 @@ def test_sliding_window_layers_are_refused_in_one_line(tmp_path):
 
 def test_a_checkpoint_from_before_the_yarn_fields_resumes_without_a_change():
     """Its recorded settings lack model.rope_type and the rest: it ran their defaults."""
-    from autopar.training.previous_run import changed_settings, settings_record
+    from autopar.training.checkpointing.previous_run import changed_settings, settings_record
     from autopar.training.resolve import model_args, parse_job
 
     job = parse_job(["--model.name", "qwen3", "--model.flavor", "debug"])

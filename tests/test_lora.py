@@ -20,7 +20,7 @@ from autopar.parallel.activation_checkpoint import apply_ac
 from autopar.parallel.expert_parallel import apply_expert_kernel
 from autopar.parallel.lora import LoRALinear, apply_lora
 from autopar.parallel.materialize import materialize, seeded_values
-from autopar.training.adapters import (
+from autopar.training.checkpointing.adapters import (
     adapter_config,
     from_peft_layout,
     load_adapter,
@@ -28,7 +28,7 @@ from autopar.training.adapters import (
     our_name,
     save_adapter,
 )
-from autopar.training.dcp_state import saved_keys
+from autopar.training.checkpointing.dcp_state import saved_keys
 from autopar.training.faults import TrainingStopped
 from autopar.training.preflight import check_job
 from autopar.training.resolve import model_args

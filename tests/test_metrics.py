@@ -8,7 +8,7 @@ from torch import nn
 
 from autopar.models import FLAVORS, build_model, get_flavor
 from autopar.models.moe import Experts, Router
-from autopar.training.metrics import flops_per_token, matmul_params
+from autopar.training.metrics.flops import flops_per_token, matmul_params
 
 
 @pytest.mark.parametrize("family, flavor", [(f, v) for f, vs in FLAVORS.items() for v in vs])
@@ -33,7 +33,7 @@ def test_flops_per_token_follow_the_palm_formula():
 
 
 def test_hybrid_flops_count_attention_in_its_layers_and_the_delta_rule_in_the_others():
-    from autopar.training.metrics import delta_rule_flops
+    from autopar.training.metrics.flops import delta_rule_flops
 
     args = get_flavor("qwen3.5", "9B")  # 8 gated attention layers, 24 Gated DeltaNet ones
     attention = 12 * 8 * 16 * 256 * 4096

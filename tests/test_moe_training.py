@@ -12,7 +12,7 @@ from autopar.cli.spawn import run_on_ranks
 from autopar.data.loader import IGNORE_INDEX, StepLoader
 from autopar.models import get_flavor
 from autopar.models.moe import Experts, load_balancing_loss
-from autopar.training.metrics import flops_per_token, matmul_params
+from autopar.training.metrics.flops import flops_per_token, matmul_params
 from autopar.training.preflight import check_job
 
 from jobs import assert_same_training, moe_job, one_process_trainer, parity_runs

@@ -17,7 +17,7 @@ from autopar.planner.devices import PRESETS
 from autopar.planner.dry_run import compare, dry_run_job
 from autopar.planner.memory import GIB, predict
 from autopar.planner.search import search
-from autopar.training.metrics import flops_per_token
+from autopar.training.metrics.flops import flops_per_token
 from autopar.training.preflight import check_job, check_plan
 from autopar.training.resolve import derive_job, model_args
 

@@ -22,7 +22,7 @@ from test_mtp_training import MOE, head_job, text_head_job
 from autopar.cli.parity import plan_job, world_size
 from autopar.config.sections import JobConfig
 from autopar.data.chat import CHAT_EXAMPLE
-from autopar.training.metrics import read_metrics
+from autopar.training.metrics.logger import read_metrics
 
 from jobs import FP32_LOSS_RTOL, FP32_NORM_RTOL, one_process_trainer
 

@@ -16,7 +16,7 @@ import torch
 from autopar.models import build_model, get_flavor
 from autopar.parallel.float8 import apply_float8
 from autopar.planner.time import _fp8_linears
-from autopar.training.metrics import read_metrics
+from autopar.training.metrics.logger import read_metrics
 from autopar.training.resolve import model_args
 
 from jobs import hybrid_job, one_process_trainer

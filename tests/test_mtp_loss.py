@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from autopar.data.loader import IGNORE_INDEX
 from autopar.models import build_model, get_flavor
-from autopar.training.mtp_loss import mtp_labels, mtp_loss_sum, vocab_argmax
+from autopar.training.objectives.mtp.loss import mtp_labels, mtp_loss_sum, vocab_argmax
 
 IGN = IGNORE_INDEX
 

@@ -28,8 +28,8 @@ from autopar.data.chat import CHAT_EXAMPLE, CHATML_TOKENIZER
 from autopar.data.loader import IGNORE_INDEX, StepLoader
 from autopar.models import build_model, from_hf, to_hf
 from autopar.models.hf_config import read_hf_config
-from autopar.training.adapters import peft_name
-from autopar.training.metrics import read_metrics
+from autopar.training.checkpointing.adapters import peft_name
+from autopar.training.metrics.logger import read_metrics
 from autopar.training.preflight import check_job
 from autopar.training.resolve import model_args
 

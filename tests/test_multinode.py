@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from autopar.cli.train import main
-from autopar.training.metrics import read_metrics
+from autopar.training.metrics.logger import read_metrics
 from autopar.training.resolve import parse_job
 
 from jobs import TINY_FLAGS, assert_fp32_parity, free_port, one_process_trainer

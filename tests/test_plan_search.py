@@ -33,7 +33,7 @@ from autopar.planner.time import (
     stage_work,
     tokens_per_step,
 )
-from autopar.training.metrics import block_matmul_params, delta_rule_flops, flops_per_token
+from autopar.training.metrics.flops import block_matmul_params, delta_rule_flops, flops_per_token
 from autopar.training.preflight import check_plan
 from autopar.training.resolve import derive_job, model_args, parse_job
 

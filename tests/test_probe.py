@@ -53,7 +53,7 @@ from autopar.planner.profile import (
     model_key,
 )
 from autopar.planner.time import StepTime, compute_rate, compute_rates, predict_time, tokens_per_step
-from autopar.training.metrics import delta_rule_flops, flops_per_token
+from autopar.training.metrics.flops import delta_rule_flops, flops_per_token
 from autopar.training.resolve import model_args
 from tests.jobs import debug_job
 

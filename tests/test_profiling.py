@@ -7,7 +7,7 @@ import json
 import pytest
 
 from autopar.config import ConfigError
-from autopar.training.profiling import check_profiling
+from autopar.training.metrics.profiling import check_profiling
 
 from jobs import one_process_trainer, tiny_job
 

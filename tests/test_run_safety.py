@@ -10,8 +10,8 @@ import pytest
 from safetensors.torch import load_file
 
 from autopar.cli.train import main as train_main
-from autopar.training.dcp_state import complete_steps
-from autopar.training.metrics import read_metrics
+from autopar.training.checkpointing.dcp_state import complete_steps
+from autopar.training.metrics.logger import read_metrics
 from autopar.training.trainer import Trainer
 
 from jobs import TINY_FLAGS, one_process_trainer, tiny_job

@@ -12,9 +12,9 @@ import torch
 from autopar.config.sections import LRScheduler
 from autopar.data.loader import Batch
 from autopar.models import Qwen, from_hf, get_flavor
-from autopar.training.dcp_state import complete_steps
+from autopar.training.checkpointing.dcp_state import complete_steps
 from autopar.training.faults import TrainingStopped
-from autopar.training.metrics import read_metrics
+from autopar.training.metrics.logger import read_metrics
 from autopar.training.optim import lr_factor
 from autopar.training.step import microbatches_forward_backward
 from autopar.training.train_context import TrainContext
@@ -156,7 +156,7 @@ def test_resuming_with_the_same_data_shape_says_nothing_about_it(tmp_path, caplo
 
 
 def test_interrupted_save_keeps_the_previous_checkpoint_usable(tmp_path, monkeypatch):
-    import autopar.training.checkpoint as checkpoint
+    import autopar.training.checkpointing.checkpoint as checkpoint
 
     flags = ("--training.steps", "6", "--checkpoint.enable", "true", "--checkpoint.interval", "3")
     job = tiny_job(tmp_path / "run", *flags)

@@ -16,7 +16,7 @@ from autopar.config import ConfigError
 from autopar.data.tokenizer import build_tokenizer
 from autopar.data.tokens import BUILTIN_DATASETS, load_tokens
 from autopar.parallel.world import single_process
-from autopar.training.metrics import read_metrics
+from autopar.training.metrics.logger import read_metrics
 from autopar.training.preflight import check_job
 from autopar.training.trainer import Trainer
 

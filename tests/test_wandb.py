@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 
 from autopar.config import ConfigError
-from autopar.training.metrics import read_metrics
+from autopar.training.metrics.logger import read_metrics
+from autopar.training.metrics.sinks import WANDB_RUN_ID, WandbSink
 from autopar.training.preflight import check_job
-from autopar.training.sinks import WANDB_RUN_ID, WandbSink
 
 from jobs import one_process_trainer, tiny_job, train_py
 

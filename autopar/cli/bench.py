@@ -38,7 +38,7 @@ from autopar.config.checks import check_output_file
 from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig
 from autopar.parallel.mesh import ParallelDims
-from autopar.training.metrics import flops_per_token, mfu_percent
+from autopar.training.metrics.flops import flops_per_token, mfu_percent
 from autopar.training.preflight import check_job
 from autopar.training.resolve import derive_job, model_args, parse_job, short_run
 
@@ -119,7 +119,7 @@ def variant_job(base: JobConfig, spec: str, steps: int, nproc: int) -> Variant:
 
 def _bench_on_rank(job: JobConfig, warmup: int) -> dict:
     from autopar.parallel.world import init_world
-    from autopar.training.metrics import peak_memory_gib
+    from autopar.training.metrics.flops import peak_memory_gib
     from autopar.training.trainer import Trainer
 
     world = init_world()

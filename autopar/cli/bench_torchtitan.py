@@ -28,7 +28,7 @@ from autopar.config.parse import toml_value
 from autopar.config.sections import JobConfig
 from autopar.data.chat import CHATML_TOKENIZER
 from autopar.data.tokens import BUILTIN_DATASETS
-from autopar.training.metrics import peak_flops
+from autopar.training.metrics.flops import peak_flops
 
 TORCHTITAN = "torchtitan==0.2.2"
 FLAVORS = ("0.6B", "1.7B", "4B", "8B", "14B", "32B")

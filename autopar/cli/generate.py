@@ -37,7 +37,7 @@ from autopar.parallel.mesh import tp_split_sizes
 from autopar.parallel.replicated_experts import split_experts
 from autopar.parallel.tensor_parallel import apply_tp
 from autopar.parallel.world import World, init_world
-from autopar.training.dcp_state import read_model_tensors
+from autopar.training.checkpointing.dcp_state import read_model_tensors
 from autopar.training.resolve import model_args, parse_job, tokenizer_path
 
 NO_HEAD = (

@@ -18,7 +18,12 @@ from autopar.config import ConfigError, JobConfig
 from autopar.models.family import family_of
 from autopar.models.hf_names import MTP_PREFIX
 from autopar.models.qwen import Qwen
-from autopar.training.adapters import ADAPTER_CONFIG, load_adapter, low_rank_update, saved_adapters
+from autopar.training.checkpointing.adapters import (
+    ADAPTER_CONFIG,
+    load_adapter,
+    low_rank_update,
+    saved_adapters,
+)
 
 FIX = (
     "give a LoRA run's checkpoint step folder (<dump_folder>/checkpoint/step-N, with the run's "

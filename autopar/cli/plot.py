@@ -12,7 +12,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from autopar.training.metrics import read_metrics
+from autopar.training.metrics.logger import read_metrics
 
 
 def plot(paths: list[str], out: str, key: str = "loss") -> None:

@@ -29,11 +29,11 @@ from autopar.planner.devices import DeviceSpec
 from autopar.planner.dry_run import compare, report, title, write_dry_run
 from autopar.planner.search import Plan
 from autopar.planner.verify import Verified
+from autopar.training.checkpointing.previous_run import check_previous_run, write_config
+from autopar.training.checkpointing.run_lock import dump_folder_lock
 from autopar.training.faults import TrainingStopped, end_with_launcher, tell_launcher
 from autopar.training.preflight import check_job, check_nodes
-from autopar.training.previous_run import check_previous_run, write_config
 from autopar.training.resolve import parse_job
-from autopar.training.run_lock import dump_folder_lock
 from autopar.training.trainer import Trainer
 
 

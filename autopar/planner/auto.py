@@ -22,7 +22,7 @@ from autopar.planner.machine import auto_probe, probed_device
 from autopar.planner.profile import DeviceProfile
 from autopar.planner.search import Plan, no_fit_message, pinned_fields, search
 from autopar.planner.verify import Verified, first_built
-from autopar.training.metrics import read_metrics
+from autopar.training.metrics.logger import read_metrics
 from autopar.training.resolve import model_args
 
 AUTO_VERIFY_TRIES = 3

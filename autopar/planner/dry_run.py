@@ -71,7 +71,7 @@ from autopar.parallel.torch_internals import (
 )
 from autopar.parallel.world import World, init_world
 from autopar.planner.memory import predict
-from autopar.training.preference import is_preference, preference_context, reference_forward
+from autopar.training.objectives.dpo.job import is_preference, preference_context, reference_forward
 from autopar.training.preflight import check_job
 from autopar.training.step import TrainStep
 from autopar.training.trainer import Trainer

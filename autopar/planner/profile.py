@@ -23,7 +23,7 @@ from pathlib import Path
 
 from autopar.config.errors import ConfigError
 from autopar.models.args import ModelArgs
-from autopar.training.metrics import DELTA_RULE_CHUNK
+from autopar.training.metrics.flops import DELTA_RULE_CHUNK
 
 COLLECTIVES = (
     "all_gather",

@@ -28,8 +28,8 @@ from autopar.planner.devices import DeviceSpec
 from autopar.planner.memory import GIB, Memory, predict_dims
 from autopar.planner.settings import PLAN_FIELDS, PlanSettings, setting_names
 from autopar.planner.time import StepTime, predict_time, tokens_per_step
-from autopar.training.metrics import flops_per_token
-from autopar.training.preference import runs_reference_forward
+from autopar.training.metrics.flops import flops_per_token
+from autopar.training.objectives.dpo.job import runs_reference_forward
 from autopar.training.preflight import check_plan
 
 SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")

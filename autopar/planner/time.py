@@ -88,8 +88,8 @@ from autopar.planner.profile import (
     matmul_flops_per_s,
     recurrence_flops,
 )
-from autopar.training.metrics import block_matmul_params, delta_rule_flops, flops_per_token
-from autopar.training.preference import runs_reference_forward
+from autopar.training.metrics.flops import block_matmul_params, delta_rule_flops, flops_per_token
+from autopar.training.objectives.dpo.job import runs_reference_forward
 
 GEMM_EFFICIENCY = 0.614
 """The share of a GPU preset's bf16 peak its model FLOPs run at (the fit above)."""

@@ -14,7 +14,7 @@ from autopar.models.family import build_model
 from autopar.parallel.lora import apply_lora
 from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.world import World
-from autopar.training.metrics import matmul_params
+from autopar.training.metrics.flops import matmul_params
 from autopar.training.resolve import flavor_mismatch, model_source, tokenizer_path
 
 logger = logging.getLogger("autopar")

@@ -19,7 +19,7 @@ from autopar.data.chat import CHATML_TOKENIZER, ChatFormat
 from autopar.models.args import ModelArgs
 from autopar.models.flavors import get_flavor, with_overrides
 from autopar.models.hf_config import HFCheckpointError, read_hf_config
-from autopar.training.mtp import head_layers_of
+from autopar.training.objectives.mtp.checks import head_layers_of
 
 MODEL_FIELDS = parse.field_types(ModelArgs)
 """Model argument name -> type: what ``--model.<arg>`` and ``[model]`` keys may set."""

@@ -11,8 +11,8 @@ from autopar.data.loader import StepLoader, build_samples
 from autopar.data.pair_batches import PairLoader, PairSource
 from autopar.data.tokenizer import Tokenizer
 from autopar.parallel.mesh import Meshes
-from autopar.training.preference import is_preference, pair_loader, preference_source
-from autopar.training.preference_validation import PreferenceValidator
+from autopar.training.objectives.dpo.job import is_preference, pair_loader, preference_source
+from autopar.training.objectives.dpo.validation import PreferenceValidator
 from autopar.training.resolve import chat_format, tokenizer_path
 from autopar.training.step import TrainStep
 from autopar.training.validation import Validator, validation_samples

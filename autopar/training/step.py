@@ -30,18 +30,18 @@ from autopar.parallel.world import World, by_mesh
 from autopar.training.loss import (
     count_targets,
 )
-from autopar.training.mtp import METRICS as MTP_METRICS
-from autopar.training.mtp import global_mtp_target_count
-from autopar.training.mtp_loss import HeadSequences, MTPTraining, mtp_loss_sum
-from autopar.training.mtp_pipeline import stage_head, with_head_targets
-from autopar.training.optim import build_optimizers, set_lr
-from autopar.training.preference_loss import METRICS
-from autopar.training.preference_pipeline import preference_pipeline_forward_backward
-from autopar.training.preference_step import (
+from autopar.training.objectives.dpo.loss import METRICS
+from autopar.training.objectives.dpo.pipeline import preference_pipeline_forward_backward
+from autopar.training.objectives.dpo.step import (
     PreferenceContext,
     preference_forward_backward,
     step_chosen_tokens,
 )
+from autopar.training.objectives.mtp.checks import METRICS as MTP_METRICS
+from autopar.training.objectives.mtp.checks import global_mtp_target_count
+from autopar.training.objectives.mtp.loss import HeadSequences, MTPTraining, mtp_loss_sum
+from autopar.training.objectives.mtp.pipeline import stage_head, with_head_targets
+from autopar.training.optim import build_optimizers, set_lr
 from autopar.training.train_context import LoadBalancing, TrainContext, all_reduce_sum
 
 

@@ -23,7 +23,7 @@ from autopar.training.loss import (
     token_loss_sum,
     vocab_parallel_chunk_loss_and_grad,
 )
-from autopar.training.mtp_loss import MTPTraining
+from autopar.training.objectives.mtp.loss import MTPTraining
 
 
 def all_reduce_sum(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:

@@ -20,7 +20,17 @@ from autopar.parallel.mesh import ParallelDims, build_meshes
 from autopar.parallel.parallelize import build_parts
 from autopar.parallel.world import CollectiveTimeout, World
 from autopar.training.announce import announce
-from autopar.training.checkpoint import Checkpointer
+from autopar.training.checkpointing.checkpoint import Checkpointer
+from autopar.training.checkpointing.hf_export import export_run
+from autopar.training.checkpointing.previous_run import settings_record
+from autopar.training.checkpointing.resume_checks import (
+    check_resumed_base,
+    check_resumed_tokenizer,
+    data_identity,
+    follow_this_job,
+    lora_base,
+    warn_changed_data_shape,
+)
 from autopar.training.faults import (
     StopRequest,
     TrainingStopped,
@@ -31,26 +41,17 @@ from autopar.training.faults import (
     ranks_not_finite,
     skipped_too_often,
 )
-from autopar.training.hf_export import export_run
-from autopar.training.metrics import MetricsLogger, flops_per_token
-from autopar.training.mtp import METRICS as MTP_METRICS
+from autopar.training.metrics.flops import flops_per_token
+from autopar.training.metrics.logger import MetricsLogger
+from autopar.training.metrics.profiling import Profiler
+from autopar.training.metrics.sinks import build_sinks
+from autopar.training.objectives.dpo.job import is_preference, make_preference_step, runs_reference_forward
+from autopar.training.objectives.dpo.loss import METRICS
+from autopar.training.objectives.mtp.checks import METRICS as MTP_METRICS
 from autopar.training.optim import lr_factor
-from autopar.training.preference import is_preference, make_preference_step, runs_reference_forward
-from autopar.training.preference_loss import METRICS
-from autopar.training.previous_run import settings_record
-from autopar.training.profiling import Profiler
 from autopar.training.resolve import tokenizer_path
-from autopar.training.resume_checks import (
-    check_resumed_base,
-    check_resumed_tokenizer,
-    data_identity,
-    follow_this_job,
-    lora_base,
-    warn_changed_data_shape,
-)
 from autopar.training.sample_prompts import PromptSampler
 from autopar.training.samples import held_out_samples, job_samples, step_loader, validator
-from autopar.training.sinks import build_sinks
 from autopar.training.step import TrainStep
 
 logger = logging.getLogger("autopar")

@@ -22,8 +22,8 @@ from autopar.data.tokenizer import Tokenizer
 from autopar.models.args import ModelArgs
 from autopar.parallel.mesh import ParallelDims, check_model_split
 from autopar.parallel.pipelining.schedule import check_forward_only_schedule
-from autopar.training.mtp import METRICS as MTP_METRICS
-from autopar.training.mtp import global_mtp_target_count
+from autopar.training.objectives.mtp.checks import METRICS as MTP_METRICS
+from autopar.training.objectives.mtp.checks import global_mtp_target_count
 from autopar.training.resolve import chat_format
 from autopar.training.sample_prompts import check_sample_prompts
 from autopar.training.step import TrainStep, global_target_count

@@ -26,7 +26,7 @@ from autopar.data.loader import Batch
 from autopar.data.pair_batches import chosen_targets
 from autopar.models.qwen import split_output
 from autopar.parallel.lora import adapters_off
-from autopar.training.preference_loss import METRICS, Objective, SequenceLogps, sequence_logps
+from autopar.training.objectives.dpo.loss import METRICS, Objective, SequenceLogps, sequence_logps
 from autopar.training.train_context import TrainContext
 
 ReferenceLogps = Callable[[Batch], torch.Tensor]

@@ -26,7 +26,7 @@ from autopar.config.sections import MTP
 from autopar.data.loader import Batch
 from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.pipelining.stage_loss import LossFn, StageHead
-from autopar.training.mtp_loss import MTPTraining, mtp_labels, mtp_loss_sum
+from autopar.training.objectives.mtp.loss import MTPTraining, mtp_labels, mtp_loss_sum
 
 
 def check_pipelined_head(cfg: MTP, dims: ParallelDims) -> None:

@@ -29,8 +29,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.data.loader import Batch
 from autopar.parallel.pipelining.schedule import MicroBatchContext, Pipeline, pipeline_forward_backward
-from autopar.training.preference_loss import METRICS, Objective, SequenceLogps, sequence_logps, sequence_sums
-from autopar.training.preference_step import ReferenceLogps, cp_sum
+from autopar.training.objectives.dpo.loss import (
+    METRICS,
+    Objective,
+    SequenceLogps,
+    sequence_logps,
+    sequence_sums,
+)
+from autopar.training.objectives.dpo.step import ReferenceLogps, cp_sum
 from autopar.training.train_context import all_reduce_sum
 
 

@@ -26,7 +26,7 @@ from autopar.models.family import build_model, family_of
 from autopar.models.hf import save_hf_like
 from autopar.models.hf_layout import TEXT_PREFIX
 from autopar.models.hf_names import MTP_PREFIX, to_hf_name
-from autopar.training.dcp_state import read_model_tensors
+from autopar.training.checkpointing.dcp_state import read_model_tensors
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -28,8 +28,8 @@ from autopar.config.errors import ConfigError
 from autopar.config.parse import to_toml
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
-from autopar.training.dcp_state import complete_steps, newest_readable
-from autopar.training.metrics import whole_records
+from autopar.training.checkpointing.dcp_state import complete_steps, newest_readable
+from autopar.training.metrics.logger import whole_records
 from autopar.training.resolve import parse_job
 
 RUN_CONTROL = (

@@ -26,8 +26,8 @@ from autopar.models.hf import head_layers
 from autopar.models.hf_config import HFCheckpointError
 from autopar.parallel.float8 import output_head_in_fp8
 from autopar.parallel.mesh import ParallelDims
-from autopar.training.mtp_loss import mtp_labels
-from autopar.training.mtp_pipeline import check_pipelined_head
+from autopar.training.objectives.mtp.loss import mtp_labels
+from autopar.training.objectives.mtp.pipeline import check_pipelined_head
 from autopar.training.train_context import all_reduce_sum
 
 METRICS = ("mtp_loss", "mtp_acceptance")

@@ -36,7 +36,7 @@ from autopar.config.errors import ConfigError
 from autopar.config.sections import Checkpoint, LoRA
 from autopar.models.args import ModelArgs
 from autopar.parallel.world import background_save_group
-from autopar.training.dcp_state import (
+from autopar.training.checkpointing.dcp_state import (
     READ_ERRORS,
     ModelPart,
     ModelState,
@@ -49,9 +49,9 @@ from autopar.training.dcp_state import (
     saved_keys,
     step_folders,
 )
+from autopar.training.checkpointing.folder_swap import finish_interrupted_swap, swap_into_place
+from autopar.training.checkpointing.manifest import MANIFEST, broken_file, write_manifest
 from autopar.training.faults import TrainingStopped, peer_gone
-from autopar.training.folder_swap import finish_interrupted_swap, swap_into_place
-from autopar.training.manifest import MANIFEST, broken_file, write_manifest
 
 logger = logging.getLogger("autopar")
 

@@ -9,8 +9,8 @@ import torch
 from autopar.config.sections import JobConfig
 from autopar.data.errors import DataError
 from autopar.data.pair_batches import PairLoader, PairSource
-from autopar.training.preference_loss import METRICS
-from autopar.training.preference_step import step_chosen_tokens
+from autopar.training.objectives.dpo.loss import METRICS
+from autopar.training.objectives.dpo.step import step_chosen_tokens
 from autopar.training.step import TrainStep
 from autopar.training.train_context import all_reduce_sum
 from autopar.training.validation import ValidationResult

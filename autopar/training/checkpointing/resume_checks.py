@@ -15,10 +15,10 @@ from autopar.data.dataset import SampleSource
 from autopar.data.errors import DataError
 from autopar.data.tokenizer import tokenizer_file
 from autopar.models.args import ModelArgs
-from autopar.training.checkpoint import Checkpointer
+from autopar.training.checkpointing.checkpoint import Checkpointer
+from autopar.training.checkpointing.previous_run import changed_settings, listed
 from autopar.training.faults import TrainingStopped
 from autopar.training.optim import follow_config
-from autopar.training.previous_run import changed_settings, listed
 from autopar.training.resolve import tokenizer_path
 
 logger = logging.getLogger("autopar")

@@ -35,17 +35,23 @@ from autopar.parallel.mesh import Meshes, ParallelDims
 from autopar.parallel.parallelize import build_parts
 from autopar.parallel.pipelining.schedule import StageIO, build_pipeline, check_forward_only_schedule
 from autopar.parallel.torch_internals import assume_static_stage_metadata
-from autopar.training.dcp_state import ModelState, run_dcp
-from autopar.training.preference_loss import LOSS_TYPES
-from autopar.training.preference_pipeline import PreferenceStageLoss, pipelined_reference
-from autopar.training.preference_step import (
+from autopar.training.checkpointing.dcp_state import ModelState, run_dcp
+from autopar.training.objectives.dpo.loss import LOSS_TYPES
+from autopar.training.objectives.dpo.pipeline import PreferenceStageLoss, pipelined_reference
+from autopar.training.objectives.dpo.reference_table import (
+    TABLE_FILE,
+    compute_table,
+    read_table,
+    save_table,
+    table_key,
+)
+from autopar.training.objectives.dpo.step import (
     PreferenceContext,
     ReferenceLogps,
     model_reference,
     objective_from,
     table_reference,
 )
-from autopar.training.reference_table import TABLE_FILE, compute_table, read_table, save_table, table_key
 from autopar.training.resolve import tokenizer_path
 from autopar.training.step import TrainStep
 

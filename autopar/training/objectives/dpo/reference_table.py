@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.config.errors import ConfigError
 from autopar.data.loader import Batch
 from autopar.data.pair_batches import PairIds
-from autopar.training.preference_step import ReferenceLogps
+from autopar.training.objectives.dpo.step import ReferenceLogps
 
 logger = logging.getLogger("autopar")
 

@@ -10,7 +10,7 @@ from autopar.config.sections import Checkpoint
 from autopar.models.args import ModelArgs
 from autopar.models.hf import HFTensors
 from autopar.models.hf_config import HFCheckpointError, read_hf_config
-from autopar.training.dcp_state import complete_steps, model_mismatch
+from autopar.training.checkpointing.dcp_state import complete_steps, model_mismatch
 
 
 def check_initial_load(cfg: Checkpoint, args: ModelArgs, model_label: str) -> None:

@@ -19,10 +19,10 @@ from autopar.models.family import build_model
 from autopar.models.hf import copy_assets, save_hf_like
 from autopar.models.hf_config import CONFIG_FILE
 from autopar.parallel.materialize import FullValue
-from autopar.training.adapters import BaseTensors, export_merged, save_adapter, saved_adapters
-from autopar.training.dcp_state import read_model_tensors
+from autopar.training.checkpointing.adapters import BaseTensors, export_merged, save_adapter, saved_adapters
+from autopar.training.checkpointing.dcp_state import read_model_tensors
+from autopar.training.checkpointing.folder_swap import finish_interrupted_swap, swap_into_place
 from autopar.training.faults import TrainingStopped
-from autopar.training.folder_swap import finish_interrupted_swap, swap_into_place
 from autopar.training.resolve import tokenizer_path
 
 logger = logging.getLogger("autopar")
