@@ -3,7 +3,6 @@ alone, and the losses are TRL's."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -24,10 +23,15 @@ from autopar.data.pair_batches import PairLoader, chosen_targets, pack_groups, p
 from autopar.data.preference import PREFERENCE_EXAMPLE
 from autopar.models import Qwen
 from autopar.training.metrics.logger import read_metrics
-from autopar.training.objectives.dpo.loss import LOSS_TYPES, METRICS, Objective, sequence_logps, sequence_sums
-from autopar.training.objectives.dpo.pipeline import with_targets
+from autopar.training.objectives.dpo.loss import (
+    LOSS_TYPES,
+    METRICS,
+    PairLosses,
+    sequence_logps,
+    sequence_sums,
+)
+from autopar.training.objectives.dpo.objective import losses_of, with_targets
 from autopar.training.objectives.dpo.reference_table import TABLE_FILE
-from autopar.training.objectives.dpo.step import objective_from
 from autopar.training.preflight import check_job
 from autopar.training.resolve import parse_job
 
@@ -165,7 +169,7 @@ def test_pair_losses_are_trls_formulas(name):
         ref = sequence_logps(
             reference(batch.inputs, documents=batch.documents), batch.labels, batch.documents, 6
         )
-    objective = Objective((name,), (1.0,), beta=0.3, label_smoothing=0.1)
+    objective = PairLosses((name,), (1.0,), beta=0.3, label_smoothing=0.1)
     loss = objective.loss(policy, ref.logps, 6.0, torch.tensor(1.0))
     lengths = policy.tokens.view(-1, 2)
     expected = trl_loss(
@@ -182,7 +186,7 @@ def test_the_sft_term_is_the_mean_over_chosen_tokens():
         logits = model(batch.inputs, documents=batch.documents)
     policy = sequence_logps(logits, batch.labels, batch.documents, 4)
     tokens = chosen_targets(batch).sum().float()
-    loss = Objective(("sft",), (1.0,), 0.1, 0.0).loss(policy, policy.logps, 4.0, tokens)
+    loss = PairLosses(("sft",), (1.0,), 0.1, 0.0).loss(policy, policy.logps, 4.0, tokens)
     targets = torch.where(chosen_targets(batch), batch.labels, -100)
     torch.testing.assert_close(loss, F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
 
@@ -259,20 +263,19 @@ def test_the_first_step_loss_and_metrics_are_trls(tmp_path, records):
         case = cases[name]
         enable_objective(trainer, fixture_job(tmp_path, records, case))
         trainer.loader.consumed_samples = 0
-        loss = trainer.train_step.forward_backward(trainer.loader.next_step())
+        outcome = trainer.train_step.forward_backward(trainer.loader.next_step())
         trainer.train_step.discard()
         # fp32: TRL pads and runs one sequence per row, we pack rows; the order of sums only.
         # A reward is beta times a difference of log-probs of up to 200 in size, so its error
         # is absolute: measured 1.3e-6 at beta 0.1, 6.5e-6 at 0.5 (on Intel AVX-512)
-        assert loss.item() == pytest.approx(case["loss"], rel=1e-5), name
-        metrics = dict(zip(METRICS, trainer.train_step.preference_metrics.tolist()))
+        assert outcome.loss.item() == pytest.approx(case["loss"], rel=1e-5), name
+        metrics = dict(zip(METRICS, outcome.metrics.tolist()))
         for key, value in metrics.items():
             assert value == pytest.approx(case["metrics"][key], rel=1e-5, abs=5e-5), (name, key)
 
 
 def enable_objective(trainer, job: JobConfig) -> None:
-    step = trainer.train_step
-    step.preference = dataclasses.replace(step.preference, objective=objective_from(job.dpo))
+    trainer.train_step.objective.losses = losses_of(job.dpo)
 
 
 def preference_job(folder, *flags: str) -> JobConfig:

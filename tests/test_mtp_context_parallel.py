@@ -3,7 +3,7 @@
 A CP rank holds parts of each sequence (two ranges of it, head-tail), but the head at position
 i reads token i+1 and learns token i+2, which at a range's end lie in another rank's part, and
 under packed documents whether token i+1 is of i's document: the step builds those on the whole
-sequences and splits them as the tokens (``mtp_loss.HeadSequences``), and the head's attention
+sequences and splits them as the tokens (``LanguageModel.per_position``), and the head's attention
 gathers k/v as the trunk's. Each case trains two steps on two gloo ranks (all-gather CP,
 the one that runs on CPU) and once on one device, from the same weights on the same data, and
 compares every step's loss, gradient norm, ``mtp_loss`` and ``mtp_acceptance``, the held-out

@@ -25,7 +25,7 @@ from autopar.cli.parity import Case, plan_job, run_cases
 from autopar.cli.spawn import run_on_ranks
 from autopar.config import ConfigError
 from autopar.data.chat import CHAT_EXAMPLE, CHATML_TOKENIZER
-from autopar.data.loader import IGNORE_INDEX, StepLoader
+from autopar.data.loader import IGNORE_INDEX
 from autopar.models import build_model, from_hf, to_hf
 from autopar.models.hf_config import read_hf_config
 from autopar.training.checkpointing.adapters import peft_name
@@ -118,18 +118,18 @@ def step_against_hand(tmp_path, *flags: str):
         model.mtp.pre_fc_norm_embedding.weight.normal_()
     before = copy.deepcopy(model)
     batches = trainer.loader.next_step()
-    loss = trainer.train_step.forward_backward(batches)
-    return trainer, batches, before, loss
+    outcome = trainer.train_step.forward_backward(batches)
+    return trainer, batches, before, outcome
 
 
 @pytest.mark.parametrize("loss_on", ["assistant", "all"])
 def test_the_step_trains_the_main_loss_plus_a_tenth_of_the_heads(tmp_path, loss_on):
     """``assistant``: the SFT mask shapes the head's targets; ``all``: every token is one, so
     the positions at a packed document's end are what keeps them apart."""
-    trainer, batches, reference, loss = step_against_hand(tmp_path, "--training.loss_on", loss_on)
+    trainer, batches, reference, outcome = step_against_hand(tmp_path, "--training.loss_on", loss_on)
     hand = hand_losses(reference, batches)
     (hand["main"] + 0.1 * hand["head"]).backward()
-    mtp_loss, _ = trainer.train_step.mtp_metrics
+    loss, (mtp_loss, _) = outcome.loss, outcome.metrics
     # fp32, one device, the same forward: the order of sums only
     torch.testing.assert_close(loss, hand["main"].detach(), rtol=1e-6, atol=0)
     torch.testing.assert_close(mtp_loss, hand["head"].detach(), rtol=1e-6, atol=0)
@@ -147,8 +147,7 @@ def test_acceptance_is_the_share_of_targets_whose_argmax_is_two_ahead(tmp_path):
     for _ in range(3):
         trainer.run_step()
     batches = trainer.loader.next_step()
-    trainer.train_step.forward_backward(batches)
-    _, acceptance = trainer.train_step.mtp_metrics.tolist()
+    _, acceptance = trainer.train_step.forward_backward(batches).metrics.tolist()
     hand = hand_losses(trainer.parts[0], batches)
     assert hand["acceptance"].item() > 0.02
     assert acceptance == pytest.approx(hand["acceptance"].item(), abs=0.5 / hand["head_targets"].item())
@@ -208,8 +207,8 @@ def test_lora_adapts_the_heads_linears_by_their_hf_names(tmp_path):
     assert peft_name("layers.0.mlp.down_proj.lora_B.weight") == (
         "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"
     )
-    trainer.run_step()
-    assert trainer.train_step.mtp_metrics[0] > 0
+    outcome, _ = trainer.run_step()
+    assert outcome.metrics[0] > 0
 
 
 NO_HEAD_REFUSALS = [
@@ -537,9 +536,7 @@ def test_validation_reports_the_heads_loss_and_acceptance_of_the_same_weights(fi
     _, run, trainer, _ = fine_tuned
     (record,) = [r for r in read_metrics(run / "metrics.jsonl") if "val_loss" in r]
     validator = trainer.validator
-    loader = StepLoader(
-        validator.samples, validator.local_batch, validator.local_batch, 0, 1, validator.device
-    )
+    loader = validator.loader()  # a fresh one, from the first held-out sample
     batches = [b for _ in range(validator.steps) for b in loader.next_step()]
     with torch.no_grad():
         hand = hand_losses(trainer.parts[0], batches)

@@ -16,8 +16,6 @@ from autopar.training.checkpointing.dcp_state import complete_steps
 from autopar.training.faults import TrainingStopped
 from autopar.training.metrics.logger import read_metrics
 from autopar.training.optim import lr_factor
-from autopar.training.step import microbatches_forward_backward
-from autopar.training.train_context import TrainContext
 
 from jobs import TINY_MODEL, chat_job, one_process_trainer, tiny_job
 
@@ -33,20 +31,18 @@ def test_same_job_twice_is_bit_identical(tmp_path):
     assert [r.grad_norm for r in first] == [r.grad_norm for r in second]
 
 
-def test_accumulating_four_micro_batches_of_two_equals_one_batch_of_eight():
-    model = Qwen(get_flavor("qwen3", "debug", **TINY_MODEL))
-    model.init_weights(seed=1)
+def test_accumulating_four_micro_batches_of_two_equals_one_batch_of_eight(tmp_path):
+    step = one_process_trainer(tiny_job(tmp_path)).train_step
+    model = step.parts[0]
     tokens = torch.randint(0, 320, (8, 33), generator=torch.Generator().manual_seed(0))
     labels = tokens[:, 1:].clone()
     labels[0, :5] = -100  # uneven targets per micro-batch: normalization must be global
     whole = [Batch(tokens[:, :-1], labels)]
     split = [Batch(tokens[i : i + 2, :-1], labels[i : i + 2]) for i in range(0, 8, 2)]
-    targets = (labels != -100).sum().float()
     results = []
     for batches in (whole, split):
         model.zero_grad()
-        context = TrainContext(loss_parallel=False)
-        loss, _, _ = microbatches_forward_backward(model, batches, targets, context)
+        loss = step.forward_backward(batches).loss
         results.append((loss, {n: p.grad.clone() for n, p in model.named_parameters()}))
     (loss8, grads8), (loss4x2, grads4x2) = results
     # fp32; only the order of summation differs

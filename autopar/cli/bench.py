@@ -131,13 +131,12 @@ def _bench_on_rank(job: JobConfig, warmup: int) -> dict:
     times, losses, tokens = [], [], []
     for _ in range(job.training.steps):
         start = time.perf_counter()
-        loss_t, norm_t = trainer.run_step()
-        losses.append(loss_t.item())  # waits for the step, so the timer sees all of it
+        outcome, norm_t = trainer.run_step()
+        losses.append(outcome.loss.item())  # waits for the step, so the timer sees all of it
         times.append(time.perf_counter() - start)
-        preference = trainer.train_step.preference is not None  # packed pairs: steps differ in size
-        tokens.append(
-            int(trainer.train_step.step_tokens)
-            if preference
+        tokens.append(  # packed pairs: steps differ in size
+            int(outcome.tokens)
+            if outcome.tokens is not None
             else trainer.loader.global_batch * job.training.seq_len
         )
         lr = trainer.optimizers[0].param_groups[0]["lr"]

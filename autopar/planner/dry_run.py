@@ -63,7 +63,6 @@ from autopar.parallel.torch_internals import (
     FSDPMemTracker,
     TorchDispatchMode,
     active_fake_mode,
-    assume_static_stage_metadata,
     fake_store,
     forget_sharding_caches,
     sharding_propagation_untracked,
@@ -71,7 +70,12 @@ from autopar.parallel.torch_internals import (
 )
 from autopar.parallel.world import World, init_world
 from autopar.planner.memory import predict
-from autopar.training.objectives.dpo.job import is_preference, preference_context, reference_forward
+from autopar.training.objectives.base import Objective
+from autopar.training.objectives.dpo.job import is_preference, reference_pass
+from autopar.training.objectives.dpo.objective import Preference, ReferenceLogps, losses_of
+from autopar.training.objectives.language_model import LanguageModel
+from autopar.training.objectives.mtp.loss import MTPTraining
+from autopar.training.plan_runner import PlanRunner
 from autopar.training.preflight import check_job
 from autopar.training.step import TrainStep
 from autopar.training.trainer import Trainer
@@ -147,10 +151,14 @@ def _batches(job: JobConfig, dims: ParallelDims) -> list[Batch]:
     return [Batch(tokens, tokens, documents)] * micro_steps
 
 
-def _fake_preference(step: TrainStep, job: JobConfig, copy: ModelParts | None) -> list[torch.nn.Module]:
-    """Make ``step`` a DPO step whose reference is the trainer's, with fake weights: a frozen
-    ``copy`` (parallelized on meta), or the policy's LoRA base, or a table (a few bytes per
-    pair, nothing to build). Returns the copy's parts."""
+def _fake_objective(
+    runner: PlanRunner, job: JobConfig, copy: ModelParts | None
+) -> tuple[Objective, list[torch.nn.Module]]:
+    """The job's objective as the trainer builds it, with fake weights; for DPO the
+    trainer's reference: a frozen ``copy`` (parallelized on meta), or the policy's LoRA base,
+    or a table (a few bytes per pair, nothing to build). Returns the copy's parts too."""
+    if not is_preference(job):
+        return LanguageModel(runner, MTPTraining.of(job)), []
     pairs = job.training.local_batch_size
     parts: list[torch.nn.Module] = []
     if copy is not None:
@@ -158,14 +166,13 @@ def _fake_preference(step: TrainStep, job: JobConfig, copy: ModelParts | None) -
         parts = built.parts
         for part in parts:
             part.requires_grad_(False)
-        io = _stage_io(job, step.meshes, built) if step.pipeline is not None else None
-        reference = reference_forward(step, job, parts, torch.device("cpu"), io)
+        io = _stage_io(job, runner.meshes, built) if runner.pipeline is not None else None
+        reference: ReferenceLogps = reference_pass(runner, job, parts, io)
     elif job.dpo.reference == "adapters_off":
-        reference = reference_forward(step, job, None, torch.device("cpu"))
+        reference = reference_pass(runner, job, None)
     else:
-        reference = lambda batch: torch.zeros(2 * pairs)  # noqa: E731
-    preference_context(step, job, reference)
-    return parts
+        reference = lambda batches: [torch.zeros(2 * pairs) for _ in batches]  # noqa: E731
+    return Preference(runner, losses_of(job.dpo), reference, pairs), parts
 
 
 def _local_bytes(param: torch.Tensor) -> int:
@@ -302,14 +309,13 @@ def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) ->
         with FakeTensorMode(allow_non_fake_inputs=True):
             parts = materialize_parts(built, world.device, _fake_values)
             io = _stage_io(job, meshes, parts) if dims.pp > 1 else None
-            step = TrainStep(job, world, meshes, parts, io)
-            if step.context.context_parallel is not None:  # CUDA's k/v heads after the gather too
-                step.context.context_parallel.expand_kv = not native_gqa(job, "cuda", "allgather")
-            reference = _fake_preference(step, job, reference_built) if is_preference(job) else []
-            if step.pipeline is not None:
-                # the schedule's warm-up vote on static metadata moves no data under the
-                # fake group; every stage has static shapes here (``_stage_io``)
-                assume_static_stage_metadata(step.pipeline.schedule)
+            # the schedule's warm-up vote on static metadata moves no data under the fake
+            # group; every stage has static shapes here (``_stage_io``, which the runner assumes)
+            runner = PlanRunner(job, world, meshes, parts, io)
+            if runner.context.context_parallel is not None:  # CUDA's k/v heads after the gather too
+                runner.context.context_parallel.expand_kv = not native_gqa(job, "cuda", "allgather")
+            objective, reference = _fake_objective(runner, job, reference_built)
+            step = TrainStep(runner, objective)
             peak = measure_step(step, _batches(job, dims), job.optimizer.lr)
             if reference:
                 peak["reference"] = sum(_local_bytes(p) for part in reference for p in part.parameters())
@@ -325,7 +331,7 @@ def measure_step(step: TrainStep, batches: list[Batch], lr: float) -> dict[str, 
     step(batches, lr)
     # a pipeline stage with Qwen3.5's head: FSDPMemTracker takes its second micro-batch's
     # forward for another step's and raises ("multiple iterative calls"; torch 2.13, seen here)
-    head = step.pipeline is not None and step.pipeline.loss.head is not None
+    head = step.pipeline is not None and step.job.mtp.enable
     if isinstance(step.parts[0], FSDPModule) and len(step.parts) == 1 and not head:
         tracker: FSDPMemTracker | PeakTracker = FSDPMemTracker(step.parts[0], step.optimizers[0])
     else:

@@ -11,11 +11,10 @@ from autopar.data.loader import StepLoader, build_samples
 from autopar.data.pair_batches import PairLoader, PairSource
 from autopar.data.tokenizer import Tokenizer
 from autopar.parallel.mesh import Meshes
-from autopar.training.objectives.dpo.job import is_preference, pair_loader, preference_source
-from autopar.training.objectives.dpo.validation import PreferenceValidator
+from autopar.training.objectives.dpo.job import is_preference, pair_loader, pair_validator, preference_source
 from autopar.training.resolve import chat_format, tokenizer_path
 from autopar.training.step import TrainStep
-from autopar.training.validation import Validator, validation_samples
+from autopar.training.validation import Validator, validation_samples, window_validator
 
 
 def job_samples(job: JobConfig, tokenizer: Tokenizer) -> SampleSource | PairSource:
@@ -61,9 +60,9 @@ def held_out_samples(job: JobConfig, tokenizer: Tokenizer) -> PackedWindows | Pa
 
 def validator(
     job: JobConfig, held_out: PackedWindows | PairSource, step: TrainStep, loader: StepLoader | PairLoader
-) -> Validator | PreferenceValidator:
+) -> Validator:
     """What computes the held-out numbers every ``validation.freq`` steps."""
     if isinstance(held_out, PairSource):
         assert isinstance(loader, PairLoader)
-        return PreferenceValidator(job, held_out, step, loader)
-    return Validator(job, held_out, step, loader.dp_rank, loader.device)
+        return pair_validator(job, held_out, step, loader)
+    return window_validator(job, held_out, step, loader.dp_rank, loader.device)

@@ -1,6 +1,6 @@
 """What a step's forward and backward run under: context parallelism's split, loss
-parallelism, Transformer Engine's FP8 autocast, and the loss function (``TrainContext``);
-and a mixture's load-balancing loss; shared by the SFT step (``step.py``) and the preference step (``preference_step.py``)."""
+parallelism, Transformer Engine's FP8 autocast, and the token loss function
+(``TrainContext``); and a mixture's load-balancing loss, which every objective adds."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from autopar.training.loss import (
     token_loss_sum,
     vocab_parallel_chunk_loss_and_grad,
 )
-from autopar.training.objectives.mtp.loss import MTPTraining
 
 
 def all_reduce_sum(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
@@ -72,13 +71,8 @@ class TrainContext:
         loss_chunk_tokens: int = 0,
         fp8_autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
         context_parallel: ContextParallel | None = None,
-        load_balancing: LoadBalancing | None = None,
-        mtp: MTPTraining | None = None,
     ):
         self.loss_parallel = loss_parallel
-        self.load_balancing = load_balancing
-        self.mtp = mtp
-        """Qwen3.5's multi-token-prediction head trained beside the model (``[mtp]``)."""
         self.fp8_autocast = fp8_autocast
         self.context_parallel = context_parallel
         # vocab-parallel cross-entropy is a DTensor op dispatch that does not trace; it is

@@ -45,10 +45,11 @@ from autopar.training.metrics.flops import flops_per_token
 from autopar.training.metrics.logger import MetricsLogger
 from autopar.training.metrics.profiling import Profiler
 from autopar.training.metrics.sinks import build_sinks
-from autopar.training.objectives.dpo.job import is_preference, make_preference_step, runs_reference_forward
-from autopar.training.objectives.dpo.loss import METRICS
-from autopar.training.objectives.mtp.checks import METRICS as MTP_METRICS
+from autopar.training.objectives.base import StepOutcome
+from autopar.training.objectives.build import build_objective
+from autopar.training.objectives.dpo.job import runs_reference_forward
 from autopar.training.optim import lr_factor
+from autopar.training.plan_runner import PlanRunner
 from autopar.training.resolve import tokenizer_path
 from autopar.training.sample_prompts import PromptSampler
 from autopar.training.samples import held_out_samples, job_samples, step_loader, validator
@@ -82,14 +83,12 @@ class Trainer:
         self.dims = ParallelDims.resolve(job.parallelism, world.size)
         self.meshes = build_meshes(self.dims, world.device.type, always_fsdp=job.training.enable_cpu_offload)
         initial = self._initial_values()
-        built = build_parts(args, job, self.meshes, world.device, initial)
-        self.train_step = TrainStep(job, world, self.meshes, built)
-        self.reference = (
-            make_preference_step(self.train_step, job, args, world.device, initial, samples)
-            if is_preference(job)
-            else []
+        runner = PlanRunner(
+            job, world, self.meshes, build_parts(args, job, self.meshes, world.device, initial)
         )
-        """A preference job's frozen reference copy (``dpo.reference = "copy"``)."""
+        objective, self.reference = build_objective(job, args, runner, initial, samples)
+        """``reference``: a preference job's frozen reference copy (``dpo.reference = "copy"``)."""
+        self.train_step = TrainStep(runner, objective)
         self.parts, self.optimizers = self.train_step.parts, self.train_step.optimizers
         self.loader = step_loader(job, samples, self.meshes, world.device)
         self.validator = (
@@ -115,6 +114,7 @@ class Trainer:
         self.steps_with_nothing_learned = 0
         self.window_tokens: torch.Tensor | int = 0
         """Tokens trained since the last log line (preference steps differ in size)."""
+
         self.weights_from: Path | None = None
         """The checkpoint holding the weights of ``self.step``: the one resumed or last saved."""
         self.data = data_identity(job, samples)
@@ -185,22 +185,22 @@ class Trainer:
         which files and tokenizer."""
         return {**self._batch_shape(), **self.data}
 
-    def run_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next optimizer step on the loader's next batches; (loss, grad norm) as device
-        tensors. A step whose loss or gradient norm is not finite makes no update (see
+    def run_step(self) -> tuple[StepOutcome, torch.Tensor]:
+        """The next optimizer step on the loader's next batches; its numbers and grad norm as
+        device tensors. A step whose loss or gradient norm is not finite makes no update (see
         ``autopar.training.faults``); reading them is this step's one host sync."""
         lr = self.job.optimizer.lr * lr_factor(self.step + 1, self.job.lr_scheduler, self.job.training.steps)
-        loss = self.train_step.forward_backward(self.loader.next_step())
-        norm = self.train_step.grad_norm()
+        outcome = self.train_step.forward_backward(self.loader.next_step())
+        loss, norm = outcome.loss, self.train_step.grad_norm()
         self.step += 1
-        loss_value, norm_value, targets = torch.stack([loss, norm, self.train_step.targets]).tolist()
+        loss_value, norm_value, targets = torch.stack([loss, norm, outcome.learned]).tolist()
         self._say_if_nothing_learned(targets)
         self.bad = nonfinite(loss_value, norm_value)
         if not self.bad:
             self.train_step.apply(lr, norm)
             self.skipped_in_a_row = 0
-            return loss, norm
-        where = ranks_not_finite(self.train_step.local_loss, self.parts)
+            return outcome, norm
+        where = ranks_not_finite(outcome.local_loss, self.parts)
         self.train_step.discard()
         self.skipped_in_a_row += 1
         limit = self.job.training.max_skipped_steps
@@ -209,7 +209,7 @@ class Trainer:
         logger.warning(
             "step %d: %s not finite (%s); skipped (no update)", self.step, " and ".join(self.bad), where
         )
-        return loss, norm
+        return outcome, norm
 
     def _say_if_nothing_learned(self, targets: float) -> None:
         """Count a step with no learned token in its whole batch (chat rows whose answers are
@@ -259,15 +259,16 @@ class Trainer:
         started = time.perf_counter()
         with StopRequest(self._what_a_stop_keeps()) as stop, profiler:
             while self.step < steps and not stopped:
-                loss, norm = self.run_step()
+                outcome, norm = self.run_step()
                 profiler.step(self.step)
                 if self.step == first_step:  # compiled and warmed up: from now on steps are quick
                     self.timeout.set(self.job.comm.train_timeout_seconds)
                 window_steps += 1
-                self.window_tokens += self.train_step.step_tokens
+                if outcome.tokens is not None:
+                    self.window_tokens += outcome.tokens
                 if self.step % log_freq == 0 or self.step in (1, steps):
                     elapsed = time.perf_counter() - window_start
-                    records.append(self._log(loss, norm, window_steps, elapsed))
+                    records.append(self._log(outcome, norm, window_steps, elapsed))
                     window_start, window_steps = time.perf_counter(), 0
                     self.window_tokens = 0
                 if (self.validator is not None or self.sampler is not None) and (
@@ -322,12 +323,11 @@ class Trainer:
             ", ".join(outputs),
         )
 
-    def _log(self, loss: torch.Tensor, norm: torch.Tensor, steps: int, seconds: float) -> StepRecord:
+    def _log(self, outcome: StepOutcome, norm: torch.Tensor, steps: int, seconds: float) -> StepRecord:
         """Log this step's numbers (``steps`` trained in ``seconds`` since the last log)."""
-        aux = self.train_step.aux_loss.item() if self.args.moe else None
-        record = StepRecord(self.step, loss.item(), norm.item(), aux)
+        aux = outcome.aux_loss.item() if self.args.moe else None
+        record = StepRecord(self.step, outcome.loss.item(), norm.item(), aux)
         lr = self.optimizers[0].param_groups[0]["lr"]
-        preference = self.train_step.preference is not None
         self.metrics.record(
             self.step,
             record.loss,
@@ -338,18 +338,10 @@ class Trainer:
             skipped=bool(self.bad),
             aux_loss=aux,
             no_learned_tokens=self.nothing_learned,
-            tokens=int(self.window_tokens) if preference else None,
-            extra=self._extra_metrics(),
+            tokens=int(self.window_tokens) if outcome.tokens is not None else None,
+            extra=dict(zip(self.train_step.objective.metric_names, outcome.metrics.tolist())) or None,
         )
         return record
-
-    def _extra_metrics(self) -> dict[str, float] | None:
-        """A preference step's TRL metrics, or the MTP head's loss and acceptance."""
-        if self.train_step.preference is not None:
-            return dict(zip(METRICS, self.train_step.preference_metrics.tolist()))
-        if self.job.mtp.enable:
-            return dict(zip(MTP_METRICS, self.train_step.mtp_metrics.tolist()))
-        return None
 
     def _stop_early(self, why: str, saved: bool) -> None:
         """Save this step (unless just saved) and say how to go on."""

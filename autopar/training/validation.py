@@ -9,6 +9,8 @@ different steps are comparable.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -18,15 +20,14 @@ from autopar.config.sections import JobConfig
 from autopar.data.dataset import PackedWindows
 from autopar.data.errors import DataError
 from autopar.data.loader import StepLoader, build_samples, check_data, table_columns
+from autopar.data.pair_batches import PairLoader
 from autopar.data.tokenizer import Tokenizer
 from autopar.models.args import ModelArgs
 from autopar.parallel.mesh import ParallelDims, check_model_split
 from autopar.parallel.pipelining.schedule import check_forward_only_schedule
-from autopar.training.objectives.mtp.checks import METRICS as MTP_METRICS
-from autopar.training.objectives.mtp.checks import global_mtp_target_count
 from autopar.training.resolve import chat_format
 from autopar.training.sample_prompts import check_sample_prompts
-from autopar.training.step import TrainStep, global_target_count
+from autopar.training.step import TrainStep
 
 
 def validation_seq_len(job: JobConfig) -> int:
@@ -111,53 +112,38 @@ class ValidationResult:
 
 
 class Validator:
-    """The held-out loss of this rank's model parts, computed with every rank of the job."""
+    """The held-out loss and metrics of this rank's model parts: the step's forward under the
+    training plan, without gradients (collective over every rank)."""
 
-    def __init__(
-        self,
-        job: JobConfig,
-        samples: PackedWindows,
-        train_step: TrainStep,
-        dp_rank: int,
-        device: torch.device,
-    ) -> None:
-        cfg = job.validation
-        self.samples = samples
-        self.train_step = train_step
-        self.dp_rank = dp_rank
-        self.dp = train_step.dims.dp
-        self.device = device
-        self.local_batch = cfg.local_batch_size
-        per_step = self.local_batch * self.dp
-        windows = self.samples.num_windows
-        if windows < per_step:
-            raise DataError(
-                f"validation data {self.samples.describe()} holds {windows} sequences of "
-                f"{validation_seq_len(job)} tokens, fewer than one batch of local_batch_size x "
-                f"data-parallel degree = {per_step}; add data or lower validation.local_batch_size"
-            )
-        self.steps = windows // per_step if cfg.steps == -1 else cfg.steps
+    def __init__(self, step: TrainStep, loader: Callable[[], StepLoader | PairLoader], steps: int) -> None:
+        self.step = step
+        self.loader = loader
+        """A fresh loader from the first held-out sample: every pass reads the same batches."""
+        self.steps = steps
 
+    @torch.no_grad()
     def run(self) -> ValidationResult:
-        """One pass over the held-out batches (collective over every rank)."""
-        per_step = self.local_batch * self.dp
-        loader = StepLoader(self.samples, per_step, self.local_batch, self.dp_rank, self.dp, self.device)
-        dp_mesh = self.train_step.meshes.get("dp")
-        loss_sum = torch.zeros((), device=self.device)
-        targets = torch.zeros((), device=self.device)
-        head = torch.zeros(2, device=self.device)  # the MTP head's summed loss, accepted targets
-        head_targets = torch.zeros((), device=self.device)
-        for _ in range(self.steps):
-            batches = loader.next_step()
-            step_targets = global_target_count(batches, dp_mesh)
-            step_loss, step_head = self.train_step.forward_loss(batches, step_targets)
-            loss_sum += step_loss * step_targets
-            targets += step_targets
-            if self.train_step.context.mtp is not None:
-                head += step_head
-                head_targets += global_mtp_target_count(batches, dp_mesh)
-        loss, tokens = (loss_sum / targets).item(), int(targets.item())
-        if self.train_step.context.mtp is None:
-            return ValidationResult(loss, tokens)
-        metrics = dict(zip(MTP_METRICS, (head / head_targets.clamp(min=1)).tolist()))
-        return ValidationResult(loss, tokens, metrics)
+        """One pass over the held-out batches."""
+        loader = self.loader()
+        outcomes = [self.step.forward_backward(loader.next_step(), backward=False) for _ in range(self.steps)]
+        return ValidationResult(*self.step.objective.held_out(outcomes))
+
+
+def window_validator(
+    job: JobConfig, samples: PackedWindows, step: TrainStep, dp_rank: int, device: torch.device
+) -> Validator:
+    """``Validator`` over held-out token windows, ``validation.local_batch_size`` per rank."""
+    cfg = job.validation
+    local_batch, dp = cfg.local_batch_size, step.dims.dp
+    per_step = local_batch * dp
+    windows = samples.num_windows
+    if windows < per_step:
+        raise DataError(
+            f"validation data {samples.describe()} holds {windows} sequences of "
+            f"{validation_seq_len(job)} tokens, fewer than one batch of local_batch_size x "
+            f"data-parallel degree = {per_step}; add data or lower validation.local_batch_size"
+        )
+    steps = windows // per_step if cfg.steps == -1 else cfg.steps
+    return Validator(
+        step, functools.partial(StepLoader, samples, per_step, local_batch, dp_rank, dp, device), steps
+    )

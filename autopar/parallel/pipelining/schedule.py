@@ -1,9 +1,8 @@
 """Pipeline schedules from ``torch.distributed.pipelining``, driven with the trainer's loss.
 
-The last stage computes the token-summed loss and ``scale_grads=False`` stops the schedule
-from dividing by the number of micro-batches; after the step's micro-batches, gradients
-are divided once by the global target count. The result is the non-pipelined step's
-(loss / global targets), so pipelining, accumulation and data parallelism all agree.
+The last stage calls the run's loss (``stage_loss.LossSlot``), already each micro-batch's
+share of the step loss, and ``scale_grads=False`` stops the schedule from dividing by the
+number of micro-batches, so pipelining, accumulation and data parallelism all agree.
 
 The loss and the per-micro-batch context (context parallel, FP8 autocast, loss parallel)
 come in as plain callables: this floor does not know the training step.
@@ -30,9 +29,8 @@ from autopar.config.sections import Parallelism
 from autopar.data.loader import Batch
 from autopar.models.args import ModelArgs
 from autopar.parallel.pipelining.split import StageStyle, check_split, even_split, stage_ids
-from autopar.parallel.pipelining.stage_loss import BalanceFn, LossFn, StageHead, StageLoss, flat_head_output
+from autopar.parallel.pipelining.stage_loss import LossFn, LossSlot, flat_head_output
 from autopar.parallel.torch_internals import keep_donated_buffers
-from autopar.parallel.world import by_mesh
 
 MicroBatchContext = Callable[[Batch], contextlib.AbstractContextManager[tuple[Batch, "torch.Tensor | None"]]]
 """Full micro-batch -> context giving (this rank's part of it, its RoPE positions or None)."""
@@ -279,7 +277,7 @@ class Pipeline:
     parts: list[nn.Module]
     stage_ids: list[int]
     num_stages: int
-    loss: StageLoss
+    loss: LossSlot
     n_micro: int
     splits_backward: bool = False
 
@@ -300,35 +298,34 @@ def build_pipeline(
     cfg: Parallelism,
     local_batch_size: int,
     device: torch.device,
-    loss_fn: LossFn,
     stage_io: list[StageIO] | None = None,
-    balance_fn: BalanceFn | None = None,
-    balance_coef: float = 0.0,
-    head: StageHead | None = None,
 ) -> Pipeline:
-    """The schedule that runs this rank's ``parts`` (stages ``stage_ids``) with ``loss_fn``
-    (and a mixture of experts' ``balance_fn`` weighted by ``balance_coef``, and a second
-    output ``head``).
+    """The schedule that runs this rank's ``parts`` (stages ``stage_ids``); each run sets its
+    loss (``Pipeline.loss``).
     ``stage_io``: example tensors per part, for process groups that cannot exchange shapes at
     the first step (the dry run's fake group); by default torch infers them."""
     examples = stage_io or [{}] * len(parts)
-    if head is not None:
-        for part, sid in zip(parts, stage_ids, strict=True):
-            if sid == total_stages - 1:
-                part.register_forward_hook(flat_head_output)
     stages = [
         PipelineStage(part, sid, total_stages, device, group=pp_mesh.get_group(), **io)
         for part, sid, io in zip(parts, stage_ids, examples, strict=True)
     ]
     cls = get_schedule_class(schedule_name(cfg))
     n_micro = local_batch_size // cfg.pipeline_parallel_microbatch_size
-    loss = StageLoss(loss_fn, balance_fn, balance_coef, head)
+    loss = LossSlot()
     if issubclass(cls, PipelineScheduleSingle):
         schedule = cls(stages[0], n_microbatches=n_micro, loss_fn=loss, scale_grads=False)
     else:
         schedule = cls(stages, n_microbatches=n_micro, loss_fn=loss, scale_grads=False)
     splits = SCHEDULE_STYLES[schedule_name(cfg)].splits_backward
     return Pipeline(schedule, parts, stage_ids, total_stages, loss, n_micro, splits)
+
+
+def return_head_output(pipeline: Pipeline) -> None:
+    """Make the last stage hand the schedule a second head's output beside the model's, as
+    one flat tuple (``flat_head_output``): before the first run."""
+    for part, sid in zip(pipeline.parts, pipeline.stage_ids, strict=True):
+        if sid == pipeline.num_stages - 1:
+            part.register_forward_hook(flat_head_output)
 
 
 def _compiled_backward_context(pipeline: Pipeline) -> contextlib.AbstractContextManager:
@@ -340,50 +337,27 @@ def _compiled_backward_context(pipeline: Pipeline) -> contextlib.AbstractContext
     return keep_donated_buffers()
 
 
-def pipeline_forward_backward(
+def pipeline_run(
     pipeline: Pipeline,
     batches: list[Batch],
-    global_targets: torch.Tensor,
+    loss: LossFn,
     micro_batch_context: MicroBatchContext,
+    flags: dict[str, object],
     backward: bool = True,
-    global_sequences: int = 1,
-    global_head_targets: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run every micro-step through the schedule, then divide the gradients by
-    ``global_targets``; returns this rank's share of the step's token loss (the last stage's
-    losses over the global targets, zero elsewhere), of its load-balancing loss (over the
-    ``global_sequences``) and the second head's (summed loss, accepted targets) (zeros
-    without one; its targets, ``global_head_targets``, in the batches' labels (B, S, 2)).
-    Without ``backward``, the schedule runs forward only (a held-out loss)."""
-    total = torch.zeros((), device=global_targets.device)
-    balance = torch.zeros((), device=global_targets.device)
-    head = torch.zeros(2, device=global_targets.device)
-    pipeline.loss.balance_weight = global_targets / global_sequences
-    if global_head_targets is not None:
-        pipeline.loss.head_weight = global_targets / global_head_targets.clamp(min=1)
-    flags = pipeline.loss.head.forward_flags if pipeline.loss.head is not None else {}
+) -> int:
+    """Run every micro-step through the schedule with ``loss`` on the last stage (forward
+    only without ``backward``: a held-out loss, a reference pass) and the forward's keyword
+    ``flags``; returns how many of the loss's last calls are the micro-batches' own (torch
+    may first call it to infer gradient shapes): none on a rank without the last stage."""
+    pipeline.loss.fn = loss
+    run = pipeline.schedule.step if backward else pipeline.schedule.eval
     for full_batch in batches:
-        losses: list[torch.Tensor] = []
-        pipeline.loss.parts.clear()
         with micro_batch_context(full_batch) as (batch, positions):
             args = (batch.inputs,) if pipeline.has_first else ()
             target = batch.labels if pipeline.has_last else None
             extra = {"positions": positions, "documents": batch.documents}
             kwargs = {name: value for name, value in extra.items() if value is not None} | flags
             # return_outputs=False: the last stage keeps no logits of finished micro-batches
-            run = pipeline.schedule.step if backward else pipeline.schedule.eval
             with _compiled_backward_context(pipeline):
-                run(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-        # the micro-batches' own calls are the last ones (torch may first call the loss to
-        # infer gradient shapes)
-        for value, aux, head_sums in pipeline.loss.parts[-pipeline.n_micro :] if pipeline.has_last else []:
-            total += value
-            balance += aux
-            head += head_sums
-    balance = balance / global_sequences
-    if not backward:
-        return total / global_targets, balance, head
-    grads = (p.grad for part in pipeline.parts for p in part.parameters() if p.grad is not None)
-    for group in by_mesh(grads):
-        torch._foreach_div_(group, global_targets)  # a device tensor: no host sync
-    return total / global_targets, balance, head
+                run(*args, target=target, losses=[], return_outputs=False, **kwargs)
+    return pipeline.n_micro * len(batches) if pipeline.has_last else 0

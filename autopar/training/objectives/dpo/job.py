@@ -1,9 +1,8 @@
-"""A preference job's parts: its checks, its reference model and its step's context.
+"""A preference job's parts: its checks, its data, its reference model and its objective.
 
-The trainer asks this module, for ``training.dataset_format = "preference"``, what the SFT
-job gets from the loader and the loss: pairs instead of windows (``data.pair_batches``), the
-reference's log-probabilities (``dpo.reference``), and DPO's objective
-(``preference_loss``).
+For ``training.dataset_format = "preference"`` the trainer gets pairs instead of windows
+(``data.pair_batches``), the reference's log-probabilities (``dpo.reference``) and DPO's
+objective (``objective.py``) from here.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from torch import nn
 from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig
 from autopar.data.chat import ChatFormat
+from autopar.data.errors import DataError
 from autopar.data.loader import Batch, dataset_path
 from autopar.data.pair_batches import PairIds, PairLoader, PairSource, pack_groups, pack_pairs
 from autopar.data.preference import load_pairs
@@ -33,11 +33,16 @@ from autopar.parallel.lora import adapters_off
 from autopar.parallel.materialize import FullValue, tensor_values
 from autopar.parallel.mesh import Meshes, ParallelDims
 from autopar.parallel.parallelize import build_parts
-from autopar.parallel.pipelining.schedule import StageIO, build_pipeline, check_forward_only_schedule
-from autopar.parallel.torch_internals import assume_static_stage_metadata
+from autopar.parallel.pipelining.schedule import StageIO, check_forward_only_schedule
 from autopar.training.checkpointing.dcp_state import ModelState, run_dcp
 from autopar.training.objectives.dpo.loss import LOSS_TYPES
-from autopar.training.objectives.dpo.pipeline import PreferenceStageLoss, pipelined_reference
+from autopar.training.objectives.dpo.objective import (
+    Preference,
+    ReferenceLogps,
+    ReferencePass,
+    losses_of,
+    table_reference,
+)
 from autopar.training.objectives.dpo.reference_table import (
     TABLE_FILE,
     compute_table,
@@ -45,15 +50,10 @@ from autopar.training.objectives.dpo.reference_table import (
     save_table,
     table_key,
 )
-from autopar.training.objectives.dpo.step import (
-    PreferenceContext,
-    ReferenceLogps,
-    model_reference,
-    objective_from,
-    table_reference,
-)
+from autopar.training.plan_runner import PlanRunner
 from autopar.training.resolve import tokenizer_path
 from autopar.training.step import TrainStep
+from autopar.training.validation import Validator
 
 logger = logging.getLogger("autopar")
 
@@ -184,75 +184,38 @@ def reference_source(job: JobConfig, args: ModelArgs) -> str:
     return f"{weights} | {args} | {job.training.mixed_precision_param}"
 
 
-def make_preference_step(
-    step: TrainStep,
+def preference_objective(
+    runner: PlanRunner,
     job: JobConfig,
     args: ModelArgs,
-    device: torch.device,
     initial: FullValue,
     source: PairSource,
-) -> list[nn.Module]:
-    """Make ``step`` a DPO step with the job's reference; returns the reference copy's parts
-    (none for ``adapters_off`` and ``precomputed``)."""
+) -> tuple[Preference, list[nn.Module]]:
+    """DPO with the job's reference; and the reference copy's parts (none for
+    ``adapters_off`` and ``precomputed``)."""
     copy: list[nn.Module] = []
     if job.dpo.reference == "adapters_off":
         logger.info("DPO reference: the LoRA base (the policy with its adapters bypassed)")
-        reference = reference_forward(step, job, None, device)
+        reference: ReferenceLogps = reference_pass(runner, job, None)
     elif job.dpo.reference == "precomputed":
-        reference = table_reference(reference_table(step, job, args, device, initial, source))
+        reference = table_reference(reference_table(runner, job, args, initial, source))
     else:
-        copy = reference_copy(step, job, args, device, initial)
-        reference = reference_forward(step, job, copy, device)
-    preference_context(step, job, reference)
-    return copy
+        copy = reference_copy(runner, job, args, initial)
+        reference = reference_pass(runner, job, copy)
+    return Preference(runner, losses_of(job.dpo), reference, job.training.local_batch_size), copy
 
 
-def preference_context(step: TrainStep, job: JobConfig, reference: ReferenceLogps) -> None:
-    """Make ``step`` DPO's with ``reference``; under a pipeline its last stage's loss too."""
-    pairs, cp_mesh = job.training.local_batch_size, step.meshes.get("cp")
-    objective = objective_from(job.dpo)
-    step.preference = PreferenceContext(objective, reference, pairs, cp_mesh)
-    if step.pipeline is not None:
-        per_group = job.parallelism.pipeline_parallel_microbatch_size
-        step.pipeline.loss.loss_fn = PreferenceStageLoss(objective, per_group, cp_mesh)
-
-
-def reference_forward(
-    step: TrainStep,
-    job: JobConfig,
-    copy: list[nn.Module] | None,
-    device: torch.device,
-    stage_io: list[StageIO] | None = None,
-) -> ReferenceLogps:
-    """The reference as a forward under the step's plan: of the frozen ``copy``, or (None) of
-    the policy with its adapters bypassed; pipelined where the step is (``stage_io``: the
+def reference_pass(
+    runner: PlanRunner, job: JobConfig, copy: list[nn.Module] | None, stage_io: list[StageIO] | None = None
+) -> ReferencePass:
+    """The reference as a forward under the job's plan: of the frozen ``copy``, or (None) of
+    the policy with its adapters bypassed; pipelined where the job is (``stage_io``: the
     copy's stage shapes, for a process group that cannot exchange them, the dry run's)."""
-    pairs, cp_mesh = job.training.local_batch_size, step.meshes.get("cp")
-    if step.pipeline is None:
-        model = step.parts[0] if copy is None else copy[0]
-        return model_reference(model, pairs, step.context, cp_mesh, bypass_adapters=copy is None)
-    pipeline, scope = step.pipeline, functools.partial(all_adapters_off, step.parts)
-    if copy is not None:
-        pipeline, scope = (
-            build_pipeline(
-                copy,
-                step.pipeline.stage_ids,
-                step.pipeline.num_stages,
-                step.meshes.get("pp"),
-                job.parallelism,
-                job.training.local_batch_size,
-                device,
-                step.context.loss_fn,
-                stage_io,
-            ),
-            contextlib.nullcontext,
-        )
-        if stage_io is not None:
-            assume_static_stage_metadata(pipeline.schedule)
-    per_group = job.parallelism.pipeline_parallel_microbatch_size
-    return pipelined_reference(
-        pipeline, step.context.micro_batch, per_group, cp_mesh, step.meshes.get("pp"), scope
-    )
+    pairs = job.training.local_batch_size
+    if copy is None:
+        return ReferencePass(runner, None, pairs, functools.partial(all_adapters_off, runner.parts))
+    model = runner.pipeline_of(copy, stage_io) if runner.pipeline is not None else copy[0]
+    return ReferencePass(runner, model, pairs)
 
 
 @contextlib.contextmanager
@@ -264,9 +227,9 @@ def all_adapters_off(parts: list[nn.Module]) -> Iterator[None]:
 
 
 def reference_copy(
-    step: TrainStep, job: JobConfig, args: ModelArgs, device: torch.device, initial: FullValue
+    runner: PlanRunner, job: JobConfig, args: ModelArgs, initial: FullValue
 ) -> list[nn.Module]:
-    copy = build_reference_copy(args, job, step.meshes, device, initial)
+    copy = build_reference_copy(args, job, runner.meshes, runner.device, initial)
     dcp_path = reference_dcp(job)
     if dcp_path is not None:
         load_model(copy, dcp_path)
@@ -275,12 +238,7 @@ def reference_copy(
 
 
 def reference_table(
-    step: TrainStep,
-    job: JobConfig,
-    args: ModelArgs,
-    device: torch.device,
-    initial: FullValue,
-    source: PairSource,
+    runner: PlanRunner, job: JobConfig, args: ModelArgs, initial: FullValue, source: PairSource
 ) -> torch.Tensor:
     """The precomputed table: read back, or computed now by a reference copy freed after."""
     path = Path(job.job.dump_folder) / TABLE_FILE
@@ -289,9 +247,9 @@ def reference_table(
     if table is not None:
         logger.info("DPO reference: log-probs of %d pairs read from %s", len(table), path)
         return table
-    copy = reference_copy(step, job, args, device, initial)
+    copy = reference_copy(runner, job, args, initial)
     table = compute_table(
-        reference_forward(step, job, copy, device),
+        reference_pass(runner, job, copy),
         source.pairs,
         job.training.local_batch_size,
         functools.partial(
@@ -300,8 +258,8 @@ def reference_table(
             seq_len=job.training.seq_len,
             pad_id=ChatFormat(str(tokenizer_path(job))).pad_id(),
         ),
-        device,
-        step.meshes.get("dp"),
+        runner.device,
+        runner.meshes.get("dp"),
     )
     if not dist.is_initialized() or dist.get_rank() == 0:
         save_table(path, table, key)
@@ -365,3 +323,31 @@ def pack_micro_batch(pairs: Sequence[PairIds], job: JobConfig, seq_len: int, pad
     if groups is None:
         return pack_pairs(pairs, seq_len, pad_id, job.dpo.packing)
     return pack_groups(pairs, groups, seq_len, pad_id, job.dpo.packing)
+
+
+def pair_validator(job: JobConfig, source: PairSource, step: TrainStep, training: PairLoader) -> Validator:
+    """``Validator`` over held-out pairs, ``validation.local_batch_size`` per rank, laid out as
+    the training loader lays out its pairs, every pass over the same pairs in the same order."""
+    local_batch = job.validation.local_batch_size
+    per_step = local_batch * training.dp_size
+    if len(source.pairs) < per_step:
+        raise DataError(
+            f"validation data {source.describe()} holds fewer pairs than one batch of local_batch_size "
+            f"x data-parallel degree = {per_step}; add pairs or lower validation.local_batch_size"
+        )
+    steps = len(source.pairs) // per_step if job.validation.steps == -1 else job.validation.steps
+    loader = functools.partial(
+        PairLoader,
+        source.pairs,
+        per_step,
+        local_batch,
+        training.dp_rank,
+        training.dp_size,
+        training.device,
+        training.seq_len,
+        training.pad_id,
+        training.seed,
+        training.packing,
+        training.pipeline_groups,
+    )
+    return Validator(step, loader, steps)

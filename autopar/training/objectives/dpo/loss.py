@@ -165,7 +165,7 @@ LOSS_TYPES = (*PAIR_LOSSES, "sft")
 
 
 @dataclass(frozen=True)
-class Objective:
+class PairLosses:
     """The job's combination of loss types (``[dpo]``), and the step's normalizers."""
 
     loss_types: tuple[str, ...]

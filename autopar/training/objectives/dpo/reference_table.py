@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from autopar.config.errors import ConfigError
 from autopar.data.loader import Batch
 from autopar.data.pair_batches import PairIds
-from autopar.training.objectives.dpo.step import ReferenceLogps
+from autopar.training.objectives.dpo.objective import ReferenceLogps
 
 logger = logging.getLogger("autopar")
 
@@ -77,7 +77,8 @@ def compute_table(
         indices = [(b * local_batch + k) % n for k in range(local_batch)]
         packed = pack([pairs[i] for i in indices])
         batch = Batch(packed.inputs.to(device), packed.labels.to(device), packed.documents.to(device))
-        logps = reference(batch).view(-1, 2)
+        (logps,) = reference([batch])
+        logps = logps.view(-1, 2)
         index = torch.tensor(indices, device=device)
         table.index_copy_(0, index, logps)
         written.index_fill_(0, index, 1.0)

@@ -6,9 +6,13 @@ The head runs inside the model's forward (``Qwen35.forward(..., mtp=...)``), so 
 its weights as the model's, tensor parallelism splits it by its own plan
 (``parallel.tensor_parallel.head_plan``) and expert parallelism its experts as the trunk's.
 Context parallelism splits what the head reads of the tokens after each position and its
-targets (``mtp_loss.HeadSequences``, built on the whole sequences) as it splits the tokens,
-and gathers the head's attention as the trunk's; a pipeline runs it on the last stage
-(``mtp_pipeline``, which refuses the two together).
+targets (built on the whole sequences, ``objectives.language_model``) as it splits the tokens,
+and gathers the head's attention as the trunk's. A pipeline runs it on the last stage
+beside ``lm_head`` (``split.BESIDE_HEAD``): every stage before the last passes its hidden
+states and the next tokens' embeddings on stacked as one (2B, S, H) tensor
+(``Qwen35.forward``), so the head's input gradient reaches the embedding through the
+pipeline; its targets ride in the schedule's target beside the labels. Pipeline and
+context parallelism together are refused (``check_pipelined_head``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.config.errors import ConfigError
-from autopar.config.sections import JobConfig
+from autopar.config.sections import MTP, JobConfig
 from autopar.data.loader import IGNORE_INDEX, Batch
 from autopar.models.args import ModelArgs
 from autopar.models.hf import head_layers
@@ -27,7 +31,6 @@ from autopar.models.hf_config import HFCheckpointError
 from autopar.parallel.float8 import output_head_in_fp8
 from autopar.parallel.mesh import ParallelDims
 from autopar.training.objectives.mtp.loss import mtp_labels
-from autopar.training.objectives.mtp.pipeline import check_pipelined_head
 from autopar.training.train_context import all_reduce_sum
 
 METRICS = ("mtp_loss", "mtp_acceptance")
@@ -145,6 +148,24 @@ def _check_initial_load(job: JobConfig, args: ModelArgs) -> None:
             f"mtp.enable=true, but checkpoint.initial_load_path={path!r} has no multi-token-prediction head "
             "(mtp.* tensors) to start it from; load a folder that carries one, or use --mtp.enable false"
         ) from None
+
+
+def check_pipelined_head(cfg: MTP, dims: ParallelDims) -> None:
+    """What the head does not run with under a pipeline yet, in one line naming the fields."""
+    if dims.pp == 1:
+        return
+    if dims.cp > 1:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_degree={dims.pp} with context_parallel_degree={dims.cp} and "
+            "mtp.enable=true: not supported yet (the micro-batches carry each rank's chunk of the tokens, "
+            "not the head's next tokens and targets built on the whole sequences); use one of them (the "
+            "head runs under either alone), or --mtp.enable false"
+        )
+    if cfg.only:
+        raise ConfigError(
+            f"mtp.only=true with parallelism.pipeline_parallel_degree={dims.pp}: the stages before the "
+            "last would hold no trained weights; train the head alone with FSDP / TP (pipeline degree 1)"
+        )
 
 
 def global_mtp_target_count(batches: list[Batch], dp_mesh: DeviceMesh | None) -> torch.Tensor:

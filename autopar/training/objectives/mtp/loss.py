@@ -11,15 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from autopar.config.sections import JobConfig
-from autopar.data.loader import IGNORE_INDEX, Batch
-from autopar.models.qwen3_5.mtp import MTPMode, NextTokens, keep_mask
+from autopar.data.loader import IGNORE_INDEX
+from autopar.models.qwen3_5.mtp import MTPMode, keep_mask
 from autopar.training.loss import token_loss_sum
 
 
@@ -35,30 +34,6 @@ def mtp_labels(labels: torch.Tensor, documents: torch.Tensor | None = None) -> t
     # token i+2 in token i+1's (the last two positions left to the labels and to next_in)
     two_ahead = torch.cat([next_in[:, 1:-1], torch.ones_like(next_in[:, :2])], dim=1)
     return shifted.masked_fill(~(next_in & two_ahead), IGNORE_INDEX)
-
-
-class HeadSequences(NamedTuple):
-    """What the head reads and learns at each position of a micro-batch, each (B, S), built
-    on its whole sequences (``of``) before a plan splits them: under context parallel a
-    rank's part ends where the next token and the token two ahead lie in another's (and a
-    head-tail part is two ranges), so the rank receives these split as its tokens."""
-
-    ids: torch.Tensor
-    """The next tokens' ids (``NextTokens.ids``)."""
-    keep: torch.Tensor | None
-    """Whether the next token lies in the same document (``NextTokens.keep``)."""
-    targets: torch.Tensor
-    """The head's targets (``mtp_labels``)."""
-
-    @staticmethod
-    def of(batch: Batch) -> HeadSequences:
-        upcoming = NextTokens.of(batch.inputs, batch.documents)
-        return HeadSequences(upcoming.ids, upcoming.keep, mtp_labels(batch.labels, batch.documents))
-
-    @property
-    def upcoming(self) -> NextTokens:
-        """The model's input of them (``Qwen35.forward(..., upcoming=)``)."""
-        return NextTokens(self.ids, self.keep)
 
 
 def vocab_argmax(logits: torch.Tensor) -> torch.Tensor:
