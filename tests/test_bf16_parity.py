@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from autopar.cli.parity import Case, PlanRun, plan_job, relative_deltas, run_cases, run_job, run_plans
+from autopar.cli.parity import Case, PlanRun, plan_job, relative_deltas, run_cases, run_job, run_plan
 from autopar.cli.spawn import run_on_ranks
 
 from jobs import tiny_job
@@ -89,7 +89,7 @@ def with_unsummed_input_gradients(jobs):
         return _ForgetSum.apply(prepare(input_layouts, desired_input_layouts, mod, inputs, device_mesh))
 
     ColwiseParallel._prepare_input_fn = staticmethod(forgetful)
-    return run_plans(jobs)
+    return [run_plan(plan, job) for plan, job in jobs]
 
 
 def bf16_runs(tmp, plans: list[str], lora_plans: list[str]) -> tuple[dict, tuple[float, float]]:

@@ -343,21 +343,3 @@ def test_plot_without_matplotlib_says_what_to_install(tmp_path, monkeypatch, cap
         main([str(tmp_path / "metrics.jsonl"), "-o", str(tmp_path / "curves.png")])
     assert exit_.value.code == 2
     assert "plotting needs matplotlib: pip install matplotlib" in capsys.readouterr().err
-
-
-def _barrier_unless_killed(victim: int) -> None:
-    import signal
-
-    import torch.distributed as dist
-
-    if dist.get_rank() == victim:
-        os.kill(os.getpid(), signal.SIGKILL)
-    dist.barrier()
-
-
-def test_a_rank_killed_without_a_traceback_is_named_beside_its_peers_error():
-    from autopar.cli.spawn import run_on_ranks
-
-    with pytest.raises(RuntimeError) as failure:
-        run_on_ranks(_barrier_unless_killed, 2, 1, timeout_s=120)
-    assert "rank 1" in str(failure.value) and "code -9" in str(failure.value), str(failure.value)

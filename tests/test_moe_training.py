@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from autopar.cli.parity import Case, PlanRun, plan_job, relative_deltas, run_cases, run_job, run_plans
-from autopar.cli.spawn import run_on_ranks
 from autopar.data.loader import IGNORE_INDEX, StepLoader
 from autopar.models import get_flavor
 from autopar.models.moe import Experts, load_balancing_loss
@@ -224,7 +223,7 @@ def expert_resharded(tmp_path_factory):
         ("ep1", _resume_job(tmp / "b", ep1)),
         ("ep1->ep2", _resume_job(tmp / "b", ep2, load_step=3)),
     ]
-    return {r.plan: r for r in run_on_ranks(run_plans, 2, jobs)[0]}
+    return {r.plan: r for r in run_plans(jobs, 2)}
 
 
 @pytest.mark.slow

@@ -12,7 +12,6 @@ import copy
 import pytest
 
 from autopar.cli.parity import Case, relative_deltas, run_cases, run_plans
-from autopar.cli.spawn import run_on_ranks
 
 from jobs import FP32_LOSS_RTOL, FP32_NORM_RTOL, assert_fp32_parity, tiny_job
 
@@ -118,7 +117,7 @@ def resharded(tmp_path_factory):
         ("lora tp", _resume_job(tmp / "c", [*TP2, *LORA])),
         ("lora tp->fsdp", _resume_job(tmp / "c", [*FSDP2, *LORA], load_step=3)),
     ]
-    runs = {r.plan: r for r in run_on_ranks(run_plans, 2, copy.deepcopy(jobs))[0]}
+    runs = {r.plan: r for r in run_plans(copy.deepcopy(jobs), 2)}
     return runs
 
 

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from autopar.cli.parity import Case, relative_deltas, run_cases, run_plans
-from autopar.cli.spawn import run_on_ranks
 from autopar.config import ConfigError
 from autopar.models import Qwen, build_model, get_flavor
 from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, rank_actions, rank_stage_gathers
@@ -328,7 +327,7 @@ def test_checkpoint_saved_under_pp2_resumes_without_pipelining(tmp_path):
             ),
         ),
     ]
-    runs = {r.plan: r for r in run_on_ranks(run_plans, 2, copy.deepcopy(jobs))[0]}
+    runs = {r.plan: r for r in run_plans(copy.deepcopy(jobs), 2)}
     uninterrupted, resumed = runs["pp2"], runs["pp2->fsdp2"]
     assert len(resumed.losses) == 3
     assert max(relative_deltas(resumed.losses, uninterrupted.losses[3:])) <= 1e-5

@@ -9,7 +9,6 @@ import json
 import pytest
 
 from autopar.cli.parity import run_plans
-from autopar.cli.spawn import run_on_ranks
 from autopar.config import ConfigError
 from autopar.data.prompts import stop_ids
 from autopar.data.tokenizer import build_tokenizer
@@ -95,7 +94,8 @@ def test_fsdp_and_tp_ranks_sample_what_one_process_samples(tmp_path):
         (plan, sampling_job(tmp_path / plan, "--training.global_batch_size", "4", *flags))
         for plan, flags in plans.items()
     ]
-    run_on_ranks(run_plans, 2, copy.deepcopy(jobs))
+    for run in run_plans(copy.deepcopy(jobs), 2):
+        assert run.losses  # a plan whose ranks failed raises here, with their text
     expected = [(r["step"], r["new_ids"]) for r in sample_records(tmp_path / "one")]
     for plan in plans:
         assert [(r["step"], r["new_ids"]) for r in sample_records(tmp_path / plan)] == expected, plan

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from autopar.cli.parity import run_plans
-from autopar.cli.spawn import run_on_ranks
 from autopar.config import ConfigError
 from autopar.data.tokenizer import build_tokenizer
 from autopar.data.tokens import BUILTIN_DATASETS, load_tokens
@@ -99,16 +98,18 @@ def plan_val_losses(tmp_path_factory):
         )
         for plan, flags in PLANS.items()
     ]
-    run_on_ranks(run_plans, 2, copy.deepcopy(jobs))
-    return val_records(tmp / "one"), {plan: val_records(tmp / plan) for plan in PLANS}
+    ran = {run.plan: run for run in run_plans(copy.deepcopy(jobs), 2)}
+    return val_records(tmp / "one"), {plan: (ran[plan], val_records(tmp / plan)) for plan in PLANS}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("plan", PLANS)
 def test_val_loss_under_a_plan_equals_one_device(plan_val_losses, plan):
     reference, runs = plan_val_losses
-    assert [r["step"] for r in runs[plan]] == [2, 4]
-    for ours, theirs in zip(runs[plan], reference):
+    run, records = runs[plan]
+    assert run.losses  # a plan whose ranks failed raises here, with their text
+    assert [r["step"] for r in records] == [2, 4]
+    for ours, theirs in zip(records, reference):
         assert ours["val_tokens"] == theirs["val_tokens"]
         assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-5)
 

@@ -49,6 +49,28 @@ class PlanRun:
     grad_norms: list[float]
 
 
+class PlanFailed(AssertionError):
+    """A plan's ranks failed or crashed: the check that reads its numbers fails with their text."""
+
+
+@dataclass(frozen=True)
+class FailedRun:
+    """A plan whose ranks raised or died; reading its numbers raises ``PlanFailed``, so each
+    check of it fails on its own while the other plans of its group are checked."""
+
+    plan: str
+    world_size: int
+    text: str
+
+    @property
+    def losses(self) -> list[float]:
+        raise PlanFailed(f"plan {self.plan!r} failed on its ranks:\n{self.text}")
+
+    @property
+    def grad_norms(self) -> list[float]:
+        return self.losses
+
+
 def plan_overrides(plan: str) -> list[str]:
     """A plan's ``key=value`` items as job overrides: short keys expanded, unset degrees 1."""
     overrides = [f"{SHORT_KEYS[key]}=1" for key in _DEGREES]
@@ -92,14 +114,26 @@ def run_job(job: JobConfig) -> tuple[list[float], list[float]]:
     return [r.loss for r in records], [r.grad_norm for r in records]
 
 
-def run_plans(jobs: list[tuple[str, JobConfig]]) -> list[PlanRun]:
-    """Train each (plan, job) in turn on this rank's process group (or alone)."""
+def run_plan(plan: str, job: JobConfig) -> PlanRun:
+    """Train ``job`` under ``plan`` on this rank's process group (or alone)."""
     logging.getLogger("autopar").setLevel(logging.WARNING)
-    runs = []
-    for plan, job in jobs:
-        losses, norms = run_job(job)
-        runs.append(PlanRun(plan, world_size(job), losses, norms))
-    return runs
+    losses, norms = run_job(job)
+    return PlanRun(plan, world_size(job), losses, norms)
+
+
+def run_plans(jobs: list[tuple[str, JobConfig]], size: int) -> list[PlanRun | FailedRun]:
+    """Each (plan, job) in turn: in this process for one rank, else on ``size`` spawned ranks
+    sharing one process group, where a plan whose ranks fail or crash is a ``FailedRun``
+    and fresh ranks go on with the plans after it."""
+    from autopar.cli.spawn import RankFailure, run_each_on_ranks
+
+    if size == 1:
+        return [_in_this_process(run_plan, plan, job) for plan, job in jobs]
+    outcomes = run_each_on_ranks(run_plan, size, jobs)
+    return [
+        FailedRun(plan, size, outcome.text) if isinstance(outcome, RankFailure) else outcome[0]
+        for (plan, _), outcome in zip(jobs, outcomes, strict=True)
+    ]
 
 
 @dataclass(frozen=True)
@@ -110,11 +144,9 @@ class Case:
     plan: str
 
 
-def run_cases(cases: list[Case], steps: int) -> list[tuple[PlanRun, PlanRun]]:
+def run_cases(cases: list[Case], steps: int) -> list[tuple[PlanRun, PlanRun | FailedRun]]:
     """(single-device reference, plan run) per case. All plans of one world size run in one
     process group, whatever their base job; every job is validated before anything runs."""
-    from autopar.cli.spawn import run_on_ranks
-
     with tempfile.TemporaryDirectory(prefix="autopar-parity-") as tmp:
         keyed = [
             (to_toml(c.base), plan_job(c.base, c.plan, steps, f"{tmp}/case{i}")) for i, c in enumerate(cases)
@@ -141,13 +173,9 @@ def run_cases(cases: list[Case], steps: int) -> list[tuple[PlanRun, PlanRun]]:
         by_size: dict[int, list[int]] = {}
         for i, (_, job) in enumerate(jobs):
             by_size.setdefault(world_size(job), []).append(i)
-        runs: dict[int, PlanRun] = {}
+        runs: dict[int, PlanRun | FailedRun] = {}
         for size, indices in sorted(by_size.items()):
-            group = [(cases[i].plan, jobs[i][1]) for i in indices]
-            results = (
-                _in_this_process(run_plans, group) if size == 1 else run_on_ranks(run_plans, size, group)[0]
-            )
-            runs.update(zip(indices, results))
+            runs.update(zip(indices, run_plans([(cases[i].plan, jobs[i][1]) for i in indices], size)))
     return [(reference_runs[jobs[i][0]], runs[i]) for i in range(len(cases))]
 
 
@@ -180,16 +208,22 @@ def relative_deltas(values: list[float], reference: list[float]) -> list[float]:
     return [abs(v - r) / max(abs(r), 1e-12) for v, r in zip(values, reference)]
 
 
-def report(reference: PlanRun, runs: list[PlanRun], rtol: float) -> tuple[str, bool]:
-    """A table of the largest per-step relative deltas; whether every plan is within rtol."""
+def report(reference: PlanRun, runs: list[PlanRun | FailedRun], rtol: float) -> tuple[str, bool]:
+    """A table of the largest per-step relative deltas; whether every plan is within rtol (a
+    plan whose ranks failed says so, and why, beneath the table)."""
     header = f"{'plan':32} {'ranks':>5} {'max rel d(loss)':>16} {'max rel d(grad norm)':>21}  verdict"
     lines = [header, "-" * len(header)]
     lines.append(
         f"{reference.plan:32} {1:>5} {'(reference)':>16} {'':>21}  losses "
         + " ".join(f"{x:.5f}" for x in reference.losses)
     )
-    ok = True
+    ok, failures = True, []
     for run in runs:
+        if isinstance(run, FailedRun):
+            ok = False
+            lines.append(f"{run.plan:32} {run.world_size:>5} {'(ranks failed)':>16} {'':>21}  FAIL")
+            failures.append(f"\n{run.plan}: {run.text}")
+            continue
         d_loss = max(relative_deltas(run.losses, reference.losses))
         d_norm = max(relative_deltas(run.grad_norms, reference.grad_norms))
         passed = d_loss <= rtol and d_norm <= rtol and len(run.losses) == len(reference.losses)
@@ -197,7 +231,7 @@ def report(reference: PlanRun, runs: list[PlanRun], rtol: float) -> tuple[str, b
         lines.append(
             f"{run.plan:32} {run.world_size:>5} {d_loss:>16.2e} {d_norm:>21.2e}  {'ok' if passed else 'FAIL'}"
         )
-    return "\n".join(lines), ok
+    return "\n".join(lines + failures), ok
 
 
 def main(argv: list[str] | None = None) -> int:
