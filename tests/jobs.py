@@ -319,3 +319,27 @@ def one_process_trainer(job: JobConfig):
     from autopar.training.trainer import Trainer
 
     return Trainer(job, check_job(job, 1), single_process())
+
+
+class Crashed:
+    """An item whose ranks raised or died (``spawn.RankFailure``): whatever a test reads of it
+    fails that test with the ranks' text, while the other items of its group are checked."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def _fail(self, *_: object) -> None:
+        from autopar.cli.parity import PlanFailed
+
+        raise PlanFailed(self.text)
+
+    __getattr__ = __iter__ = __getitem__ = _fail
+
+
+def each_on_ranks(fn, world_size: int, items: list[tuple]) -> list:
+    """``fn(*item)`` per item on spawned ranks sharing one group: rank 0's result each, or a
+    ``Crashed`` for an item whose ranks failed (fresh ranks run the items after it)."""
+    from autopar.cli.spawn import RankFailure, run_each_on_ranks
+
+    outcomes = run_each_on_ranks(fn, world_size, items)
+    return [Crashed(o.text) if isinstance(o, RankFailure) else o[0] for o in outcomes]

@@ -24,7 +24,7 @@ from autopar.config.sections import JobConfig
 from autopar.data.chat import CHAT_EXAMPLE
 from autopar.training.metrics.logger import read_metrics
 
-from jobs import FP32_LOSS_RTOL, FP32_NORM_RTOL, one_process_trainer
+from jobs import FP32_LOSS_RTOL, FP32_NORM_RTOL, Crashed, each_on_ranks, one_process_trainer
 
 STEPS = 2
 HELD_OUT = (
@@ -91,21 +91,19 @@ def train_recording_gradients(trainer) -> dict[str, np.ndarray]:
     return steps[0]
 
 
-def train_plans(jobs: list[JobConfig]) -> list[dict[str, np.ndarray]]:
-    """``train_recording_gradients`` of each job on this rank's process group."""
+def train_plan(job: JobConfig) -> dict[str, np.ndarray]:
+    """``train_recording_gradients`` of ``job`` on this rank's process group."""
     from autopar.parallel.world import init_world
     from autopar.training.preflight import check_job
     from autopar.training.trainer import Trainer
 
     world = init_world()
-    return [train_recording_gradients(Trainer(job, check_job(job, world.size), world)) for job in jobs]
+    return train_recording_gradients(Trainer(job, check_job(job, world.size), world))
 
 
 def cp_runs(folder, cases: dict) -> dict[str, tuple[tuple, tuple]]:
     """case -> ((one device's metrics by name, its first step's gradients), (the plan's)),
     the plans in one process group."""
-    from autopar.cli.spawn import run_on_ranks
-
     plans, references = [], []
     for i, (build, flags, plan) in enumerate(cases.values()):
         base = build(folder / f"base{i}", *flags)
@@ -118,11 +116,12 @@ def cp_runs(folder, cases: dict) -> dict[str, tuple[tuple, tuple]]:
         plans.append(job)
         references.append(reference)
     (size,) = {world_size(job) for job in plans}
-    plan_grads = run_on_ranks(train_plans, size, plans)[0]
+    plan_grads = each_on_ranks(train_plan, size, [(job,) for job in plans])
     runs = {}
     for case, job, reference, grads in zip(cases, plans, references, plan_grads):
         reference_grads = train_recording_gradients(one_process_trainer(reference))
-        runs[case] = ((metrics_of(reference), reference_grads), (metrics_of(job), grads))
+        ran = grads if isinstance(grads, Crashed) else (metrics_of(job), grads)
+        runs[case] = ((metrics_of(reference), reference_grads), ran)
     return runs
 
 

@@ -22,7 +22,7 @@ from test_mtp_float8 import FSDP_CASES as FP8_FSDP_CASES
 from test_mtp_float8 import HEAVY_CASES as FP8_HEAVY_CASES
 
 from autopar.cli.parity import Case, plan_job, run_cases
-from autopar.cli.spawn import run_on_ranks
+from autopar.cli.spawn import RankFailure, run_each_on_ranks
 from autopar.config import ConfigError
 from autopar.data.chat import CHAT_EXAMPLE, CHATML_TOKENIZER
 from autopar.data.loader import IGNORE_INDEX
@@ -37,6 +37,7 @@ from jobs import (
     CHAT_VOCAB,
     QWEN3_5_TEXT,
     QWEN3_5_VISION,
+    Crashed,
     ac_flags,
     assert_fp32_parity,
     hf_folder_flags,
@@ -398,21 +399,16 @@ PIPELINE_STEP = (
 rounds), validated after the last step."""
 
 
-def train_and_keep(jobs: list) -> list[dict]:
+def train_and_keep(job) -> dict:
     """Train each job on this rank's process group; this rank's weights after each (as
     arrays: tensors cannot leave a spawned rank through its queue)."""
     from autopar.parallel.world import init_world
     from autopar.training.trainer import Trainer
 
     world = init_world()
-    weights = []
-    for job in jobs:
-        trainer = Trainer(job, check_job(job, world.size), world)
-        trainer.train()
-        weights.append(
-            {n: p.detach().numpy().copy() for part in trainer.parts for n, p in part.named_parameters()}
-        )
-    return weights
+    trainer = Trainer(job, check_job(job, world.size), world)
+    trainer.train()
+    return {n: p.detach().numpy().copy() for part in trainer.parts for n, p in part.named_parameters()}
 
 
 def step_metrics(folder: Path) -> list[dict]:
@@ -434,13 +430,15 @@ def pipeline_runs(tmp_path_factory):
             weights = {n: p.detach().clone() for n, p in trainer.parts[0].named_parameters()}
             references[key] = (step_metrics(folder / f"{case}-one"), weights)
         jobs.append(plan_job(base, plan, 3, str(folder / f"{case}-pp")))
-    by_rank = run_on_ranks(train_and_keep, 2, jobs)
+    outcomes = run_each_on_ranks(train_and_keep, 2, [(job,) for job in jobs])
     return {
         case: (
             references[(flags, tuple(model.items()))],
-            (step_metrics(folder / f"{case}-pp"), [weights[i] for weights in by_rank]),
+            Crashed(ran.text)
+            if isinstance(ran, RankFailure)
+            else (step_metrics(folder / f"{case}-pp"), ran),  # weights by rank
         )
-        for i, (case, (flags, model, _)) in enumerate(PIPELINE_CASES.items())
+        for (case, (flags, model, _)), ran in zip(PIPELINE_CASES.items(), outcomes, strict=True)
     }
 
 
