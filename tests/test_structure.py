@@ -60,6 +60,7 @@ def test_every_module_imports_on_its_own_in_a_fresh_interpreter():
 
 FLOORS = {
     "autopar.config": ("autopar.config",),
+    "autopar.rewards": ("autopar.rewards",),
     "autopar.models": ("autopar.models",),
     "autopar.data": ("autopar.config", "autopar.data"),
     "autopar.parallel": ("autopar.config", "autopar.models", "autopar.data", "autopar.parallel"),

@@ -84,12 +84,14 @@ class Training:
     (Arrow), or a prepared .bin; overrides training.dataset."""
     dataset_blend: list[str] = field(default_factory=list)
     """Weighted blend of prepared datasets as 'weight:path' items; overrides the two above."""
-    dataset_format: Literal["text", "chat", "preference"] = "text"
+    dataset_format: Literal["text", "chat", "preference", "prompts"] = "text"
     """text: documents (.txt, .jsonl "text", a table's text column, prepared tokens); chat:
     conversations in .jsonl lines or table rows ({"messages": [...], "tools": [...]} or
     ShareGPT's "conversations") rendered with the chat template; preference: TRL's
     prompt / chosen / rejected records (plain text or conversational) trained by [dpo], the
-    batch sizes then counting pairs."""
+    batch sizes then counting pairs; prompts: TRL's prompt-only records (text or messages,
+    other columns passed to the reward functions) trained on-policy by [rl], the batch sizes
+    then counting completions."""
     dataset_text_field: str = "text"
     """With text data: the .jsonl key or the Parquet / Arrow column that holds each document."""
     chat_template: str | None = None
@@ -338,6 +340,61 @@ class DPO:
 
 
 @dataclass
+class RL:
+    """On-policy RL with verifiable rewards (GRPO and its variants), TRL's GRPOConfig names:
+    each step samples num_generations completions per prompt on the job's own weights under
+    its plan, scores them, and trains num_iterations steps on them (docs/rl.md)."""
+
+    reward_funcs: list[str] = field(default_factory=list)
+    """Reward functions as "package.module:function" or "path/to/file.py:function", each
+    f(prompts, completions, completion_ids, **columns) -> list[float | None] (TRL's); the
+    shipped ones are in autopar.rewards."""
+    reward_weights: list[float] | None = None
+    """One weight per reward function; unset: 1 each."""
+    num_generations: int = 8
+    """Completions sampled per prompt (a group); divides training.global_batch_size."""
+    max_completion_length: int = 512
+    """Most new tokens per completion (it ends earlier at end of text or the end of the turn)."""
+    temperature: float = 1.0
+    """Sampling temperature; the log-probabilities the loss reads are at it too (TRL's)."""
+    top_p: float = 1.0
+    """Sample among the likeliest tokens whose probabilities reach top_p together; 1: all."""
+    top_k: int = 0
+    """Sample among the top_k likeliest tokens; 0: all."""
+    num_iterations: int = 1
+    """Optimizer steps on each batch of completions (GRPO's mu) before sampling the next."""
+    loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo", "cispo"] = "dapo"
+    """TRL's loss types: dapo (tokens of the whole batch), grpo (per-sequence means), dr_grpo
+    (over max_completion_length), bnpo (tokens per micro-batch), cispo (clipped IS weights)."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """token: a ratio per token (GRPO); sequence: one per completion, its tokens' mean log
+    ratio (GSPO)."""
+    epsilon: float = 0.2
+    """Lower clipping bound of the ratio (1 - epsilon)."""
+    epsilon_high: float | None = None
+    """Upper clipping bound (1 + epsilon_high; cispo: the ratio's cap); unset: epsilon."""
+    delta: float | None = None
+    """Upper clamp of the unclipped ratio (two-sided clipping); unset: none."""
+    beta: float = 0.0
+    """Weight of the k3 KL to a reference (needs reference); 0: no reference is held."""
+    use_bias_correction_kl: bool = True
+    """With beta > 0: the KL term times the importance ratio (TRL's default, DeepSeek-V3.2's
+    unbiased reverse-KL gradient)."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Advantages divided by the group's reward std (group), the batch's (batch), or not at all."""
+    mask_truncated_completions: bool = False
+    """Completions cut at max_completion_length take no part in the loss."""
+    reference: Literal["copy", "adapters_off"] = "copy"
+    """With beta > 0: a frozen copy of the weights (reference_path's, else the initial ones), or
+    with LoRA the policy with its adapters bypassed."""
+    reference_path: str | None = None
+    """The reference's weights (an HF folder or a DCP checkpoint); unset: the initial weights."""
+    replay: str | None = None
+    """A rollouts file (<dump_folder>/rollouts/step-N.jsonl) or a folder of them: sample
+    nothing, train step N on the records of step N (training.dataset may be unset)."""
+
+
+@dataclass
 class MTP:
     """Qwen3.5's multi-token-prediction head trained with the model (docs/qwen3_5.md)."""
 
@@ -465,6 +522,7 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     lora: LoRA = field(default_factory=LoRA)
     dpo: DPO = field(default_factory=DPO)
+    rl: RL = field(default_factory=RL)
     mtp: MTP = field(default_factory=MTP)
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)

@@ -251,7 +251,9 @@ def check_training_data(
     except DataError as err:
         raise ConfigError(f"model.tokenizer_path: {err}") from None
     try:
-        columns = None if cfg.dataset_format == "preference" else table_columns(cfg)  # read when loaded
+        columns = (
+            None if cfg.dataset_format in ("preference", "prompts") else table_columns(cfg)
+        )  # read when loaded
         check_data(cfg.dataset, cfg.dataset_path, cfg.dataset_blend, columns=columns)
     except DataError as err:
         raise ConfigError(str(err)) from None

@@ -122,28 +122,34 @@ class PairEncoder:
 
     def _chat_ids(self, record: PreferenceRecord, where: str) -> tuple[list[int], list[int], list[int]]:
         tokenizer = _tokenizer(self.tokenizer_path)
+        extra = (record.tools, record.chat_template_kwargs)
         texts = [
-            self._render(record, record.prompt, True, where),
-            self._render(record, record.prompt + record.chosen, False, where),
-            self._render(record, record.prompt + record.rejected, False, where),
+            self.render(record.prompt, *extra, True, where),
+            self.render(record.prompt + record.chosen, *extra, False, where),
+            self.render(record.prompt + record.rejected, *extra, False, where),
         ]
         return tuple(tokenizer.encode(text, add_special_tokens=False).ids for text in texts)  # type: ignore[return-value]
 
-    def _render(
-        self, record: PreferenceRecord, messages: list[dict[str, Any]], generation_prompt: bool, where: str
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any] | None,
+        generation_prompt: bool,
+        where: str,
     ) -> str:
         """The conversation as ``apply_chat_template`` writes it: the tokenizer's special tokens
-        and the record's ``chat_template_kwargs`` as template variables (the latter win)."""
-        with_tools = record.tools is not None
+        and a record's ``chat_template_kwargs`` as template variables (the latter win)."""
+        with_tools = tools is not None
         if with_tools not in self._templates:
-            self._templates[with_tools] = template_text(self.tokenizer_path, self.chat.template, record.tools)
-        variables = {**self.specials, **(record.chat_template_kwargs or {})}
+            self._templates[with_tools] = template_text(self.tokenizer_path, self.chat.template, tools)
+        variables = {**self.specials, **(template_kwargs or {})}
         try:
             return _compiled(self._templates[with_tools]).render(
                 **{
                     **variables,
                     "messages": with_reasoning_aliases(messages),
-                    "tools": record.tools,
+                    "tools": tools,
                     "documents": None,
                     "add_generation_prompt": generation_prompt,
                 }

@@ -27,6 +27,7 @@ FORMAT_VERSION = 1
 BUILTIN_DATASETS = {
     "autopar_corpus": Path(__file__).parent / "corpus",
     "preference_example": Path(__file__).parent / "preference_example" / "pairs.jsonl",
+    "rl_example": Path(__file__).parent / "rl_example" / "prompts.jsonl",
 }
 """Datasets shipped with autopar, by the name ``training.dataset`` uses."""
 

@@ -17,6 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch import nn
 from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
@@ -58,6 +59,10 @@ LEANED_ON = {
     ("torch.distributed.distributed_c10d", "_set_pg_timeout"): "set_group_timeouts",
     ("torch.distributed.device_mesh", "DeviceMesh._unflatten"): "mesh: one world mesh, several views",
     ("torch.distributed.device_mesh", "DeviceMesh._flatten"): "mesh: the loss view",
+    (
+        "torch.distributed.fsdp._fully_shard._fsdp_param_group",
+        "FSDPParamGroup.post_forward_mesh_info",
+    ): "RL rollouts: FSDP's weights kept gathered, then its own resharding back",
     ("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"): "forget_sharding_caches",
     ("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear"): "forget_sharding_caches",
     ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache"): "forget_sharding_caches",
@@ -225,3 +230,25 @@ def static_shapes() -> contextlib.AbstractContextManager:
     dynamic sizes when a second shape arrives: a graph per batch, as a job compiling its one
     shape gets (the probe times two batches on one compiled model)."""
     return torch._dynamo.config.patch(automatic_dynamic_shapes=False)
+
+
+@contextlib.contextmanager
+def fsdp_weights_gathered(modules: list[nn.Module]) -> Iterator[None]:
+    """Every FSDP2 module among ``modules`` gathered once and kept gathered through the block
+    (no reshard after each forward, so forwards run without FSDP's collectives), then resharded
+    and given back its own reshard-after-forward setting (FSDP2 has a setter, no getter: the
+    setting lives in each param group's ``post_forward_mesh_info``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = [m for m in modules if isinstance(m, FSDPModule)]
+    saved = [[g.post_forward_mesh_info for g in m._get_fsdp_state()._fsdp_param_groups] for m in fsdp]
+    for module in fsdp:
+        module.unshard()
+        module.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module, infos in zip(fsdp, saved, strict=True):
+            for group, info in zip(module._get_fsdp_state()._fsdp_param_groups, infos, strict=True):
+                group.post_forward_mesh_info = info
+            module.reshard()

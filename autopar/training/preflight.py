@@ -33,6 +33,7 @@ from autopar.training.metrics.profiling import check_profiling
 from autopar.training.metrics.sinks import check_wandb
 from autopar.training.objectives.dpo.job import check_preference, is_preference
 from autopar.training.objectives.mtp.checks import check_mtp
+from autopar.training.objectives.rl.job import check_rl
 from autopar.training.resolve import model_args, tokenizer_path
 from autopar.training.validation import check_validation
 
@@ -88,6 +89,7 @@ def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: st
     check_expert_kernel(job, args, device_type)
     check_delta_rule_kernel(job, args, device_type)
     check_preference(job, dims, args)
+    check_rl(job, dims, args)
     check_mtp(job, args, dims)
     return dims
 

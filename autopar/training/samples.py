@@ -9,19 +9,23 @@ from autopar.config.sections import JobConfig
 from autopar.data.dataset import PackedWindows, SampleSource
 from autopar.data.loader import StepLoader, build_samples
 from autopar.data.pair_batches import PairLoader, PairSource
+from autopar.data.prompt_records import PromptSource
 from autopar.data.tokenizer import Tokenizer
 from autopar.parallel.mesh import Meshes
 from autopar.training.objectives.dpo.job import is_preference, pair_loader, pair_validator, preference_source
+from autopar.training.objectives.rl.job import is_rl, prompt_source
 from autopar.training.resolve import chat_format, tokenizer_path
 from autopar.training.step import TrainStep
 from autopar.training.validation import Validator, validation_samples, window_validator
 
 
-def job_samples(job: JobConfig, tokenizer: Tokenizer) -> SampleSource | PairSource:
+def job_samples(job: JobConfig, tokenizer: Tokenizer) -> SampleSource | PairSource | PromptSource:
     """The samples of the job's ``[training]`` data (read now: bad data is refused here)."""
     training = job.training
     if is_preference(job):
         return preference_source(job, tokenizer_path(job), training.dataset, training.dataset_path)
+    if is_rl(job):
+        return prompt_source(job)
     return build_samples(
         training.dataset,
         training.dataset_path,

@@ -86,11 +86,12 @@ class Trainer:
         runner = PlanRunner(
             job, world, self.meshes, build_parts(args, job, self.meshes, world.device, initial)
         )
-        objective, self.reference = build_objective(job, args, runner, initial, samples)
-        """``reference``: a preference job's frozen reference copy (``dpo.reference = "copy"``)."""
-        self.train_step = TrainStep(runner, objective)
+        built = build_objective(job, args, runner, initial, samples)
+        self.reference = built.reference
+        """A frozen reference copy (DPO's ``reference = "copy"``, RL's with beta > 0)."""
+        self.train_step = TrainStep(runner, built.objective)
         self.parts, self.optimizers = self.train_step.parts, self.train_step.optimizers
-        self.loader = step_loader(job, samples, self.meshes, world.device)
+        self.loader = built.loader or step_loader(job, samples, self.meshes, world.device)
         self.validator = (
             validator(job, held_out, self.train_step, self.loader) if held_out is not None else None
         )

@@ -5,10 +5,11 @@ until every row stops or reaches its budget."""
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from typing import NamedTuple
 
 import torch
 
-from autopar.models.generation.sampling import Sampling, next_tokens
+from autopar.models.generation.sampling import Sampling, next_tokens, token_logps
 from autopar.models.generation.state import Decoder
 from autopar.models.qwen import Qwen
 
@@ -52,6 +53,14 @@ def prefill(decoder: Decoder, prompts: Sequence[Sequence[int]], rows: slice, chu
     return logits[:, -1]
 
 
+class Generated(NamedTuple):
+    tokens: list[list[int]]
+    """Each prompt's new tokens."""
+    logps: list[list[float]]
+    """Each new token's log-probability under the model at the sampling temperature (1 when
+    greedy), of the unfiltered distribution (top-k / top-p only choose among tokens)."""
+
+
 def generate(
     model: Qwen,
     prompts: Sequence[Sequence[int]],
@@ -69,12 +78,30 @@ def generate(
     (kept). Greedy at ``temperature`` 0, else sampled (see ``Sampling``). ``compiled``: the
     decode step runs through ``torch.compile`` (``Decoder.step``). ``on_token(row, token)``
     hears each token as it is chosen (streaming)."""
+    sampling = Sampling(temperature, top_k, top_p, seed)
+    return sample(
+        model, prompts, max_new_tokens, sampling, stop_ids, prefill_chunk, compiled, on_token
+    ).tokens
+
+
+def sample(
+    model: Qwen,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sampling: Sampling,
+    stop_ids: Collection[int] = (),
+    prefill_chunk: int = PREFILL_CHUNK,
+    compiled: bool = False,
+    on_token: Callable[[int, int], None] | None = None,
+    whole: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Generated:
+    """``generate``'s tokens, and each one's log-probability (``Generated``). ``whole``: makes
+    the model's last logits whole over the vocabulary where a plan splits them."""
     check_prompts(prompts, max_new_tokens, model.args.max_position_embeddings)
     if not prompts or max_new_tokens < 1:
-        return [[] for _ in prompts]
-    sampling = Sampling(temperature, top_k, top_p, seed)
+        return Generated([[] for _ in prompts], [[] for _ in prompts])
     device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(sampling.seed)
     length = max(len(p) for p in prompts) + max_new_tokens
     if compiled:  # lengths of the same multiple share the compiled step's shapes
         length = min(-(-length // COMPILED_LENGTHS) * COMPILED_LENGTHS, model.args.max_position_embeddings)
@@ -83,12 +110,16 @@ def generate(
     last = torch.cat([prefill(decoder, prompts[rows], rows, prefill_chunk) for rows in same_lengths(prompts)])
     position = torch.tensor([len(p) for p in prompts], device=device)  # (B,) where the next token goes
     new: list[list[int]] = [[] for _ in prompts]
+    logps: list[list[float]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     for step in range(max_new_tokens):
+        last = whole(last) if whole is not None else last
         chosen = next_tokens(last, sampling, generator)  # (B,)
-        for row, token in enumerate(chosen.tolist()):
+        chosen_logps = token_logps(last, chosen, sampling)
+        for row, (token, logp) in enumerate(zip(chosen.tolist(), chosen_logps.tolist())):
             if not done[row]:
                 new[row].append(token)
+                logps[row].append(logp)
                 done[row] = token in stop_ids
                 if on_token is not None:
                     on_token(row, token)
@@ -96,4 +127,4 @@ def generate(
             break
         last = decoder.step(chosen, position)
         position = position + 1
-    return new
+    return Generated(new, logps)

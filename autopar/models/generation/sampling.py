@@ -45,3 +45,11 @@ def next_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Gener
         return logits.argmax(dim=-1)
     probs = filtered_logits(logits, sampling).softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def token_logps(logits: torch.Tensor, tokens: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """(b,) each chosen token's log-probability from its row's logits (b, V), fp32, at the
+    sampling temperature (1 when greedy) over the whole vocabulary: what a training forward
+    scores the token at (TRL divides its logits by the temperature too)."""
+    scaled = logits.float() / (sampling.temperature if not sampling.greedy else 1.0)
+    return scaled.log_softmax(dim=-1).gather(-1, tokens[:, None])[:, 0]

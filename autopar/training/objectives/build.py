@@ -1,20 +1,33 @@
-"""Which objective a job trains: DPO for preference data, else language modelling (with
-Qwen3.5's multi-token-prediction head when ``[mtp]`` trains it)."""
+"""Which objective a job trains: DPO for preference data, on-policy RL for prompt-only data,
+else language modelling (with Qwen3.5's multi-token-prediction head when ``[mtp]`` trains it)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from torch import nn
 
 from autopar.config.sections import JobConfig
 from autopar.data.dataset import SampleSource
 from autopar.data.pair_batches import PairSource
+from autopar.data.prompt_records import PromptSource
 from autopar.models.args import ModelArgs
 from autopar.parallel.materialize import FullValue
 from autopar.training.objectives.base import Objective
 from autopar.training.objectives.dpo.job import preference_objective
 from autopar.training.objectives.language_model import LanguageModel
 from autopar.training.objectives.mtp.loss import MTPTraining
+from autopar.training.objectives.rl.engine import Rollouts
+from autopar.training.objectives.rl.job import rl_objective
 from autopar.training.plan_runner import PlanRunner
+
+
+class BuiltObjective(NamedTuple):
+    objective: Objective
+    reference: list[nn.Module]
+    """The model parts it adds: a frozen reference copy (DPO, RL with beta > 0), or none."""
+    loader: Rollouts | None = None
+    """What stands for the loader where the objective makes its own data (RL's rollouts)."""
 
 
 def build_objective(
@@ -22,10 +35,11 @@ def build_objective(
     args: ModelArgs,
     runner: PlanRunner,
     initial: FullValue,
-    samples: SampleSource | PairSource,
-) -> tuple[Objective, list[nn.Module]]:
-    """The job's objective over ``runner``'s parts, and the model parts it adds (a DPO
-    reference copy; none otherwise)."""
+    samples: SampleSource | PairSource | PromptSource,
+) -> BuiltObjective:
+    """The job's objective over ``runner``'s parts."""
     if isinstance(samples, PairSource):
-        return preference_objective(runner, job, args, initial, samples)
-    return LanguageModel(runner, MTPTraining.of(job)), []
+        return BuiltObjective(*preference_objective(runner, job, args, initial, samples))
+    if isinstance(samples, PromptSource):
+        return BuiltObjective(*rl_objective(runner, job, args, initial, samples))
+    return BuiltObjective(LanguageModel(runner, MTPTraining.of(job)), [])

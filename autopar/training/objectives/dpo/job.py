@@ -141,8 +141,9 @@ def _check_pipelined(job: JobConfig, args: ModelArgs) -> None:
     check_forward_only_schedule(job.parallelism, "training.dataset_format='preference'")
 
 
-def _reference_values(job: JobConfig, args: ModelArgs, device: torch.device, initial: FullValue) -> FullValue:
-    path = job.dpo.reference_path
+def _reference_values(
+    path: str | None, args: ModelArgs, device: torch.device, initial: FullValue
+) -> FullValue:
     if path is not None and (Path(path) / CONFIG_FILE).is_file():
         return tensor_values(HFTensors(path, args), device)
     return initial
@@ -153,9 +154,9 @@ def load_model(parts: list[nn.Module], path: str) -> None:
     run_dcp(dcp.load, {"model": ModelState(parts, "all")}, path)
 
 
-def reference_dcp(job: JobConfig) -> str | None:
-    """The DCP folder the reference's weights come from, if any (else HF or the initial values)."""
-    path = job.dpo.reference_path
+def reference_dcp(job: JobConfig, path: str | None) -> str | None:
+    """The DCP folder the reference's weights come from, if any (else HF or the initial values):
+    ``path`` (the job's reference_path), else the initial DCP checkpoint."""
     if path is not None:
         return None if (Path(path) / CONFIG_FILE).is_file() else path
     checkpoint = job.checkpoint
@@ -163,13 +164,18 @@ def reference_dcp(job: JobConfig) -> str | None:
 
 
 def build_reference_copy(
-    args: ModelArgs, job: JobConfig, meshes: Meshes, device: torch.device, initial: FullValue
+    args: ModelArgs,
+    job: JobConfig,
+    meshes: Meshes,
+    device: torch.device,
+    initial: FullValue,
+    path: str | None,
 ) -> list[nn.Module]:
     """The frozen reference: the model under the job's plan (without LoRA), holding the
-    reference's weights; no optimizer state, no gradients. A DCP source is loaded by the
-    caller (``reference_dcp``)."""
+    reference's weights (an HF folder at ``path``, else ``initial``); no optimizer state, no
+    gradients. A DCP source is loaded by the caller (``reference_dcp``)."""
     plain = dataclasses.replace(job, lora=dataclasses.replace(job.lora, enable=False))
-    built = build_parts(args, plain, meshes, device, _reference_values(job, args, device, initial))
+    built = build_parts(args, plain, meshes, device, _reference_values(path, args, device, initial))
     for part in built.parts:
         part.requires_grad_(False)
     return built.parts
@@ -229,8 +235,8 @@ def all_adapters_off(parts: list[nn.Module]) -> Iterator[None]:
 def reference_copy(
     runner: PlanRunner, job: JobConfig, args: ModelArgs, initial: FullValue
 ) -> list[nn.Module]:
-    copy = build_reference_copy(args, job, runner.meshes, runner.device, initial)
-    dcp_path = reference_dcp(job)
+    copy = build_reference_copy(args, job, runner.meshes, runner.device, initial, job.dpo.reference_path)
+    dcp_path = reference_dcp(job, job.dpo.reference_path)
     if dcp_path is not None:
         load_model(copy, dcp_path)
     logger.info("DPO reference: a frozen copy of %s", job.dpo.reference_path or "the initial weights")

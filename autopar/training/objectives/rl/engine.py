@@ -1,0 +1,349 @@
+"""The RL step's data: completions sampled on the job's own weights under its plan, scored,
+given advantages, kept, and packed into the micro-batches the policy loss trains on.
+
+``Rollouts`` stands where a loader stands: ``next_step()`` returns this rank's micro-batches.
+Every ``num_iterations`` steps it samples anew: ``global_batch_size / num_generations``
+prompts a step, split over the data-parallel ranks, ``num_generations`` completions each, from
+the model parts being trained (``PlanRunner``), with the sampler's log-probabilities as pi_old.
+The ranks' rewards are gathered so advantages are the whole batch's (TRL's), each rank keeps
+its own completions, and the main rank writes the step's to ``rollouts/step-N.jsonl``. With
+``rl.replay`` it samples nothing: step N trains on the file's records of step N.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from autopar.config.sections import JobConfig
+from autopar.data.errors import DataError
+from autopar.data.loader import Batch
+from autopar.data.prompt_records import PromptRecord
+from autopar.models.generation.generate import sample
+from autopar.models.generation.sampling import Sampling
+from autopar.parallel.torch_internals import fsdp_weights_gathered
+from autopar.training.objectives.rl.rollouts import (
+    Completion,
+    Packed,
+    pack_micro_batch,
+    rollout_file,
+    write_rollouts,
+)
+from autopar.training.objectives.rl.scoring import Advantages, Reward, advantages, nanstd, score
+from autopar.training.plan_runner import PlanRunner
+
+logger = logging.getLogger("autopar")
+
+ReferenceTokens = Callable[[list[Batch]], list[torch.Tensor]]
+"""Packed micro-batches -> each one's (R, S) reference log-probability of every label."""
+
+
+class Rollouts:
+    """This rank's RL micro-batches, step after step (a loader)."""
+
+    def __init__(
+        self,
+        job: JobConfig,
+        runner: PlanRunner,
+        prompts: Sequence[PromptRecord],
+        rewards: Sequence[Reward],
+        text: Callable[[list[int]], str],
+        stop_ids: set[int],
+        pad_id: int,
+        reference: ReferenceTokens | None = None,
+        replay: dict[int, list[Completion]] | None = None,
+    ) -> None:
+        self.job, self.runner, self.prompts, self.rewards = job, runner, prompts, rewards
+        self.text, self.stop_ids, self.pad_id, self.reference, self.replay = (
+            text,
+            stop_ids,
+            pad_id,
+            reference,
+            replay,
+        )
+        cfg, training = job.rl, job.training
+        dims = runner.dims
+        self.global_batch = (
+            training.global_batch_size
+            if training.global_batch_size > 0
+            else training.local_batch_size * dims.dp
+        )
+        self.local_batch = training.local_batch_size
+        dp_mesh = runner.meshes.get("dp")
+        self.dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
+        self.dp_size = dims.dp
+        self.dp_group = dp_mesh.get_group() if dp_mesh is not None and dims.dp > 1 else None
+        self.device = runner.device
+        self.groups = self.global_batch // cfg.num_generations
+        """Prompts a rollout samples for, over every rank."""
+        self.weights = torch.tensor(job.rl.reward_weights or [1.0] * len(rewards))
+        self.reward_names = [r.name for r in rewards]
+        """The reward functions' names: the job's, or a replay's records'."""
+        if replay:
+            self.reward_names = list(next(iter(replay.values()))[0].rewards)
+        self.consumed_samples = 0
+        self.step = 0
+        self.current: list[Batch] = []
+        self.stats: dict[str, float] = {}
+        """The last rollout's metrics (TRL's names, and the step's split in seconds)."""
+
+    # ---- the loader's interface -------------------------------------------------------------
+
+    def next_step(self) -> list[Batch]:
+        """The next step's micro-batches: sampled (or replayed) every ``num_iterations`` steps."""
+        if self.step % self.job.rl.num_iterations == 0:
+            self.current = self._rollout(self.step // self.job.rl.num_iterations + 1)
+        self.step += 1
+        self.consumed_samples += self.global_batch
+        return self.current
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.consumed_samples = int(state["consumed_samples"])
+        self.step = self.consumed_samples // self.global_batch
+        iterations = self.job.rl.num_iterations
+        if self.step % iterations:  # resumed inside a rollout's passes: its batches again
+            self.current = self._rollout(self.step // iterations + 1)
+
+    # ---- one rollout --------------------------------------------------------------------------
+
+    def _rollout(self, index: int) -> list[Batch]:
+        """Rollout ``index`` (from 1): this rank's packed micro-batches."""
+        started = time.perf_counter()
+        if self.replay is not None:
+            completions = self._replayed(index)
+            sampled = time.perf_counter()
+        else:
+            completions = self._sampled(index)
+            sampled = time.perf_counter()
+            completions = self._scored(completions, index)
+        batches = self._packed(completions)
+        self.stats |= self._length_stats(completions) | {
+            "time/rollout": sampled - started,
+            "time/scoring": time.perf_counter() - sampled,
+        }
+        return batches
+
+    def _length_stats(self, completions: list[Completion]) -> dict[str, float]:
+        """TRL's ``completions/*`` over every rank's completions of the step."""
+        local = torch.tensor(
+            [[len(c.completion_ids), float(c.truncated)] for c in completions], dtype=torch.float64
+        )
+        lengths, truncated = _gathered(local, self.dp_group).unbind(1)
+        return {
+            "completions/mean_length": lengths.mean().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": truncated.mean().item(),
+        }
+
+    def _my_groups(self, index: int) -> list[int]:
+        """The prompts (their indices in the data) this rank samples in rollout ``index``: the
+        data in order, epoch after epoch, each rank a contiguous share of the step's."""
+        per_rank = self.groups // self.dp_size
+        first = (index - 1) * self.groups + self.dp_rank * per_rank
+        return [(first + g) % len(self.prompts) for g in range(per_rank)]
+
+    def _sampled(self, index: int) -> list[Completion]:
+        cfg = self.job.rl
+        groups = self._my_groups(index)
+        prompt_ids = [self.prompts[g].prompt_ids for g in groups for _ in range(cfg.num_generations)]
+        seed = hash((self.job.debug.seed, index, self.dp_rank)) % 2**63
+        sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, seed)
+        model = self.runner.parts[0]
+        modules = [m for part in self.runner.parts for m in part.modules()]
+        with torch.no_grad(), fsdp_weights_gathered(modules):
+            made = sample(
+                model,
+                prompt_ids,
+                cfg.max_completion_length,
+                sampling,
+                self.stop_ids,
+                whole=_whole,
+            )
+        first_group = (index - 1) * self.groups + self.dp_rank * (self.groups // self.dp_size)
+        out = []
+        for k, (ids, tokens, logps) in enumerate(zip(prompt_ids, made.tokens, made.logps, strict=True)):
+            record = self.prompts[groups[k // cfg.num_generations]]
+            truncated = tokens[-1] not in self.stop_ids
+            text = self.text(tokens)
+            completion = [{"role": "assistant", "content": text}] if record.conversational else text
+            out.append(
+                Completion(
+                    index,
+                    first_group + k // cfg.num_generations,
+                    record.prompt,
+                    list(ids),
+                    tokens,
+                    completion,
+                    {},
+                    None,
+                    0.0,
+                    logps,
+                    truncated,
+                )
+            )
+        return out
+
+    def _scored(self, completions: list[Completion], index: int) -> list[Completion]:
+        """Every completion's rewards and advantage; the step's reward metrics."""
+        records = [self.prompts[c.group % len(self.prompts)] for c in completions]
+        names = sorted({k for r in records for k in r.columns})
+        columns = {name: [r.columns.get(name) for r in records] for name in names}
+        per_function = score(
+            self.rewards,
+            [c.prompt for c in completions],
+            [c.completion for c in completions],
+            [c.completion_ids for c in completions],
+            columns,
+            index,
+        )
+        everyone = _gathered(per_function, self.dp_group)  # (N, F), rank order = group order
+        found = advantages(everyone, self.weights, self.job.rl.num_generations, self.job.rl.scale_rewards)
+        mine = slice(self.dp_rank * len(completions), (self.dp_rank + 1) * len(completions))
+        self._reward_stats(everyone, found, [r.name for r in self.rewards])
+        scored = []
+        for k, completion in enumerate(completions):
+            row = everyone[mine][k]
+            by_name = {r.name: (None if torch.isnan(v) else float(v)) for r, v in zip(self.rewards, row)}
+            reward = found.rewards[mine][k]
+            scored.append(
+                replace(
+                    completion,
+                    rewards=by_name,
+                    reward=None if torch.isnan(reward) else float(reward),
+                    advantage=float(found.advantages[mine][k]),
+                )
+            )
+        self._keep(scored)
+        return scored
+
+    def _reward_stats(self, everyone: torch.Tensor, found: Advantages, names: list[str]) -> None:
+        stats = {}
+        for i, name in enumerate(names):
+            stats[f"rewards/{name}/mean"] = torch.nanmean(everyone[:, i]).item()
+            stats[f"rewards/{name}/std"] = nanstd(everyone[:, i]).item()
+        stats["reward"] = torch.nanmean(found.rewards).item()
+        stats["reward_std"] = nanstd(found.rewards).item()
+        stats["frac_reward_zero_std"] = found.std_zero.float().mean().item()
+        self.stats = stats
+
+    def _keep(self, completions: list[Completion]) -> None:
+        """The step's completions, every rank's, to ``rollouts/step-N.jsonl`` (main rank)."""
+        everyone = [completions]
+        if self.dp_group is not None:
+            everyone = [None] * self.dp_size  # type: ignore[list-item]
+            dist.all_gather_object(everyone, completions, group=self.dp_group)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            flat = [c for part in everyone for c in part]
+            write_rollouts(rollout_file(self.job.job.dump_folder, flat[0].step), flat)
+
+    def _replayed(self, index: int) -> list[Completion]:
+        """Step ``index``'s records (this rank's share), their advantages computed anew from
+        their rewards as the job configures them (weights, scale)."""
+        assert self.replay is not None
+        step = self.replay.get(index)
+        if step is None:
+            raise DataError(
+                f"rl.replay holds no records of step {index} (it has steps {sorted(self.replay)[:8]}...); replay "
+                "a run's rollouts for every step trained, or lower training.steps"
+            )
+        if len(step) != self.global_batch:
+            raise DataError(
+                f"rl.replay: step {index} has {len(step)} completions, and a step of this job trains "
+                f"{self.global_batch} (training.global_batch_size); replay with the batch it was sampled with"
+            )
+        names = list(step[0].rewards)
+        per_function = torch.tensor(
+            [[float("nan") if c.rewards.get(n) is None else c.rewards[n] for n in names] for c in step]
+        )
+        weights = torch.tensor(self.job.rl.reward_weights or [1.0] * len(names))
+        found = advantages(per_function, weights, self.job.rl.num_generations, self.job.rl.scale_rewards)
+        self._reward_stats(per_function, found, names)
+        scored = [
+            replace(c, reward=None if torch.isnan(r) else float(r), advantage=float(a))
+            for c, r, a in zip(step, found.rewards, found.advantages, strict=True)
+        ]
+        per_rank = len(scored) // self.dp_size
+        return scored[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+
+    # ---- packing ------------------------------------------------------------------------------
+
+    def _packed(self, completions: list[Completion]) -> list[Batch]:
+        """This rank's completions as micro-batches of ``local_batch_size`` (in order), each
+        token weighted by the loss type's normalisation over the whole step."""
+        cfg = self.job.rl
+        learned = [not (cfg.mask_truncated_completions and c.truncated) for c in completions]
+        tokens = torch.tensor(
+            [len(c.completion_ids) if kept else 0 for c, kept in zip(completions, learned)],
+            dtype=torch.float64,
+        )
+        total = _gathered(tokens.sum()[None], self.dp_group).sum().item()  # the generation batch's tokens
+        batches = []
+        for start in range(0, len(completions), self.local_batch):
+            part = range(start, start + self.local_batch)
+            micro_tokens = sum(tokens[i].item() for i in part)
+            items = [
+                Packed(
+                    completions[i],
+                    [
+                        _token_weight(
+                            cfg.loss_type, len(completions[i].completion_ids), micro_tokens, total, self
+                        )
+                    ]
+                    * len(completions[i].completion_ids),
+                    completions[i].logps or [0.0] * len(completions[i].completion_ids),
+                    [0.0] * len(completions[i].completion_ids),
+                    learned[i],
+                )
+                for i in part
+            ]
+            batches.append(pack_micro_batch(items, self.job.training.seq_len, self.pad_id))
+        if self.reference is not None:
+            batches = [_with_reference(b, r) for b, r in zip(batches, self.reference(batches), strict=True)]
+        return [
+            Batch(b.inputs.to(self.device), b.labels.to(self.device), b.documents.to(self.device))
+            for b in batches
+        ]
+
+
+def _token_weight(
+    loss_type: str, length: int, micro_tokens: float, total_tokens: float, rollouts: Rollouts
+) -> float:
+    """A completion token's weight in the step loss (``loss`` module docstring)."""
+    completions = rollouts.global_batch
+    if loss_type in ("dapo", "cispo"):
+        return 1.0 / max(total_tokens, 1.0)
+    if loss_type == "grpo":
+        return 1.0 / (max(length, 1) * completions)
+    if loss_type == "bnpo":
+        return 1.0 / (max(micro_tokens, 1.0) * (completions // rollouts.local_batch))
+    return 1.0 / (completions * rollouts.job.rl.max_completion_length)  # dr_grpo
+
+
+def _with_reference(batch: Batch, reference: torch.Tensor) -> Batch:
+    labels = batch.labels.clone()
+    labels[..., 5] = reference.to(labels.device)
+    return replace(batch, labels=labels)
+
+
+def _gathered(value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``value`` (n, ...) of every rank of ``group``, concatenated in rank order."""
+    if group is None:
+        return value
+    parts = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, value.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def _whole(logits: torch.Tensor) -> torch.Tensor:
+    """Logits whole over the vocabulary (a vocab-parallel DTensor gathered)."""
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits

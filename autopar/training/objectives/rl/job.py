@@ -1,0 +1,243 @@
+"""An RL job's parts: its checks, its prompts, reward functions, reference and rollouts, and
+the objective over them.
+
+For ``training.dataset_format = "prompts"`` the trainer gets the rollouts (``engine``) where
+a loader stands and the policy loss (``objective``) as its objective; the batch sizes count
+completions (TRL's). Live sampling runs on the job's own parts; what it cannot run under yet
+is refused here in one line (a pipeline; expert or sequence parallelism while sampling;
+context parallelism with a reference), while a replay trains under any of them but the pipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import fields
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.config.errors import ConfigError
+from autopar.config.sections import RL, JobConfig
+from autopar.data.chat import ChatFormat, _tokenizer
+from autopar.data.loader import Batch, dataset_path
+from autopar.data.preference import PairEncoder
+from autopar.data.prompt_records import PromptSource, read_prompt_records
+from autopar.data.prompts import stop_ids
+from autopar.data.tokenizer import build_tokenizer
+from autopar.models.args import ModelArgs
+from autopar.parallel.materialize import FullValue
+from autopar.parallel.mesh import ParallelDims
+from autopar.training.objectives.base import ForwardInputs
+from autopar.training.objectives.dpo.job import (
+    all_adapters_off,
+    build_reference_copy,
+    load_model,
+    reference_dcp,
+)
+from autopar.training.objectives.rl.engine import Rollouts
+from autopar.training.objectives.rl.loss import Columns, PolicyLoss, token_logps_and_entropy
+from autopar.training.objectives.rl.objective import PolicyGradient
+from autopar.training.objectives.rl.rollouts import read_replay
+from autopar.training.objectives.rl.scoring import load_rewards
+from autopar.training.plan_runner import PlanRunner
+from autopar.training.resolve import tokenizer_path
+
+
+def is_rl(job: JobConfig) -> bool:
+    return job.training.dataset_format == "prompts"
+
+
+def check_rl(job: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
+    """``[rl]`` agrees with the data and the plan (and is not set without prompt data)."""
+    cfg = job.rl
+    if not is_rl(job):
+        changed = [f.name for f in fields(RL) if getattr(cfg, f.name) != getattr(RL(), f.name)]
+        if changed:
+            raise ConfigError(
+                f"rl.{changed[0]} is set, but training.dataset_format={job.training.dataset_format!r}; [rl] trains "
+                "prompt-only data: set --training.dataset_format prompts (or leave [rl] out)"
+            )
+        return
+    _check_numbers(cfg)
+    _check_batch(job, dims)
+    if cfg.replay is None:
+        load_rewards(cfg.reward_funcs)
+    if (
+        cfg.replay is None
+        and cfg.reward_weights is not None
+        and len(cfg.reward_weights) != len(cfg.reward_funcs)
+    ):
+        raise ConfigError(
+            f"rl.reward_weights={cfg.reward_weights} needs one weight per rl.reward_funcs entry"
+        )
+    if cfg.max_completion_length >= job.training.seq_len:
+        raise ConfigError(
+            f"rl.max_completion_length={cfg.max_completion_length} leaves no room for a prompt in a row of "
+            f"training.seq_len={job.training.seq_len}; raise seq_len or lower max_completion_length"
+        )
+    _check_reference(job, dims)
+    _check_plan(job, dims)
+    refused = {
+        "training.loss_chunk_tokens > 0": job.training.loss_chunk_tokens > 0,
+        "validation.enable=true": job.validation.enable,
+        "mtp.enable=true": job.mtp.enable,
+    }
+    for setting, asked in refused.items():
+        if asked:
+            raise ConfigError(
+                f"{setting} with training.dataset_format='prompts' (RL): not supported yet; turn it off"
+            )
+
+
+def _check_numbers(cfg: RL) -> None:
+    rules = {
+        "num_generations": (
+            cfg.num_generations >= 2,
+            "at least 2 (advantages compare a group's completions)",
+        ),
+        "max_completion_length": (cfg.max_completion_length >= 1, "at least 1"),
+        "temperature": (cfg.temperature > 0, "> 0 (the loss reads log-probabilities at it)"),
+        "top_p": (0 < cfg.top_p <= 1, "in (0, 1]"),
+        "top_k": (cfg.top_k >= 0, ">= 0 (0: all tokens)"),
+        "num_iterations": (cfg.num_iterations >= 1, "at least 1"),
+        "epsilon": (cfg.epsilon >= 0, ">= 0"),
+        "epsilon_high": (cfg.epsilon_high is None or cfg.epsilon_high >= 0, ">= 0"),
+        "delta": (cfg.delta is None or cfg.delta > 1, "> 1 (it caps the ratio from above), or unset"),
+        "beta": (cfg.beta >= 0, ">= 0"),
+    }
+    for name, (ok, rule) in rules.items():
+        if not ok:
+            raise ConfigError(f"rl.{name}={getattr(cfg, name)} must be {rule}")
+
+
+def _check_batch(job: JobConfig, dims: ParallelDims) -> None:
+    training, cfg = job.training, job.rl
+    completions = (
+        training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dims.dp
+    )
+    if completions % cfg.num_generations:
+        raise ConfigError(
+            f"rl.num_generations={cfg.num_generations} does not divide the {completions} completions of a step "
+            "(training.global_batch_size, else local_batch_size x data-parallel degree); make it a divisor"
+        )
+    prompts = completions // cfg.num_generations
+    if prompts % dims.dp:
+        raise ConfigError(
+            f"a step's {prompts} prompts ({completions} completions / rl.num_generations={cfg.num_generations}) do "
+            f"not split over the data-parallel degree {dims.dp}; use a batch of a multiple of "
+            f"{dims.dp * cfg.num_generations} completions"
+        )
+
+
+def _check_reference(job: JobConfig, dims: ParallelDims) -> None:
+    cfg = job.rl
+    if cfg.beta == 0:
+        return
+    if cfg.reference == "adapters_off" and not job.lora.enable:
+        raise ConfigError(
+            "rl.reference='adapters_off' is the LoRA model with its adapters bypassed, and lora.enable=false; "
+            "use --lora.enable true, or --rl.reference copy"
+        )
+    if dims.cp > 1:
+        raise ConfigError(
+            f"rl.beta={cfg.beta} with context_parallel_degree={dims.cp}: the reference pass runs whole rows and is "
+            "not supported under context parallelism yet; use --rl.beta 0 or no context parallelism"
+        )
+
+
+def _check_plan(job: JobConfig, dims: ParallelDims) -> None:
+    if dims.pp > 1:
+        raise ConfigError(
+            f"training.dataset_format='prompts' (RL) with pipeline_parallel_degree={dims.pp}: not supported yet "
+            "(rollouts decode on each rank's whole model); use FSDP, TP or CP instead"
+        )
+    if job.rl.replay is not None:
+        return
+    if dims.ep > 1:
+        raise ConfigError(
+            f"RL sampling with expert_parallel_degree={dims.ep}: not supported yet (ranks sampling different "
+            "prompts would exchange tokens out of step); use --parallelism.expert_parallel_degree 1, or replay"
+        )
+    if dims.tp > 1 and job.parallelism.enable_sequence_parallel:
+        raise ConfigError(
+            f"RL sampling with tensor_parallel_degree={dims.tp} and sequence parallelism: not supported yet (a "
+            "decode step's one token cannot split over the sequence); use --parallelism.enable_sequence_parallel "
+            "false, or replay"
+        )
+
+
+def prompt_source(job: JobConfig) -> PromptSource:
+    """The job's prompt records, tokenized (none for a replay)."""
+    if job.rl.replay is not None:
+        return PromptSource([], job.rl.replay)
+    training = job.training
+    path = str(tokenizer_path(job))
+    source = dataset_path(training.dataset, training.dataset_path)
+    records = read_prompt_records(source, PairEncoder(path, ChatFormat(path, training.chat_template)))
+    return PromptSource(records, str(source))
+
+
+def rl_objective(
+    runner: PlanRunner, job: JobConfig, args: ModelArgs, initial: FullValue, prompts: PromptSource
+) -> tuple[PolicyGradient, list[nn.Module], Rollouts]:
+    """The policy loss, the reference copy's parts (none but for beta > 0 and ``copy``), and
+    the rollouts that stand for the loader."""
+    cfg = job.rl
+    path = str(tokenizer_path(job))
+    tokenizer = build_tokenizer(path)
+    decoder = _tokenizer(path)
+    copy: list[nn.Module] = []
+    reference = None
+    if cfg.beta != 0:
+        if cfg.reference == "copy":
+            copy = build_reference_copy(args, job, runner.meshes, runner.device, initial, cfg.reference_path)
+            dcp_path = reference_dcp(job, cfg.reference_path)
+            if dcp_path is not None:
+                load_model(copy, dcp_path)
+        reference = functools.partial(_reference_tokens, runner, copy[0] if copy else None, job)
+    replay = read_replay(cfg.replay, args.vocab_size) if cfg.replay is not None else None
+    rollouts = Rollouts(
+        job,
+        runner,
+        prompts.records,
+        load_rewards(cfg.reward_funcs) if replay is None else [],
+        lambda ids: decoder.decode(ids, skip_special_tokens=True),
+        stop_ids(tokenizer),
+        ChatFormat(path).pad_id(),
+        reference,
+        replay,
+    )
+    return PolicyGradient(runner, PolicyLoss.of(cfg), rollouts), copy, rollouts
+
+
+class _TokenRecord:
+    """A reference pass's "loss": keeps each call's per-label log-probabilities (B, S)."""
+
+    def __init__(self, temperature: float) -> None:
+        self.temperature = temperature
+        self.logps: list[torch.Tensor] = []
+
+    def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        logits = output[0] if isinstance(output, tuple) else output
+        logps, _ = token_logps_and_entropy(logits, Columns.of(target).labels, self.temperature)
+        self.logps.append(logps)
+        return logps.new_zeros(())
+
+
+@torch.no_grad()
+def _reference_tokens(
+    runner: PlanRunner, model: nn.Module | None, job: JobConfig, batches: list[Batch]
+) -> list[torch.Tensor]:
+    """Each packed micro-batch's reference log-probabilities per label: a frozen copy's, or
+    (``model`` None) the policy's with its adapters bypassed."""
+    record = _TokenRecord(job.rl.temperature)
+    scope = functools.partial(all_adapters_off, runner.parts) if model is None else contextlib.nullcontext
+    device_batches = [
+        Batch(b.inputs.to(runner.device), b.labels.to(runner.device), b.documents.to(runner.device))
+        for b in batches
+    ]
+    with scope():
+        runner.run(device_batches, record, ForwardInputs(), backward=False, model=model)
+    return record.logps
