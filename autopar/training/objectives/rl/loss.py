@@ -14,7 +14,8 @@ weighted sum of per-token losses, whatever the split:
 - dr_grpo: 1 / (the step's completions x max_completion_length).
 
 Under context parallelism a completion's tokens lie on several ranks: its per-sequence sums
-(GSPO's mean log ratio) are summed over them, with the gradient going back to each rank's own.
+(GSPO's mean log ratio) are summed over them, and since each rank's loss is its own tokens'
+share, a token's gradient through such a sum gathers every rank's (``_SumOverRanks``).
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from autopar.config.sections import RL
 from autopar.data.loader import IGNORE_INDEX
-from autopar.training.objectives.dpo.objective import cp_sum
 
 CHANNELS = ("label", "completion", "weight", "advantage", "old_logp", "ref_logp")
 """What a packed micro-batch's labels (B, S, 6) carry per token, in order."""
@@ -104,6 +105,31 @@ def token_logps_and_entropy(
     return logps.view(labels.shape), entropy
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) whose backward all-reduces too: each rank's loss reads the whole
+    completion's sum through its own tokens, so a token's gradient gathers every rank's."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sum_over_cp(x: torch.Tensor, cp_mesh: DeviceMesh | None) -> torch.Tensor:
+    """``x`` summed over the ranks sharing each completion (identity without CP)."""
+    if cp_mesh is None or cp_mesh.size() == 1:
+        return x
+    return _SumOverRanks.apply(x, cp_mesh.get_group())
+
+
 def per_sequence_means(
     values: list[torch.Tensor], columns: Columns, sequences: int, cp_mesh: DeviceMesh | None
 ) -> list[torch.Tensor]:
@@ -112,11 +138,11 @@ def per_sequence_means(
     ids = columns.completions.flatten()
     kept = columns.mask.flatten() & (ids >= 0)
     index = torch.where(kept, ids, 0)
-    counts = cp_sum(values[0].new_zeros(sequences).index_add(0, index, kept.float()), cp_mesh)
+    counts = sum_over_cp(values[0].new_zeros(sequences).index_add(0, index, kept.float()), cp_mesh)
     means = []
     for value in values:
         sums = value.new_zeros(sequences).index_add(0, index, value.flatten() * kept)
-        means.append(cp_sum(sums, cp_mesh) / counts.clamp(min=1.0))
+        means.append(sum_over_cp(sums, cp_mesh) / counts.clamp(min=1.0))
     return means
 
 
