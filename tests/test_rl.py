@@ -4,6 +4,7 @@ completions; the sampler's log-probabilities equal the trainer's; the toy preset
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,46 @@ def test_the_toy_preset_doubles_its_reward(tmp_path):
     one_process_trainer(job).train()
     rewards = [r["reward"] for r in read_metrics(tmp_path / "metrics.jsonl") if "reward" in r]
     assert len(rewards) == 60 and sum(rewards[-10:]) >= 2 * sum(rewards[:10])
+
+
+def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(tmp_path):
+    flags = [
+        "--job.config",
+        "rl_debug",
+        "--training.steps",
+        "4",
+        "--checkpoint.interval",
+        "2",
+        "--rl.max_completion_length",
+        "8",
+        "--rl.num_iterations",
+        "2",
+    ]
+    uninterrupted = one_process_trainer(parse_job([*flags, "--job.dump_folder", str(tmp_path / "a")])).train()
+    shutil.rmtree(tmp_path / "a" / "checkpoint" / "step-4")  # as if it died after step 2
+    resumed = one_process_trainer(parse_job([*flags, "--job.dump_folder", str(tmp_path / "a")])).train()
+    assert [(r.loss, r.grad_norm) for r in resumed] == [(r.loss, r.grad_norm) for r in uninterrupted[2:]]
+    rollouts = sorted(p.name for p in (tmp_path / "a" / "rollouts").iterdir())
+    assert rollouts == ["step-1.jsonl", "step-2.jsonl"]
+
+
+def test_a_run_resumed_inside_a_rollouts_passes_trains_on_the_completions_it_kept(tmp_path):
+    flags = [
+        "--job.config",
+        "rl_debug",
+        "--training.steps",
+        "4",
+        "--checkpoint.interval",
+        "1",
+        "--rl.max_completion_length",
+        "8",
+        "--rl.num_iterations",
+        "2",
+        "--checkpoint.keep_latest_k",
+        "0",
+    ]
+    uninterrupted = one_process_trainer(parse_job([*flags, "--job.dump_folder", str(tmp_path / "a")])).train()
+    for step in (2, 3, 4):  # as if it died after step 1, inside rollout 1's two passes
+        shutil.rmtree(tmp_path / "a" / "checkpoint" / f"step-{step}", ignore_errors=True)
+    resumed = one_process_trainer(parse_job([*flags, "--job.dump_folder", str(tmp_path / "a")])).train()
+    assert [(r.loss, r.grad_norm) for r in resumed] == [(r.loss, r.grad_norm) for r in uninterrupted[1:]]

@@ -4,11 +4,13 @@ mixture's experts across expert-parallel ranks, Qwen3.5's delta rule across CP r
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from autopar.data.tokens import BUILTIN_DATASETS
+from autopar.training.metrics.logger import read_metrics
 
 from jobs import CHAT_VOCAB, assert_fp32_parity, hybrid_job, moe_job, parity_runs, tiny_job
 
@@ -97,3 +99,67 @@ def test_a_replayed_rl_step_under_a_plan_equals_one_device(runs, case):
         assert_same_training(run, reference, loss_rtol=1e-4, norm_rtol=1e-4)
     else:
         assert_fp32_parity(run, reference)
+
+
+LIVE = (
+    "--training.dataset_format",
+    "prompts",
+    "--training.dataset",
+    "rl_example",
+    "--model.tokenizer_path",
+    str(CHATML),
+    "--rl.reward_funcs",
+    "autopar.rewards:letter_share",
+    "--rl.num_generations",
+    "4",
+    "--rl.max_completion_length",
+    "8",
+    "--training.local_batch_size",
+    "4",
+    "--training.global_batch_size",
+    "8",
+    "--training.seq_len",
+    "32",
+)
+"""The toy task, sampled live: 2 prompts x 4 completions a step."""
+LIVE_PLANS = ["dp_shard=2", "tp=2,sp=false"]
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """plan -> (its step records, its completions of each step); one device under ""."""
+    from autopar.cli.parity import plan_job, run_plan
+
+    from jobs import each_on_ranks
+
+    folder = tmp_path_factory.mktemp("rl_live")
+    base = tiny_job(folder / "base", *LIVE, vocab_size=CHAT_VOCAB)
+    jobs = {plan: plan_job(base, plan, 2, str(folder / (plan or "one"))) for plan in ["", *LIVE_PLANS]}
+    run_plan("", jobs[""])
+    each_on_ranks(run_plan, 2, [(plan, jobs[plan]) for plan in LIVE_PLANS])
+    out = {}
+    for plan, job in jobs.items():
+        dump = Path(job.job.dump_folder)
+        records = [r for r in read_metrics(dump / "metrics.jsonl") if "reward" in r]
+        steps = [
+            [json.loads(line) for line in (dump / "rollouts" / f"step-{n}.jsonl").read_text().splitlines()]
+            for n in (1, 2)
+        ]
+        out[plan] = (records, steps)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["", *LIVE_PLANS])
+def test_sampled_log_probs_equal_the_trainers_under_a_plan(live, plan):
+    records, _ = live[plan]
+    # fp32: the decode step's logits and the packed training forward's differ in sums only
+    assert len(records) == 2 and all(r["sampling/logp_diff_max"] <= 1e-5 for r in records), records
+
+
+@pytest.mark.slow
+def test_live_sampling_under_tensor_parallel_draws_one_devices_completions(live):
+    _, one = live[""]
+    _, tp = live["tp=2,sp=false"]
+    for ours, theirs in zip(tp, one, strict=True):
+        assert [r["completion_ids"] for r in ours] == [r["completion_ids"] for r in theirs]

@@ -32,6 +32,7 @@ from autopar.training.objectives.rl.rollouts import (
     Completion,
     Packed,
     pack_micro_batch,
+    read_replay,
     rollout_file,
     write_rollouts,
 )
@@ -80,6 +81,7 @@ class Rollouts:
         self.dp_size = dims.dp
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None and dims.dp > 1 else None
         self.device = runner.device
+        self.vocab_size = runner.args.vocab_size
         self.groups = self.global_batch // cfg.num_generations
         """Prompts a rollout samples for, over every rank."""
         self.weights = torch.tensor(job.rl.reward_weights or [1.0] * len(rewards))
@@ -110,8 +112,8 @@ class Rollouts:
         self.consumed_samples = int(state["consumed_samples"])
         self.step = self.consumed_samples // self.global_batch
         iterations = self.job.rl.num_iterations
-        if self.step % iterations:  # resumed inside a rollout's passes: its batches again
-            self.current = self._rollout(self.step // iterations + 1)
+        if self.step % iterations:  # resumed inside a rollout's passes: its kept completions again
+            self.current = self._packed(self._kept(self.step // iterations + 1))
 
     # ---- one rollout --------------------------------------------------------------------------
 
@@ -245,6 +247,19 @@ class Rollouts:
         if not dist.is_initialized() or dist.get_rank() == 0:
             flat = [c for part in everyone for c in part]
             write_rollouts(rollout_file(self.job.job.dump_folder, flat[0].step), flat)
+
+    def _kept(self, index: int) -> list[Completion]:
+        """This rank's share of rollout ``index`` as the run kept it (``rollouts/step-N.jsonl``):
+        sampling it again would use weights already updated by its first passes."""
+        path = rollout_file(self.job.job.dump_folder, index)
+        if not path.is_file():
+            raise DataError(
+                f"resuming inside rollout {index}'s rl.num_iterations passes, but {path} is missing; restore it, "
+                "or resume from a checkpoint at a multiple of rl.num_iterations"
+            )
+        kept = read_replay(path, self.vocab_size)[index]
+        per_rank = len(kept) // self.dp_size
+        return kept[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
 
     def _replayed(self, index: int) -> list[Completion]:
         """Step ``index``'s records (this rank's share), their advantages computed anew from
