@@ -171,3 +171,98 @@ def test_a_run_resumed_inside_a_rollouts_passes_trains_on_the_completions_it_kep
         shutil.rmtree(tmp_path / "a" / "checkpoint" / f"step-{step}", ignore_errors=True)
     resumed = one_process_trainer(parse_job([*flags, "--job.dump_folder", str(tmp_path / "a")])).train()
     assert [(r.loss, r.grad_norm) for r in resumed] == [(r.loss, r.grad_norm) for r in uninterrupted[1:]]
+
+
+def check(*flags: str) -> None:
+    from autopar.training.preflight import check_job
+
+    world = 2 if "--parallelism.pipeline_parallel_degree" in flags else 1
+    check_job(parse_job(["--job.config", "rl_debug", *flags]), world)
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (("--rl.num_generations", "1"), "rl.num_generations=1 must be at least 2"),
+        (("--rl.num_generations", "6"), "does not divide the 32 completions"),
+        (("--rl.max_completion_length", "64"), "leaves no room for a prompt"),
+        (("--rl.reward_funcs", "no_such_module:f"), "no_such_module does not import"),
+        (("--rl.reward_funcs", "autopar.rewards:nothing"), "has no 'nothing'"),
+        (("--rl.reward_funcs", "autopar.rewards:_GSM8K"), "_GSM8K is not callable"),
+        (("--rl.reward_funcs", "autopar.rewards"), "is not 'package.module:function'"),
+        (("--rl.beta", "0.1", "--rl.reference", "adapters_off"), "lora.enable=false"),
+        (("--rl.temperature", "0"), "rl.temperature=0.0 must be > 0"),
+        (("--parallelism.pipeline_parallel_degree", "2"), "pipeline_parallel_degree=2: not supported yet"),
+    ],
+)
+def test_a_bad_rl_setting_is_one_line_before_any_work(flags, says):
+    from autopar.config.errors import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        check(*flags)
+    assert says in str(refused.value), str(refused.value)
+
+
+def test_rl_settings_on_a_job_without_prompt_data_are_refused():
+    from autopar.config.errors import ConfigError
+    from autopar.training.preflight import check_job
+
+    with pytest.raises(ConfigError, match=r"rl\.beta is set, but training\.dataset_format='text'"):
+        check_job(parse_job(["--job.config", "debug_model", "--rl.beta", "0.1"]), 1)
+
+
+def test_a_reward_function_that_raises_stops_the_run_naming_it_and_the_step(tmp_path):
+    from autopar.training.faults import TrainingStopped
+
+    bad = tmp_path / "bad_reward.py"
+    bad.write_text("def broken(completions, **kw):\n    raise KeyError('answer')\n")
+    job = parse_job(
+        [
+            "--job.config",
+            "rl_debug",
+            "--rl.reward_funcs",
+            f"{bad}:broken",
+            "--job.dump_folder",
+            str(tmp_path / "run"),
+        ]
+    )
+    with pytest.raises(TrainingStopped, match=r"step 1: step 1: reward function broken .* raised KeyError"):
+        one_process_trainer(job).train()
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        ("return [1.0]", "returned 1 rewards for 32 completions"),
+        ("return ['yes'] * len(completions)", "returned 'yes' for completion 0"),
+        ("return [float('nan')] * len(completions)", "returned nan for completion 0"),
+    ],
+)
+def test_a_reward_function_returning_what_is_not_one_number_per_completion_is_named(tmp_path, body, says):
+    from autopar.training.faults import TrainingStopped
+
+    bad = tmp_path / "odd_reward.py"
+    bad.write_text(f"def odd(completions, **kw):\n    {body}\n")
+    job = parse_job(
+        [
+            "--job.config",
+            "rl_debug",
+            "--rl.reward_funcs",
+            f"{bad}:odd",
+            "--job.dump_folder",
+            str(tmp_path / "run"),
+        ]
+    )
+    with pytest.raises(TrainingStopped, match=says):
+        one_process_trainer(job).train()
+
+
+def test_a_replay_of_another_vocabulary_is_refused(tmp_path):
+    from autopar.config.errors import ConfigError
+
+    record = json.loads((FIXTURES / "rollouts" / "step-1.jsonl").read_text().splitlines()[0])
+    record["completion_ids"] = [100_000]
+    (tmp_path / "step-1.jsonl").write_text(json.dumps(record) + "\n")
+    job = replay_job(tmp_path / "run", CASES["dapo"], "--rl.replay", str(tmp_path / "step-1.jsonl"))
+    with pytest.raises(ConfigError, match="outside the model's vocabulary"):
+        one_process_trainer(job)
