@@ -30,7 +30,7 @@ from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.planner.devices import DeviceSpec, device_spec
 from autopar.planner.machine import spec_from_profile
-from autopar.planner.memory import param_shapes
+from autopar.planner.params import param_shapes
 from autopar.planner.profile import load_profile
 from autopar.planner.search import Plan, evaluate, no_fit_message, pinned_fields, search
 from autopar.planner.verify import verify

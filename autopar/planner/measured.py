@@ -1,7 +1,7 @@
 """The time model's terms beside the GEMMs: the dtype they run in, the elementwise work and the
 optimizer's traffic at the memory bandwidth, and each op's dispatch overhead. A measured
 profile (``python -m autopar.probe``) gives the bandwidth and an op's seconds; a GPU preset
-takes its datasheet bandwidth and ``PRESET_OP_SECONDS``, fit with ``time.GEMM_EFFICIENCY`` to
+takes its datasheet bandwidth and ``PRESET_OP_SECONDS``, fit with ``rates.GEMM_EFFICIENCY`` to
 the H100 sitting's runs (BENCHMARKS.md).
 """
 
@@ -16,7 +16,7 @@ from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.planner.block_bytes import Sizes, block_bytes_no_ac
 from autopar.planner.devices import DeviceSpec
-from autopar.planner.memory import meta_model
+from autopar.planner.params import meta_model
 from autopar.planner.probe import count_ops, forward_backward
 
 MEMORY_PASSES = {"compiled": 2, "eager": 4}
@@ -26,7 +26,7 @@ and backward when eager, about half that when compiled fuses them. An assumption
 own traffic is inside their measured rate."""
 COMPILED_OP_SHARE = 0.10
 """The share of eager's op dispatches a compiled graph still makes (fused kernels, no Python
-per op): fit with ``PRESET_OP_SECONDS`` and ``time.GEMM_EFFICIENCY`` to the H100 sittings' five
+per op): fit with ``PRESET_OP_SECONDS`` and ``rates.GEMM_EFFICIENCY`` to the H100 sittings' five
 compiled and three eager runs (each then within 5%); a profile measures eager, and a compiled
 step where the job compiles."""
 PRESET_OP_SECONDS = 12.6e-6
