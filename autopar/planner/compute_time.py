@@ -204,7 +204,7 @@ def busiest_stage_rank(
         return StageRank(tuple(range(args.num_hidden_layers)), 1.0)
     stages = stage_modules(job.parallelism, args)
     style = SCHEDULE_STYLES[schedule_name(job.parallelism)].placement
-    flops = _flop_seconds(args, job, rates)
+    flops = _flop_seconds(args, job.training.seq_len, rates)
 
     def rank_of(rank: int) -> tuple[float, StageRank]:
         ids = stage_ids(rank, pp, len(stages), style)
@@ -222,7 +222,7 @@ def stage_work(
     """Seconds of each pipeline stage's forward and backward over a micro-batch of ``tokens``:
     its blocks' FLOPs at their kinds' rates (and the head's) and their elementwise work
     (``block_memory``); dispatch and recompute left out (the same share of every block)."""
-    flops = _flop_seconds(args, job, rates)
+    flops = _flop_seconds(args, job.training.seq_len, rates)
     memory = {f"layers.{i}": m for i, m in enumerate(block_memory)}
     return [
         sum(flops.get(n, 0.0) * tokens + memory.get(n, 0.0) for n in names)
@@ -230,9 +230,11 @@ def stage_work(
     ]
 
 
-def _flop_seconds(args: ModelArgs, job: JobConfig, rates: Rates) -> dict[str, float]:
-    """Forward-and-backward seconds per token of each block and of the head at ``rates``."""
-    seq = job.training.seq_len
+@functools.lru_cache(maxsize=256)
+def _flop_seconds(args: ModelArgs, seq: int, rates: Rates) -> dict[str, float]:
+    """Forward-and-backward seconds per token of each block and of the head at ``rates``, at
+    ``seq`` tokens a sequence. Cached (the search asks for each of its plans): callers must
+    not modify it."""
     flops = {
         f"layers.{i}": 3 * _block_forward_seconds(args, i, seq, rates) for i in range(args.num_hidden_layers)
     }

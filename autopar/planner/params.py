@@ -39,6 +39,12 @@ def meta_model(args: ModelArgs) -> Qwen:
         return build_model(args)
 
 
+@functools.lru_cache(maxsize=16)
+def layer_kinds(args: ModelArgs) -> tuple[LayerKind, ...]:
+    """Each block's kind (``ModelArgs.layer_kind``), in order."""
+    return tuple(args.layer_kind(i) for i in range(args.num_hidden_layers))
+
+
 def _first_blocks(args: ModelArgs) -> dict[LayerKind, str]:
     """The first block of each kind (``ModelArgs.layer_kind``): its layer id."""
     first: dict[LayerKind, str] = {}

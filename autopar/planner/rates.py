@@ -162,13 +162,20 @@ def compute_rate(
 def blended_rate(args: ModelArgs, job: JobConfig, rates: Rates) -> float:
     """The model's FLOPs (``flops_per_token``) over the time its GEMMs, attention and
     recurrence take at ``rates``."""
-    seq = job.training.seq_len
-    total = flops_per_token(args, seq, job.lora.enable, reference=runs_reference_forward(job))
+    return _blended_rate(args, job.training.seq_len, job.lora.enable, runs_reference_forward(job), rates)
+
+
+@functools.lru_cache(maxsize=256)
+def _blended_rate(args: ModelArgs, seq: int, frozen: bool, reference: bool, rates: Rates) -> float:
+    """``blended_rate`` of a job training ``frozen`` weights (LoRA) and running a preference
+    step's ``reference`` forward, at ``seq`` tokens a sequence (cached: the search asks for
+    each of its plans)."""
+    total = flops_per_token(args, seq, frozen, reference=reference)
     attention_layers = sum(args.mixer(i) != "linear_attention" for i in range(args.num_hidden_layers))
     attention = 12 * attention_layers * args.num_attention_heads * args.head_dim * seq
     linear = args.num_hidden_layers - attention_layers
     recurrence = linear * delta_rule_flops(args) if args.hybrid else 0.0
-    if runs_reference_forward(job):  # the reference's forward: a third of each again
+    if reference:  # the reference's forward: a third of each again
         attention, recurrence = attention * 4 / 3, recurrence * 4 / 3
     gemms = total - attention - recurrence
     return total / (gemms / rates.gemm + attention / rates.attention + recurrence / rates.recurrence)

@@ -156,12 +156,15 @@ def busy_time(
 
 
 def step_seconds_lower_bound(busy: Busy) -> float:
-    """No more than ``predict_time``'s total for the plan ``busy`` is of: its own work and
-    AdamW's traffic, without the exposed communication, the bubble and a host optimizer,
-    each of which is zero or more. What the search prunes by (``planner/prune.py``)."""
+    """No more than ``predict_time``'s total for the plan ``busy`` is of: its own work, AdamW's
+    traffic and the collectives on the critical path (TP's, EP's, CP's unhidden), without
+    what the data-parallel traffic leaves exposed, the bubble and a host optimizer, each zero
+    or more. What the search prunes by (``planner/prune.py``)."""
     step = busy.step
+    comm, cp_exposed = model_parallel_comm(step, busy.share)
     optimizer = device_optimizer_seconds(step.args, step.job, step.dims, step.device)
-    return busy.compute + busy.recompute * busy.recomputes + busy.memory_bound + optimizer + busy.overhead
+    own = busy.compute + busy.recompute * busy.recomputes + busy.memory_bound + optimizer + busy.overhead
+    return own + comm.get("tp", 0.0) + comm.get("ep", 0.0) + cp_exposed
 
 
 def predict_time(
