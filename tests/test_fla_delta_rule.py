@@ -158,8 +158,8 @@ def _block_saves(kernel: str) -> tuple[float, int]:
     from autopar.models.qwen3_5.model import HybridBlock
     from autopar.parallel.delta_rule_kernel import apply_delta_rule_kernel
     from autopar.parallel.mesh import ParallelDims
+    from autopar.planner.activations import sizes
     from autopar.planner.block_bytes import block_bytes_no_ac
-    from autopar.planner.memory import sizes
     from autopar.training.resolve import model_args, parse_job
 
     flags = ["--model.name=qwen3.5", "--model.flavor=debug", "--training.seq_len=1100"]

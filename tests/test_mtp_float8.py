@@ -15,7 +15,7 @@ import torch
 
 from autopar.models import build_model, get_flavor
 from autopar.parallel.float8 import apply_float8
-from autopar.planner.time import _fp8_linears
+from autopar.planner.compute_time import fp8_linear_numel
 from autopar.training.metrics.logger import read_metrics
 from autopar.training.resolve import model_args
 
@@ -84,7 +84,7 @@ def test_the_planner_counts_the_heads_fp8_weights(flavor):
     inter = args.shared_expert_intermediate_size if args.moe else args.intermediate_size
     head = 2 * h * h + h * (2 * q + 2 * kv) + q * h + 3 * h * inter
     with_head = dataclasses.replace(args, mtp_num_hidden_layers=1)
-    weights = _fp8_linears(with_head, ("lm_head",))[0] - _fp8_linears(args, ("lm_head",))[0]
+    weights = fp8_linear_numel(with_head, ("lm_head",))[0] - fp8_linear_numel(args, ("lm_head",))[0]
     assert weights == head
 
 

@@ -12,7 +12,7 @@ from autopar.config import ConfigError
 from autopar.models import Qwen, build_model, get_flavor
 from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, rank_actions, rank_stage_gathers
 from autopar.parallel.pipelining.split import check_split, even_split, prune, stage_ids
-from autopar.planner import search
+from autopar.planner import space
 from autopar.training.preflight import check_job
 
 from jobs import ac_flags, assert_fp32_parity, assert_same_training, debug_job, tiny_job
@@ -219,7 +219,7 @@ PLANS = {
     "5 layers / 2 stages": ("pp=2", 5),
     "7 layers / 4 stages": ("pp=4", 7),
     "7 layers / 4 interleaved stages": ("pp=2,schedule=Interleaved1F1B", 7),
-    "6 layers / 4 stages per rank": (  # the planner's deeper interleaving (search.STAGES_PER_RANK)
+    "6 layers / 4 stages per rank": (  # the planner's deeper interleaving (space.STAGES_PER_RANK)
         "pp=2,schedule=Interleaved1F1B,parallelism.pipeline_parallel_layers_per_stage=1",
         6,
     ),
@@ -234,8 +234,8 @@ ZERO_BUBBLE = [name for name, style in SCHEDULE_STYLES.items() if style.splits_b
 
 PLANS |= {
     f"{schedule} + AC {mode}/{option}": (f"pp=2,schedule={schedule},{ac_flags(mode, option)}", 4)
-    for schedule in sorted(set(search.SCHEDULES) | set(ZERO_BUBBLE))
-    for mode, option in search.AC_MODES
+    for schedule in sorted(set(space.SCHEDULES) | set(ZERO_BUBBLE))
+    for mode, option in space.AC_MODES
     if mode != "none"
 }
 """Every schedule the planner searches, and every zero-bubble schedule (which recompute a

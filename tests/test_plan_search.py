@@ -16,23 +16,20 @@ from autopar.cli.plan import main as plan_main
 from autopar.cli.train import main as train_main
 from autopar.config import ConfigError
 from autopar.parallel.mesh import ParallelDims
+from autopar.planner.comm_time import link_bytes_per_s
+from autopar.planner.compute_time import block_forward_flops, busiest_stage_rank, stage_work
 from autopar.planner.devices import PRESETS, device_spec, this_machine
+from autopar.planner.pipeline_time import bubble_fraction
 from autopar.planner.profile import gemm_shapes
-from autopar.planner.search import TIE, candidates, evaluate, no_fit_message, rank, search
-from autopar.planner.time import (
+from autopar.planner.rates import (
     FP8_GEMM_SCALE,
     PRESET_DELTA_RULE_CHUNK_SECONDS,
-    block_forward_flops,
-    bubble_fraction,
-    busiest_stage_rank,
     compute_rate,
     compute_rates,
-    link_bytes_per_s,
-    predict_time,
     preset_fp8_speedup,
-    stage_work,
-    tokens_per_step,
 )
+from autopar.planner.search import TIE, candidates, evaluate, no_fit_message, rank, search
+from autopar.planner.time import predict_time, tokens_per_step
 from autopar.training.metrics.flops import block_matmul_params, delta_rule_flops, flops_per_token
 from autopar.training.preflight import check_plan
 from autopar.training.resolve import derive_job, model_args, parse_job

@@ -20,7 +20,7 @@ import pytest
 
 from autopar.cli.parity import Case, plan_job, plan_overrides, run_cases, world_size
 from autopar.config.errors import ConfigError
-from autopar.planner import search
+from autopar.planner import space
 from autopar.planner.dry_run import compare
 from autopar.planner.settings import PLAN_FIELDS
 from autopar.training.preflight import check_job
@@ -41,9 +41,9 @@ FAMILIES: dict[str, tuple[tuple[str, ...], str]] = {
     "chunked loss": (("--training.loss_chunk_tokens", "16"), ""),
     "FP8 (torchao)": (("--float8.enable", "true"), ""),
 }
-PIPELINES = ["none", *search.SCHEDULES]
+PIPELINES = ["none", *space.SCHEDULES]
 Combo = tuple[str, str, str]  # (family, pipeline, AC mode)
-AC = [f"{mode}/{option}" for mode, option in search.AC_MODES]
+AC = [f"{mode}/{option}" for mode, option in space.AC_MODES]
 
 
 def plan_text(family: str, pipeline: str, ac: str) -> str:
@@ -60,9 +60,9 @@ def plan_text(family: str, pipeline: str, ac: str) -> str:
 def searchable(family: str, pipeline: str, ac: str) -> bool:
     """Whether the search enumerates this combination (its own rules)."""
     pp = 1 if pipeline == "none" else 2
-    if "reshard_after_forward=never" in FAMILIES[family][1] and "never" not in search.reshard_options(pp):
+    if "reshard_after_forward=never" in FAMILIES[family][1] and "never" not in space.reshard_options(pp):
         return False
-    return not (pp > 1 and search.checkpointing_saves_nothing(pipeline, ac.split("/")[0], set()))
+    return not (pp > 1 and space.checkpointing_saves_nothing(pipeline, ac.split("/")[0], set()))
 
 
 STEPS = 3

@@ -12,7 +12,8 @@ import pytest
 
 from autopar.parallel.mesh import ParallelDims
 from autopar.planner.dry_run import compare, dry_run_job, role_ranks
-from autopar.planner.memory import GIB, local_numel, predict
+from autopar.planner.memory import GIB, predict
+from autopar.planner.params import local_numel
 from autopar.training.preflight import check_job
 from autopar.training.resolve import model_args, parse_job
 
@@ -530,7 +531,7 @@ def test_qwen3_5_parameter_counts_per_layer_kind_are_the_models():
     # every block kind counted with its own shapes (a Gated DeltaNet, gated attention, the
     # shared-expert mixture), not the first layer's for all
     from autopar.models.qwen3_5.flavors import FLAVORS
-    from autopar.planner.memory import meta_model, modules_numel
+    from autopar.planner.params import meta_model, modules_numel
 
     for flavor in ("0.8B", "27B", "35B-A3B"):
         job = real_scale_job(
@@ -581,8 +582,8 @@ def test_qwen3_5_gated_deltanet_saves_under_cp_are_what_autograd_saves(rank, hea
     from autopar.models.qwen3_5.model import HybridBlock
     from autopar.parallel.state_passing import apply_state_passing
     from autopar.parallel.torch_internals import FakeTensorMode, fake_store
+    from autopar.planner.activations import sizes
     from autopar.planner.block_bytes import block_bytes_no_ac
-    from autopar.planner.memory import sizes
 
     balance = "headtail" if head_tail else "none"
     flags = [f"{CP}8", f"--parallelism.context_parallel_load_balancer={balance}"]
@@ -633,8 +634,8 @@ def test_qwen3_5_block_saves_are_what_autograd_saves(layer, frozen):
 
     from autopar.models.qwen3_5.model import HybridBlock
     from autopar.parallel.mesh import ParallelDims
+    from autopar.planner.activations import sizes
     from autopar.planner.block_bytes import block_bytes_no_ac
-    from autopar.planner.memory import sizes
 
     lora = ["--lora.enable=true", "--lora.target_modules=nothing"] if frozen else []
     job = parse_job(["--model.name=qwen3.5", "--model.flavor=debug", "--training.seq_len=1100", *lora])

@@ -30,7 +30,7 @@ from autopar.planner.measured import (
     ops_per_micro_batch,
     optimizer_seconds,
 )
-from autopar.planner.memory import meta_model
+from autopar.planner.params import meta_model
 from autopar.planner.probe import (
     initialized_model,
     probe_attention,
@@ -52,7 +52,8 @@ from autopar.planner.profile import (
     load_profile,
     model_key,
 )
-from autopar.planner.time import StepTime, compute_rate, compute_rates, predict_time, tokens_per_step
+from autopar.planner.rates import compute_rate, compute_rates
+from autopar.planner.time import StepTime, predict_time, tokens_per_step
 from autopar.training.metrics.flops import delta_rule_flops, flops_per_token
 from autopar.training.resolve import model_args
 from tests.jobs import debug_job

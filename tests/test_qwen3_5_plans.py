@@ -18,7 +18,7 @@ import pytest
 from autopar.cli.parity import plan_job, relative_deltas
 from autopar.cli.spawn import run_on_ranks
 from autopar.config.errors import ConfigError
-from autopar.planner import search
+from autopar.planner import space
 from autopar.training.preflight import check_job
 
 from jobs import ac_flags, assert_fp32_parity, hybrid_job, parity_runs
@@ -43,7 +43,7 @@ DENSE_PLANS = [
     f"tp=2,{ac_flags('selective', 'op')}",
     "dp_shard=2,compile.enable=true",
     f"tp=2,compile.enable=true,{ac_flags('selective', 'op')}",
-    *(f"pp=2,schedule={s},{ac_flags(m, o)}" for s in search.SCHEDULES for m, o in search.AC_MODES),
+    *(f"pp=2,schedule={s},{ac_flags(m, o)}" for s in space.SCHEDULES for m, o in space.AC_MODES),
     "dp_replicate=2,dp_shard=2",
     "dp_shard=2,tp=2",
 ]
@@ -109,7 +109,7 @@ def test_training_moves_the_loss(dense):
 @pytest.mark.parametrize("schedule", ["GPipe", "LoopedBFS", "InterleavedZeroBubble", "DualPipeV"])
 def test_every_other_torch_schedule_with_every_checkpointing_mode(tmp_path, schedule):
     base = hybrid_job(tmp_path, "--training.local_batch_size", "4")
-    plans = [f"pp=2,schedule={schedule},{ac_flags(m, o)}" for m, o in search.AC_MODES]
+    plans = [f"pp=2,schedule={schedule},{ac_flags(m, o)}" for m, o in space.AC_MODES]
     for reference, run in parity_runs(base, plans, steps=STEPS).values():
         assert_fp32_parity(run, reference)
 

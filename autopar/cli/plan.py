@@ -1,6 +1,7 @@
 """Choose a parallel plan before launch: ``python -m autopar.plan --job.config FILE --world-size N
 [--gpus-per-node 8] [--device h100 | --device-profile FILE] [--gpu-memory-gib G] [--top 10]
-[--json PATH] [--verify K] [--check N [--steps S] [--rounds R]] [--section.field VALUE ...]``.
+[--json PATH] [--verify K] [--check N [--steps S] [--rounds R]] [--profile-search]
+[--section.field VALUE ...]``.
 
 Prints the best plans that fit (degrees, schedule, activation checkpointing, batch, predicted
 peak memory and its largest parts, tokens/s per GPU, MFU and where the time goes), the flags
@@ -11,7 +12,10 @@ does not fit as measured. ``--device-profile FILE`` plans with the figures
 ``python -m autopar.probe`` measured instead of a preset's. ``--check N`` then trains the N
 best plans for a few steps on this machine (run it under no launcher: it starts
 ``--world-size`` processes itself) and prints predicted beside measured tokens/s
-(``planner_check.py``). Exit 2 with one paragraph when no plan fits.
+(``planner_check.py``). The search scores only the candidates whose bounds can reach the
+plans shown (``planner/prune.py``; ``--check`` scores every one); ``--profile-search`` prints
+how many were scored and pruned, and the search's seconds. Exit 2 with one paragraph when no
+plan fits.
 """
 
 from __future__ import annotations
@@ -30,10 +34,10 @@ from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.planner.devices import DeviceSpec, device_spec
 from autopar.planner.machine import spec_from_profile
-from autopar.planner.memory import param_shapes
+from autopar.planner.params import param_shapes
 from autopar.planner.profile import load_profile
-from autopar.planner.search import Plan, evaluate, no_fit_message, pinned_fields, search
-from autopar.planner.verify import verify
+from autopar.planner.search import Plan, evaluate, no_fit_message, pinned_fields, search_counted
+from autopar.planner.verify import TRIES_PER_KEPT, verify
 from autopar.training.preflight import check_plan
 from autopar.training.resolve import model_args, model_source, parse_job
 
@@ -53,6 +57,8 @@ OPTIONS = {
     "--steps": int,
     "--rounds": int,
 }
+FLAGS = ("--profile-search",)
+"""The planner's own options that take no value."""
 
 
 def split_options(argv: list[str]) -> tuple[dict[str, object], list[str]]:
@@ -62,6 +68,10 @@ def split_options(argv: list[str]) -> tuple[dict[str, object], list[str]]:
     i = 0
     while i < len(argv):
         name, eq, value = argv[i].partition("=")
+        if argv[i] in FLAGS:
+            found[argv[i]] = True
+            i += 1
+            continue
         if name in OPTIONS:
             if not eq:
                 if i + 1 >= len(argv):
@@ -137,6 +147,18 @@ def model_label(job: JobConfig, args: ModelArgs) -> str:
     return f"{job.model.name} {size} ({source})"
 
 
+def _wrote_json(path: Path, top: list) -> bool:
+    """``--json``: the top plans written, or one line saying why not (checked before the
+    search, so this is what changed since: a full disk)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"plans": [p.to_json() for p in top]}, indent=2))
+    except OSError as err:
+        print(f"plan error: --json {path}: cannot write it: {err.strerror}", file=sys.stderr)
+        return False
+    return True
+
+
 def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         print(__doc__)
@@ -151,32 +173,34 @@ def main(argv: list[str]) -> int:
         gpus_per_node = int(options.get("--gpus-per-node", 8))
         device = planned_device(options)
         pinned = pinned_fields(job, *explicit_keys(job_argv))
-        start = time.perf_counter()
-        plans = search(job, args, world, gpus_per_node, device, pinned, device.device_type)
+        start, cpu = time.perf_counter(), time.process_time()
+        searched = search_counted(
+            job, args, world, gpus_per_node, device, pinned, device.device_type, plans_needed(options)
+        )
     except ConfigError as err:
         print(f"plan error: {err}", file=sys.stderr)
         return 2
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+    plans = searched.plans
     fitting = [p for p in plans if p.fits]
     inert = inert_float8(job)
     if inert:
         print(f"plan note: {inert}", file=sys.stderr)
     print(
         f"{model_label(job, args)}, seq_len {job.training.seq_len}, on {world} x {device.name} "
-        f"({device.memory_gib:.1f} GiB, {gpus_per_node} per node): {len(plans)} valid plans, "
-        f"{len(fitting)} fit ({elapsed:.2f} s)"
+        f"({device.memory_gib:.1f} GiB, {gpus_per_node} per node): {searched.valid} valid plans, "
+        f"{searched.scored} scored ({elapsed:.2f} s)"
     )
+    if "--profile-search" in options:
+        print(
+            f"search: {searched.candidates} candidates, {searched.valid} valid, {searched.scored} scored, "
+            f"{searched.valid - searched.scored} pruned by their bounds; {elapsed:.2f} s ({cpu:.2f} s of CPU)"
+        )
     if "--verify" in options:
         fitting = verified_plans(fitting, int(options["--verify"]), job, args, world, device)
     top = fitting[: int(options.get("--top", 10))]
-    if "--json" in options:
-        path = Path(str(options["--json"]))
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"plans": [p.to_json() for p in top]}, indent=2))
-        except OSError as err:  # checked before the search; this is what changed since (a full disk)
-            print(f"plan error: --json {path}: cannot write it: {err.strerror}", file=sys.stderr)
-            return 2
+    if "--json" in options and not _wrote_json(Path(str(options["--json"])), top):
+        return 2
     if not top:
         print(no_fit_message(plans[0], device, world, pinned), file=sys.stderr)
         if job.compile.enable:
@@ -198,6 +222,15 @@ COMPILED_PEAKS = (
 )
 """The memory model walks an eager step; inductor keeps less (it recomputes pointwise work and
 fuses the loss), so a compiled job is told its peaks are a bound, not a figure."""
+
+
+def plans_needed(options: dict[str, object]) -> int | None:
+    """How many of the best plans the command shows or dry-runs (``--verify`` may drop some
+    and take the next), so the search scores only what can reach them; None (every plan) for
+    ``--check``, which picks plans of distinct shapes from anywhere in the ranking."""
+    if "--check" in options:
+        return None
+    return int(options.get("--top", 10)) + TRIES_PER_KEPT * int(options.get("--verify", 0))
 
 
 def best_plan_lines(job: JobConfig, best: Plan, world: int, gpus_per_node: int) -> str:

@@ -49,7 +49,7 @@ def auto_job(
     device = probed_device(here, world_size, gpus_per_node, probe, cache)
     pinned = pinned_fields(job, *explicit_keys(argv))
     args = model_args(job)
-    plans = search(job, args, world_size, gpus_per_node, device, pinned, device_type)
+    plans = search(job, args, world_size, gpus_per_node, device, pinned, device_type, keep=AUTO_VERIFY_TRIES)
     if not plans[0].fits:
         raise ConfigError(no_fit_message(plans[0], device, world_size, pinned))
     best: Plan | None = plans[0]

@@ -1,7 +1,7 @@
 """What one block saves for backward, per micro-batch on one rank, by its kind
 (``ModelArgs.layer_kind``: token mixer and feed-forward), without checkpointing, under
 per-op checkpointing, the gradients a zero-bubble schedule keeps and a block backward's own
-temporaries. ``planner/memory.py`` walks a rank's step with them; its docstring says what a
+temporaries. ``planner/memory.py`` walks a rank's step with them; ``planner/activations.py`` says what a
 Qwen2.5/3 block (``attention`` mixer) saves. Qwen3.5's blocks, read off
 ``torch.autograd.graph.saved_tensors_hooks`` on one block of each kind and held against
 the dry run (``c`` the compute dtype's bytes, heads per TP rank):

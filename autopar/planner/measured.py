@@ -1,22 +1,24 @@
 """The time model's terms beside the GEMMs: the dtype they run in, the elementwise work and the
 optimizer's traffic at the memory bandwidth, and each op's dispatch overhead. A measured
 profile (``python -m autopar.probe``) gives the bandwidth and an op's seconds; a GPU preset
-takes its datasheet bandwidth and ``PRESET_OP_SECONDS``, fit with ``time.GEMM_EFFICIENCY`` to
+takes its datasheet bandwidth and ``PRESET_OP_SECONDS``, fit with ``rates.GEMM_EFFICIENCY`` to
 the H100 sitting's runs (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import torch
 
 from autopar.config.sections import JobConfig
-from autopar.models.args import ModelArgs
+from autopar.models.args import HF_LAYER_TYPES, LayerKind, ModelArgs
 from autopar.planner.block_bytes import Sizes, block_bytes_no_ac
 from autopar.planner.devices import DeviceSpec
-from autopar.planner.memory import meta_model
+from autopar.planner.params import layer_kinds, meta_model
 from autopar.planner.probe import count_ops, forward_backward
 
 MEMORY_PASSES = {"compiled": 2, "eager": 4}
@@ -26,7 +28,7 @@ and backward when eager, about half that when compiled fuses them. An assumption
 own traffic is inside their measured rate."""
 COMPILED_OP_SHARE = 0.10
 """The share of eager's op dispatches a compiled graph still makes (fused kernels, no Python
-per op): fit with ``PRESET_OP_SECONDS`` and ``time.GEMM_EFFICIENCY`` to the H100 sittings' five
+per op): fit with ``PRESET_OP_SECONDS`` and ``rates.GEMM_EFFICIENCY`` to the H100 sittings' five
 compiled and three eager runs (each then within 5%); a profile measures eager, and a compiled
 step where the job compiles."""
 PRESET_OP_SECONDS = 12.6e-6
@@ -50,20 +52,55 @@ def compute_dtype(job: JobConfig, device: DeviceSpec) -> str:
 def ops_per_micro_batch(args: ModelArgs) -> int:
     """Aten ops of one forward and backward of the whole model (counted on meta tensors in
     bf16, as mixed precision computes, which experts' grouped GEMMs require; the count does
-    not depend on the batch)."""
-    model = copy.deepcopy(meta_model(args)).to(torch.bfloat16)  # the cached model stays fp32
-    return count_ops(forward_backward(model, torch.device("meta")))
+    not depend on the batch), by ``layer_extrapolated``."""
+    return layer_extrapolated(
+        args, lambda a: count_ops(forward_backward(_bf16_meta(a), torch.device("meta")))
+    )
 
 
 @functools.lru_cache(maxsize=16)
 def forward_op_share(args: ModelArgs) -> float:
     """The forward's share of a forward and backward's aten ops (counted on meta tensors as
     ``ops_per_micro_batch``): what a recomputed forward dispatches again."""
-    model = copy.deepcopy(meta_model(args)).to(torch.bfloat16)
-    ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
-    with torch.no_grad():
-        forward = count_ops(lambda: model(ids))
-    return forward / ops_per_micro_batch(args)
+
+    def forward(a: ModelArgs) -> int:
+        model = _bf16_meta(a)
+        ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
+        with torch.no_grad():
+            return count_ops(lambda: model(ids))
+
+    return layer_extrapolated(args, forward) / ops_per_micro_batch(args)
+
+
+def _bf16_meta(args: ModelArgs) -> torch.nn.Module:
+    return copy.deepcopy(meta_model(args)).to(torch.bfloat16)  # the cached model stays fp32
+
+
+def layer_extrapolated(args: ModelArgs, count: Callable[[ModelArgs], int]) -> int:
+    """``count(args)`` from models of one block of each kind and one more of a single kind:
+    every block of a kind dispatches the same ops wherever it stands, so the whole model's
+    count is the first's plus each kind's extra block times its further blocks (on
+    Qwen3-8B a whole meta model counts in seconds, these in a fraction;
+    ``tests/test_planner.py`` holds the two equal)."""
+    kinds = layer_kinds(args)
+    order = list(dict.fromkeys(kinds))
+    base = count(_with_layers(args, order))
+    extra = {kind: count(_with_layers(args, [*order, kind])) - base for kind in order}
+    return base + sum((kinds.count(kind) - 1) * extra[kind] for kind in order)
+
+
+def _with_layers(args: ModelArgs, kinds: list[LayerKind]) -> ModelArgs:
+    """``args`` with one block of each of ``kinds``, in order."""
+    changes: dict[str, object] = {"num_hidden_layers": len(kinds)}
+    if args.hybrid:
+        hf_types = {mixer: hf for hf, mixer in HF_LAYER_TYPES.items()}
+        changes["layer_types"] = tuple(hf_types[mixer] for mixer, _ in kinds)
+    if args.moe:
+        changes |= {
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": tuple(i for i, k in enumerate(kinds) if k[1] == "mlp"),
+        }
+    return dataclasses.replace(args, **changes)
 
 
 def checkpoint_machinery_seconds(
@@ -128,10 +165,9 @@ def block_memory_seconds(
     showed), else the device's memory bandwidth (measured, or the preset's datasheet figure)."""
     passes = MEMORY_PASSES["compiled" if job.compile.enable else "eager"]
     rate = bytes_per_s or device.hbm_bytes_per_s
-    return [
-        passes * block_bytes_no_ac(z, args.layer_kind(i), args.qk_norm) / rate
-        for i in range(args.num_hidden_layers)
-    ]
+    kinds = layer_kinds(args)
+    per_kind = {kind: passes * block_bytes_no_ac(z, kind, args.qk_norm) / rate for kind in set(kinds)}
+    return [per_kind[kind] for kind in kinds]
 
 
 CAST_BYTES = 6

@@ -34,7 +34,16 @@ POLICY, REFERENCE = ROOT / "tests" / "dpo_fixtures" / "policy", ROOT / "tests" /
 EOS = 0  # <|endoftext|> in the chatml tokenizer
 GROUP, PROMPTS, PROMPT_LENGTH, MAX_COMPLETION = 4, 2, 6, 10
 TEMPERATURE = 0.7
-REWARDS = [[1.0, 0.0], [0.5, None], [0.0, 1.0], [1.0, 1.0], [0.25, 0.0], [0.0, None], [None, None], [0.75, 0.5]]
+REWARDS = [
+    [1.0, 0.0],
+    [0.5, None],
+    [0.0, 1.0],
+    [1.0, 1.0],
+    [0.25, 0.0],
+    [0.0, None],
+    [None, None],
+    [0.75, 0.5],
+]
 """Two reward functions' values per completion (None: does not apply; the seventh no function
 scores: its advantage is 0)."""
 WEIGHTS = [1.0, 0.5]
@@ -64,7 +73,7 @@ def completions() -> tuple[list[list[int]], list[list[int]]]:
         length = int(torch.randint(2, MAX_COMPLETION + 1, (1,), generator=g))
         ids = torch.randint(3, 500, (length,), generator=g).tolist()
         if i % 3 != 2:  # every third runs to the end without an end of text: truncated
-            ids = ids[: min(length, MAX_COMPLETION - 1)] + [EOS]
+            ids = [*ids[: min(length, MAX_COMPLETION - 1)], EOS]
         elif len(ids) < MAX_COMPLETION:
             ids = ids + torch.randint(3, 500, (MAX_COMPLETION - len(ids),), generator=g).tolist()
         out_prompts.append(prompts[i // GROUP])
@@ -115,8 +124,11 @@ def trainer_for(policy: Qwen3ForCausalLM, config: dict, tokenizer) -> GRPOTraine
     )
     data = Dataset.from_list([{"prompt": "x"}] * (PROMPTS * GROUP))
     trainer = GRPOTrainer(
-        model=policy, reward_funcs=[lambda completions, **_: [0.0] * len(completions)], args=args,
-        train_dataset=data, processing_class=tokenizer,
+        model=policy,
+        reward_funcs=[lambda completions, **_: [0.0] * len(completions)],
+        args=args,
+        train_dataset=data,
+        processing_class=tokenizer,
     )
     trainer.current_gradient_accumulation_steps = 1
     return trainer
@@ -126,7 +138,9 @@ def main() -> None:
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     policy = Qwen3ForCausalLM.from_pretrained(POLICY, torch_dtype=torch.float32, attn_implementation="eager")
-    reference = Qwen3ForCausalLM.from_pretrained(REFERENCE, torch_dtype=torch.float32, attn_implementation="eager")
+    reference = Qwen3ForCausalLM.from_pretrained(
+        REFERENCE, torch_dtype=torch.float32, attn_implementation="eager"
+    )
     prompts, ids = completions()
     policy_logps = token_logps(policy, prompts, ids)
     noise = torch.randn(policy_logps.shape, generator=torch.Generator().manual_seed(1)) * 0.3
@@ -156,25 +170,50 @@ def main() -> None:
         trainer._metrics["train"].clear()
         loss = trainer._compute_loss(policy, inputs)
         metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
-        entries.append({"name": name, "rl": config, "loss": loss.item(), "metrics": metrics,
-                        "rewards": [None if math.isnan(r) else r for r in rewards.tolist()],
-                        "advantages": adv.tolist()})
+        entries.append(
+            {
+                "name": name,
+                "rl": config,
+                "loss": loss.item(),
+                "metrics": metrics,
+                "rewards": [None if math.isnan(r) else r for r in rewards.tolist()],
+                "advantages": adv.tolist(),
+            }
+        )
         print(name, loss.item(), metrics)
     records = [
         {
-            "step": 1, "group": i // GROUP, "prompt": "x", "prompt_ids": prompts[i], "completion_ids": ids[i],
+            "step": 1,
+            "group": i // GROUP,
+            "prompt": "x",
+            "prompt_ids": prompts[i],
+            "completion_ids": ids[i],
             "completion": tokenizer.decode(ids[i], skip_special_tokens=True),
-            "rewards": {"first": REWARDS[i][0], "second": REWARDS[i][1]}, "reward": None, "advantage": 0.0,
-            "logps": sampler[i, : len(ids[i])].tolist(), "truncated": truncated[i],
+            "rewards": {"first": REWARDS[i][0], "second": REWARDS[i][1]},
+            "reward": None,
+            "advantage": 0.0,
+            "logps": sampler[i, : len(ids[i])].tolist(),
+            "truncated": truncated[i],
         }
         for i in range(len(ids))
     ]
     (HERE / "rollouts").mkdir(exist_ok=True)
     (HERE / "rollouts" / "step-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     versions = {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__}
-    (HERE / "losses.json").write_text(json.dumps(
-        {**versions, "temperature": TEMPERATURE, "max_completion_length": MAX_COMPLETION, "num_generations": GROUP,
-         "reward_weights": WEIGHTS, "entries": entries}, indent=1) + "\n")
+    (HERE / "losses.json").write_text(
+        json.dumps(
+            {
+                **versions,
+                "temperature": TEMPERATURE,
+                "max_completion_length": MAX_COMPLETION,
+                "num_generations": GROUP,
+                "reward_weights": WEIGHTS,
+                "entries": entries,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

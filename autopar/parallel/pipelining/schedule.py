@@ -64,11 +64,18 @@ SCHEDULE_STYLES: dict[str, ScheduleStyle] = {
 
 def schedule_name(cfg: Parallelism) -> str:
     """The canonical spelling of ``pipeline_parallel_schedule`` (case-insensitive)."""
+    return _canonical_schedule(cfg.pipeline_parallel_schedule)
+
+
+@functools.lru_cache(maxsize=64)
+def _canonical_schedule(spelling: str) -> str:
+    """``schedule_name`` of one spelling, checked against this torch once (the planner asks
+    for every plan it prices)."""
     names = {n.lower(): n for n in SCHEDULE_STYLES}
-    name = names.get(cfg.pipeline_parallel_schedule.lower())
+    name = names.get(spelling.lower())
     if name is None:
         raise ConfigError(
-            f"parallelism.pipeline_parallel_schedule={cfg.pipeline_parallel_schedule!r} is "
+            f"parallelism.pipeline_parallel_schedule={spelling!r} is "
             f"unknown; choose one of {list(SCHEDULE_STYLES)}"
         )
     try:

@@ -91,6 +91,7 @@ def delta_rule_flops(args: ModelArgs) -> float:
     return 3 * args.linear_num_value_heads * (6 * dk * dv + 2 * DELTA_RULE_CHUNK * (2 * dk + dv))
 
 
+@functools.lru_cache(maxsize=256)
 def flops_per_token(args: ModelArgs, seq_len: int, frozen: bool = False, reference: bool = False) -> float:
     """Training FLOPs per token, 6N + 12*L*H*Q*T (PaLM; causal attention not halved), L
     counting the attention layers; a hybrid model's Gated DeltaNet layers add their
