@@ -430,7 +430,11 @@ class Generate:
     """Seeds the sampling: the same seed, prompts and weights give the same tokens."""
     output: str | None = None
     """A JSONL file written with one record per prompt: prompt_ids, new_ids, text; unset:
-    <job.dump_folder>/generations.jsonl."""
+    <job.dump_folder>/generations.jsonl. A file already there is never replaced (refused
+    before any work) unless overwrite says so."""
+    overwrite: bool = False
+    """Replace an existing output when it holds an earlier generation's records (any other
+    file, a training run's metrics.jsonl say, is never replaced)."""
     compile: bool = False
     """Run the decode step through torch.compile: about 2-3x faster a token on CPU's debug
     models, after a compilation of 10-30 s; worth it for long generations."""

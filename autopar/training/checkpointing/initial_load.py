@@ -3,14 +3,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from torch.distributed.checkpoint.api import CheckpointException
 
 from autopar.config.errors import ConfigError
 from autopar.config.sections import Checkpoint
 from autopar.models.args import ModelArgs
 from autopar.models.hf import HFTensors
 from autopar.models.hf_config import HFCheckpointError, read_hf_config
-from autopar.training.checkpointing.dcp_state import complete_steps, model_mismatch
+from autopar.training.checkpointing.dcp_state import READ_ERRORS, complete_steps, model_mismatch, saved_keys
+from autopar.training.checkpointing.manifest import broken_file
+
+DAMAGED_FIX = "copy or save it again, or start from other weights"
 
 
 def check_initial_load(cfg: Checkpoint, args: ModelArgs, model_label: str) -> None:
@@ -66,6 +73,40 @@ def _check_initial_dcp(path: Path, args: ModelArgs, model_label: str) -> None:
             "checkpoint of this model (a LoRA run's saves hold its adapters only), or set the "
             "--model.* fields it was saved with"
         )
+
+
+def check_dcp_weights(path: Path, field: str) -> None:
+    """A DCP folder of weights, named by the job's ``field``, is there, whole by its manifest
+    (a run's saves carry one, naming the damaged file), and its ``.metadata`` reads: one line
+    before any weight is read (collective under a process group: ``broken_file``)."""
+    named = f"{field}={str(path)!r}"
+    if not path.is_dir():
+        raise ConfigError(f"{named}: no such folder")
+    if not (path / ".metadata").is_file():
+        raise ConfigError(f"{named} is not a DCP checkpoint (no .metadata)")
+    problem = broken_file(path)
+    if problem is not None:
+        raise ConfigError(f"{named} is damaged: {problem}; {DAMAGED_FIX}")
+    try:
+        saved_keys(path)
+    except READ_ERRORS as err:  # DCP unpickles .metadata: any error means a damaged file
+        raise ConfigError(
+            f"{named}: {path / '.metadata'} is damaged ({type(err).__name__}); {DAMAGED_FIX}"
+        ) from None
+
+
+@contextmanager
+def reading_weights(path: Path | str, field: str) -> Iterator[None]:
+    """Reading weights from the DCP folder ``path`` (the job's ``field``): a file that cannot
+    be read (damaged in a folder without a manifest to tell which) is one line naming it."""
+    try:
+        yield
+    except READ_ERRORS as err:
+        cause = next(iter(err.failures.values()))[0] if isinstance(err, CheckpointException) else err
+        raise ConfigError(
+            f"{field}={str(path)!r}: a file of it is damaged ({type(cause).__name__}: "
+            f"{str(cause).splitlines()[0]}); {DAMAGED_FIX}"
+        ) from None
 
 
 def check_load_step(cfg: Checkpoint, dump_folder: str) -> None:
