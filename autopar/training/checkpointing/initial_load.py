@@ -33,25 +33,31 @@ def check_initial_load(cfg: Checkpoint, args: ModelArgs, model_label: str) -> No
     if not cfg.initial_load_in_hf:
         _check_initial_dcp(path, args, model_label)
         return
+    check_hf_weights(path, args, model_label, "checkpoint.initial_load_path")
+
+
+def check_hf_weights(path: Path, args: ModelArgs, model_label: str, field: str) -> None:
+    """The HF folder ``path`` (the job's ``field``) describes this model and holds every
+    tensor in its shape (read from the files' headers, no weight read)."""
     try:
         hf_args = read_hf_config(path)
     except HFCheckpointError as err:
-        raise ConfigError(f"checkpoint.initial_load_path: {err}") from None
-    for field in ModelArgs.__dataclass_fields__:
+        raise ConfigError(f"{field}: {err}") from None
+    for name in ModelArgs.__dataclass_fields__:
         # the MTP head is built only when a job asks for it (mtp.enable); HFTensors below
         # finds its tensors then
-        if field in ("initializer_range", "max_position_embeddings", "mtp_num_hidden_layers"):
+        if name in ("initializer_range", "max_position_embeddings", "mtp_num_hidden_layers"):
             continue
-        ours, theirs = getattr(args, field), getattr(hf_args, field)
+        ours, theirs = getattr(args, name), getattr(hf_args, name)
         if ours != theirs:
             raise ConfigError(
-                f"model {model_label} has {field}={ours}, but {path / 'config.json'} has "
-                f"{field}={theirs}; pick the matching flavor or set --model.{field} {theirs}"
+                f"{field}: model {model_label} has {name}={ours}, but {path / 'config.json'} has "
+                f"{name}={theirs}; pick the matching flavor or set --model.{name} {theirs}"
             )
     try:
         HFTensors(path, args)  # every file readable, every tensor there in its shape
     except HFCheckpointError as err:
-        raise ConfigError(f"checkpoint.initial_load_path: {err}") from None
+        raise ConfigError(f"{field}: {err}") from None
 
 
 def _check_initial_dcp(path: Path, args: ModelArgs, model_label: str) -> None:
@@ -63,13 +69,20 @@ def _check_initial_dcp(path: Path, args: ModelArgs, model_label: str) -> None:
             f"{field} is not a DCP checkpoint (no .metadata); for an HF folder set "
             "checkpoint.initial_load_in_hf=true"
         )
+    check_dcp_model(path, args, model_label, "checkpoint.initial_load_path")
+
+
+def check_dcp_model(path: Path, args: ModelArgs, model_label: str, field: str) -> None:
+    """The DCP checkpoint ``path`` (the job's ``field``) holds every weight of this model in
+    its shape, read from its ``.metadata``."""
+    named = f"{field}={str(path)!r}"
     try:
         mismatch = model_mismatch(path, args)
     except Exception as err:  # DCP unpickles .metadata: any error means a damaged file
-        raise ConfigError(f"{field}: {path / '.metadata'} is not readable ({type(err).__name__})") from None
+        raise ConfigError(f"{named}: {path / '.metadata'} is not readable ({type(err).__name__})") from None
     if mismatch is not None:
         raise ConfigError(
-            f"{field} was saved from another model than {model_label}: {mismatch}; start from a "
+            f"{named} was saved from another model than {model_label}: {mismatch}; start from a "
             "checkpoint of this model (a LoRA run's saves hold its adapters only), or set the "
             "--model.* fields it was saved with"
         )
