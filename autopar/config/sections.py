@@ -346,7 +346,8 @@ class MTP:
     the loss is the main one plus loss_scale times the head's, logged as mtp_loss and
     mtp_acceptance (how often its argmax is the token two ahead)."""
     loss_scale: float = 0.1
-    """Weight of the head's loss in the trained loss (Megatron's mtp_loss_scaling_factor)."""
+    """Weight of the head's loss in the trained loss (Megatron's mtp_loss_scaling_factor);
+    0: the head is frozen, its loss and acceptance logged without training it."""
     detach: bool = False
     """The head's loss trains only the head: no gradient into the trunk, the shared embedding
     or the output head through it (Megatron's mtp_detach_heads)."""
