@@ -89,17 +89,13 @@ def check_dcp_model(path: Path, args: ModelArgs, model_label: str, field: str) -
 
 
 def check_dcp_weights(path: Path, field: str) -> None:
-    """A DCP folder of weights, named by the job's ``field``, is there, whole by its manifest
-    (a run's saves carry one, naming the damaged file), and its ``.metadata`` reads: one line
-    before any weight is read (collective under a process group: ``broken_file``)."""
+    """A DCP folder of weights, named by the job's ``field``, is there and its ``.metadata``
+    reads: one line before any work (its files are verified when read: ``reading_weights``)."""
     named = f"{field}={str(path)!r}"
     if not path.is_dir():
         raise ConfigError(f"{named}: no such folder")
     if not (path / ".metadata").is_file():
         raise ConfigError(f"{named} is not a DCP checkpoint (no .metadata)")
-    problem = broken_file(path)
-    if problem is not None:
-        raise ConfigError(f"{named} is damaged: {problem}; {DAMAGED_FIX}")
     try:
         saved_keys(path)
     except READ_ERRORS as err:  # DCP unpickles .metadata: any error means a damaged file
@@ -110,8 +106,13 @@ def check_dcp_weights(path: Path, field: str) -> None:
 
 @contextmanager
 def reading_weights(path: Path | str, field: str) -> Iterator[None]:
-    """Reading weights from the DCP folder ``path`` (the job's ``field``): a file that cannot
-    be read (damaged in a folder without a manifest to tell which) is one line naming it."""
+    """Reading weights from the DCP folder ``path`` (the job's ``field``), its files verified
+    first against the manifest a run's saves carry (collective under a process group: the
+    ranks share the checksumming), naming the damaged file; without a manifest, a file that
+    cannot be read is one line naming the folder."""
+    problem = broken_file(Path(path))
+    if problem is not None:
+        raise ConfigError(f"{field}={str(path)!r} is damaged: {problem}; {DAMAGED_FIX}")
     try:
         yield
     except READ_ERRORS as err:
