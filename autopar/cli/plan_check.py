@@ -208,7 +208,8 @@ def check_plans(plans: list[Plan], job: JobConfig, world: int, options: dict, de
     rows = measure(top, job, world, steps, rounds)
     stats = summary(rows)
     print(table(rows))
-    for note in far_off(rows):
+    notes = far_off(rows)
+    for note in notes:
         print(note, file=sys.stderr)
     print(
         f"median error {100 * stats['median_abs_error']:.0f}%, worst {100 * stats['worst_abs_error']:.0f}%, "
@@ -227,7 +228,7 @@ def check_plans(plans: list[Plan], job: JobConfig, world: int, options: dict, de
             "steps": steps,
             "warmup": CHECK_WARMUP,
             "rounds": rounds,
-            "far_off": len(far_off(rows)),
+            "far_off": len(notes),
             "plans": rows,
             **stats,
         }

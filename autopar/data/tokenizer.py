@@ -77,11 +77,7 @@ class HFTokenizer:
     def specials(self) -> Specials:
         """Built once, when a conversation is first encoded (a second copy of the tokenizer)."""
         if self._specials is None:
-            from tokenizers import Tokenizer as _Tokenizer
-
-            plain = _Tokenizer.from_file(str(self._file))
-            plain.encode_special_tokens = True
-            self._specials = Specials(self._tok, plain)
+            self._specials = Specials.of(self._tok, self._file)
         return self._specials
 
     def encode(self, text: str) -> list[int]:
