@@ -288,6 +288,11 @@ CASES = {
         f"{CHAT} --model.tokenizer_path {{inputs}}/tok_not_json",
         "tok_not_json/tokenizer_config.json: not JSON (",
     ),
+    "list items apart": (
+        "--dpo.loss_type sigmoid sft",
+        "unexpected argument 'sft' after --dpo.loss_type sigmoid: dpo.loss_type is a list, its items "
+        "comma-separated: --dpo.loss_type sigmoid,sft",
+    ),
     # blends
     "nan blend weight": ("--training.dataset_blend nan:{inputs}/cut", "finite positive weight"),
     "blend without path": ("--training.dataset_blend 0.5", "is not 'weight:path'"),

@@ -458,6 +458,17 @@ def test_a_resumed_dpo_run_continues_exactly(tmp_path):
         (("--dpo.loss_type", "sigmoid,sft", "--dpo.loss_weights", "1"), "one weight per dpo.loss_type"),
         (("--dpo.max_length", "40"), "dpo.max_length=40: a pair"),
         (("--dpo.label_smoothing", "0.5"), "dpo.label_smoothing=0.5 must be in"),
+        (("--dpo.loss_type", "sigmoid,sft,sigmoid"), "dpo.loss_type names sigmoid twice"),
+        (
+            ("--dpo.loss_type", "sigmoid,sft", "--dpo.loss_weights", "1,-0.5"),
+            "dpo.loss_weights\\[1\\]=-0.5 \\(sft\\) must be >= 0",
+        ),
+        (("--dpo.loss_weights", "0"), "dpo.loss_weights=\\[0.0\\] trains nothing"),
+        (
+            ("--dpo.label_smoothing", "0.1"),
+            "dpo.label_smoothing=0.1 is read by dpo.loss_type robust and exo_pair only",
+        ),
+        (("--dpo.max_length", "0"), "dpo.max_length=0 must be at least 2"),
         (
             (
                 "--parallelism.pipeline_parallel_degree",
@@ -484,9 +495,118 @@ def test_a_preference_job_that_cannot_run_is_one_line_before_any_work(tmp_path, 
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
-def test_dpo_settings_without_preference_data_are_refused(tmp_path):
-    with pytest.raises(ConfigError, match="without preference data"):
-        check_job(tiny_job(tmp_path, "--dpo.reference", "precomputed"), 1)
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--dpo.reference", "precomputed"),
+        ("--dpo.beta", "0.5"),
+        ("--dpo.loss_type", "ipo"),
+        ("--dpo.max_length", "16"),
+    ],
+)
+def test_dpo_settings_without_preference_data_are_refused(tmp_path, flags):
+    with pytest.raises(ConfigError, match=f"{flags[0][2:]}=.* without preference data"):
+        check_job(tiny_job(tmp_path, *flags), 1)
+
+
+def test_a_conversational_record_fits_the_shipped_dpo_preset(tmp_path):
+    """The preset's rows hold a chat record (the template's default system turn alone is ~70
+    tokens of the chatml tokenizer) beside the shipped plain pairs."""
+    from autopar.data.chat import ChatFormat
+    from autopar.data.preference import load_pairs
+    from autopar.training.objectives.dpo.job import max_sequence_length
+    from autopar.training.resolve import tokenizer_path
+
+    job = parse_job(["--job.config", "dpo_debug"])
+    record = {
+        "prompt": [{"role": "user", "content": "Count on from three: three four"}],
+        "chosen": [{"role": "assistant", "content": "five six seven eight"}],
+        "rejected": [{"role": "assistant", "content": "two one zero"}],
+    }
+    (tmp_path / "chat.jsonl").write_text(json.dumps(record) + "\n")
+    tokenizer = str(tokenizer_path(job))
+    chat = ChatFormat(tokenizer, job.training.chat_template)
+    loaded = load_pairs(tmp_path / "chat.jsonl", chat, tokenizer, max_sequence_length(job))
+    assert loaded.truncated == 0
+
+
+def lora_checkpoint(folder: Path, job: JobConfig) -> None:
+    """A LoRA run's DCP save: the adapters only (its base is frozen, not saved)."""
+    import dataclasses
+
+    import torch.distributed.checkpoint as dcp
+
+    from autopar.parallel.lora import apply_lora
+    from autopar.training.checkpointing.dcp_state import ModelState
+    from autopar.training.resolve import model_args
+
+    model = Qwen(model_args(job))
+    apply_lora(model, dataclasses.replace(job.lora, enable=True), torch.float32)
+    dcp.save({"model": ModelState([model], "trained")}, checkpoint_id=str(folder), no_dist=True)
+
+
+def damaged_dcp(folder: Path, job: JobConfig, manifest: bool) -> Path:
+    """The job's model saved as DCP (with a run's manifest, or none), its data file cut in half."""
+    import torch.distributed.checkpoint as dcp
+
+    from autopar.training.checkpointing.manifest import write_manifest
+    from autopar.training.resolve import model_args
+
+    dcp.save({"model": Qwen(model_args(job)).state_dict()}, checkpoint_id=str(folder), no_dist=True)
+    if manifest:
+        write_manifest(folder)
+    data = sorted(folder.glob("*.distcp"))[0]
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    return data
+
+
+REFERENCE_PATHS = {
+    "missing": "no such folder",
+    "neither": "is neither an HF model folder \\(no config.json\\) nor a DCP checkpoint",
+    "damaged_metadata": "/.metadata is damaged",
+    "peft_adapters": "is a LoRA adapter folder",
+    "lora_checkpoint": "is a LoRA run's checkpoint, which holds its adapters only",
+    "other_family": "but .*config.json has",
+}
+
+
+@pytest.mark.parametrize("kind", REFERENCE_PATHS)
+def test_a_reference_path_that_cannot_load_is_one_line_before_any_work(tmp_path, kind):
+    """Each kind a user might name: refused by the job's checks, before a process group."""
+    from autopar.models import build_model, get_flavor, save_hf
+
+    folder = tmp_path / "reference"
+    job = preference_job(tmp_path / "run")
+    if kind == "neither":
+        folder.mkdir()
+        (folder / "notes.txt").write_text("weights elsewhere")
+    elif kind == "damaged_metadata":
+        damaged_dcp(folder, job, manifest=False)
+        (folder / ".metadata").write_bytes(b"not a pickle")
+    elif kind == "peft_adapters":
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16}')
+    elif kind == "lora_checkpoint":
+        lora_checkpoint(folder, job)
+    elif kind == "other_family":
+        other = build_model(get_flavor("qwen3.5", "debug"))
+        save_hf(other.state_dict(), other.args, folder)
+    job = preference_job(tmp_path / "run", "--dpo.reference_path", str(folder))
+    with pytest.raises(ConfigError, match=f"dpo.reference_path.*{REFERENCE_PATHS[kind]}"):
+        check_job(job, 1)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("manifest", [True, False])
+def test_a_reference_checkpoint_with_a_damaged_file_is_one_line_naming_it(tmp_path, manifest):
+    """Verified as it is read (its files are checksummed there, shared by the ranks): by a
+    run's manifest, naming the file; without one, the read that fails names the folder."""
+    folder = tmp_path / "reference"
+    data = damaged_dcp(folder, preference_job(tmp_path / "run"), manifest)
+    job = preference_job(tmp_path / "run", "--dpo.reference_path", str(folder))
+    says = f" is damaged: {data} has" if manifest else ": a file of it is damaged"
+    with pytest.raises(ConfigError, match=f"dpo.reference_path='{folder}'{says}"):
+        one_process_trainer(job)
 
 
 BF16_PLANS = ["dp_shard=2", "tp=2", "cp=2"]

@@ -191,6 +191,24 @@ def test_only_moves_the_head_and_nothing_else(tmp_path):
     assert trained == {id(p) for n, p in model.named_parameters() if n.startswith("mtp.")}
 
 
+def test_a_zero_loss_scale_logs_the_heads_acceptance_without_training_it(tmp_path):
+    """mtp.loss_scale 0 (Megatron's factor 0): the head runs and is measured, the trunk trains
+    on the main loss alone, and the head is frozen (no optimizer state, no weight decay)."""
+    trainer, batches, reference, outcome = step_against_hand(tmp_path, "--mtp.loss_scale", "0")
+    hand = hand_losses(reference, batches)
+    hand["main"].backward()
+    mtp_loss, acceptance = outcome.metrics.tolist()
+    assert mtp_loss == pytest.approx(hand["head"].item(), rel=1e-6)  # fp32: the order of sums only
+    assert acceptance == pytest.approx(hand["acceptance"].item(), abs=0.5 / hand["head_targets"].item())
+    ours, main_only = grads(trainer.parts[0]), grads(reference)
+    assert not any(n.startswith("mtp.") for n in ours)
+    assert ours.keys() == {n for n in main_only if not n.startswith("mtp.")}
+    for name, grad in ours.items():
+        assert_same_grad(grad, main_only[name], name)
+    trained = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
+    assert not any(id(p) in trained for n, p in trainer.parts[0].named_parameters() if n.startswith("mtp."))
+
+
 def test_lora_adapts_the_heads_linears_by_their_hf_names(tmp_path):
     trainer = one_process_trainer(head_job(tmp_path, *LORA))
     model = trainer.parts[0]
@@ -221,7 +239,6 @@ NO_HEAD_REFUSALS = [
 REFUSALS = [
     (("--mtp.only", "true"), "mtp.only=true without mtp.enable"),
     (("--mtp.detach", "true"), "mtp.detach=true without mtp.enable"),
-    ((*HEAD, "--mtp.loss_scale", "0"), "mtp.loss_scale=0.0 must be > 0"),
     (
         (*HEAD, "--parallelism.pipeline_parallel_degree", "2", "--parallelism.context_parallel_degree", "2"),
         "parallelism.pipeline_parallel_degree=2 with context_parallel_degree=2 and mtp.enable=true",
@@ -231,6 +248,11 @@ REFUSALS = [
         "mtp.only=true with parallelism.pipeline_parallel_degree=2",
     ),
     ((*HEAD, "--mtp.only", "true", "--lora.enable", "true"), "mtp.only=true with lora.enable=true"),
+    ((*HEAD, "--mtp.loss_scale", "-0.1"), "mtp.loss_scale=-0.1 must be >= 0"),
+    (
+        (*HEAD, "--mtp.only", "true", "--mtp.loss_scale", "0"),
+        "mtp.only=true with mtp.loss_scale=0 trains nothing",
+    ),
     (
         (*HEAD, "--mtp.detach", "true", "--lora.enable", "true", "--lora.target_modules", "q_proj,lm_head"),
         "mtp.detach=true with lm_head in lora.target_modules",

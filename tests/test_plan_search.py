@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from autopar.cli.plan import main as plan_main
 from autopar.cli.train import main as train_main
@@ -20,7 +21,8 @@ from autopar.planner.comm_time import link_bytes_per_s
 from autopar.planner.compute_time import block_forward_flops, busiest_stage_rank, stage_work
 from autopar.planner.devices import PRESETS, device_spec, this_machine
 from autopar.planner.pipeline_time import bubble_fraction
-from autopar.planner.profile import gemm_shapes
+from autopar.planner.probe import device_name
+from autopar.planner.profile import gemm_shapes, load_profile
 from autopar.planner.rates import (
     FP8_GEMM_SCALE,
     PRESET_DELTA_RULE_CHUNK_SECONDS,
@@ -329,11 +331,15 @@ def test_plan_cli_prints_the_best_plans_and_writes_json(tmp_path):
 
 
 def test_plan_check_trains_the_plan_and_records_its_speed_memory_and_loss_beside_the_prediction(tmp_path):
-    out = tmp_path / "check.json"
+    """Priced with a profile of this machine (a check compares like with like: one of
+    another device's is refused, ``test_probe.py``); its figures do not matter here."""
+    out, profile = tmp_path / "check.json", tmp_path / "profile.json"
+    measured = load_profile(ROOT / "benchmarks" / "device_profile_cpu2.json")
+    dataclasses.replace(measured, device=device_name(torch.device("cpu"))).save(profile)
     result = run(
         "-m", "autopar.plan", "--job.config", "debug_model", "--training.seq_len", "64", "--world-size", "1",
         "--gpus-per-node", "1", "--check", "1", "--steps", "1", "--rounds", "2", "--json", str(out),
-        "--job.dump_folder", str(tmp_path),
+        "--job.dump_folder", str(tmp_path), "--device-profile", str(profile),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     check = json.loads(out.read_text())["check"]

@@ -109,7 +109,9 @@ def test_keep_start_cuts_each_sequence_as_trls_collator():
 def test_prompt_filling_max_length_is_one_line_naming_the_row():
     # TRL drops this pair (its prompt is 25 tokens) without a word; autopar says so
     with pytest.raises(
-        DataError, match=r"plain\.jsonl:5: the prompt alone is 25 tokens and fills max_length=12"
+        DataError,
+        match=r"plain\.jsonl:5: the prompt alone is 25 tokens and fills max_length=12, leaving no completion "
+        r"token; raise --dpo.max_length \(-1: half of --training.seq_len\)",
     ):
         load_pairs(FIXTURES / "plain.jsonl", None, TOKENIZER, max_length=12)
 
@@ -163,6 +165,14 @@ ANSWER = [{"role": "assistant", "content": "Hello"}]
             r':1: "chat_template_kwargs" must be an object',
         ),
         ([1, 2], r":1: a preference record is an object"),
+        (
+            {"prompt": USER, "chosen": [{"role": "user", "content": "Hello"}], "rejected": ANSWER},
+            r':1, "chosen": messages\[0\] is a user message; a completion holds the assistant',
+        ),
+        (
+            {"prompt": USER, "chosen": ANSWER, "rejected": [*ANSWER, {"role": "system", "content": "x"}]},
+            r':1, "rejected": messages\[1\] is a system message',
+        ),
     ],
 )
 def test_bad_record_is_one_line_naming_file_row_and_field(tmp_path, record, message):
@@ -220,3 +230,45 @@ def test_tools_as_a_list_read_as_their_json_string(tmp_path):
     record["tools"] = json.loads(record["tools"])
     (tmp_path / "pairs.jsonl").write_text(json.dumps(record) + "\n")
     assert ours("conversational", tmp_path / "pairs.jsonl") == trl_ids("conversational")["ids"][2:3]
+
+
+def test_a_jsonl_file_with_a_byte_order_mark_is_read(tmp_path):
+    lines = PREFERENCE_EXAMPLE.read_text(encoding="utf-8")
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + lines.encode())
+    with_mark = load_pairs(tmp_path / "bom.jsonl", None, TOKENIZER).pairs
+    assert [as_lists(p) for p in with_mark] == [
+        as_lists(p) for p in load_pairs(PREFERENCE_EXAMPLE, None, TOKENIZER).pairs
+    ]
+
+
+def shared_start_pairs(path: Path, count: int, differ: bool = False) -> None:
+    """Plain pairs whose completions share a long beginning and differ at the end only (all
+    but the first when ``differ``, whose completions differ at once)."""
+    records = [
+        {
+            "prompt": "Count on:",
+            "chosen": " one two three four five six",
+            "rejected": " one two three four five nine",
+        }
+        for _ in range(count)
+    ]
+    if differ:
+        records[0] = {"prompt": "Count on:", "chosen": " one", "rejected": " nine"}
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_truncation_that_leaves_every_pair_identical_is_one_line(tmp_path):
+    """Cut before the completions differ, every pair has chosen = rejected: DPO would learn
+    nothing (loss log 2, no gradient), so the data is refused naming the length to raise."""
+    shared_start_pairs(tmp_path / "pairs.jsonl", 4)
+    with pytest.raises(
+        DataError,
+        match=r"every pair's chosen and rejected completions are the same tokens.*max_length=8.*--dpo.max_length",
+    ):
+        load_pairs(tmp_path / "pairs.jsonl", None, TOKENIZER, max_length=8)
+
+
+def test_pairs_truncation_left_identical_are_counted_for_the_start_up_line(tmp_path):
+    shared_start_pairs(tmp_path / "pairs.jsonl", 4, differ=True)
+    loaded = load_pairs(tmp_path / "pairs.jsonl", None, TOKENIZER, max_length=8)
+    assert (loaded.truncated, loaded.identical, loaded.made_identical) == (3, 3, 3)

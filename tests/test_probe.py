@@ -14,15 +14,16 @@ import pytest
 import torch
 
 from autopar.cli.plan import main as plan_main
-from autopar.cli.plan_check import spearman
+from autopar.cli.plan_check import far_off, spearman
 from autopar.cli.probe import job_shapes, machine_probe
 from autopar.cli.probe import main as probe_main
 from autopar.cli.spawn import run_on_ranks
+from autopar.config import ConfigError
 from autopar.models.family import build_model
 from autopar.parallel.mesh import ParallelDims
 from autopar.planner.auto import auto_job
 from autopar.planner.devices import PRESETS
-from autopar.planner.machine import PROBE_VERSION, spec_from_profile
+from autopar.planner.machine import PROBE_VERSION, cache_path, probed_device, spec_from_profile
 from autopar.planner.measured import (
     CAST_BYTES,
     cast_seconds,
@@ -32,6 +33,7 @@ from autopar.planner.measured import (
 )
 from autopar.planner.params import meta_model
 from autopar.planner.probe import (
+    device_name,
     initialized_model,
     probe_attention,
     probe_checkpoint_overheads,
@@ -555,3 +557,78 @@ def test_the_probe_times_models_holding_their_initial_weights_not_whatever_memor
     timed = initialized_model(args, torch.device("cpu"))
     for (name, got), want in zip(timed.state_dict().items(), reference.state_dict().values(), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+
+
+def never_probe(device: torch.device, local_world: int) -> DeviceProfile:
+    raise AssertionError("probed: the refusal came after the work")
+
+
+def test_a_cache_folder_inside_a_file_is_one_line_before_any_probe(tmp_path, monkeypatch):
+    (tmp_path / "a_file").write_text("not a folder")
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "a_file"))
+    with pytest.raises(ConfigError, match=r"AUTOPAR_CACHE_DIR=.*a_file.* cannot cache .*a_file is a file"):
+        probed_device(torch.device("cpu"), 1, 1, never_probe)
+
+
+def test_a_damaged_cached_profile_names_the_probes_cache_flag(tmp_path):
+    path = cache_path(device_name(torch.device("cpu")), 1, 1, tmp_path)
+    path.write_text("{not json")
+    with pytest.raises(ConfigError) as err:
+        probed_device(torch.device("cpu"), 1, 1, never_probe, tmp_path)
+    assert "python -m autopar.probe --cache" in str(err.value) and "--output" not in str(err.value)
+
+
+def this_machines(profile: DeviceProfile, world: int) -> DeviceProfile:
+    """``profile`` as if probed here, on ``world`` processes (collectives only for 2 or more)."""
+    collectives = profile.collectives if world > 1 else ()
+    return dataclasses.replace(
+        profile, device=device_name(torch.device("cpu")), world_size=world, collectives=collectives
+    )
+
+
+def test_a_one_process_profile_pricing_a_multi_rank_plan_says_its_collectives_are_guessed(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / "profile.json"
+    this_machines(flat_profile(), 1).save(path)
+    flags = ["--job.config", "debug_model", "--world-size", "2", "--gpus-per-node", "2", "--top", "1"]
+    assert plan_main([*flags, "--device-profile", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert f"plan note: --device-profile {path} was measured on one process: no collective was timed" in err
+    assert "torchrun --nproc-per-node 2" in err
+
+
+@pytest.mark.parametrize("priced", ["preset", "other device", "one process"])
+def test_a_check_against_figures_not_of_this_machine_is_refused_before_any_training(
+    tmp_path, capsys, monkeypatch, priced
+):
+    """The check trains here: predictions priced for an H100 (the default preset), another
+    device's profile or one without collectives would be compared with what they never priced."""
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / "profile.json"
+    profile = {"other device": flat_profile(), "one process": this_machines(flat_profile(), 1)}.get(priced)
+    device = [] if profile is None else ["--device-profile", str(path)]
+    if profile is not None:
+        profile.save(path)
+    flags = ["--job.config", "debug_model", "--world-size", "2", "--gpus-per-node", "2", "--check", "1"]
+    assert plan_main([*flags, *device, "--job.dump_folder", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("plan error: --check trains"), err
+    assert {"preset": "priced for --device h100", "other device": "measured on test cpu"}.get(
+        priced, "has no collectives measured"
+    ) in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_check_far_from_its_prediction_is_flagged_not_reported_as_a_result():
+    """The sweep's row: 6,997 tokens/s predicted, 30 measured."""
+    rows = [
+        {"plan": "dp_shard=2", "predicted_tokens_per_s": 1100.0, "measured_tokens_per_s": 1000.0},
+        {"plan": "tp=2", "predicted_tokens_per_s": 6997.0, "measured_tokens_per_s": 30.0},
+    ]
+    for row in rows:
+        row["error"] = row["predicted_tokens_per_s"] / row["measured_tokens_per_s"] - 1
+    (note,) = far_off(rows)
+    assert note.startswith("plan note: #2 tp=2: predicted 6,997 tokens/s, measured 30 (233x)")
+    assert "not this machine's as it ran" in note

@@ -1,7 +1,8 @@
 """``python -m autopar.generate --generate.chat true``: talk to the job's model in the terminal.
 
 Each line read is a user turn; the conversation so far is rendered with the model's chat
-template and its generation prompt (as SFT renders it), and the reply streams to the terminal
+template and its generation prompt (as SFT renders and encodes it: special tokens typed in a
+turn stay text), and the reply streams to the terminal
 as its tokens are decoded, then joins the conversation as the assistant's turn. ``/reset``
 starts a new conversation; ``/exit`` or the end of input ends the loop.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 
 from autopar.config.sections import Generate
-from autopar.data.chat_template import render
+from autopar.data.prompts import conversation_ids
 from autopar.data.tokenizer import Tokenizer
 from autopar.models.generation import generate
 from autopar.models.qwen import Qwen
@@ -68,7 +69,7 @@ def chat(
         if not line:
             continue
         messages.append({"role": "user", "content": line})
-        ids = tokenizer.encode(render(messages, template, generation_prompt=True))
+        ids = conversation_ids(messages, template, tokenizer)  # typed special tokens stay text
         room = model.args.max_position_embeddings - len(ids)
         if room < 1:
             messages.pop()

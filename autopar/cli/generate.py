@@ -11,7 +11,6 @@ fp32 on CPU or the first GPU. Writes one JSONL record per prompt: prompt_ids, ne
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -22,7 +21,10 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from autopar.cli.chat import chat
 from autopar.cli.generate_adapters import merge_adapters, read_adapters
+from autopar.cli.generate_output import check_output, output_path, write_records
 from autopar.config import ConfigError, JobConfig, help_text
+from autopar.config.checks import require
+from autopar.config.sections import Generate
 from autopar.data import DataError
 from autopar.data.chat_template import template_text
 from autopar.data.prompts import check_vocabulary, read_prompts, stop_ids
@@ -38,12 +40,30 @@ from autopar.parallel.replicated_experts import split_experts
 from autopar.parallel.tensor_parallel import apply_tp
 from autopar.parallel.world import World, init_world
 from autopar.training.checkpointing.dcp_state import read_model_tensors
+from autopar.training.checkpointing.initial_load import check_dcp_weights, reading_weights
 from autopar.training.resolve import model_args, parse_job, tokenizer_path
 
 NO_HEAD = (
     "generate.speculative=mtp drafts with the model's multi-token-prediction head, and {where} has "
     "none; load a Qwen3.5 HF folder with mtp.* tensors, or use --generate.speculative off"
 )
+
+
+def check_sampling(settings: Generate) -> None:
+    """Sampling settings in their ranges (transformers' and vLLM's), before any work: out of
+    range they would sample at a negative temperature, drop every token (top_p 0) or give
+    empty outputs (max_new_tokens 0)."""
+    require(settings.max_new_tokens >= 1, f"generate.max_new_tokens={settings.max_new_tokens} must be >= 1")
+    require(
+        settings.temperature >= 0,
+        f"generate.temperature={settings.temperature} must be >= 0 (0: greedy decoding)",
+    )
+    require(
+        0 < settings.top_p <= 1,
+        f"generate.top_p={settings.top_p} must be in (0, 1] (1: all tokens); for greedy decoding use "
+        "--generate.temperature 0",
+    )
+    require(settings.top_k >= 0, f"generate.top_k={settings.top_k} must be >= 0 (0: all tokens)")
 
 
 def check_speculation(job: JobConfig) -> None:
@@ -150,22 +170,26 @@ def load_base(job: JobConfig, device: torch.device) -> Qwen:
     if checkpoint.initial_load_path is not None and checkpoint.initial_load_in_hf:
         try:
             model = from_hf(checkpoint.initial_load_path, dtype=torch.float32, mtp=head)
-        except HFCheckpointError:
+        except HFCheckpointError as err:
             if not head:
-                raise
+                raise ConfigError(f"checkpoint.initial_load_path: {err}") from None
             raise ConfigError(NO_HEAD.format(where=checkpoint.initial_load_path)) from None
         return model.to(device).eval()
     args = model_args(job)
     if head and not args.mtp_num_hidden_layers:
         raise ConfigError(NO_HEAD.format(where=f"model {job.model.name}/{job.model.flavor}"))
+    path, field = checkpoint.initial_load_path, "checkpoint.initial_load_path"
+    if path is not None:
+        check_dcp_weights(Path(path), field)
     with torch.device(device):
         model = build_model(args)
     if checkpoint.initial_load_path is None:
         model.init_weights(seed=job.debug.seed)
     else:
         shapes = {n: p.shape for n, p in model.named_parameters()}
-        check_saved_model(checkpoint.initial_load_path, shapes)
-        model.load_state_dict(read_model_tensors(checkpoint.initial_load_path, shapes), strict=False)
+        check_saved_model(path, shapes)
+        with reading_weights(path, field):
+            model.load_state_dict(read_model_tensors(path, shapes), strict=False)
     return model.eval()
 
 
@@ -209,7 +233,10 @@ def run(job: JobConfig) -> tuple[Path | None, str | None]:
     with speculation, the summary line. Under torchrun every rank runs its share of the model.
     With ``generate.chat`` a conversation in the terminal instead (no file)."""
     settings = job.generate
+    check_sampling(settings)
     check_speculation(job)
+    if not settings.chat:
+        check_output(job)
     world = init_world(job.comm.init_timeout_seconds)
     check_parallelism(job, world)
     check_chat(job, world)
@@ -238,7 +265,7 @@ def run(job: JobConfig) -> tuple[Path | None, str | None]:
         )
     else:
         new = generate(model, prompts, settings.max_new_tokens, *sampling, compiled=settings.compile)
-    output = Path(settings.output or Path(job.job.dump_folder) / "generations.jsonl")
+    output = output_path(job)
     if world.is_main:
         records = [
             {"prompt_ids": p, "new_ids": ids, "text": tokenizer.decode([t for t in ids if t not in stops])}
@@ -246,8 +273,7 @@ def run(job: JobConfig) -> tuple[Path | None, str | None]:
         ]
         for record, acceptance in zip(records, stats or []):
             record["acceptance"] = acceptance.record()
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+        write_records(output, records, settings.overwrite)
     if not world.is_main:
         return None, None
     return output, None if stats is None else summary(stats, settings.draft_tokens)

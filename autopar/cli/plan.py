@@ -172,6 +172,10 @@ def main(argv: list[str]) -> int:
         world = int(options["--world-size"])
         gpus_per_node = int(options.get("--gpus-per-node", 8))
         device = planned_device(options)
+        if "--check" in options:  # before the search and the training, not after them
+            from autopar.cli.plan_check import check_comparable
+
+            check_comparable(options, device, world)
         pinned = pinned_fields(job, *explicit_keys(job_argv))
         start, cpu = time.perf_counter(), time.process_time()
         searched = search_counted(
@@ -183,9 +187,9 @@ def main(argv: list[str]) -> int:
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     plans = searched.plans
     fitting = [p for p in plans if p.fits]
-    inert = inert_float8(job)
-    if inert:
-        print(f"plan note: {inert}", file=sys.stderr)
+    for note in (inert_float8(job), unmeasured_collectives(options, device, world)):
+        if note:
+            print(f"plan note: {note}", file=sys.stderr)
     print(
         f"{model_label(job, args)}, seq_len {job.training.seq_len}, on {world} x {device.name} "
         f"({device.memory_gib:.1f} GiB, {gpus_per_node} per node): {searched.valid} valid plans, "
@@ -262,6 +266,20 @@ def planned_device(options: dict[str, object]) -> DeviceSpec:
         return device
     checked = device_spec("h100", float(memory))  # the same check as for a preset
     return dataclasses.replace(device, memory_gib=checked.memory_gib)
+
+
+def unmeasured_collectives(options: dict[str, object], device: DeviceSpec, world: int) -> str | None:
+    """What to say of a profile probed on one process pricing plans over several ranks: their
+    collectives move at a link figure that was not measured, with no latency per call."""
+    profile = device.profile
+    if profile is None or world == 1 or profile.collectives:
+        return None
+    return (
+        f"--device-profile {options['--device-profile']} was measured on one process: no collective was "
+        f"timed, so the plans over {world} ranks price theirs at {device.intra_node_bytes_per_s / 1e9:.3g} GB/s "
+        "(not measured; no latency per call), which favours TP and CP; probe under torchrun "
+        f"--nproc-per-node {min(world, int(options.get('--gpus-per-node', 8)))} -m autopar.probe to measure them"
+    )
 
 
 def verified_plans(

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from autopar.cli.bench import run_variant, source_commit, summarize, variant_job
+from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig
 from autopar.planner.devices import DeviceSpec
 from autopar.planner.search import Plan
@@ -28,6 +29,68 @@ CHECK_WARMUP = 2
 """Untimed steps of each plan (the first builds caches and, compiled, the graph)."""
 CHECK_STEPS = 4
 """Timed steps of each plan, unless ``--steps`` says otherwise."""
+
+
+FAR_OFF = 2.0
+"""A plan whose prediction and measurement differ by more than this factor (either way) is
+flagged: the planner's checked errors on this machine are within 30% (BENCHMARKS.md), so a
+factor of 2 says the figures priced were not this machine's as it ran."""
+
+
+def check_comparable(options: dict, device: DeviceSpec, world: int) -> None:
+    """``--check`` trains the plans here and compares with their prices: refused, before the
+    search, where those prices are not this machine's (a preset of another device, another
+    device's profile, or a one-process profile for a multi-rank check, whose collectives
+    were never timed)."""
+    import torch
+
+    from autopar.planner.probe import device_name
+
+    here_device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    here = device_name(here_device)
+    probe = "python -m autopar.probe --output device_profile.json --job.config <your job>"
+    if world > 1:
+        probe = f"torchrun --nproc-per-node {world} -m autopar.probe --output device_profile.json --job.config <your job>"
+    fix = f"probe this machine ({probe}) and plan with --device-profile device_profile.json"
+    profile = device.profile
+    if profile is None:
+        preset = str(options.get("--device", "h100"))
+        if here_device.type == "cuda" and preset.lower() in here.lower():
+            return
+        default = "" if "--device" in options else " (the default)"
+        raise ConfigError(
+            f"--check trains the plans on this machine ({here}), and they were priced for --device "
+            f"{preset}{default}: the errors would compare two machines; {fix}"
+        )
+    named = f"--device-profile {options['--device-profile']}"
+    if profile.device != here:
+        raise ConfigError(
+            f"--check trains the plans on this machine ({here}), and {named} was measured on "
+            f"{profile.device}: the errors would compare two machines; {fix}"
+        )
+    if world > 1 and not profile.collectives:
+        raise ConfigError(
+            f"--check trains the plans on {world} ranks here, and {named} has no collectives measured "
+            f"(probed on one process): the plans' collectives were priced by a guess; {fix}"
+        )
+
+
+def far_off(rows: list[dict]) -> list[str]:
+    """A note for each checked plan whose prediction is more than ``FAR_OFF`` times from its
+    measurement (or less than 1 / ``FAR_OFF``): not a result to read as the planner's error."""
+    notes = []
+    for i, row in enumerate(rows, 1):
+        ratio = row["predicted_tokens_per_s"] / row["measured_tokens_per_s"]
+        if 1 / FAR_OFF <= ratio <= FAR_OFF:
+            continue
+        factor = f"{ratio:.0f}x" if ratio >= 10 else f"{ratio:.2g}x"
+        notes.append(
+            f"plan note: #{i} {row['plan']}: predicted {row['predicted_tokens_per_s']:,.0f} tokens/s, measured "
+            f"{row['measured_tokens_per_s']:,.0f} ({factor}): the figures priced were not this machine's as "
+            "it ran (another device's, a profile without collectives, or a machine busy with other work); "
+            "probe again and check on a quiet machine"
+        )
+    return notes
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -145,6 +208,9 @@ def check_plans(plans: list[Plan], job: JobConfig, world: int, options: dict, de
     rows = measure(top, job, world, steps, rounds)
     stats = summary(rows)
     print(table(rows))
+    notes = far_off(rows)
+    for note in notes:
+        print(note, file=sys.stderr)
     print(
         f"median error {100 * stats['median_abs_error']:.0f}%, worst {100 * stats['worst_abs_error']:.0f}%, "
         f"Spearman rank correlation {stats['spearman']:.2f} over {len(rows)} plans"
@@ -162,6 +228,7 @@ def check_plans(plans: list[Plan], job: JobConfig, world: int, options: dict, de
             "steps": steps,
             "warmup": CHECK_WARMUP,
             "rounds": rounds,
+            "far_off": len(notes),
             "plans": rows,
             **stats,
         }

@@ -227,7 +227,7 @@ def _split_cli(argv: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
             i += 1
             continue
         if not arg.startswith("--"):
-            raise ConfigError(f"unexpected argument {arg!r}; flags look like --training.steps 20")
+            raise ConfigError(_unexpected(arg, pairs[-1] if pairs else None))
         key, eq, raw = arg[2:].partition("=")
         value: str | None = raw if eq else None
         if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
@@ -236,6 +236,22 @@ def _split_cli(argv: list[str]) -> tuple[list[tuple[str, str | None]], bool]:
         pairs.append((key.replace("-", "_"), value))
         i += 1
     return pairs, print_config
+
+
+def _unexpected(arg: str, previous: tuple[str, str | None] | None) -> str:
+    """The line for a bare word on the command line; after a list field's value it is most
+    likely the list's next item, given apart (``--dpo.loss_type sigmoid sft``)."""
+    if previous is not None and previous[1] is not None:
+        key, value = previous
+        section, _, name = canonical(key).partition(".")
+        annotation = field_types(sections()[section]).get(name) if section in sections() else None
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+        if typing.get_origin(annotation) is list or typing.get_origin(inner[0]) is list:
+            return (
+                f"unexpected argument {arg!r} after --{key} {value}: {section}.{name} is a list, its items "
+                f"comma-separated: --{key} {value},{arg}"
+            )
+    return f"unexpected argument {arg!r}; flags look like --training.steps 20"
 
 
 PRESETS = Path(__file__).resolve().parents[1] / "train_configs"

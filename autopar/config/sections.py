@@ -403,7 +403,8 @@ class MTP:
     the loss is the main one plus loss_scale times the head's, logged as mtp_loss and
     mtp_acceptance (how often its argmax is the token two ahead)."""
     loss_scale: float = 0.1
-    """Weight of the head's loss in the trained loss (Megatron's mtp_loss_scaling_factor)."""
+    """Weight of the head's loss in the trained loss (Megatron's mtp_loss_scaling_factor);
+    0: the head is frozen, its loss and acceptance logged without training it."""
     detach: bool = False
     """The head's loss trains only the head: no gradient into the trunk, the shared embedding
     or the output head through it (Megatron's mtp_detach_heads)."""
@@ -487,7 +488,11 @@ class Generate:
     """Seeds the sampling: the same seed, prompts and weights give the same tokens."""
     output: str | None = None
     """A JSONL file written with one record per prompt: prompt_ids, new_ids, text; unset:
-    <job.dump_folder>/generations.jsonl."""
+    <job.dump_folder>/generations.jsonl. A file already there is never replaced (refused
+    before any work) unless overwrite says so."""
+    overwrite: bool = False
+    """Replace an existing output when it holds an earlier generation's records (any other
+    file, a training run's metrics.jsonl say, is never replaced)."""
     compile: bool = False
     """Run the decode step through torch.compile: about 2-3x faster a token on CPU's debug
     models, after a compilation of 10-30 s; worth it for long generations."""

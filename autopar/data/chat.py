@@ -103,11 +103,7 @@ def _tokenizer(path: str) -> Any:
 @lru_cache(maxsize=4)
 def _specials(path: str) -> Specials:
     """The tokenizer at ``path`` with a copy that reads special tokens as text."""
-    from tokenizers import Tokenizer
-
-    plain = Tokenizer.from_file(str(tokenizer_file(path)))
-    plain.encode_special_tokens = True
-    return Specials(_tokenizer(path), plain)
+    return Specials.of(_tokenizer(path), tokenizer_file(path))
 
 
 def encode(

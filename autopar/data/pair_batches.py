@@ -119,18 +119,27 @@ def chosen_targets(batch: Batch) -> torch.Tensor:
 class PairSource:
     """A preference dataset's pairs, and what was done to them (for the start-up line)."""
 
-    def __init__(self, pairs: Sequence[PairIds], name: str, truncated: int = 0, identical: int = 0) -> None:
+    def __init__(
+        self,
+        pairs: Sequence[PairIds],
+        name: str,
+        truncated: int = 0,
+        identical: int = 0,
+        made_identical: int = 0,
+    ) -> None:
         self.pairs = pairs
         self.name = name
         self.truncated = truncated
         self.identical = identical
+        self.made_identical = made_identical
 
     def describe(self) -> str:
         notes = [f"{len(self.pairs)} pairs"]
         if self.truncated:
             notes.append(f"{self.truncated} truncated to dpo.max_length")
         if self.identical:
-            notes.append(f"{self.identical} with chosen = rejected")
+            made = f", {self.made_identical} of them by truncation" if self.made_identical else ""
+            notes.append(f"{self.identical} with chosen = rejected (nothing to learn from them{made})")
         return f"{self.name} ({', '.join(notes)})"
 
 

@@ -72,7 +72,10 @@ class PreferenceSet:
     truncated: int
     """Pairs whose chosen or rejected sequence was cut to ``max_length``."""
     identical: int
-    """Pairs whose chosen and rejected completions are the same tokens."""
+    """Pairs whose chosen and rejected completions are the same tokens (as trained: after
+    truncation)."""
+    made_identical: int = 0
+    """Of those, the pairs truncation made so (cut before their completions differ)."""
 
 
 class PairEncoder:
@@ -198,7 +201,8 @@ def truncate(pair: Pair, max_length: int, mode: Truncation, where: str) -> tuple
     if room <= 0:
         raise DataError(
             f"{where}: the prompt alone is {pair.prompt.size} tokens and fills max_length={max_length}, "
-            "leaving no completion token; shorten the prompt, drop the record or raise the length"
+            "leaving no completion token; raise --dpo.max_length (-1: half of --training.seq_len), "
+            "shorten the prompt or drop the record"
         )
     if pair.chosen.size <= room and pair.rejected.size <= room:
         return pair, False
@@ -224,14 +228,32 @@ def load_pairs(
     the tokenizer, as SFT finds it)."""
     encode = PairEncoder(tokenizer_path, chat)
     pairs: list[Pair] = []
-    truncated = identical = 0
+    truncated = identical = made_identical = 0
     for where, record in read_preferences(Path(source)):
         pair = encode(record, where)
-        identical += pair.identical
+        differed = not pair.identical
         if max_length is not None:
             pair, cut = truncate(pair, max_length, truncation, where)
             truncated += cut
+        identical += pair.identical
+        made_identical += differed and pair.identical
         pairs.append(pair)
     if not pairs:
         raise DataError(f"{source}: holds no preference records")
-    return PreferenceSet(pairs, truncated, identical)
+    if identical == len(pairs):
+        raise DataError(nothing_to_learn(source, len(pairs), made_identical, max_length))
+    return PreferenceSet(pairs, truncated, identical, made_identical)
+
+
+def nothing_to_learn(source: Path, pairs: int, made_identical: int, max_length: int | None) -> str:
+    """The line for data whose every pair has chosen = rejected: DPO's loss is then log 2 at
+    every step with no gradient (TRL trains on such data without a word)."""
+    why = "as the records hold them"
+    fix = "give pairs whose chosen and rejected answers differ"
+    if made_identical:
+        why = f"after truncation to max_length={max_length} ({made_identical} cut before they differ)"
+        fix = "raise --dpo.max_length (-1: half of --training.seq_len) so the completions keep where they differ"
+    return (
+        f"{source}: every pair's chosen and rejected completions are the same tokens {why}, so DPO would "
+        f"learn nothing from its {pairs} pairs; {fix}"
+    )

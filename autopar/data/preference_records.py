@@ -84,7 +84,7 @@ def read_preferences(source: Path) -> Iterator[tuple[str, PreferenceRecord]]:
 
 def _jsonl(file: Path) -> Iterator[tuple[str, PreferenceRecord]]:
     try:
-        with file.open(encoding="utf-8") as f:
+        with file.open(encoding="utf-8-sig") as f:  # -sig: a byte-order mark (Notepad's) is no text
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -128,6 +128,8 @@ def parse_preference(record: Any, where: str) -> PreferenceRecord:
             raise DataError(f'{where}: "prompt" must be {kind} as "chosen" and "rejected" are')
     if not isinstance(chosen, list):
         return PreferenceRecord(prompt, chosen, rejected)
+    for name, completion in (("chosen", chosen), ("rejected", rejected)):
+        _check_completion(completion, f'{where}, "{name}"')
     return PreferenceRecord(
         prompt,
         chosen,
@@ -135,6 +137,22 @@ def parse_preference(record: Any, where: str) -> PreferenceRecord:
         _tools(record, where),
         _template_kwargs(record.get("chat_template_kwargs"), where),
     )
+
+
+COMPLETION_ROLES = ("assistant", "tool")
+"""What a conversational completion holds: the assistant's turns (and the tool responses
+between its calls); the user's and the system's belong to the prompt."""
+
+
+def _check_completion(messages: Messages, where: str) -> None:
+    """A completion of the assistant's turns only: a user or system turn there would be
+    trained on as the answer (and rendered as the next prompt's turn)."""
+    for i, message in enumerate(messages):
+        if message["role"] not in COMPLETION_ROLES:
+            raise DataError(
+                f"{where}: messages[{i}] is a {message['role']} message; a completion holds the assistant's "
+                "turns (the user's and the system's belong in \"prompt\")"
+            )
 
 
 def _text(value: Any, where: str) -> Text:

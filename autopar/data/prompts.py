@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from autopar.config.errors import ConfigError
 from autopar.data.chat_template import render
-from autopar.data.errors import DataError
+from autopar.data.errors import DataError, not_utf8
+from autopar.data.records import parse_record
 from autopar.data.tokenizer import Tokenizer
 
 END_OF_TURN = ("<|im_end|>", "<|endoftext|>")
@@ -25,28 +27,50 @@ def read_prompts(path: str | None, tokenizer: Tokenizer, template: str, field: s
     if not Path(path).is_file():
         raise ConfigError(f"{field}={path!r} is not a file; name a JSONL file of prompts")
     prompts = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+    try:
+        text = Path(path).read_text(encoding="utf-8-sig")  # -sig: a byte-order mark is no text
+    except UnicodeDecodeError as err:
+        raise not_utf8(path, err) from None
+    for number, line in enumerate(text.splitlines(), start=1):
         if line.strip():
-            prompts.append(tokenizer.encode(prompt_text(line, template, f"{path} line {number}")))
+            prompts.append(prompt_ids(line, template, tokenizer, f"{path} line {number}"))
     if not prompts:
         raise DataError(f"{path}: no prompts; write one JSON object per line")
     return prompts
 
 
-def prompt_text(line: str, template: str, where: str) -> str:
-    """A line's text: its "prompt", or its "messages" rendered with the generation prompt."""
+def prompt_ids(line: str, template: str, tokenizer: Tokenizer, where: str) -> list[int]:
+    """A line's token ids: its "prompt" as text, or its "messages" (checked as SFT checks
+    them) rendered with the generation prompt and encoded as ``conversation_ids`` does."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
         raise DataError(f"{where}: not JSON ({err.msg}); write one JSON object per line") from None
     if isinstance(record, dict) and isinstance(record.get("prompt"), str):
-        return record["prompt"]
-    if isinstance(record, dict) and isinstance(record.get("messages"), list):
+        return tokenizer.encode(record["prompt"])
+    if isinstance(record, dict) and "messages" in record:
+        conversation = parse_record(record, where)
         try:
-            return render(record["messages"], template, record.get("tools"), generation_prompt=True)
+            return conversation_ids(conversation.messages, template, tokenizer, conversation.tools)
         except DataError as err:
             raise DataError(f"{where}: {err}") from None
     raise DataError(f'{where}: expected {{"prompt": text}} or {{"messages": [...]}}')
+
+
+def conversation_ids(
+    messages: list[dict[str, Any]],
+    template: str,
+    tokenizer: Tokenizer,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """The conversation rendered with the generation prompt, as token ids. Special-token text
+    inside the messages (``<|im_end|>`` typed by a user) stays text, as SFT encodes it
+    (``data/specials.py``): only the template's own specials are control tokens."""
+    specials = tokenizer.specials
+    if specials is None:
+        return tokenizer.encode(render(messages, template, tools, generation_prompt=True))
+    text = render(specials.masked(messages), template, specials.masked(tools), generation_prompt=True)
+    return specials.encode(text)[0]
 
 
 def check_vocabulary(prompts: list[list[int]], vocab_size: int, where: str | None) -> None:

@@ -18,6 +18,7 @@ what the tokenizer does itself, so the ids of the other pieces do not change eit
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,16 @@ class Specials:
         self.marks = {name: chr(_MARK + k) * len(name) for k, name in enumerate(names)}
         self.unmark = re.compile("|".join(map(re.escape, self.marks.values()))) if names else None
         self.names = {mark: name for name, mark in self.marks.items()}
+
+    @classmethod
+    def of(cls, tokenizer: Any, file: Path) -> Specials:
+        """The specials of ``tokenizer``, loaded from ``file``, with a second copy of it that
+        reads them as text."""
+        from tokenizers import Tokenizer
+
+        plain = Tokenizer.from_file(str(file))
+        plain.encode_special_tokens = True
+        return cls(tokenizer, plain)
 
     def masked(self, value: Any) -> Any:
         """``value`` (messages, tools) with every special token inside its strings (keys

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Protocol
 
 from autopar.data.errors import DataError
+from autopar.data.specials import Specials
 
 
 class Tokenizer(Protocol):
@@ -15,6 +16,11 @@ class Tokenizer(Protocol):
     eos_id: int
     name: str
     """Identifies the vocabulary, so prepared data made with another one is refused."""
+
+    @property
+    def specials(self) -> Specials | None:
+        """Its special tokens, for conversations whose text must stay text (None: it has none)."""
+        ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -28,6 +34,10 @@ class ByteTokenizer:
     vocab_size: int = 257
     eos_id: int = 256
     name: str = "byte"
+
+    @property
+    def specials(self) -> None:
+        return None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -60,6 +70,15 @@ class HFTokenizer:
             raise DataError(f"{file}: no end-of-text token (<|endoftext|>, </s>, <eos>) in vocab")
         self.eos_id = eos
         self.name = "hf:" + hashlib.sha256(file.read_bytes()).hexdigest()[:16]
+        self._file = file
+        self._specials: Specials | None = None
+
+    @property
+    def specials(self) -> Specials:
+        """Built once, when a conversation is first encoded (a second copy of the tokenizer)."""
+        if self._specials is None:
+            self._specials = Specials.of(self._tok, self._file)
+        return self._specials
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -83,6 +83,12 @@ def parallelize(
     if job.mtp.only:
         frozen = freeze_all_but(model, MTP_PREFIX)  # the multi-token-prediction head's
         logger.info("mtp.only: %d weights outside %s* frozen; training the head alone", frozen, MTP_PREFIX)
+    if job.mtp.enable and job.mtp.loss_scale == 0:
+        frozen = freeze(model, MTP_PREFIX)  # untrained, and untouched by the optimizer's weight decay
+        logger.info(
+            "mtp.loss_scale=0: the head's %d weights frozen; its loss and acceptance are logged, not trained",
+            frozen,
+        )
     if meshes.get("fsdp") is None and dtype != torch.float32:
         apply_compute_dtype(model, dtype)
         logger.info("weights cast to %s in each block's forward (fp32 master weights)", dtype)
@@ -95,6 +101,16 @@ def parallelize(
     if meshes.get("fsdp") is not None:
         _fully_shard(model, job, meshes, device, pipelined)
     return model
+
+
+def freeze(model: nn.Module, prefix: str) -> int:
+    """Freeze every parameter whose name starts with ``prefix`` (before FSDP); how many."""
+    frozen = 0
+    for name, param in model.named_parameters():
+        if name.startswith(prefix):
+            param.requires_grad_(False)
+            frozen += 1
+    return frozen
 
 
 def freeze_all_but(model: nn.Module, prefix: str) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from autopar.config.checks import unwritable
 from autopar.config.errors import ConfigError
 from autopar.planner.devices import PRESETS, DeviceSpec
 from autopar.planner.profile import DeviceProfile, load_profile
@@ -90,6 +91,12 @@ def probed_device(
 
     path = cache_path(device_name(device), world_size, local_world_size, folder)
     if not path.is_file():
+        problem = unwritable(path.parent)  # before the probe's minutes, not after them
+        if problem is not None:
+            raise ConfigError(
+                f"{_cache_origin(folder)}: parallelism.auto cannot cache this machine's device profile in "
+                f"{path.parent}: {problem}; point AUTOPAR_CACHE_DIR at a folder you can write"
+            )
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             profile = probe(device, local_world_size)
             scratch = path.with_suffix(f".{os.getpid()}.tmp")
@@ -97,10 +104,19 @@ def probed_device(
             scratch.replace(path)  # the others never read half a file
         else:
             _wait_for(path)
-    try:
-        return spec_from_profile(load_profile(path, "the cached device profile"))
-    except ConfigError as err:
-        raise ConfigError(f"{err}; or delete it and parallelism.auto probes again") from None
+    fix = (
+        "write it again with python -m autopar.probe --cache, or delete it and parallelism.auto probes again"
+    )
+    return spec_from_profile(load_profile(path, "the cached device profile", fix))
+
+
+def _cache_origin(folder: Path | None) -> str:
+    """What named the cache folder, as the user set it."""
+    if folder is not None:
+        return f"the profile cache {folder}"
+    if os.environ.get("AUTOPAR_CACHE_DIR"):
+        return f"AUTOPAR_CACHE_DIR={os.environ['AUTOPAR_CACHE_DIR']}"
+    return f"the profile cache {cache_dir()} (XDG_CACHE_HOME, else ~/.cache)"
 
 
 def _wait_for(path: Path) -> None:

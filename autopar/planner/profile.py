@@ -296,9 +296,10 @@ def log_interpolate(points: list[tuple[float, float]], x: float) -> float:
     return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
 
 
-def load_profile(path: Path, flag: str = "--device-profile") -> DeviceProfile:
-    """The profile in ``path``; ConfigError in one line naming the file and the fix."""
-    fix = f"write one with python -m autopar.probe --output {path}"
+def load_profile(path: Path, flag: str = "--device-profile", fix: str | None = None) -> DeviceProfile:
+    """The profile in ``path``; ConfigError in one line naming the file and the fix (by
+    default: the probe writing it there)."""
+    fix = fix or f"write one with python -m autopar.probe --output {path}"
     if not path.is_file():
         raise ConfigError(f"{flag} {path}: no such file; {fix}")
     try:

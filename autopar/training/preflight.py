@@ -31,7 +31,7 @@ from autopar.parallel.sdpa_backend import check_sdpa_backend
 from autopar.training.checkpointing.initial_load import check_initial_load, check_load_step
 from autopar.training.metrics.profiling import check_profiling
 from autopar.training.metrics.sinks import check_wandb
-from autopar.training.objectives.dpo.job import check_preference, is_preference
+from autopar.training.objectives.dpo.checks import check_preference, is_preference
 from autopar.training.objectives.mtp.checks import check_mtp
 from autopar.training.objectives.rl.job import check_rl, is_rl
 from autopar.training.resolve import model_args, tokenizer_path

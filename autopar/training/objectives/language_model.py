@@ -72,7 +72,9 @@ class TokenLossSum(MicroBatchLoss):
             return loss, loss.detach().reshape(1)
         assert self.head_targets is not None and isinstance(extra, torch.Tensor)
         head_sum, accepted, _ = mtp_loss_sum(extra, target[..., 1], self.loss_fn)
-        trained = loss + self.head.scale * head_sum / self.head_targets.clamp(min=1)
+        trained = loss  # scale 0: the head is measured, not trained (its weights are frozen)
+        if self.head.scale:
+            trained = loss + self.head.scale * head_sum / self.head_targets.clamp(min=1)
         return trained, torch.stack([loss.detach(), head_sum.detach(), accepted.to(loss.dtype)])
 
 

@@ -1,4 +1,5 @@
-"""A preference job's parts: its checks, its data, its reference model and its objective.
+"""A preference job's parts: its data, its reference model and its objective (its checks:
+``checks.py``).
 
 For ``training.dataset_format = "preference"`` the trainer gets pairs instead of windows
 (``data.pair_batches``), the reference's log-probabilities (``dpo.reference``) and DPO's
@@ -19,7 +20,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig
 from autopar.data.chat import ChatFormat
 from autopar.data.errors import DataError
@@ -31,11 +31,12 @@ from autopar.models.hf import HFTensors
 from autopar.models.hf_config import CONFIG_FILE
 from autopar.parallel.lora import adapters_off
 from autopar.parallel.materialize import FullValue, tensor_values
-from autopar.parallel.mesh import Meshes, ParallelDims
+from autopar.parallel.mesh import Meshes
 from autopar.parallel.parallelize import build_parts
-from autopar.parallel.pipelining.schedule import StageIO, check_forward_only_schedule
+from autopar.parallel.pipelining.schedule import StageIO
 from autopar.training.checkpointing.dcp_state import ModelState, run_dcp
-from autopar.training.objectives.dpo.loss import LOSS_TYPES
+from autopar.training.checkpointing.initial_load import reading_weights
+from autopar.training.objectives.dpo.checks import is_preference
 from autopar.training.objectives.dpo.objective import (
     Preference,
     ReferenceLogps,
@@ -58,10 +59,6 @@ from autopar.training.validation import Validator
 logger = logging.getLogger("autopar")
 
 
-def is_preference(job: JobConfig) -> bool:
-    return job.training.dataset_format == "preference"
-
-
 def runs_reference_forward(job: JobConfig) -> bool:
     """Whether each step runs a reference forward beside the policy's (a ``copy`` or the LoRA
     base; a precomputed table is read, its pass paid once before training)."""
@@ -73,74 +70,6 @@ def max_sequence_length(job: JobConfig) -> int:
     return job.dpo.max_length if job.dpo.max_length > 0 else job.training.seq_len // 2
 
 
-def check_preference(job: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
-    """``[dpo]`` and the plan agree with preference data (and ``[dpo]`` is not half-set
-    without it)."""
-    cfg = job.dpo
-    if not is_preference(job):
-        if cfg.reference != "copy" or cfg.reference_path is not None:
-            raise ConfigError(
-                f"dpo.reference={cfg.reference!r} / dpo.reference_path={cfg.reference_path!r} without "
-                "preference data; set --training.dataset_format preference (or leave [dpo] out)"
-            )
-        return
-    unknown = [name for name in cfg.loss_type if name not in LOSS_TYPES]
-    if unknown or not cfg.loss_type:
-        raise ConfigError(f"dpo.loss_type={cfg.loss_type} must name one or more of {list(LOSS_TYPES)}")
-    if cfg.loss_weights is not None and len(cfg.loss_weights) != len(cfg.loss_type):
-        raise ConfigError(
-            f"dpo.loss_weights={cfg.loss_weights} needs one weight per dpo.loss_type={cfg.loss_type}"
-        )
-    if cfg.beta <= 0:
-        raise ConfigError(f"dpo.beta={cfg.beta} must be > 0")
-    if not 0 <= cfg.label_smoothing < 0.5:
-        raise ConfigError(f"dpo.label_smoothing={cfg.label_smoothing} must be in [0, 0.5)")
-    if "exo_pair" in cfg.loss_type and cfg.label_smoothing == 0:
-        raise ConfigError(
-            "dpo.loss_type exo_pair needs dpo.label_smoothing > 0 (it takes log(label_smoothing))"
-        )
-    seq_len = job.training.seq_len
-    if cfg.max_length != -1 and not 2 <= 2 * cfg.max_length <= seq_len:
-        raise ConfigError(
-            f"dpo.max_length={cfg.max_length}: a pair (two sequences) must fit one row of training.seq_len="
-            f"{seq_len}; use at most {seq_len // 2}, or -1"
-        )
-    if cfg.reference == "adapters_off" and not job.lora.enable:
-        raise ConfigError(
-            "dpo.reference='adapters_off' is the LoRA model with its adapters bypassed, and lora.enable=false; "
-            "use --lora.enable true, or --dpo.reference copy"
-        )
-    if cfg.reference == "adapters_off" and cfg.reference_path is not None:
-        raise ConfigError(
-            "dpo.reference_path with dpo.reference='adapters_off': the reference is the LoRA base itself; "
-            "unset reference_path, or use --dpo.reference copy"
-        )
-    if dims.pp > 1:
-        _check_pipelined(job, args)
-    if job.training.loss_chunk_tokens > 0:
-        raise ConfigError(
-            "training.loss_chunk_tokens > 0 with preference data: DPO reads each token's log-probability; "
-            "use --training.loss_chunk_tokens 0"
-        )
-    if job.validation.enable and job.validation.seq_len not in (-1, seq_len):
-        raise ConfigError(
-            f"validation.seq_len={job.validation.seq_len} with preference data: held-out pairs are packed "
-            f"as training's are, in rows of training.seq_len={seq_len}; leave validation.seq_len at -1"
-        )
-
-
-def _check_pipelined(job: JobConfig, args: ModelArgs) -> None:
-    """Pipelined DPO's own limits: a schedule whose forward-only pass runs (the reference's),
-    and rows that hold what one device's hold."""
-    if args.moe and job.dpo.packing:
-        raise ConfigError(
-            "dpo.packing=true for a mixture of experts under pipeline parallelism: the load-balancing "
-            "loss is per row, and a pipeline packs each micro-batch's pairs into rows of their own, "
-            "other rows than one device's; use --dpo.packing false (each sequence its own row)"
-        )
-    check_forward_only_schedule(job.parallelism, "training.dataset_format='preference'")
-
-
 def _reference_values(
     path: str | None, args: ModelArgs, device: torch.device, initial: FullValue
 ) -> FullValue:
@@ -149,9 +78,11 @@ def _reference_values(
     return initial
 
 
-def load_model(parts: list[nn.Module], path: str) -> None:
-    """Every weight of ``parts`` from the DCP checkpoint ``path`` (model entries only)."""
-    run_dcp(dcp.load, {"model": ModelState(parts, "all")}, path)
+def load_model(parts: list[nn.Module], path: str, field: str) -> None:
+    """Every weight of ``parts`` from the DCP checkpoint ``path`` (model entries only), the
+    job's ``field``: a damaged file is one line naming it."""
+    with reading_weights(path, field):
+        run_dcp(dcp.load, {"model": ModelState(parts, "all")}, path)
 
 
 def reference_dcp(job: JobConfig, path: str | None) -> str | None:
@@ -238,7 +169,8 @@ def reference_copy(
     copy = build_reference_copy(args, job, runner.meshes, runner.device, initial, job.dpo.reference_path)
     dcp_path = reference_dcp(job, job.dpo.reference_path)
     if dcp_path is not None:
-        load_model(copy, dcp_path)
+        field = "dpo.reference_path" if job.dpo.reference_path else "checkpoint.initial_load_path"
+        load_model(copy, dcp_path, field)
     logger.info("DPO reference: a frozen copy of %s", job.dpo.reference_path or "the initial weights")
     return copy
 
@@ -287,7 +219,17 @@ def preference_source(
         max_sequence_length(job),
         job.dpo.truncation,
     )
-    return PairSource(loaded.pairs, str(source), loaded.truncated, loaded.identical)
+    if loaded.made_identical:
+        logger.warning(
+            "%s: %d of %d pairs have chosen = rejected after truncation to dpo.max_length=%d (cut before their "
+            "completions differ): they add log 2 to the loss and nothing to learn; raise --dpo.max_length "
+            "(-1: half of --training.seq_len)",
+            source,
+            loaded.made_identical,
+            len(loaded.pairs),
+            max_sequence_length(job),
+        )
+    return PairSource(loaded.pairs, str(source), loaded.truncated, loaded.identical, loaded.made_identical)
 
 
 def pair_loader(

@@ -162,6 +162,8 @@ PAIR_LOSSES: dict[str, Callable[[PairTerms], torch.Tensor]] = {
 }
 """Per-pair losses by TRL's ``loss_type`` name; ``sft`` is the one token-level term beside them."""
 LOSS_TYPES = (*PAIR_LOSSES, "sft")
+SMOOTHED = ("robust", "exo_pair")
+"""The loss types that read ``label_smoothing`` (TRL 1.16's sigmoid no longer does)."""
 
 
 @dataclass(frozen=True)

@@ -66,8 +66,16 @@ def check_mtp(job: JobConfig, args: ModelArgs, dims: ParallelDims) -> None:
             if getattr(cfg, name):
                 raise ConfigError(f"mtp.{name}=true without mtp.enable; add --mtp.enable true")
         return
-    if cfg.loss_scale <= 0:
-        raise ConfigError(f"mtp.loss_scale={cfg.loss_scale} must be > 0 (Megatron's default: 0.1)")
+    if cfg.loss_scale < 0:
+        raise ConfigError(
+            f"mtp.loss_scale={cfg.loss_scale} must be >= 0 (Megatron's default: 0.1; 0 logs the head's "
+            "loss and acceptance without training it)"
+        )
+    if cfg.only and cfg.loss_scale == 0:
+        raise ConfigError(
+            "mtp.only=true with mtp.loss_scale=0 trains nothing (only the head trains, and at scale 0 "
+            "it is measured, not trained); give a scale > 0, or leave mtp.only false to log the head's acceptance"
+        )
     if not args.hybrid:
         raise ConfigError(
             f"mtp.enable=true, but model.name={job.model.name!r} has no multi-token-prediction head "

@@ -195,7 +195,11 @@ def rl_objective(
             copy = build_reference_copy(args, job, runner.meshes, runner.device, initial, cfg.reference_path)
             dcp_path = reference_dcp(job, cfg.reference_path)
             if dcp_path is not None:
-                load_model(copy, dcp_path)
+                load_model(
+                    copy,
+                    dcp_path,
+                    "rl.reference_path" if cfg.reference_path else "checkpoint.initial_load_path",
+                )
         reference = functools.partial(_reference_tokens, runner, copy[0] if copy else None, job)
     replay = read_replay(cfg.replay, args.vocab_size) if cfg.replay is not None else None
     rollouts = Rollouts(
