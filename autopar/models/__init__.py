@@ -5,7 +5,7 @@ from autopar.models.family import FAMILIES, build_model, family_of
 from autopar.models.flavors import FLAVORS, get_flavor
 from autopar.models.hf import HFTensors, from_hf, save_hf, to_hf
 from autopar.models.hf_config import HFCheckpointError, read_hf_config
-from autopar.models.qwen import Qwen, initial_value
+from autopar.models.qwen import Qwen
 
 __all__ = [
     "FAMILIES",
@@ -18,7 +18,6 @@ __all__ = [
     "family_of",
     "from_hf",
     "get_flavor",
-    "initial_value",
     "read_hf_config",
     "save_hf",
     "to_hf",

@@ -30,9 +30,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * self.normalized(x).to(x.dtype)
+
+    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` in fp32 divided by its root mean square (before any weight)."""
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
 def rotary_cos_sin(
@@ -136,21 +139,33 @@ class ScaledDotProduct(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal grouped-query attention with RoPE; Qwen3 adds a per-head RMSNorm on q and k."""
+    """Causal grouped-query attention with RoPE; Qwen3 adds a per-head RMSNorm on q and k.
 
-    def __init__(self, args: ModelArgs) -> None:
+    Qwen3.5's ``GatedAttention`` is this with ``queries=2`` (a gate beside each query head),
+    RoPE on the first ``rotary_dim`` dims, a biased ``o_proj`` and zero-centred norms."""
+
+    def __init__(
+        self,
+        args: ModelArgs,
+        *,
+        queries: int = 1,
+        rotary_dim: int | None = None,
+        output_bias: bool = False,
+        norm: type[RMSNorm] = RMSNorm,
+    ) -> None:
         super().__init__()
         self.head_dim = args.head_dim
+        self.rotary_dim = args.head_dim if rotary_dim is None else rotary_dim
         self.rope_theta = args.rope_theta
         self.yarn = args if args.rope_type == "yarn" else None
         q_out = args.num_attention_heads * args.head_dim
         kv_out = args.num_key_value_heads * args.head_dim
-        self.q_proj = nn.Linear(args.hidden_size, q_out, bias=args.attention_bias)
+        self.q_proj = nn.Linear(args.hidden_size, queries * q_out, bias=args.attention_bias)
         self.k_proj = nn.Linear(args.hidden_size, kv_out, bias=args.attention_bias)
         self.v_proj = nn.Linear(args.hidden_size, kv_out, bias=args.attention_bias)
-        self.o_proj = nn.Linear(q_out, args.hidden_size, bias=False)
-        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.o_proj = nn.Linear(q_out, args.hidden_size, bias=output_bias)
+        self.q_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.sdpa = ScaledDotProduct()
 
     def forward(
@@ -159,6 +174,15 @@ class Attention(nn.Module):
         """``mask``: a boolean (B, 1, S, S) attention mask replacing the causal one."""
         bsz, seqlen, _ = x.shape
         q = self.q_proj(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, Hq, D)
+        out = self.attend(x, q, positions, mask)  # (B, S, Hq, D)
+        return self.o_proj(out.reshape(bsz, seqlen, -1))  # (B, S, H)
+
+    def attend(
+        self, x: torch.Tensor, q: torch.Tensor, positions: torch.Tensor | None, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The heads' outputs (B, S, Hq, D) for queries ``q`` (B, S, Hq, D) over the keys and
+        values of ``x`` (B, S, H): q/k norms, RoPE, then the kernel."""
+        bsz, seqlen, _ = x.shape
         k = self.k_proj(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, Hkv, D)
         v = self.v_proj(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, Hkv, D)
         if self.q_norm is not None:
@@ -166,13 +190,17 @@ class Attention(nn.Module):
             k = self.k_norm(k)
         if positions is None:
             positions = torch.arange(seqlen, device=x.device)
-        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta, self.yarn)
-        q = apply_rotary(q, cos, sin).transpose(1, 2)  # (B, Hq, S, D)
-        k = apply_rotary(k, cos, sin).transpose(1, 2)  # (B, Hkv, S, D)
-        v = v.transpose(1, 2)  # (B, Hkv, S, D)
-        out = self.sdpa(q, k, v, mask)  # (B, Hq, S, D)
-        out = out.transpose(1, 2).reshape(bsz, seqlen, -1)  # (B, S, Hq * D)
-        return self.o_proj(out)
+        cos, sin = rotary_cos_sin(positions, self.rotary_dim, self.rope_theta, self.yarn)
+        q = self.rotate(q, cos, sin).transpose(1, 2)  # (B, Hq, S, D)
+        k = self.rotate(k, cos, sin).transpose(1, 2)  # (B, Hkv, S, D)
+        return self.sdpa(q, k, v.transpose(1, 2), mask).transpose(1, 2)  # (B, S, Hq, D)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on the first ``rotary_dim`` dims of each head of ``x`` (B, S, H, D)."""
+        if self.rotary_dim == self.head_dim:
+            return apply_rotary(x, cos, sin)
+        turned, kept = x.split((self.rotary_dim, self.head_dim - self.rotary_dim), dim=-1)
+        return torch.cat((apply_rotary(turned, cos, sin), kept), dim=-1)
 
 
 class MLP(nn.Module):
@@ -191,14 +219,34 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.)). With a mixture of
-    experts as its mlp it also returns the routing statistics (see ``moe.MoE``)."""
+    experts as its mlp it also returns the routing statistics (see ``moe.MoE``).
+
+    A family with other parts (Qwen3.5's ``HybridBlock``) names its norm and MoE classes
+    and overrides ``add_mixer`` / ``mix``; the residual structure stays here."""
+
+    norm_type: type[RMSNorm] = RMSNorm
+    moe_type: type[MoE] = MoE
 
     def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.input_layernorm = self.norm_type(args.hidden_size, args.rms_norm_eps)
+        self.add_mixer(args, layer)
+        self.post_attention_layernorm = self.norm_type(args.hidden_size, args.rms_norm_eps)
+        self.mlp: MLP | MoE = self.moe_type(args) if args.is_moe_layer(layer) else MLP(args)
+
+    def add_mixer(self, args: ModelArgs, layer: int) -> None:
+        """Register the token mixer (what ``mix`` runs)."""
         self.self_attn = Attention(args)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp: MLP | MoE = MoE(args) if args.is_moe_layer(layer) else MLP(args)
+
+    def mix(
+        self,
+        normed: torch.Tensor,
+        positions: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        documents: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The token mixer on the normed input (B, S, H)."""
+        return self.self_attn(normed, positions, mask)
 
     def forward(
         self,
@@ -209,7 +257,7 @@ class Block(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``mask`` is what attention reads; ``documents`` (the ids behind it) serve layers
         that carry state along the sequence (Qwen3.5's), which a plain block has none of."""
-        h = x + self.self_attn(self.input_layernorm(x), positions, mask)
+        h = x + self.mix(self.input_layernorm(x), positions, mask, documents)
         out = self.mlp(self.post_attention_layernorm(h))
         if isinstance(out, tuple):
             return h + out[0], out[1]
@@ -223,32 +271,18 @@ def canonical_name(name: str) -> str:
     return name
 
 
-def initial_value(
-    args: ModelArgs,
-    name: str,
-    shape: torch.Size | tuple[int, ...],
-    seed: int,
-    device: torch.device | str,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """The full initial tensor of parameter ``name``.
-
-    Each parameter draws from its own generator seeded by (seed, name), so its value depends
-    on nothing else: not on which parameters a pipeline stage holds, nor on how a plan
-    shards it. That is what lets every plan start from the single-device weights.
-    Residual projections get the depth-scaled std of GPT-2 / Megatron.
-    """
-    name = canonical_name(name)
+def dense_start(args: ModelArgs, name: str, out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Fill ``out`` (fp32) with the start of parameter ``name`` (canonical): norms 1, biases 0,
+    other weights normal(0, ``initializer_range``), residual projections with the
+    depth-scaled std of GPT-2 / Megatron."""
     if name.endswith("norm.weight"):
-        return torch.ones(shape, device=device, dtype=dtype)
+        return out.fill_(1.0)
     if name.endswith(".bias"):
-        return torch.zeros(shape, device=device, dtype=dtype)
+        return out.zero_()
     std = args.initializer_range
     if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
         std /= math.sqrt(2 * args.num_hidden_layers)
-    out = torch.empty(shape, device=device, dtype=torch.float32)
-    out.normal_(0.0, std, generator=named_generator(seed, name, device))
-    return out.to(dtype)
+    return out.normal_(0.0, std, generator=generator)
 
 
 def named_generator(seed: int, name: str, device: torch.device | str = "cpu") -> torch.Generator:
@@ -265,7 +299,7 @@ class Qwen(nn.Module):
     Parameter names follow HF checkpoints without the ``model.`` prefix, so the HF adapter is
     a prefix mapping. A part set to ``None`` is skipped: with no embedding the input is
     already hidden states, with no head the output is hidden states. A family with other
-    blocks or another final norm overrides ``make_block`` / ``make_norm`` (``Qwen35``).
+    blocks and their norm names its ``block_type`` (``Qwen35``).
     """
 
     def __init__(self, args: ModelArgs) -> None:
@@ -278,13 +312,14 @@ class Qwen(nn.Module):
         self.lm_head: nn.Linear | None = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.tie_weights()
 
-    @staticmethod
-    def make_block(args: ModelArgs, layer: int) -> nn.Module:
-        return Block(args, layer)
+    block_type: type[Block] = Block
+    """The family's block; its ``norm_type`` is the final norm's too."""
 
-    @staticmethod
-    def make_norm(args: ModelArgs) -> nn.Module:
-        return RMSNorm(args.hidden_size, args.rms_norm_eps)
+    def make_block(self, args: ModelArgs, layer: int) -> nn.Module:
+        return self.block_type(args, layer)
+
+    def make_norm(self, args: ModelArgs) -> nn.Module:
+        return self.block_type.norm_type(args.hidden_size, args.rms_norm_eps)
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the head when tied (``to_empty`` unties them)."""
@@ -311,10 +346,17 @@ class Qwen(nn.Module):
         """
         h, routing = self.trunk(tokens, routing, positions=positions, documents=documents)
         out = self.lm_head(h) if self.lm_head is not None else h  # (B, S, V)
+        return self.with_routing(out, routing, h)
+
+    def with_routing(
+        self, out: torch.Tensor, routing: torch.Tensor | None, hidden: torch.Tensor
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``out``, and for a mixture of experts its routing statistics (B, 2, E) (zeros where
+        no expert ran yet: a stage of dense layers only), as ``forward`` returns them."""
         if not self.args.moe:
             return out
-        if routing is None:  # a stage of dense layers only
-            routing = h.new_zeros(h.shape[0], 2, self.args.num_experts, dtype=torch.float32)
+        if routing is None:
+            routing = hidden.new_zeros(hidden.shape[0], 2, self.args.num_experts, dtype=torch.float32)
         return out, routing
 
     def trunk(
@@ -361,8 +403,29 @@ class Qwen(nn.Module):
         for name, param in self.named_parameters():
             param.copy_(self.initial_value(self.args, name, param.shape, seed, param.device, param.dtype))
 
-    initial_value = staticmethod(initial_value)
-    """Each parameter's deterministic start (a family with other rules overrides it)."""
+    start = staticmethod(dense_start)
+    """Fills a parameter's fp32 start by its name (a family with other rules overrides it)."""
+
+    @classmethod
+    def initial_value(
+        cls,
+        args: ModelArgs,
+        name: str,
+        shape: torch.Size | tuple[int, ...],
+        seed: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The full initial tensor of parameter ``name``.
+
+        Each parameter draws from its own generator seeded by (seed, name), so its value
+        depends on nothing else: not on which parameters a pipeline stage holds, nor on how a
+        plan shards it. That is what lets every plan start from the single-device weights.
+        The draw is in fp32 whatever ``dtype`` (bf16 sampling would differ, and gives -inf
+        for Qwen3.5's ``A_log``), then cast."""
+        name = canonical_name(name)
+        out = torch.empty(shape, device=device, dtype=torch.float32)
+        return cls.start(args, name, out, named_generator(seed, name, device)).to(dtype)
 
 
 def split_output(

@@ -21,58 +21,30 @@ from torch import nn
 
 from autopar.models.args import ModelArgs
 from autopar.models.moe import MoE
-from autopar.models.qwen import (
-    MLP,
-    Qwen,
-    ScaledDotProduct,
-    apply_rotary,
-    canonical_name,
-    named_generator,
-    rotary_cos_sin,
-)
-from autopar.models.qwen import initial_value as dense_initial_value
+from autopar.models.qwen import MLP, Attention, Block, Qwen, RMSNorm, dense_start
 from autopar.models.qwen3_5.gated_deltanet import GatedDeltaNet
 from autopar.models.qwen3_5.mtp import MTPHead, MTPMode, NextTokens, keep_mask
 
 
-class ZeroCenteredRMSNorm(nn.Module):
+class ZeroCenteredRMSNorm(RMSNorm):
     """RMSNorm scaling by (1 + weight), all in fp32, cast at the end; the weight starts at 0."""
 
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.empty(dim))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        return (self.normalized(x) * (1.0 + self.weight.float())).type_as(x)
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(Attention):
     """Grouped-query attention with q/k norms, partial RoPE and a sigmoid output gate per
     query head: ``q_proj`` yields [query | gate] for each head."""
 
     def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.head_dim = args.head_dim
-        self.rotary_dim = args.rotary_dim
-        self.rope_theta = args.rope_theta
-        self.yarn = args if args.rope_type == "yarn" else None
-        q_out = args.num_attention_heads * args.head_dim
-        kv_out = args.num_key_value_heads * args.head_dim
-        bias = args.attention_bias
-        self.q_proj = nn.Linear(args.hidden_size, 2 * q_out, bias=bias)
-        self.k_proj = nn.Linear(args.hidden_size, kv_out, bias=bias)
-        self.v_proj = nn.Linear(args.hidden_size, kv_out, bias=bias)
-        self.o_proj = nn.Linear(q_out, args.hidden_size, bias=bias)
-        self.q_norm = ZeroCenteredRMSNorm(args.head_dim, args.rms_norm_eps)
-        self.k_norm = ZeroCenteredRMSNorm(args.head_dim, args.rms_norm_eps)
-        self.sdpa = ScaledDotProduct()
-
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        turned, kept = x.split((self.rotary_dim, self.head_dim - self.rotary_dim), dim=-1)
-        return torch.cat((apply_rotary(turned, cos, sin), kept), dim=-1)
+        super().__init__(
+            args,
+            queries=2,
+            rotary_dim=args.rotary_dim,
+            output_bias=args.attention_bias,
+            norm=ZeroCenteredRMSNorm,
+        )
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor | None = None, mask: torch.Tensor | None = None
@@ -81,16 +53,7 @@ class GatedAttention(nn.Module):
         query, gate = (
             self.q_proj(x).view(bsz, seqlen, -1, 2 * self.head_dim).chunk(2, dim=-1)
         )  # (B, S, Hq, D)
-        q = self.q_norm(query)
-        k = self.k_norm(self.k_proj(x).view(bsz, seqlen, -1, self.head_dim))  # (B, S, Hkv, D)
-        v = self.v_proj(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, Hkv, D)
-        if positions is None:
-            positions = torch.arange(seqlen, device=x.device)
-        cos, sin = rotary_cos_sin(positions, self.rotary_dim, self.rope_theta, self.yarn)
-        q = self._rotate(q, cos, sin).transpose(1, 2)  # (B, Hq, S, D)
-        k = self._rotate(k, cos, sin).transpose(1, 2)  # (B, Hkv, S, D)
-        out = self.sdpa(q, k, v.transpose(1, 2), mask).transpose(1, 2)  # (B, S, Hq, D)
-        out = out * torch.sigmoid(gate)
+        out = self.attend(x, query, positions, mask) * torch.sigmoid(gate)  # (B, S, Hq, D)
         return self.o_proj(out.reshape(bsz, seqlen, -1))  # (B, S, H)
 
 
@@ -109,71 +72,55 @@ class SharedExpertMoE(MoE):
         return routed + shared, stats
 
 
-class HybridBlock(nn.Module):
+class HybridBlock(Block):
     """Pre-norm block whose token mixer is a Gated DeltaNet (``linear_attn``) or gated
     attention (``self_attn``), as HF names them."""
 
-    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
-        super().__init__()
+    norm_type = ZeroCenteredRMSNorm
+    moe_type = SharedExpertMoE
+
+    def add_mixer(self, args: ModelArgs, layer: int) -> None:
         linear = args.mixer(layer) == "linear_attention"
-        self.input_layernorm = ZeroCenteredRMSNorm(args.hidden_size, args.rms_norm_eps)
         self.linear_attn = GatedDeltaNet(args) if linear else None
         self.self_attn = None if linear else GatedAttention(args)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp: MLP | SharedExpertMoE = SharedExpertMoE(args) if args.is_moe_layer(layer) else MLP(args)
 
-    def forward(
+    def mix(
         self,
-        x: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        mask: torch.Tensor | None = None,
-        documents: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``mask`` for attention; ``documents`` (B, S) ids for the DeltaNet, whose state and
-        convolution restart at each document."""
-        normed = self.input_layernorm(x)
+        normed: torch.Tensor,
+        positions: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        documents: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention reads ``mask``; the DeltaNet reads ``documents`` (B, S) ids, its state
+        and convolution restarting at each document."""
         if self.linear_attn is not None:
-            h = x + self.linear_attn(normed, documents)
-        else:
-            h = x + self.self_attn(normed, positions, mask)
-        out = self.mlp(self.post_attention_layernorm(h))
-        if isinstance(out, tuple):
-            return h + out[0], out[1]
-        return h + out
+            return self.linear_attn(normed, documents)
+        return self.self_attn(normed, positions, mask)
 
 
-def initial_value(
-    args: ModelArgs,
-    name: str,
-    shape: torch.Size | tuple[int, ...],
-    seed: int,
-    device: torch.device | str,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """Qwen3.5's initial values (HF's): zero-centred norms at 0, the gated norm at 1,
-    ``dt_bias`` 1, ``A_log`` the log of U(0.01, 16) drawn in fp32 whatever the dtype (bf16
-    sampling gives -inf heads); every other tensor as ``qwen.initial_value``."""
-    name = canonical_name(name)
+def hybrid_start(args: ModelArgs, name: str, out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Qwen3.5's starts (HF's), filling ``out`` (fp32): zero-centred norms 0, the gated norm
+    1, ``dt_bias`` 1, ``A_log`` the log of U(0.01, 16), the convolutions uniform within
+    1 / sqrt(kernel width) (HF's conv1d default); every other tensor as ``dense_start``."""
     leaf = name.rpartition(".")[2]
     if name.endswith("linear_attn.norm.weight") or leaf == "dt_bias":
-        return torch.ones(shape, device=device, dtype=dtype)
+        return out.fill_(1.0)
     if name.endswith("norm.weight"):
-        return torch.zeros(shape, device=device, dtype=dtype)
+        return out.zero_()
     if leaf == "A_log":
-        uniform = torch.empty(shape, device=device, dtype=torch.float32)
-        uniform.uniform_(0.01, 16.0, generator=named_generator(seed, name, device))
-        return uniform.log().to(dtype)
-    if leaf.startswith("conv_"):  # HF's conv1d default: uniform within 1 / sqrt(kernel width)
-        bound = 1.0 / math.sqrt(shape[-1])
-        out = torch.empty(shape, device=device, dtype=torch.float32)
-        out.uniform_(-bound, bound, generator=named_generator(seed, name, device))
-        return out.to(dtype)
-    return dense_initial_value(args, name, shape, seed, device, dtype)
+        return out.uniform_(0.01, 16.0, generator=generator).log_()
+    if leaf.startswith("conv_"):
+        bound = 1.0 / math.sqrt(out.shape[-1])
+        return out.uniform_(-bound, bound, generator=generator)
+    return dense_start(args, name, out, generator)
 
 
 class Qwen35(Qwen):
     """The Qwen3.5 decoder: ``Qwen`` with hybrid blocks and a zero-centred final norm, and,
     when ``args.mtp_num_hidden_layers > 0``, the multi-token-prediction head ``mtp`` (see ``mtp.py``)."""
+
+    block_type = HybridBlock
+    start = staticmethod(hybrid_start)
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args)
@@ -214,7 +161,7 @@ class Qwen35(Qwen):
         embedded, next_embedded = both.chunk(2)  # each (B, S, H)
         hidden, routing = self.decode(embedded, routing, positions=positions, documents=documents)
         if self.lm_head is None:  # a pipeline stage before the last
-            return self._with_routing(torch.cat([hidden, next_embedded]), routing, hidden)  # (2B, S, H)
+            return self.with_routing(torch.cat([hidden, next_embedded]), routing, hidden)  # (2B, S, H)
         detach = mtp == "detached"
         head_hidden, head_routing = self._head_hidden(
             hidden, next_embedded, keep, positions, documents, detach
@@ -226,18 +173,7 @@ class Qwen35(Qwen):
             logits, head_logits = self.lm_head(torch.cat([hidden, head_hidden])).chunk(2)  # each (B, S, V)
         if head_routing is not None:
             routing = head_routing if routing is None else routing + head_routing
-        return self._with_routing(logits, routing, hidden), head_logits
-
-    def _with_routing(
-        self, out: torch.Tensor, routing: torch.Tensor | None, hidden: torch.Tensor
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``out``, and for a mixture of experts its routing statistics (B, 2, E) (zeros where
-        no expert ran yet), as ``Qwen.forward`` returns them."""
-        if not self.args.moe:
-            return out
-        if routing is None:
-            routing = hidden.new_zeros(hidden.shape[0], 2, self.args.num_experts, dtype=torch.float32)
-        return out, routing
+        return self.with_routing(logits, routing, hidden), head_logits
 
     def mtp_logits(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """The head's logits (B, S-1, V) for tokens (B, S): position i predicts token i+2 from
@@ -293,13 +229,3 @@ class Qwen35(Qwen):
                 "from a Qwen3.5 folder that carries mtp.* tensors"
             )
         return self.mtp
-
-    @staticmethod
-    def make_block(args: ModelArgs, layer: int) -> nn.Module:
-        return HybridBlock(args, layer)
-
-    @staticmethod
-    def make_norm(args: ModelArgs) -> nn.Module:
-        return ZeroCenteredRMSNorm(args.hidden_size, args.rms_norm_eps)
-
-    initial_value = staticmethod(initial_value)
