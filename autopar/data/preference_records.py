@@ -11,13 +11,13 @@ the field.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from autopar.data.errors import DataError, not_utf8
+from autopar.data.errors import DataError
+from autopar.data.jsonl import jsonl_records
 from autopar.data.records import parse_record
 from autopar.data.tables import Columns, TableRows, is_table, without_nulls
 
@@ -83,19 +83,8 @@ def read_preferences(source: Path) -> Iterator[tuple[str, PreferenceRecord]]:
 
 
 def _jsonl(file: Path) -> Iterator[tuple[str, PreferenceRecord]]:
-    try:
-        with file.open(encoding="utf-8-sig") as f:  # -sig: a byte-order mark (Notepad's) is no text
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{file}:{number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise DataError(f"{where}: not JSON ({err.msg})") from None
-                yield where, parse_preference(record, where)
-    except UnicodeDecodeError as err:
-        raise not_utf8(file, err) from None
+    for where, record in jsonl_records(file):
+        yield where, parse_preference(record, where)
 
 
 def parse_preference(record: Any, where: str) -> PreferenceRecord:

@@ -12,14 +12,14 @@ template variables too) and tokenized without added special tokens, as
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from autopar.data.chat import _tokenizer
-from autopar.data.errors import DataError, not_utf8
+from autopar.data.errors import DataError
+from autopar.data.jsonl import jsonl_records
 from autopar.data.preference import PairEncoder, _text_tokenizer
 from autopar.data.preference_records import _template_kwargs, _text, _tools
 from autopar.data.tables import Columns, TableRows, is_table, without_nulls
@@ -91,16 +91,7 @@ def _raw_records(source: Path) -> Iterator[tuple[str, Any]]:
     if not files:
         raise DataError(f"{source}: holds no .jsonl, .parquet or .arrow prompt files")
     for file in files:
-        try:
-            with file.open(encoding="utf-8-sig") as f:
-                for number, line in enumerate(f, 1):
-                    if line.strip():
-                        try:
-                            yield f"{file}:{number}", json.loads(line)
-                        except json.JSONDecodeError as err:
-                            raise DataError(f"{file}:{number}: not JSON ({err.msg})") from None
-        except UnicodeDecodeError as err:
-            raise not_utf8(file, err) from None
+        yield from jsonl_records(file)
 
 
 def _encoded(raw: Any, where: str, encoder: PairEncoder) -> PromptRecord:

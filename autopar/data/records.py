@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from autopar.data.errors import DataError, check_unicode, not_utf8
+from autopar.data.errors import DataError, check_unicode
+from autopar.data.jsonl import jsonl_records
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {
@@ -228,29 +229,11 @@ def read_records(path: str | Path) -> Iterator[Conversation]:
     """The conversations of a chat JSONL file: one ``{"messages": [{"role", "content"}, ...],
     "tools": [...]}`` (``tools`` optional; or ShareGPT's ``{"conversations": [{"from", "value"},
     ...]}``) per line; a bad line is a DataError naming the file and line."""
-    try:
-        yield from _conversations(path)
-    except UnicodeDecodeError as err:
-        raise not_utf8(path, err) from None
+    for where, record in jsonl_records(path):
+        yield parse_record(record, where)
 
 
 def read_conversations(path: str | Path) -> Iterator[list[dict[str, Any]]]:
     """The messages of each conversation of a chat JSONL file (``read_records`` without tools)."""
     for conversation in read_records(path):
         yield conversation.messages
-
-
-def _conversations(path: str | Path) -> Iterator[Conversation]:
-    with Path(path).open(encoding="utf-8-sig") as f:  # -sig: a byte-order mark (Notepad's) is no text
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except (
-                ValueError,
-                RecursionError,
-            ) as err:  # bad JSON, a number past Python's digit limit, nesting past its stack
-                raise DataError(f"{where}: not JSON ({getattr(err, 'msg', err)})") from None
-            yield parse_record(record, where)

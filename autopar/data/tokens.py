@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from autopar.data.errors import DataError, check_unicode, not_utf8
+from autopar.data.jsonl import jsonl_records
 from autopar.data.splits import folder_files, one_split
 from autopar.data.tokenizer import Tokenizer
 
@@ -80,28 +81,18 @@ def documents(path: Path, text_field: str = "text") -> Iterator[str]:
 
 
 def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
-    with path.open(encoding="utf-8-sig") as f:  # -sig: a byte-order mark (Notepad's) is no text
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except (
-                ValueError,
-                RecursionError,
-            ) as err:  # bad JSON, a number past Python's digit limit, nesting past its stack
-                raise DataError(f"{path}:{lineno}: not JSON ({getattr(err, 'msg', err)})") from None
-            if not isinstance(record, dict) or field not in record:
-                keys = f" (its keys: {', '.join(map(str, record))})" if isinstance(record, dict) else ""
-                raise DataError(
-                    f'{path}:{lineno}: not a JSON object with a "{field}" field{keys}; set '
-                    "training.dataset_text_field (prepare: --text-field) to the key that holds the text"
-                )
-            text = record[field]
-            if not isinstance(text, str):
-                raise DataError(f'{path}:{lineno}: "{field}" is {type(text).__name__} {text!r}, not a string')
-            check_unicode(text, f'{path}:{lineno}: "{field}"')
-            yield text
+    for where, record in jsonl_records(path):
+        if not isinstance(record, dict) or field not in record:
+            keys = f" (its keys: {', '.join(map(str, record))})" if isinstance(record, dict) else ""
+            raise DataError(
+                f'{where}: not a JSON object with a "{field}" field{keys}; set '
+                "training.dataset_text_field (prepare: --text-field) to the key that holds the text"
+            )
+        text = record[field]
+        if not isinstance(text, str):
+            raise DataError(f'{where}: "{field}" is {type(text).__name__} {text!r}, not a string')
+        check_unicode(text, f'{where}: "{field}"')
+        yield text
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
