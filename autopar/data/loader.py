@@ -9,6 +9,7 @@ data-parallel degree.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,12 +148,13 @@ def windows(
     )
 
 
-class StepLoader:
-    """Yields the micro-batches of one optimizer step for one data-parallel rank."""
+class RankSteps(ABC):
+    """Which samples one data-parallel rank takes in each micro-batch of an optimizer step,
+    and how many the run has consumed (its resumable state). A subclass builds the micro-batch
+    of the ``local_batch`` samples visited at ``first`` onwards."""
 
     def __init__(
         self,
-        samples: SampleSource,
         global_batch: int,
         local_batch: int,
         dp_rank: int,
@@ -160,7 +162,6 @@ class StepLoader:
         device: torch.device,
     ) -> None:
         assert global_batch % (local_batch * dp_size) == 0, "validated by the job config"
-        self.samples = samples
         self.global_batch = global_batch
         self.local_batch = local_batch
         self.dp_rank = dp_rank
@@ -172,17 +173,43 @@ class StepLoader:
     def micro_steps(self) -> int:
         return self.global_batch // (self.local_batch * self.dp_size)
 
+    @abstractmethod
+    def micro_batch(self, first: int) -> Batch: ...
+
     def next_step(self) -> list[Batch]:
         batches = []
         for m in range(self.micro_steps):
             first = self.consumed_samples + (m * self.dp_size + self.dp_rank) * self.local_batch
-            batches.append(self._batch(range(first, first + self.local_batch)))
+            batches.append(self.micro_batch(first))
         self.consumed_samples += self.global_batch
         return batches
 
-    def _batch(self, indices: range) -> Batch:
-        """Samples ``indices`` as one array on the device (one copy): the token windows, or
-        inputs, masked labels and document ids side by side."""
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.consumed_samples = int(state["consumed_samples"])
+
+
+class StepLoader(RankSteps):
+    """Yields the micro-batches of one optimizer step for one data-parallel rank."""
+
+    def __init__(
+        self,
+        samples: SampleSource,
+        global_batch: int,
+        local_batch: int,
+        dp_rank: int,
+        dp_size: int,
+        device: torch.device,
+    ) -> None:
+        super().__init__(global_batch, local_batch, dp_rank, dp_size, device)
+        self.samples = samples
+
+    def micro_batch(self, first: int) -> Batch:
+        """Samples ``first`` onwards as one array on the device (one copy): the token windows,
+        or inputs, masked labels and document ids side by side."""
+        indices = range(first, first + self.local_batch)
         rows = np.stack([self.samples.sample(k) for k in indices])  # (L, S + 1)
         masks = [self.samples.targets(k) for k in indices]
         docs = [self.samples.documents(k) for k in indices]
@@ -202,12 +229,6 @@ class StepLoader:
             return Batch(inputs=window[:, :-1], labels=window[:, 1:])
         parts = window.chunk(3 if documents else 2, dim=1)
         return Batch(inputs=parts[0], labels=parts[1], documents=parts[2] if documents else None)
-
-    def state_dict(self) -> dict[str, int]:
-        return {"consumed_samples": self.consumed_samples}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.consumed_samples = int(state["consumed_samples"])
 
 
 def check_data(

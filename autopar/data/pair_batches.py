@@ -15,12 +15,13 @@ number of pairs consumed only.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from autopar.data.loader import IGNORE_INDEX, Batch
+from autopar.data.loader import IGNORE_INDEX, Batch, RankSteps
 
 
 class PairIds(Protocol):
@@ -116,22 +117,15 @@ def chosen_targets(batch: Batch) -> torch.Tensor:
     return (batch.labels != IGNORE_INDEX) & (batch.documents >= 0) & (batch.documents % 2 == 0)
 
 
+@dataclass(frozen=True)
 class PairSource:
     """A preference dataset's pairs, and what was done to them (for the start-up line)."""
 
-    def __init__(
-        self,
-        pairs: Sequence[PairIds],
-        name: str,
-        truncated: int = 0,
-        identical: int = 0,
-        made_identical: int = 0,
-    ) -> None:
-        self.pairs = pairs
-        self.name = name
-        self.truncated = truncated
-        self.identical = identical
-        self.made_identical = made_identical
+    pairs: Sequence[PairIds]
+    name: str
+    truncated: int = 0
+    identical: int = 0
+    made_identical: int = 0
 
     def describe(self) -> str:
         notes = [f"{len(self.pairs)} pairs"]
@@ -143,7 +137,7 @@ class PairSource:
         return f"{self.name} ({', '.join(notes)})"
 
 
-class PairLoader:
+class PairLoader(RankSteps):
     """Yields the micro-batches of one optimizer step for one data-parallel rank, each with
     ``local_batch`` pairs (``Batch.pairs``: their indices in the data, for a precomputed
     reference)."""
@@ -164,24 +158,14 @@ class PairLoader:
     ) -> None:
         """``pipeline_groups``: under pipeline parallelism, micro-batches in ``pack_groups``'
         layout of that many groups (fixed shapes, whole pairs per pipeline micro-batch)."""
-        assert global_batch % (local_batch * dp_size) == 0, "validated by the job config"
+        super().__init__(global_batch, local_batch, dp_rank, dp_size, device)
         self.pairs = pairs
-        self.global_batch = global_batch
-        self.local_batch = local_batch
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
-        self.device = device
         self.seq_len = seq_len
         self.pad_id = pad_id
         self.seed = seed
         self.packing = packing
         self.pipeline_groups = pipeline_groups
-        self.consumed_samples = 0
         self._order: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
-
-    @property
-    def micro_steps(self) -> int:
-        return self.global_batch // (self.local_batch * self.dp_size)
 
     def pair_index(self, k: int) -> int:
         """The data index of the k-th pair visited: epoch ``k // N`` visits them in a permutation
@@ -205,17 +189,3 @@ class PairLoader:
             batch.documents.to(self.device),
             torch.tensor(indices, device=self.device),
         )
-
-    def next_step(self) -> list[Batch]:
-        batches = []
-        for m in range(self.micro_steps):
-            first = self.consumed_samples + (m * self.dp_size + self.dp_rank) * self.local_batch
-            batches.append(self.micro_batch(first))
-        self.consumed_samples += self.global_batch
-        return batches
-
-    def state_dict(self) -> dict[str, int]:
-        return {"consumed_samples": self.consumed_samples}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.consumed_samples = int(state["consumed_samples"])
