@@ -47,18 +47,24 @@ class ReplicateParams(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def to_dtensor(_mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
-            return tuple(
-                DTensor.from_local(x, mesh, [Replicate()], run_check=False) if _is_local(x) else x
-                for x in inputs
-            )
+        return _on_local_inputs(module, device_mesh, Replicate())
 
-        return distribute_module(
-            module,
-            device_mesh,
-            input_fn=to_dtensor,
-            output_fn=lambda _mod, out, _mesh: out.to_local(),
+
+def _on_local_inputs(module: nn.Module, device_mesh: DeviceMesh, placement: Placement) -> nn.Module:
+    """``module`` with replicated DTensor parameters, taking its local tensor inputs as
+    DTensors placed by ``placement`` and returning its output as a local tensor."""
+
+    def to_dtensor(_mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        return tuple(
+            DTensor.from_local(x, mesh, [placement], run_check=False) if _is_local(x) else x for x in inputs
         )
+
+    return distribute_module(
+        module,
+        device_mesh,
+        input_fn=to_dtensor,
+        output_fn=lambda _mod, out, _mesh: out.to_local(),
+    )
 
 
 def _is_local(x: Any) -> bool:
@@ -117,18 +123,7 @@ class HeadShardedNorm(ParallelStyle):
         self.head_dim = head_dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        def to_dtensor(_mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
-            return tuple(
-                DTensor.from_local(x, mesh, [Shard(self.head_dim)], run_check=False) if _is_local(x) else x
-                for x in inputs
-            )
-
-        return distribute_module(
-            module,
-            device_mesh,
-            input_fn=to_dtensor,
-            output_fn=lambda _mod, out, _mesh: out.to_local(),
-        )
+        return _on_local_inputs(module, device_mesh, Shard(self.head_dim))
 
 
 Styles = tuple[type, type, type]
