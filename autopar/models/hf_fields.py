@@ -63,21 +63,11 @@ class ConfigFields:
 
     def bool(self, name: str, default: bool = False) -> bool:
         """``true`` or ``false`` (not ``"false"``, which would read as true)."""
-        value = self._given(name, default)
-        if value is _ABSENT:
-            return default
-        if not isinstance(value, bool):
-            raise self._refuse(name, value, "true or false")
-        return value
+        return self._typed(name, default, bool, "true or false")
 
     def str(self, name: str, default: Any = _REQUIRED) -> Any:
         """A string (``"silu"``)."""
-        value = self._given(name, default)
-        if value is _ABSENT:
-            return default
-        if not isinstance(value, str):
-            raise self._refuse(name, value, "a string")
-        return value
+        return self._typed(name, default, str, "a string")
 
     def ints(self, name: str) -> tuple[int, ...]:
         """A list of integers >= 0 (layer indices), empty when absent."""
@@ -92,9 +82,13 @@ class ConfigFields:
 
     def mapping(self, name: str) -> Mapping[str, Any]:
         """An object (``{}`` when absent)."""
-        value = self._given(name, {})
+        return self._typed(name, {}, Mapping, "an object")
+
+    def _typed(self, name: str, default: Any, kind: type, wanted: str) -> Any:
+        """The file's ``name`` when it is a ``kind``; ``default`` when absent or null."""
+        value = self._given(name, default)
         if value is _ABSENT:
-            return {}
-        if not isinstance(value, Mapping):
-            raise self._refuse(name, value, "an object")
+            return default
+        if not isinstance(value, kind):
+            raise self._refuse(name, value, wanted)
         return value
