@@ -120,21 +120,19 @@ CHAT_VOCAB = 576
 """The tiny model's vocabulary, room for the shipped ChatML tokenizer's 512 ids."""
 
 
+def data_flags(dataset_format: str, path: Path) -> list[str]:
+    """A job's flags reading ``path`` as ``dataset_format`` with the shipped ChatML tokenizer."""
+    from autopar.data.chat import CHATML_TOKENIZER
+
+    dataset = ["--training.dataset_format", dataset_format, "--training.dataset_path", str(path)]
+    return [*dataset, "--model.tokenizer_path", str(CHATML_TOKENIZER)]
+
+
 def chat_job(folder, *flags: str) -> JobConfig:
     """``tiny_job`` fine-tuning on the shipped conversations with the shipped ChatML tokenizer."""
-    from autopar.data.chat import CHAT_EXAMPLE, CHATML_TOKENIZER
+    from autopar.data.chat import CHAT_EXAMPLE
 
-    return tiny_job(
-        folder,
-        "--training.dataset_format",
-        "chat",
-        "--training.dataset_path",
-        str(CHAT_EXAMPLE),
-        "--model.tokenizer_path",
-        str(CHATML_TOKENIZER),
-        *flags,
-        vocab_size=CHAT_VOCAB,
-    )
+    return tiny_job(folder, *data_flags("chat", CHAT_EXAMPLE), *flags, vocab_size=CHAT_VOCAB)
 
 
 TOOLS = [
@@ -191,6 +189,38 @@ QWEN3_5_VISION = {
     "spatial_merge_size": 1,
 }
 """The ``vision_config`` beside ``QWEN3_5_TEXT`` (its output width is the text model's)."""
+QWEN3_5_ODD = {
+    "vocab_size": 97,
+    "hidden_size": 48,
+    "intermediate_size": 80,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 20,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 6,
+    "linear_key_head_dim": 12,
+    "linear_value_head_dim": 10,
+    "layer_types": [
+        "linear_attention",
+        "full_attention",
+        "linear_attention",
+        "linear_attention",
+        "full_attention",
+    ],
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.4},
+}
+"""A Qwen3.5 ``text_config`` of odd sizes, where a transposed or mis-split weight cannot match
+by shape: three value heads per key head, dk 12 != dv 10, 40% rotary of head_dim 20, full
+attention not every 4th (the model tests' against transformers' classes)."""
+QWEN3_5_ODD_EXPERTS = {
+    "num_experts": 5,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 12,
+    "shared_expert_intermediate_size": 20,
+}
+"""``QWEN3_5_ODD``'s mixture of experts. HF's experts run grouped GEMMs whose rows must be
+multiples of 16 bytes."""
 
 
 def chat_hf_base(folder: Path) -> tuple[Qwen, Path]:

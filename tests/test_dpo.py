@@ -41,6 +41,7 @@ from jobs import (
     ac_flags,
     assert_fp32_parity,
     assert_same_training,
+    data_flags,
     one_process_trainer,
     parity_runs,
     tiny_args,
@@ -282,12 +283,7 @@ def preference_job(folder, *flags: str) -> JobConfig:
     """``tiny_job`` preference-tuning on the shipped pairs against a frozen copy of its start."""
     return tiny_job(
         folder,
-        "--training.dataset_format",
-        "preference",
-        "--training.dataset_path",
-        str(PREFERENCE_EXAMPLE),
-        "--model.tokenizer_path",
-        str(CHATML_TOKENIZER),
+        *data_flags("preference", PREFERENCE_EXAMPLE),
         "--training.local_batch_size",
         "2",
         "--training.seq_len",

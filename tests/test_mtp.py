@@ -26,34 +26,16 @@ if not hasattr(transformers, "Qwen3_5ForConditionalGeneration"):
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm  # noqa: E402
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer  # noqa: E402
 
+from jobs import QWEN3_5_ODD, QWEN3_5_ODD_EXPERTS, QWEN3_5_VISION  # noqa: E402
+
 TEXT = {
-    "vocab_size": 97,
-    "hidden_size": 48,
-    "intermediate_size": 80,
+    **QWEN3_5_ODD,
     "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 20,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 6,
-    "linear_key_head_dim": 12,
-    "linear_value_head_dim": 10,
     "layer_types": ["linear_attention", "full_attention", "linear_attention"],
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.4},
 }
 """Odd sizes (as tests/test_qwen3_5.py): a transposed or mis-split weight cannot match by shape."""
-MOE = {**TEXT, "num_experts": 5, "num_experts_per_tok": 2, "moe_intermediate_size": 12}
-MOE["shared_expert_intermediate_size"] = 20
-VISION = {
-    "depth": 1,
-    "hidden_size": 16,
-    "num_heads": 2,
-    "intermediate_size": 16,
-    "out_hidden_size": 48,
-    "patch_size": 2,
-    "temporal_patch_size": 1,
-    "spatial_merge_size": 1,
-}
+MOE = {**TEXT, **QWEN3_5_ODD_EXPERTS}
+VISION = {**QWEN3_5_VISION, "out_hidden_size": TEXT["hidden_size"]}
 DENSE_NAMES = {
     "mtp.fc.weight",
     "mtp.norm.weight",

@@ -40,6 +40,7 @@ from jobs import (
     Crashed,
     ac_flags,
     assert_fp32_parity,
+    data_flags,
     hf_folder_flags,
     hybrid_job,
     one_process_trainer,
@@ -47,12 +48,7 @@ from jobs import (
 
 HEAD = ("--mtp.enable", "true")
 CHAT = (
-    "--training.dataset_format",
-    "chat",
-    "--training.dataset_path",
-    str(CHAT_EXAMPLE),
-    "--model.tokenizer_path",
-    str(CHATML_TOKENIZER),
+    *data_flags("chat", CHAT_EXAMPLE),
     "--training.seq_len",
     "96",
     "--training.document_masking",

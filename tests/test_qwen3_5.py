@@ -19,47 +19,11 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "Qwen3_5ForCausalLM"):
     pytest.skip("transformers >= 5.2 has the Qwen3.5 classes", allow_module_level=True)
 
-TEXT = {
-    "vocab_size": 97,
-    "hidden_size": 48,
-    "intermediate_size": 80,
-    "num_hidden_layers": 5,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 20,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 6,
-    "linear_key_head_dim": 12,
-    "linear_value_head_dim": 10,
-    "layer_types": [
-        "linear_attention",
-        "full_attention",
-        "linear_attention",
-        "linear_attention",
-        "full_attention",
-    ],
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.4},
-}
-"""Odd sizes where a transposed or mis-split weight cannot match by shape: three value heads
-per key head, dk 12 != dv 10, 40% rotary of head_dim 20, full attention not every 4th."""
-MOE = {
-    **TEXT,
-    "num_experts": 5,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 12,
-    "shared_expert_intermediate_size": 20,
-}
-"""HF's experts run grouped GEMMs whose rows must be multiples of 16 bytes."""
-VISION = {
-    "depth": 1,
-    "hidden_size": 16,
-    "num_heads": 2,
-    "intermediate_size": 16,
-    "out_hidden_size": 48,
-    "patch_size": 2,
-    "temporal_patch_size": 1,
-    "spatial_merge_size": 1,
-}
+from jobs import QWEN3_5_ODD, QWEN3_5_ODD_EXPERTS, QWEN3_5_VISION  # noqa: E402
+
+TEXT = QWEN3_5_ODD
+MOE = {**TEXT, **QWEN3_5_ODD_EXPERTS}
+VISION = {**QWEN3_5_VISION, "out_hidden_size": TEXT["hidden_size"]}
 
 
 def hf_model(kind: str, tied: bool = False):
