@@ -121,7 +121,7 @@ def test_the_sampler_scores_its_tokens_as_the_trainer_does(tmp_path):
 
 @pytest.mark.heavy
 def test_the_toy_preset_doubles_its_reward(tmp_path):
-    # measured: the last ten steps' mean reward 3.8x the first ten's (0.045 -> 0.171), 60 steps
+    # measured: the last ten steps' mean reward 3.1x the first ten's (0.045 -> 0.139), 60 steps
     job = parse_job(
         ["--job.config", "rl_debug", "--checkpoint.enable", "false", "--job.dump_folder", str(tmp_path)]
     )
