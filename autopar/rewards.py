@@ -49,10 +49,13 @@ def final_answer(text: str) -> str | None:
 
 
 def answer_match(
-    prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[str | None], **_: Any
+    prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[str | None] | None = None, **_: Any
 ) -> list[float | None]:
     """1 where the completion's final answer equals the record's ``answer`` column (itself
-    a final answer or a GSM8K solution ending ``#### n``), else 0; None without an answer."""
+    a final answer or a GSM8K solution ending ``#### n``), else 0; None without an answer
+    (a record, or data, without that column)."""
+    if answer is None:
+        return [None] * len(completions)
     rewards: list[float | None] = []
     for completion, expected in zip(completions, answer, strict=True):
         if expected is None:

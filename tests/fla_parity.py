@@ -170,13 +170,13 @@ def compare_layer(device: str, compiled: bool) -> dict[str, float]:
     documents = documents.to(device)
 
     def run(kernel: str) -> list[torch.Tensor]:
-        apply_delta_rule_kernel(layer, kernel)
+        apply_delta_rule_kernel(layer, kernel, device)
         forward = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
         layer.zero_grad()
         inputs = x.clone().requires_grad_()
         out = forward(inputs, documents)
         out.backward(upstream)
-        apply_delta_rule_kernel(layer, "autopar")
+        apply_delta_rule_kernel(layer, "autopar", device)
         return [out.detach(), inputs.grad] + [p.grad.clone() for p in layer.parameters()]
 
     ours, fla = run("autopar"), run("fla")

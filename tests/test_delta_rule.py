@@ -10,13 +10,12 @@ import pytest
 import torch
 
 from autopar.models.qwen3_5.delta_rule import (
-    LOG_DECAY_FLOOR,
     SEGMENT,
-    _decay,
     delta_rule_map,
     gated_delta_rule,
     reference_gated_delta_rule,
 )
+from autopar.models.qwen3_5.delta_rule_chunks import LOG_DECAY_FLOOR, decayed
 
 
 def inputs(
@@ -50,7 +49,7 @@ def grads(out: torch.Tensor, tensors: list[torch.Tensor]) -> tuple[torch.Tensor,
 @pytest.mark.parametrize("seqlen", [1, 63, 150])
 def test_chunked_kernel_equals_the_recurrence_token_by_token(seqlen):
     x = inputs(seqlen)
-    ours, reference = gated_delta_rule(*x), reference_gated_delta_rule(*x)
+    ours, reference = gated_delta_rule(*x), reference_gated_delta_rule(*x)[0]
     # fp32 both ways; the chunk form sums in another order: measured <= 3e-7 in values
     torch.testing.assert_close(ours, reference, rtol=0, atol=1e-5)
     for mine, theirs in zip(grads(ours, x), grads(reference, x)):
@@ -61,7 +60,7 @@ def test_decays_below_the_floor_are_zero_not_subnormal():
     # a trained model's long-range decays: exp(-200) is subnormal in fp32, and x86 matmuls and
     # solves that meet one slow down several times
     log_decay = torch.linspace(-200.0, 0.0, 2001)
-    decay = _decay(torch.ones_like(log_decay, dtype=torch.bool), log_decay)
+    decay = decayed(torch.ones_like(log_decay, dtype=torch.bool), log_decay)
     tiny = torch.finfo(torch.float32).tiny
     assert not ((decay > 0) & (decay < tiny)).any()
     above = log_decay > LOG_DECAY_FLOOR
@@ -71,7 +70,7 @@ def test_decays_below_the_floor_are_zero_not_subnormal():
 
 def test_strong_decay_still_equals_the_recurrence_token_by_token():
     x = inputs(150, decay=8.0)  # a chunk's decays span exp(0) to exp(-500)
-    ours, reference = gated_delta_rule(*x), reference_gated_delta_rule(*x)
+    ours, reference = gated_delta_rule(*x), reference_gated_delta_rule(*x)[0]
     torch.testing.assert_close(ours, reference, rtol=0, atol=1e-5)
     for mine, theirs in zip(grads(ours, x), grads(reference, x)):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
@@ -139,7 +138,7 @@ def test_bf16_inputs_run_the_recurrence_in_fp32():
     x = inputs(150, torch.bfloat16)
     out = gated_delta_rule(*x)
     assert out.dtype == torch.bfloat16
-    exact = reference_gated_delta_rule(*(t.detach().float() for t in x))
+    exact = reference_gated_delta_rule(*(t.detach().float() for t in x))[0]
     # the inputs are the same bf16 values; only the output's rounding to bf16 differs
     torch.testing.assert_close(out.float(), exact, rtol=1e-2, atol=1e-2)
     assert all(g.dtype == t.dtype for g, t in zip(grads(out, x), x))

@@ -19,7 +19,7 @@ import torch
 
 from autopar.config import ConfigError
 from autopar.models.qwen3_5.fla_delta_rule import _cu_seqlens, hopper_triton_problem
-from autopar.parallel.delta_rule_kernel import check_fla_installed
+from autopar.parallel.delta_rule_kernel import check_kernel_installed
 from autopar.training.preflight import check_job
 
 from jobs import hybrid_job, tiny_job
@@ -106,7 +106,7 @@ def test_fla_kernel_of_another_version_is_refused_where_the_job_runs(tmp_path, m
     with pytest.raises(
         ConfigError, match=r"delta_rule_kernel=.fla.: fla-core 0\.5\.1 is installed; or use autopar"
     ):
-        check_fla_installed(job)
+        check_kernel_installed(job)
 
 
 @pytest.mark.parametrize(
@@ -166,7 +166,7 @@ def _block_saves(kernel: str) -> tuple[float, int]:
     job = parse_job([*flags, f"--training.delta_rule_kernel={kernel}"])
     args = model_args(job)
     block = HybridBlock(args, 0).to(torch.bfloat16)
-    apply_delta_rule_kernel(block, kernel)
+    apply_delta_rule_kernel(block, kernel, "cpu")
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:

@@ -615,15 +615,16 @@ def test_our_delta_rule_kernel_on_a_gpu_preset_takes_its_measured_seconds_per_ch
 ):
     flags = ["--model.name", "qwen3.5", "--model.flavor", "2B", "--model.num_hidden_layers", "8"]
     flags += [f"--model.linear_num_value_heads={value_heads}", "--training.seq_len=4096"]
-    job = parse_job([*flags, "--training.local_batch_size=2"])
+    job = parse_job([*flags, "--training.local_batch_size=2", "--training.delta_rule_kernel=autopar"])
     args, dims = model_args(job), ParallelDims(1, 1, 1, 1, 1)
     assert args.linear_num_value_heads == value_heads
     rates = compute_rates(job, H100, args, dims, micro=2)
     # 6 Gated DeltaNets of 2 x 4096 tokens: 64 chunks each, at the H100's measured seconds
     seconds = 6 * delta_rule_flops(args) * 2 * 4096 / rates.recurrence
     assert seconds == pytest.approx(6 * 64 * PRESET_DELTA_RULE_CHUNK_SECONDS, rel=1e-9)
-    fla = parse_job([*flags, "--training.local_batch_size=2", "--training.delta_rule_kernel=fla"])
-    assert compute_rates(fla, H100, args, dims, micro=2).recurrence == rates.gemm  # unmeasured
+    for kernel in ("fla", "triton", "auto"):  # unmeasured; auto is triton on a GPU
+        other = parse_job([*flags, "--training.local_batch_size=2", f"--training.delta_rule_kernel={kernel}"])
+        assert compute_rates(other, H100, args, dims, micro=2).recurrence == rates.gemm
 
 
 def test_full_recompute_runs_tps_forward_collectives_again_and_per_op_checkpointing_keeps_them():

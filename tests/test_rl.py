@@ -121,7 +121,7 @@ def test_the_sampler_scores_its_tokens_as_the_trainer_does(tmp_path):
 
 @pytest.mark.heavy
 def test_the_toy_preset_doubles_its_reward(tmp_path):
-    # measured: the last ten steps' mean reward 3.8x the first ten's (0.045 -> 0.171), 60 steps
+    # measured: the last ten steps' mean reward 3.1x the first ten's (0.045 -> 0.139), 60 steps
     job = parse_job(
         ["--job.config", "rl_debug", "--checkpoint.enable", "false", "--job.dump_folder", str(tmp_path)]
     )
@@ -266,3 +266,17 @@ def test_a_replay_of_another_vocabulary_is_refused(tmp_path):
     job = replay_job(tmp_path / "run", CASES["dapo"], "--rl.replay", str(tmp_path / "step-1.jsonl"))
     with pytest.raises(ConfigError, match="outside the model's vocabulary"):
         one_process_trainer(job)
+
+
+def test_the_shipped_rewards_read_gsm8k_and_boxed_answers():
+    from autopar.rewards import answer_match, think_format
+
+    completions = ["so 3 + 4 = 7\n#### 7", "the answer is \\boxed{1,234}.", "I think 8", "#### 9"]
+    assert answer_match([], completions, ["Natalia sold 7 clips.\n#### 7", "1234", "8", None]) == [
+        1.0,
+        1.0,
+        0.0,
+        None,
+    ]
+    assert answer_match([], completions) == [None] * 4
+    assert think_format([" <think>add them</think> 7", "<think>no answer</think>", "7"]) == [1.0, 0.0, 0.0]

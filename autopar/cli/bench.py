@@ -61,6 +61,8 @@ NAMED_VARIANTS = {
     "attn_cudnn": "compile.enable=true,float8.enable=false,training.sdpa_backend=cudnn",
     "attn_math": "compile.enable=true,float8.enable=false,training.sdpa_backend=math",
     "fla": "compile.enable=true,float8.enable=false,training.delta_rule_kernel=fla",
+    "triton": "compile.enable=true,float8.enable=false,training.delta_rule_kernel=triton",
+    "delta_rule_autopar": "compile.enable=true,float8.enable=false,training.delta_rule_kernel=autopar",
     "fla_fp8": "compile.enable=true,float8.enable=true,float8.backend=torchao,training.delta_rule_kernel=fla",
     "lora": "compile.enable=true,float8.enable=false,lora.enable=true",
     "lora_eager": "compile.enable=false,float8.enable=false,lora.enable=true",

@@ -181,8 +181,9 @@ def main(argv: list[str]) -> int:
     world = init_world() if launched else single_process("cuda" if torch.cuda.is_available() else "cpu")
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        kernel = parse_job(job_argv).training.delta_rule_kernel if job_argv else "auto"
         profile = run_probe(
-            world.device, shapes, COLLECTIVES if launched else (), local, attention, recurrence, step
+            world.device, shapes, COLLECTIVES if launched else (), local, attention, recurrence, step, kernel
         )
     finally:
         if dist.is_initialized():

@@ -65,13 +65,19 @@ PLAN_CHECK = "--world-size 1 --gpus-per-node 1 --steps 4"
 the probed profile re-predicts them from the JSON afterwards) beside measured tokens/s."""
 PLANS: dict[str, tuple[Step, ...]] = {
     "gpu": (
-        Step("gpu_tests", "pytest -q -m gpu tests/test_gpu.py tests/test_fla_delta_rule.py", 290),
-        Step("delta_rule_kernels", "autopar.cli.bench_delta_rule --seq 4096 16384 --json {json}", 110),
+        Step("triton_delta_rule", "pytest -q -s -m gpu tests/test_triton_delta_rule.py", 120),
+        Step(
+            "delta_rule_2b",
+            "autopar.cli.bench_delta_rule --flavor 2B --batch 2 --seq 4096 --json {json}",
+            120,
+        ),
         Step(
             "qwen3.5_2b_kernels",
-            f"autopar.bench --json {{json}} {QWEN3_5_2B} --variants compiled fla fla_fp8 --warmup 3 --steps 8",
+            f"autopar.bench --json {{json}} {QWEN3_5_2B} --variants triton delta_rule_autopar --warmup 3 --steps 8",
             200,
         ),
+        Step("gpu_tests", "pytest -q -m gpu tests/test_gpu.py tests/test_fla_delta_rule.py", 290),
+        Step("delta_rule_kernels", "autopar.cli.bench_delta_rule --seq 4096 16384 --json {json}", 110),
         Step(
             "qwen3_1.7b_regression",
             f"autopar.bench --json {{json}} {QWEN3_1_7B} --variants compiled fp8 eager --warmup 3 --steps 8",
@@ -129,8 +135,10 @@ PLANS: dict[str, tuple[Step, ...]] = {
         ),
     ),
 }
-"""Steps in the order they run: what only a GPU shows first (the CUDA tests, FLA's kernels
-against ours, Qwen3.5's speed by kernel), then the regression check against the pre-recipe
+"""Steps in the order they run: what only a GPU shows first (the triton delta-rule kernel's
+bf16 numerics and its compiled programs against autopar's, its per-layer time beside
+autopar's and FLA's forward at Qwen3.5-2B's heads, Qwen3.5-2B at 8 layers compiled with it and
+with autopar's; then the CUDA tests, the 9B-head kernel table), then the regression check against the pre-recipe
 figures, then what landed since (DPO against SFT). ``planner`` is the planner's sitting: torch's
 ring attention with grouped k/v heads on the CUDA kernels, the probe on the job, and the
 planner's one-GPU predictions (eager, compiled by checkpointing mode, FP8) against measurement.

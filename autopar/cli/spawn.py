@@ -51,7 +51,7 @@ def _child(
     import torch.distributed as dist
 
     from autopar.cli.log import setup_logging
-    from autopar.parallel.world import backend_for, device_for
+    from autopar.parallel.world import backend_for, device_for, init_group
 
     # a native crash (SIGSEGV, SIGABRT) writes every thread's Python stack where the parent
     # reads it back into the failure of the item this rank was running
@@ -65,7 +65,7 @@ def _child(
         torch.cuda.set_device(device)
     index = first
     try:
-        dist.init_process_group(
+        init_group(
             backend or backend_for(device),
             init_method=f"file://{os.path.join(folder, 'store')}",
             rank=rank,

@@ -103,11 +103,13 @@ class Training:
     """How a mixture of experts runs its experts: one grouped GEMM per projection
     (torch._grouped_mm), a matmul per expert (any device), or auto: grouped where the device
     and shapes allow it (bf16 on Hopper or newer; on CPU, rows of whole 16-byte multiples)."""
-    delta_rule_kernel: Literal["autopar", "fla"] = "autopar"
+    delta_rule_kernel: Literal["auto", "autopar", "triton", "fla"] = "auto"
     """Qwen3.5's Gated DeltaNet kernel: autopar's chunked delta rule (plain torch, any device),
-    or fla: flash-linear-attention's Triton kernels (CUDA; pip install 'autopar[fla]'). Both
-    compute the same rule, compile whole and pass states under context parallelism; compare
-    them with python -m autopar.bench --variants compiled fla."""
+    triton: the same with its two state passes as Triton programs of ours (CUDA; on a CPU
+    they run in Triton's interpreter, slowly), fla: flash-linear-attention's Triton kernels
+    (CUDA; pip install 'autopar[fla]'), or auto: triton on CUDA where Triton imports, else
+    autopar. All compute the same rule, compile whole and pass states under context
+    parallelism; compare them with python -m autopar.bench --variants compiled fla triton."""
     document_masking: bool = False
     """Packed documents (conversations, or text up to each end-of-text) do not see each other:
     attention stays within a document, RoPE positions restart at each, and no target is

@@ -25,7 +25,7 @@ from autopar.config.errors import ConfigError
 from autopar.config.sections import Parallelism
 from autopar.models.args import ModelArgs
 from autopar.parallel.torch_internals import flatten_mesh, unflatten_mesh
-from autopar.parallel.world import backend_for
+from autopar.parallel.world import backend_for, init_group
 
 
 @dataclass(frozen=True)
@@ -239,9 +239,7 @@ def build_meshes(dims: ParallelDims, device_type: str, always_fsdp: bool = False
     if dims.world_size == 1 and not always_fsdp:
         return Meshes(dims, {})
     if not dist.is_initialized():  # one process: a group of one, in memory
-        dist.init_process_group(
-            backend_for(torch.device(device_type)), store=dist.HashStore(), rank=0, world_size=1
-        )
+        init_group(backend_for(torch.device(device_type)), store=dist.HashStore(), rank=0, world_size=1)
     world = init_device_mesh(device_type, (dims.world_size,), mesh_dim_names=("world",))
     dense = unflatten_mesh(
         world,

@@ -165,9 +165,9 @@ def _kernels(model: nn.Module, args: ModelArgs, job: JobConfig, device: torch.de
             else "repeated to every query head",
         )
     apply_expert_kernel(model, job.training.expert_kernel)
-    apply_delta_rule_kernel(model, job.training.delta_rule_kernel)
-    if args.hybrid and job.training.delta_rule_kernel == "fla":
-        logger.info("Gated DeltaNet: FLA's delta-rule kernels")
+    kernel = apply_delta_rule_kernel(model, job.training.delta_rule_kernel, device.type)
+    if args.hybrid and kernel != "autopar":
+        logger.info("Gated DeltaNet: the %s delta-rule kernel", kernel)
 
 
 def _checkpointing(model: nn.Module, job: JobConfig, meshes: Meshes, compiled: bool, pipelined: bool) -> None:

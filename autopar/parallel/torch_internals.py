@@ -37,6 +37,14 @@ LEANED_ON = {
     # (module, dotted attribute): why autopar needs it
     ("torch.distributed._functional_collectives", "all_reduce"): "collectives that compile (loss, CP, EP)",
     ("torch.distributed._functional_collectives", "all_to_all_single_autograd"): "EP token dispatch",
+    (
+        "torch.distributed._functional_collectives",
+        "_maybe_wrap_tensor",
+    ): "gloo: functional collectives wait at once",
+    (
+        "torch.distributed._functional_collectives",
+        "_are_we_tracing",
+    ): "gloo: functional collectives wait at once",
     ("torch._guards", "active_fake_mode"): "dry run: which fake mode allocates",
     ("torch._subclasses.fake_tensor", "is_fake"): "EP: fake routing counts in the dry run",
     ("torch._subclasses.fake_tensor", "FakeTensorMode"): "dry run: tensors without storage",
@@ -61,8 +69,9 @@ LEANED_ON = {
     ("torch.distributed.device_mesh", "DeviceMesh._flatten"): "mesh: the loss view",
     (
         "torch.distributed.fsdp._fully_shard._fsdp_param_group",
-        "FSDPParamGroup.post_forward_mesh_info",
-    ): "RL rollouts: FSDP's weights kept gathered, then its own resharding back",
+        "FSDPParamGroup",
+    ): "RL rollouts: FSDP's weights kept gathered, then each group's post_forward_mesh_info back",
+    ("torch.distributed.fsdp", "FSDPModule._get_fsdp_state"): "RL rollouts: each module's param groups",
     ("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"): "forget_sharding_caches",
     ("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear"): "forget_sharding_caches",
     ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache"): "forget_sharding_caches",
@@ -252,3 +261,29 @@ def fsdp_weights_gathered(modules: list[nn.Module]) -> Iterator[None]:
             for group, info in zip(module._get_fsdp_state()._fsdp_param_groups, infos, strict=True):
                 group.post_forward_mesh_info = info
             module.reshard()
+
+
+def funcols_wait_at_once() -> None:
+    """Make eager functional collectives on CPU tensors wait as they are issued (``wait_tensor``
+    at once) instead of returning an ``AsyncCollectiveTensor`` waited at its first use; traced
+    ones are untouched (they wait in the graph already). For gloo, whose collectives run on
+    its own worker threads anyway, this costs nothing measurable.
+
+    Why: CI's multi-rank tests aborted about one run in two (torch 2.13, gloo) with
+    ``malloc(): unaligned tcache chunk detected`` or SIGSEGV; both stacks captured stop in
+    the async path, creating the wrapper for EP's ``all_to_all_single_autograd``
+    (``_wrap_tensor_autograd``) and in ``AsyncCollectiveTensor.__torch_dispatch__ -> wait_tensor``
+    under compiled PP + CP: a freed small chunk was written while the main thread went on
+    past a collective a gloo thread was still completing. Waiting at once leaves no
+    collective in flight while Python allocates. Idempotent."""
+    original = funcol._maybe_wrap_tensor
+    if getattr(original, "waits_at_once", False):
+        return
+
+    def wait_at_once(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type == "cpu" and not funcol._are_we_tracing():
+            return funcol.wait_tensor(tensor)
+        return original(tensor)
+
+    wait_at_once.waits_at_once = True  # type: ignore[attr-defined]
+    funcol._maybe_wrap_tensor = wait_at_once

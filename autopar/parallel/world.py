@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from autopar.config import ConfigError
-from autopar.parallel.torch_internals import set_group_timeouts
+from autopar.parallel.torch_internals import funcols_wait_at_once, set_group_timeouts
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,14 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def init_group(backend: str, **kwargs: object) -> None:
+    """``dist.init_process_group``; on gloo, eager functional collectives then wait as they are
+    issued (``torch_internals.funcols_wait_at_once`` says why)."""
+    dist.init_process_group(backend, **kwargs)  # type: ignore[arg-type]
+    if backend == "gloo":
+        funcols_wait_at_once()
+
+
 def init_world(timeout_s: int = 300) -> World:
     """Join the process group torchrun set up (or none for one process); same code on CPU and GPU.
     Every rank must join within ``timeout_s``, which also bounds each collective until
@@ -89,7 +97,7 @@ def init_world(timeout_s: int = 300) -> World:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend_for(device), timeout=timedelta(seconds=timeout_s))
+        init_group(backend_for(device), timeout=timedelta(seconds=timeout_s))
     return World(rank=rank, size=size, local_rank=local_rank, device=device)
 
 

@@ -39,6 +39,7 @@ from autopar.config.sections import JobConfig
 from autopar.models.args import LayerKind, ModelArgs
 from autopar.models.qwen3_5.mtp import head_layer_args
 from autopar.parallel.activation_checkpoint import checkpointed_layers
+from autopar.parallel.delta_rule_kernel import SEGMENTS, resolve_delta_rule_kernel
 from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.sdpa_backend import native_gqa
 from autopar.planner.block_bytes import (
@@ -148,16 +149,17 @@ def sizes(
         moe_inter=args.moe_intermediate_size,
         norm_topk=args.norm_topk_prob,
         ep=dims.ep,
-        **_hybrid_sizes(args, job, dims),
+        **_hybrid_sizes(args, job, dims, device_type),
         **_context_ranges(job, dims),
         **_lora_sizes(args, job, dims),
     )
 
 
-def _hybrid_sizes(args: ModelArgs, job: JobConfig, dims: ParallelDims) -> dict[str, object]:
+def _hybrid_sizes(args: ModelArgs, job: JobConfig, dims: ParallelDims, device_type: str) -> dict[str, object]:
     """``Sizes``' Qwen3.5 fields: TP splits the Gated DeltaNet by head, as attention."""
     if not args.hybrid:
         return {}
+    kernel = resolve_delta_rule_kernel(job.training.delta_rule_kernel, device_type)
     return {
         "rotary_dim": args.rotary_dim,
         "shared_inter": args.shared_expert_intermediate_size,
@@ -167,7 +169,8 @@ def _hybrid_sizes(args: ModelArgs, job: JobConfig, dims: ParallelDims) -> dict[s
         "linear_value_dim": args.linear_value_head_dim,
         "conv_width": args.linear_conv_kernel_dim,
         "documents": job.training.document_masking,
-        "fla": job.training.delta_rule_kernel == "fla",
+        "fla": kernel == "fla",
+        "delta_rule_segment": SEGMENTS.get(kernel, 0),
     }
 
 

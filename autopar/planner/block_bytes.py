@@ -74,6 +74,7 @@ class Sizes:
     conv_width: int = 0
     documents: bool = False  # packed documents: the convolution masks each shifted copy
     fla: bool = False  # training.delta_rule_kernel: FLA's, which keeps other tensors than ours
+    delta_rule_segment: int = SEGMENT  # ours: tokens per fp32 state kept (autopar's or triton's)
     # context parallelism: this rank's token ranges of each sequence (2 under the head-tail
     # load balancer) and every CP rank's (cp * ranges; 1 without CP)
     ranges: int = 1
@@ -260,14 +261,14 @@ def _linear_channels(z: Sizes) -> tuple[int, int]:
 
 
 def _delta_rule_states(z: Sizes) -> float:
-    """What the delta-rule kernel keeps beyond its inputs. Autopar's: the float32 state per
-    value head and ``SEGMENT`` of each local token range (under CP the kernel runs once per
-    range). FLA's: the per-chunk solve A (a CHUNK-wide row per token and value head) and the
+    """What the delta-rule kernel keeps beyond its inputs. Ours (autopar, triton): the float32
+    state per value head and segment (``delta_rule_segment`` tokens) of each local token range
+    (under CP the kernel runs once per range). FLA's: the per-chunk solve A (a CHUNK-wide row per token and value head) and the
     float32 reciprocal norms of q and k (its normed q, k and summed decay take the places of
     the q, k and decay ours keeps)."""
     if z.fla:
         return z.tokens * (z.dtype_bytes * FLA_CHUNK * z.linear_value_heads + FP32 * 2 * z.linear_key_heads)
-    segments = z.ranges * -(-(z.seq // z.ranges) // SEGMENT)
+    segments = z.ranges * -(-(z.seq // z.ranges) // z.delta_rule_segment)
     per_sequence = z.linear_value_heads * z.linear_key_dim * z.linear_value_dim * segments
     return FP32 * per_sequence * (z.tokens // z.seq)
 
@@ -285,6 +286,7 @@ def state_passing(z: Sizes) -> StatePassing | None:
         cp_ranges=z.cp_ranges,
         range_tokens=z.seq // z.ranges,
         fla=z.fla,
+        segment=z.delta_rule_segment,
         key_heads=z.linear_key_heads,
         dtype_bytes=z.dtype_bytes,
     )

@@ -49,6 +49,7 @@ from autopar.config.sections import JobConfig
 from autopar.data.loader import Batch
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
+from autopar.parallel.delta_rule_kernel import apply_delta_rule_kernel, resolve_delta_rule_kernel
 from autopar.parallel.mesh import Meshes, ParallelDims, build_meshes
 from autopar.parallel.parallelize import (
     ModelParts,
@@ -304,8 +305,10 @@ def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) ->
         copied = is_preference(job) and job.dpo.reference == "copy"
         plain = replace(job, lora=replace(job.lora, enable=False))  # a DPO job's frozen reference
         reference_built = parallelized_parts(args, plain, meshes, world.device) if copied else None
+        cuda_delta_rule = resolve_delta_rule_kernel(job.training.delta_rule_kernel, "cuda")
         for part in built.parts:
             apply_attention_kernel(part, gqa)
+            apply_delta_rule_kernel(part, cuda_delta_rule, "cuda")  # CUDA's kernel; its fake runs here
         with FakeTensorMode(allow_non_fake_inputs=True):
             parts = materialize_parts(built, world.device, _fake_values)
             io = _stage_io(job, meshes, parts) if dims.pp > 1 else None

@@ -51,6 +51,7 @@ class StatePassing:
     cp_ranges: int  # every CP rank's: cp * ranges
     range_tokens: int  # tokens of one range
     fla: bool = False  # FLA's kernels: the map pass keeps FLA's tensors, no segment states
+    segment: int = SEGMENT  # ours: tokens per state the map pass keeps
     key_heads: int = 0  # per TP rank (FLA's normed keys)
     dtype_bytes: int = 2
 
@@ -72,7 +73,7 @@ class StatePassing:
             columns = self.key_dim + self.value_dim
             values = self.dtype_bytes * self.value_heads * columns * self.batch * self.range_tokens
             return self._fla_map_pass() + self.ranges * (values + self.map_bytes)
-        return self.ranges * math.ceil(self.range_tokens / SEGMENT) * self.map_bytes
+        return self.ranges * math.ceil(self.range_tokens / self.segment) * self.map_bytes
 
     def _fla_map_pass(self) -> float:
         """FLA's map pass, per local range: k normed (standing in for q, and as k) with their

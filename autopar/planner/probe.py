@@ -442,11 +442,15 @@ def probe_attention(
 
 
 def _recurrence_fn(
-    dtype: str, shape: tuple[int, int, int, int, int, int], device: torch.device
+    dtype: str, shape: tuple[int, int, int, int, int, int], device: torch.device, kernel: str
 ) -> Callable[[], None]:
-    """One gated delta rule forward and backward (the model's kernel) over
-    (batch, seq, key heads, value heads, dk, dv) in ``dtype``."""
-    from autopar.models.qwen3_5.delta_rule import gated_delta_rule, l2norm
+    """One gated delta rule forward and backward (``training.delta_rule_kernel`` ``kernel`` as
+    it runs here) over (batch, seq, key heads, value heads, dk, dv) in ``dtype``."""
+    from autopar.models.qwen3_5.delta_rule import l2norm
+    from autopar.models.qwen3_5.triton_delta_rule import triton_problem
+    from autopar.parallel.delta_rule_kernel import KERNELS, resolve_delta_rule_kernel
+
+    rule = KERNELS[resolve_delta_rule_kernel(kernel, device.type, triton_problem() is None)].rule
 
     b, seq, hk, hv, dk, dv = shape
     half = getattr(torch, dtype)
@@ -454,19 +458,23 @@ def _recurrence_fn(
     v = torch.randn(b, seq, hv, dv, device=device, dtype=half, requires_grad=True)
     g = -torch.rand(b, seq, hv, device=device)  # log decay <= 0, fp32
     beta = torch.rand(b, seq, hv, device=device, dtype=half)
-    return lambda: gated_delta_rule(q, k, v, g, beta).float().sum().backward()
+    return lambda: rule(q, k, v, g, beta).float().sum().backward()
 
 
 def probe_recurrence(
-    device: torch.device, dtypes: Iterable[str], shapes: Iterable[tuple[int, int, int, int, int, int]]
+    device: torch.device,
+    dtypes: Iterable[str],
+    shapes: Iterable[tuple[int, int, int, int, int, int]],
+    kernel: str = "auto",
 ) -> list[RecurrencePoint]:
-    """FLOP/s of the gated delta rule's forward and backward at each shape (a hybrid job's)."""
+    """FLOP/s of the gated delta rule's forward and backward at each shape (a hybrid job's),
+    by the job's ``training.delta_rule_kernel``."""
     points = []
     for dtype in dtypes:
         if dtype == "float8":
             continue
         for shape in shapes:
-            seconds = timed(_recurrence_fn(dtype, shape, device), device)
+            seconds = timed(_recurrence_fn(dtype, shape, device, kernel), device)
             b, seq, _, hv, dk, dv = shape
             points.append(RecurrencePoint(dtype, *shape, recurrence_flops(b * seq, hv, dk, dv) / seconds))
     return points
@@ -492,13 +500,15 @@ def run_probe(
     job_attention: Iterable[tuple[int, ...]] = (),
     job_recurrence: Iterable[tuple[int, int, int, int, int, int]] = (),
     job_step: tuple[ModelArgs, tuple[int, ...], int, bool] | None = None,
+    delta_rule_kernel: str = "auto",
 ) -> DeviceProfile:
     """The profile of ``device``: matmuls at the probe's squares and ``job_shapes``, attention
     at the probe's shapes and ``job_attention``, memory and host bandwidth, per-op overhead
     (on the job's model where ``job_step`` names it, else the reference model),
     the job's whole model step (``job_step``: its arguments, batches, sequence length and
-    whether it compiles, in the dtype it computes in here), and ``collectives`` when a process
-    group is initialised (every rank calls)."""
+    whether it compiles, in the dtype it computes in here), the delta rule by the job's
+    ``delta_rule_kernel``, and ``collectives`` when a process group is initialised (every rank
+    calls)."""
     attention = sorted(set(CUDA_ATTENTION if device.type == "cuda" else CPU_ATTENTION) | set(job_attention))
     squares = CUDA_SQUARES if device.type == "cuda" else CPU_SQUARES
     shapes = sorted({(s, s, s) for s in squares} | set(job_shapes))
@@ -519,7 +529,7 @@ def run_probe(
         host_bytes_per_s=probe_host(device),
         op_overhead_s=probe_op_overhead(device, job_step[0] if job_step else None),
         attention=tuple(probe_attention(device, probe_dtypes(device), attention)),
-        recurrence=tuple(probe_recurrence(device, probe_dtypes(device), job_recurrence)),
+        recurrence=tuple(probe_recurrence(device, probe_dtypes(device), job_recurrence, delta_rule_kernel)),
         collectives=tuple(probe_collectives(device, messages, collectives)) if grouped else (),
         plan_op_overhead_s=(
             probe_plan_overheads(device, job_step[0] if job_step else None) if grouped and collectives else ()

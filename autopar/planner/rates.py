@@ -20,6 +20,7 @@ from autopar.config.sections import Compile, JobConfig, Training
 from autopar.models.args import ModelArgs
 from autopar.models.qwen3_5.delta_rule import CHUNK as DELTA_RULE_CHUNK
 from autopar.parallel.context_parallel import resolve_impl
+from autopar.parallel.delta_rule_kernel import resolve_delta_rule_kernel
 from autopar.parallel.float8 import output_head_in_fp8
 from autopar.parallel.mesh import ParallelDims
 from autopar.planner.activations import sizes
@@ -62,8 +63,9 @@ PRESET_DELTA_RULE_CHUNK_SECONDS = 1.7e-3
 delta-rule kernel on a GPU preset, whatever the heads: its custom ops run eager inside compiled
 graphs and launch the same small kernels for every chunk, so on a GPU its time follows the
 chunks, not its FLOPs. Measured on an H100 with torch 2.11: Qwen3.5-2B cut to 8 layers,
-compiled, 2 x 4096 tokens, 10,783 tokens/s (BENCHMARKS.md). FLA's kernels
-(``delta_rule_kernel = "fla"``) are unmeasured and taken at the GEMMs' rate."""
+compiled, 2 x 4096 tokens, 10,783 tokens/s (BENCHMARKS.md). The Triton kernels
+(``delta_rule_kernel = "triton"``, the default on CUDA, and ``"fla"``) are unmeasured and taken
+at the GEMMs' rate until a probe times them."""
 
 
 @dataclass(frozen=True)
@@ -119,8 +121,10 @@ def _unprobed_recurrence(
     job: JobConfig, device: DeviceSpec, args: ModelArgs, dims: ParallelDims, micro: int, gemm: float
 ) -> float:
     """The delta rule's FLOP/s where no probe timed it: on a GPU, our kernel's chunks at
-    ``PRESET_DELTA_RULE_CHUNK_SECONDS`` each; else (FLA's kernels, a CPU) the GEMMs' rate."""
-    if not args.hybrid or job.training.delta_rule_kernel != "autopar" or device.device_type != "cuda":
+    ``PRESET_DELTA_RULE_CHUNK_SECONDS`` each; else (the Triton kernels, ours or FLA's, and a
+    CPU) the GEMMs' rate."""
+    kernel = resolve_delta_rule_kernel(job.training.delta_rule_kernel, device.device_type)
+    if not args.hybrid or kernel != "autopar" or device.device_type != "cuda":
         return gemm
     # one layer's forward and backward over one chunk of each of the micro-batch's sequences
     chunk_flops = delta_rule_flops(args) * DELTA_RULE_CHUNK * micro / dims.tp

@@ -20,7 +20,7 @@ from autopar.models.args import ModelArgs
 from autopar.parallel.activation_checkpoint import check_ac
 from autopar.parallel.compile import check_compile, check_compile_backend
 from autopar.parallel.context_parallel import check_cp
-from autopar.parallel.delta_rule_kernel import check_delta_rule_kernel, check_fla_installed
+from autopar.parallel.delta_rule_kernel import check_delta_rule_kernel, check_kernel_installed
 from autopar.parallel.expert_parallel import check_ep
 from autopar.parallel.float8 import check_float8, check_float8_filter
 from autopar.parallel.lora import check_lora
@@ -135,6 +135,8 @@ def check_job(job: JobConfig, world_size: int, device_type: str | None = None) -
     check_load_step(job.checkpoint, job.job.dump_folder)
     check_output_folders(job)
     check_wandb(job)
-    if device_type == "cuda" and torch.cuda.is_available():  # where it runs, not where it is planned
-        check_fla_installed(job)
+    if device_type == (
+        "cuda" if torch.cuda.is_available() else "cpu"
+    ):  # where it runs, not where it is planned
+        check_kernel_installed(job)
     return args
