@@ -35,7 +35,7 @@ def test_an_epoch_learns_every_assistant_token_once_and_never_a_pad():
 
 def test_labels_are_ignored_exactly_where_a_token_is_not_learned():
     samples = chat_samples(seq_len=32)
-    (batch,) = StepLoader(samples, 4, 4, 0, 1, torch.device("cpu")).next_step()
+    (batch,) = StepLoader(4, 4, 0, 1, torch.device("cpu"), samples=samples).next_step()
     masks = np.stack([samples.targets(i) for i in range(4)])
     rows = np.stack([samples.sample(i) for i in range(4)])
     assert torch.equal(batch.labels == IGNORE_INDEX, torch.from_numpy(~masks))
@@ -46,7 +46,9 @@ def assert_first_step_is_the_masked_mean(job) -> None:
     """Step 1's logged loss equals cross-entropy over the learned tokens of its batch, by hand."""
     trainer = one_process_trainer(job)
     loader = trainer.loader
-    (batch,) = StepLoader(loader.samples, loader.global_batch, 2, 0, 1, torch.device("cpu")).next_step()
+    (batch,) = StepLoader(
+        loader.global_batch, 2, 0, 1, torch.device("cpu"), samples=loader.samples
+    ).next_step()
     with torch.no_grad():
         logits = trainer.parts[0](batch.inputs)
     expected = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX)
@@ -126,7 +128,7 @@ def test_a_blend_of_prepared_text_and_chat_masks_only_the_chat_rows(tmp_path):
     text, _ = prepare([corpus], str(tmp_path / "text"), str(CHATML_TOKENIZER))
     tokenizer = build_tokenizer(str(CHATML_TOKENIZER))
     samples = build_samples("", None, [f"0.5:{chat}", f"0.5:{text}"], tokenizer, 32, 0)
-    (batch,) = StepLoader(samples, 16, 16, 0, 1, torch.device("cpu")).next_step()
+    (batch,) = StepLoader(16, 16, 0, 1, torch.device("cpu"), samples=samples).next_step()
     masks = [samples.targets(i) for i in range(16)]
     assert any(m is None for m in masks) and any(m is not None for m in masks)
     for row, mask in zip(batch.labels, masks):

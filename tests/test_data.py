@@ -187,7 +187,7 @@ def test_blend_follows_weights_and_is_reproducible():
 
 
 def _loader(samples, dp_rank=0, dp_size=1, local=2, global_batch=8):
-    return StepLoader(samples, global_batch, local, dp_rank, dp_size, torch.device("cpu"))
+    return StepLoader(global_batch, local, dp_rank, dp_size, torch.device("cpu"), samples=samples)
 
 
 def test_data_parallel_ranks_split_the_same_global_batch():

@@ -107,7 +107,7 @@ def test_a_document_ends_after_its_end_of_text_token():
 
 def test_no_target_is_predicted_across_a_document_boundary():
     windows = text_windows(document_masking=True)
-    (batch,) = StepLoader(windows, 2, 2, 0, 1, torch.device("cpu")).next_step()
+    (batch,) = StepLoader(2, 2, 0, 1, torch.device("cpu"), samples=windows).next_step()
     crossing = batch.documents[:, 1:] != batch.documents[:, :-1]  # input t+1 starts a document
     assert crossing.any()
     assert (batch.labels[:, :-1][crossing] == IGNORE_INDEX).all()
@@ -115,7 +115,7 @@ def test_no_target_is_predicted_across_a_document_boundary():
 
 
 def test_without_document_masking_batches_carry_no_document_ids():
-    (batch,) = StepLoader(text_windows(False), 2, 2, 0, 1, torch.device("cpu")).next_step()
+    (batch,) = StepLoader(2, 2, 0, 1, torch.device("cpu"), samples=text_windows(False)).next_step()
     assert batch.documents is None and (batch.labels != IGNORE_INDEX).all()
 
 

@@ -198,8 +198,11 @@ def test_every_loss_type_is_known():
 
 def test_the_loader_gives_each_rank_its_own_pairs_of_the_step():
     pairs = random_pairs(16)
-    ranks = [PairLoader(pairs, 8, 2, r, 2, torch.device("cpu"), 40, 0, seed=0) for r in range(2)]
-    one = PairLoader(pairs, 8, 2, 0, 1, torch.device("cpu"), 40, 0, seed=0)
+    ranks = [
+        PairLoader(8, 2, r, 2, torch.device("cpu"), pairs=pairs, seq_len=40, pad_id=0, seed=0)
+        for r in range(2)
+    ]
+    one = PairLoader(8, 2, 0, 1, torch.device("cpu"), pairs=pairs, seq_len=40, pad_id=0, seed=0)
     seen = sorted(int(i) for loader in ranks for b in loader.next_step() for i in b.pairs)
     assert seen == sorted(int(i) for b in one.next_step() for i in b.pairs)
     assert len(set(seen)) == 8

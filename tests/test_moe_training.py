@@ -22,7 +22,9 @@ def test_the_step_trains_the_lm_loss_plus_the_weighted_mean_sequence_balance_los
     trainer = one_process_trainer(job)
     model = trainer.parts[0]
     loader = trainer.loader
-    (batch,) = StepLoader(loader.samples, loader.global_batch, 2, 0, 1, torch.device("cpu")).next_step()
+    (batch,) = StepLoader(
+        loader.global_batch, 2, 0, 1, torch.device("cpu"), samples=loader.samples
+    ).next_step()
     logits, routing = model(batch.inputs)
     lm = F.cross_entropy(logits.flatten(0, 1), batch.labels.flatten(), ignore_index=IGNORE_INDEX)
     aux = torch.stack([load_balancing_loss(r, 2) for r in routing]).mean()

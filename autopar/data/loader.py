@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -148,26 +148,21 @@ def windows(
     )
 
 
+@dataclass(eq=False)
 class RankSteps(ABC):
     """Which samples one data-parallel rank takes in each micro-batch of an optimizer step,
     and how many the run has consumed (its resumable state). A subclass builds the micro-batch
     of the ``local_batch`` samples visited at ``first`` onwards."""
 
-    def __init__(
-        self,
-        global_batch: int,
-        local_batch: int,
-        dp_rank: int,
-        dp_size: int,
-        device: torch.device,
-    ) -> None:
-        assert global_batch % (local_batch * dp_size) == 0, "validated by the job config"
-        self.global_batch = global_batch
-        self.local_batch = local_batch
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
-        self.device = device
-        self.consumed_samples = 0
+    global_batch: int
+    local_batch: int
+    dp_rank: int
+    dp_size: int
+    device: torch.device
+    consumed_samples: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        assert self.global_batch % (self.local_batch * self.dp_size) == 0, "validated by the job config"
 
     @property
     def micro_steps(self) -> int:
@@ -191,20 +186,11 @@ class RankSteps(ABC):
         self.consumed_samples = int(state["consumed_samples"])
 
 
+@dataclass(eq=False, kw_only=True)
 class StepLoader(RankSteps):
     """Yields the micro-batches of one optimizer step for one data-parallel rank."""
 
-    def __init__(
-        self,
-        samples: SampleSource,
-        global_batch: int,
-        local_batch: int,
-        dp_rank: int,
-        dp_size: int,
-        device: torch.device,
-    ) -> None:
-        super().__init__(global_batch, local_batch, dp_rank, dp_size, device)
-        self.samples = samples
+    samples: SampleSource
 
     def micro_batch(self, first: int) -> Batch:
         """Samples ``first`` onwards as one array on the device (one copy): the token windows,

@@ -15,7 +15,7 @@ number of pairs consumed only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -137,35 +137,24 @@ class PairSource:
         return f"{self.name} ({', '.join(notes)})"
 
 
+@dataclass(eq=False, kw_only=True)
 class PairLoader(RankSteps):
     """Yields the micro-batches of one optimizer step for one data-parallel rank, each with
     ``local_batch`` pairs (``Batch.pairs``: their indices in the data, for a precomputed
     reference)."""
 
-    def __init__(
-        self,
-        pairs: Sequence[PairIds],
-        global_batch: int,
-        local_batch: int,
-        dp_rank: int,
-        dp_size: int,
-        device: torch.device,
-        seq_len: int,
-        pad_id: int,
-        seed: int,
-        packing: bool = True,
-        pipeline_groups: int | None = None,
-    ) -> None:
-        """``pipeline_groups``: under pipeline parallelism, micro-batches in ``pack_groups``'
-        layout of that many groups (fixed shapes, whole pairs per pipeline micro-batch)."""
-        super().__init__(global_batch, local_batch, dp_rank, dp_size, device)
-        self.pairs = pairs
-        self.seq_len = seq_len
-        self.pad_id = pad_id
-        self.seed = seed
-        self.packing = packing
-        self.pipeline_groups = pipeline_groups
-        self._order: tuple[int, np.ndarray] = (-1, np.empty(0, dtype=np.int64))
+    pairs: Sequence[PairIds]
+    seq_len: int
+    pad_id: int
+    seed: int
+    packing: bool = True
+    pipeline_groups: int | None = None
+    """Under pipeline parallelism, micro-batches in ``pack_groups``' layout of that many groups
+    (fixed shapes, whole pairs per pipeline micro-batch)."""
+    _order: tuple[int, np.ndarray] = field(
+        default_factory=lambda: (-1, np.empty(0, dtype=np.int64)), init=False, repr=False
+    )
+    """(epoch, its permutation of the pairs) of the last pair visited."""
 
     def pair_index(self, k: int) -> int:
         """The data index of the k-th pair visited: epoch ``k // N`` visits them in a permutation

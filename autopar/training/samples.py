@@ -51,7 +51,7 @@ def step_loader(
     )
     if isinstance(samples, PairSource):
         return pair_loader(job, samples, global_batch, dp_rank, dims.dp, device, tokenizer_path(job))
-    return StepLoader(samples, global_batch, training.local_batch_size, dp_rank, dims.dp, device)
+    return StepLoader(global_batch, training.local_batch_size, dp_rank, dims.dp, device, samples=samples)
 
 
 def held_out_samples(job: JobConfig, tokenizer: Tokenizer) -> PackedWindows | PairSource:

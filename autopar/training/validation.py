@@ -145,5 +145,7 @@ def window_validator(
         )
     steps = windows // per_step if cfg.steps == -1 else cfg.steps
     return Validator(
-        step, functools.partial(StepLoader, samples, per_step, local_batch, dp_rank, dp, device), steps
+        step,
+        functools.partial(StepLoader, per_step, local_batch, dp_rank, dp, device, samples=samples),
+        steps,
     )

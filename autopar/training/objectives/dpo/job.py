@@ -243,17 +243,17 @@ def pair_loader(
 ) -> PairLoader:
     training = job.training
     return PairLoader(
-        source.pairs,
         global_batch,
         training.local_batch_size,
         dp_rank,
         dp,
         device,
-        training.seq_len,
-        ChatFormat(tokenizer).pad_id(),
-        job.debug.seed,
-        job.dpo.packing,
-        pipeline_groups(job),
+        pairs=source.pairs,
+        seq_len=training.seq_len,
+        pad_id=ChatFormat(tokenizer).pad_id(),
+        seed=job.debug.seed,
+        packing=job.dpo.packing,
+        pipeline_groups=pipeline_groups(job),
     )
 
 
@@ -285,17 +285,6 @@ def pair_validator(job: JobConfig, source: PairSource, step: TrainStep, training
         )
     steps = len(source.pairs) // per_step if job.validation.steps == -1 else job.validation.steps
     loader = functools.partial(
-        PairLoader,
-        source.pairs,
-        per_step,
-        local_batch,
-        training.dp_rank,
-        training.dp_size,
-        training.device,
-        training.seq_len,
-        training.pad_id,
-        training.seed,
-        training.packing,
-        training.pipeline_groups,
+        dataclasses.replace, training, global_batch=per_step, local_batch=local_batch, pairs=source.pairs
     )
     return Validator(step, loader, steps)
