@@ -218,11 +218,13 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.)). With a mixture of
+    """Pre-norm transformer block: x + mixer(norm(x)), then + mlp(norm(.)). With a mixture of
     experts as its mlp it also returns the routing statistics (see ``moe.MoE``).
 
-    A family with other parts (Qwen3.5's ``HybridBlock``) names its norm and MoE classes
-    and overrides ``add_mixer`` / ``mix``; the residual structure stays here."""
+    The token mixer is attention (``self_attn``), or a layer that carries state along the
+    sequence (``linear_attn``, Qwen3.5's Gated DeltaNet), whichever is not None. A family with
+    other parts (``HybridBlock``) names its norm and MoE classes and overrides ``add_mixer``;
+    the residual structure stays here."""
 
     norm_type: type[RMSNorm] = RMSNorm
     moe_type: type[MoE] = MoE
@@ -235,18 +237,9 @@ class Block(nn.Module):
         self.mlp: MLP | MoE = self.moe_type(args) if args.is_moe_layer(layer) else MLP(args)
 
     def add_mixer(self, args: ModelArgs, layer: int) -> None:
-        """Register the token mixer (what ``mix`` runs)."""
-        self.self_attn = Attention(args)
-
-    def mix(
-        self,
-        normed: torch.Tensor,
-        positions: torch.Tensor | None,
-        mask: torch.Tensor | None,
-        documents: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The token mixer on the normed input (B, S, H)."""
-        return self.self_attn(normed, positions, mask)
+        """Register the token mixer of ``layer``."""
+        self.linear_attn: nn.Module | None = None
+        self.self_attn: nn.Module | None = Attention(args)
 
     def forward(
         self,
@@ -255,9 +248,13 @@ class Block(nn.Module):
         mask: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """``mask`` is what attention reads; ``documents`` (the ids behind it) serve layers
-        that carry state along the sequence (Qwen3.5's), which a plain block has none of."""
-        h = x + self.mix(self.input_layernorm(x), positions, mask, documents)
+        """``mask`` (and ``positions``) are what attention reads; ``documents`` (B, S), the ids
+        behind them, what ``linear_attn`` reads: its state restarts at each document."""
+        normed = self.input_layernorm(x)
+        if self.linear_attn is not None:
+            h = x + self.linear_attn(normed, documents)
+        else:
+            h = x + self.self_attn(normed, positions, mask)
         out = self.mlp(self.post_attention_layernorm(h))
         if isinstance(out, tuple):
             return h + out[0], out[1]

@@ -74,7 +74,7 @@ class SharedExpertMoE(MoE):
 
 class HybridBlock(Block):
     """Pre-norm block whose token mixer is a Gated DeltaNet (``linear_attn``) or gated
-    attention (``self_attn``), as HF names them."""
+    attention (``self_attn``), as HF names them; zero-centred norms, a shared-expert MoE."""
 
     norm_type = ZeroCenteredRMSNorm
     moe_type = SharedExpertMoE
@@ -83,19 +83,6 @@ class HybridBlock(Block):
         linear = args.mixer(layer) == "linear_attention"
         self.linear_attn = GatedDeltaNet(args) if linear else None
         self.self_attn = None if linear else GatedAttention(args)
-
-    def mix(
-        self,
-        normed: torch.Tensor,
-        positions: torch.Tensor | None,
-        mask: torch.Tensor | None,
-        documents: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Attention reads ``mask``; the DeltaNet reads ``documents`` (B, S) ids, its state
-        and convolution restarting at each document."""
-        if self.linear_attn is not None:
-            return self.linear_attn(normed, documents)
-        return self.self_attn(normed, positions, mask)
 
 
 def hybrid_start(args: ModelArgs, name: str, out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
