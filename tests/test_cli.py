@@ -27,6 +27,13 @@ def run(*argv: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.run(list(argv), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+def parity(*argv: str) -> subprocess.CompletedProcess:
+    """``python -m autopar.parity`` on the debug job with ``argv``."""
+    return run(
+        sys.executable, "-m", "autopar.parity", "--job.config", "train_configs/debug_model.toml", *argv
+    )
+
+
 def test_train_py_trains_the_debug_job_and_writes_metrics(tmp_path):
     result = run(
         sys.executable,
@@ -235,34 +242,14 @@ def test_a_wheel_trains_a_preset_by_name_outside_the_repository(tmp_path):
 
 @pytest.mark.slow
 def test_parity_cli_prints_the_table_and_passes(tmp_path):
-    result = run(
-        sys.executable,
-        "-m",
-        "autopar.parity",
-        "--job.config",
-        "train_configs/debug_model.toml",
-        *TINY_FLAGS,
-        "--plans",
-        "dp_shard=2",
-        "tp=2,sp=false",
-        "--steps",
-        "3",
-    )
+    result = parity(*TINY_FLAGS, "--plans", "dp_shard=2", "tp=2,sp=false", "--steps", "3")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "all plans within rtol 1e-05 of single device" in result.stdout
     assert "tp=2,sp=false" in result.stdout
 
 
 def test_parity_cli_refuses_an_impossible_plan():
-    result = run(
-        sys.executable,
-        "-m",
-        "autopar.parity",
-        "--job.config",
-        "train_configs/debug_model.toml",
-        "--plans",
-        "tp=3",
-    )
+    result = parity("--plans", "tp=3")
     assert result.returncode == 2
     assert "plan 'tp=3': parallelism.tensor_parallel_degree=3 does not divide" in result.stderr
 

@@ -445,12 +445,17 @@ def test_plan_cli_bad_input_is_one_line_and_exit_2(flags, capsys, monkeypatch):
     assert err.startswith("plan error:") and len(err.strip().splitlines()) == 1, err
 
 
-def test_auto_plan_runs_and_keeps_prediction_beside_measurement(tmp_path):
-    result = run(
+def auto_train(folder: Path, *flags: str) -> subprocess.CompletedProcess:
+    """train.py on the debug job under ``parallelism.auto`` (local batch 2, no checkpoints)."""
+    return run(
         "train.py", "--job.config", "train_configs/debug_model.toml", "--parallelism.auto", "true",
-        "--training.local_batch_size", "2", "--training.steps", "3", "--lr_scheduler.warmup_steps", "1",
-        "--metrics.log_freq", "1", "--checkpoint.enable", "false", "--job.dump_folder", str(tmp_path),
+        "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "1", "--checkpoint.enable", "false",
+        "--job.dump_folder", str(folder), *flags,
     )  # fmt: skip
+
+
+def test_auto_plan_runs_and_keeps_prediction_beside_measurement(tmp_path):
+    result = auto_train(tmp_path, "--training.steps", "3", "--metrics.log_freq", "1")
     assert result.returncode == 0, result.stderr
     assert "auto plan dry run #1" in result.stderr and ": built (" in result.stderr  # verified first
     record = json.loads((tmp_path / "plan.json").read_text())
@@ -463,11 +468,7 @@ def test_auto_plan_runs_and_keeps_prediction_beside_measurement(tmp_path):
 
 
 def test_auto_without_verification_trains_the_predicted_best_without_a_dry_run(tmp_path):
-    result = run(
-        "train.py", "--job.config", "train_configs/debug_model.toml", "--parallelism.auto", "true",
-        "--parallelism.auto_verify", "false", "--training.local_batch_size", "2", "--training.steps", "1",
-        "--lr_scheduler.warmup_steps", "1", "--checkpoint.enable", "false", "--job.dump_folder", str(tmp_path),
-    )  # fmt: skip
+    result = auto_train(tmp_path, "--parallelism.auto_verify", "false", "--training.steps", "1")
     assert result.returncode == 0, result.stderr
     assert "auto plan dry run" not in result.stderr and "auto plan:" in result.stderr
 

@@ -130,46 +130,29 @@ def test_the_toy_preset_doubles_its_reward(tmp_path):
     assert len(rewards) == 60 and sum(rewards[-10:]) >= 2 * sum(rewards[:10])
 
 
+def resumable_run(folder: Path, interval: int, *flags: str) -> list:
+    """The step records of ``rl_debug``, 4 steps of two passes over each rollout's 8-token
+    completions, saving every ``interval`` steps into ``folder`` (resuming from what it holds)."""
+    run = ("--job.config", "rl_debug", "--training.steps", "4", "--checkpoint.interval", str(interval))
+    rl = ("--rl.max_completion_length", "8", "--rl.num_iterations", "2")
+    job = parse_job([*run, *rl, *flags, "--job.dump_folder", str(folder)])
+    return one_process_trainer(job).train()
+
+
 def test_a_resumed_run_samples_and_trains_as_the_uninterrupted_one(tmp_path):
-    flags = [
-        "--job.config",
-        "rl_debug",
-        "--training.steps",
-        "4",
-        "--checkpoint.interval",
-        "2",
-        "--rl.max_completion_length",
-        "8",
-        "--rl.num_iterations",
-        "2",
-    ]
-    uninterrupted = one_process_trainer(parse_job([*flags, "--job.dump_folder", str(tmp_path / "a")])).train()
+    uninterrupted = resumable_run(tmp_path / "a", 2)
     shutil.rmtree(tmp_path / "a" / "checkpoint" / "step-4")  # as if it died after step 2
-    resumed = one_process_trainer(parse_job([*flags, "--job.dump_folder", str(tmp_path / "a")])).train()
+    resumed = resumable_run(tmp_path / "a", 2)
     assert [(r.loss, r.grad_norm) for r in resumed] == [(r.loss, r.grad_norm) for r in uninterrupted[2:]]
     rollouts = sorted(p.name for p in (tmp_path / "a" / "rollouts").iterdir())
     assert rollouts == ["step-1.jsonl", "step-2.jsonl"]
 
 
 def test_a_run_resumed_inside_a_rollouts_passes_trains_on_the_completions_it_kept(tmp_path):
-    flags = [
-        "--job.config",
-        "rl_debug",
-        "--training.steps",
-        "4",
-        "--checkpoint.interval",
-        "1",
-        "--rl.max_completion_length",
-        "8",
-        "--rl.num_iterations",
-        "2",
-        "--checkpoint.keep_latest_k",
-        "0",
-    ]
-    uninterrupted = one_process_trainer(parse_job([*flags, "--job.dump_folder", str(tmp_path / "a")])).train()
+    uninterrupted = resumable_run(tmp_path / "a", 1, "--checkpoint.keep_latest_k", "0")
     for step in (2, 3, 4):  # as if it died after step 1, inside rollout 1's two passes
         shutil.rmtree(tmp_path / "a" / "checkpoint" / f"step-{step}", ignore_errors=True)
-    resumed = one_process_trainer(parse_job([*flags, "--job.dump_folder", str(tmp_path / "a")])).train()
+    resumed = resumable_run(tmp_path / "a", 1, "--checkpoint.keep_latest_k", "0")
     assert [(r.loss, r.grad_norm) for r in resumed] == [(r.loss, r.grad_norm) for r in uninterrupted[1:]]
 
 

@@ -114,6 +114,13 @@ def test_val_loss_under_a_plan_equals_one_device(plan_val_losses, plan):
         assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=1e-5)
 
 
+HELD_OUT_PP2 = (
+    *("--validation.dataset_path", str(HELD_OUT)),
+    *("--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"),
+)
+"""Validation on the held-out file under a two-stage pipeline."""
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -128,28 +135,12 @@ def test_val_loss_under_a_plan_equals_one_device(plan_val_losses, plan):
             "validation.freq=0 must be >= 1",
         ),
         (
-            (
-                "--validation.dataset_path",
-                str(HELD_OUT),
-                "--parallelism.pipeline_parallel_degree",
-                "2",
-                "--parallelism.data_parallel_shard_degree",
-                "1",
-                "--validation.local_batch_size",
-                "4",
-            ),
+            (*HELD_OUT_PP2, "--validation.local_batch_size", "4"),
             "validation.local_batch_size=4 and seq_len=32 under pipeline_parallel_degree=2",
         ),
         (  # torch's eval of a V schedule runs its backward actions: the run died at its first validation
             (
-                "--validation.dataset_path",
-                str(HELD_OUT),
-                *(
-                    "--parallelism.pipeline_parallel_degree",
-                    "2",
-                    "--parallelism.data_parallel_shard_degree",
-                    "1",
-                ),
+                *HELD_OUT_PP2,
                 *("--parallelism.pipeline_parallel_schedule", "ZBVZeroBubble"),
                 *("--validation.local_batch_size", "2"),
             ),

@@ -40,6 +40,14 @@ def fresh_wandb():
     wandb.teardown()
 
 
+@pytest.fixture
+def offline(monkeypatch):
+    """W&B installed, offline (no account, no network) and quiet."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
 _BLOCK, _HEADER = 32768, 7
 """The run file is a LevelDB-style log: 32 KiB blocks of records, each behind a 7-byte header
 (crc32, length, type), after a 7-byte ':W&B' file header; a record's payload is a protobuf
@@ -95,10 +103,7 @@ def history(records: list[Any]) -> dict[int, dict[str, Any]]:
     return rows
 
 
-def test_an_offline_wandb_runs_history_equals_metrics_jsonl(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")  # no account, no network
-    monkeypatch.setenv("WANDB_SILENT", "true")
+def test_an_offline_wandb_runs_history_equals_metrics_jsonl(tmp_path, offline):
     dump = tmp_path / "run"
     job = tiny_job(
         dump,
@@ -133,10 +138,7 @@ def test_without_wandb_enable_wandb_is_refused_with_the_line_that_installs_it(tm
         check_job(job, 1)
 
 
-def test_a_resumed_job_continues_its_wandb_run(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
+def test_a_resumed_job_continues_its_wandb_run(tmp_path, offline):
     dump = tmp_path / "run"
     flags = ("--metrics.log_freq", "1", "--metrics.enable_wandb", "true", "--checkpoint.enable", "true")
     one_process_trainer(tiny_job(dump, *flags, "--training.steps", "4", "--checkpoint.interval", "2")).train()
@@ -147,10 +149,7 @@ def test_a_resumed_job_continues_its_wandb_run(tmp_path, monkeypatch):
     assert sorted(history(offline_records(second))) == [3, 4]
 
 
-def test_a_job_started_afresh_in_a_used_folder_starts_a_new_wandb_run(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
+def test_a_job_started_afresh_in_a_used_folder_starts_a_new_wandb_run(tmp_path, offline):
     dump = tmp_path / "run"
     flags = ("--metrics.log_freq", "1", "--metrics.enable_wandb", "true", "--training.steps", "2")
     one_process_trainer(tiny_job(dump, *flags)).train()
@@ -182,9 +181,7 @@ def test_a_project_name_wandb_refuses_is_refused_before_any_work(tmp_path, proje
 
 
 @needs_wandb
-def test_the_run_goes_under_wandb_dir_when_it_is_set(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
+def test_the_run_goes_under_wandb_dir_when_it_is_set(tmp_path, offline, monkeypatch):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))
     dump = tmp_path / "run"
     job = tiny_job(dump, "--metrics.enable_wandb", "true")
@@ -213,9 +210,7 @@ def test_a_wandb_dir_that_cannot_be_written_is_refused_before_any_work(tmp_path,
 
 @needs_wandb
 @pytest.mark.parametrize("damage", [b"", b"\x00\xff\xfe\x01", b"abc:def\n", b"  \n\n"])
-def test_a_damaged_run_id_file_starts_a_new_run_and_says_so(tmp_path, monkeypatch, caplog, damage):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
+def test_a_damaged_run_id_file_starts_a_new_run_and_says_so(tmp_path, offline, caplog, damage):
     dump = tmp_path / "run"
     dump.mkdir()
     (dump / WANDB_RUN_ID).write_bytes(damage)
