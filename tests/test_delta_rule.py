@@ -9,6 +9,7 @@ import itertools
 import pytest
 import torch
 
+from autopar.cli.bench_delta_rule import saved_bytes
 from autopar.models.qwen3_5.delta_rule import (
     SEGMENT,
     delta_rule_map,
@@ -153,19 +154,6 @@ def test_compiled_whole_without_a_recompile_per_length():
         x = inputs(seqlen)
         torch.testing.assert_close(compiled(*x), gated_delta_rule(*x), rtol=0, atol=0)
     assert counter.frame_count == 1
-
-
-def saved_bytes(fn, *tensors) -> int:
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*tensors)
-    return total
 
 
 def test_backward_keeps_a_few_times_its_inputs_not_every_chunk_intermediate():

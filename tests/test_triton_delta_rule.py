@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autopar.cli.bench_delta_rule import saved_bytes
 from autopar.models.qwen3_5.delta_rule import AUTOPAR, reference_gated_delta_rule
 from autopar.models.qwen3_5.triton_delta_rule import TRITON, triton_problem
 
@@ -141,19 +142,10 @@ def test_triton_kernel_compiles_whole_in_one_graph_with_its_backward():
     assert counter.frame_count == 1
 
 
-def saved_bytes(rule, inputs: dict[str, torch.Tensor]) -> int:
+def saved_bytes_of(rule, inputs: dict[str, torch.Tensor]) -> int:
     """Bytes autograd keeps for backward of ``rule`` over ``inputs``."""
-    total = 0
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
     leaves = {name: t.clone().requires_grad_(name in DIFFERENTIABLE) for name, t in inputs.items()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        rule(**leaves)
-    return total
+    return saved_bytes(rule, **leaves)
 
 
 @needs_triton
@@ -163,8 +155,8 @@ def test_backward_keeps_its_inputs_and_one_state_per_segment_no_more_than_autopa
     x = case(3 * SEGMENT, 32)
     inputs = sum(t.numel() * t.element_size() for t in x.values() if t is not x["initial_state"])
     state = x["initial_state"].numel() * 4
-    assert saved_bytes(kernel_rule(TRITON), x) == inputs + state  # one segment: its entry state
-    assert saved_bytes(kernel_rule(AUTOPAR), x) == inputs + 3 * state
+    assert saved_bytes_of(kernel_rule(TRITON), x) == inputs + state  # one segment: its entry state
+    assert saved_bytes_of(kernel_rule(AUTOPAR), x) == inputs + 3 * state
 
 
 @pytest.mark.slow

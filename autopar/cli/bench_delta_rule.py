@@ -106,8 +106,8 @@ def timed(fn: Callable[[], torch.Tensor], repeat: int, device: torch.device) -> 
     return statistics.median(times[1:])
 
 
-def saved_multiple(fn: Callable[..., torch.Tensor], tensors: list[torch.Tensor]) -> float:
-    """Bytes autograd keeps for backward, over the inputs' bytes."""
+def saved_bytes(fn: Callable[..., object], *args: object, **kwargs: object) -> int:
+    """Bytes autograd keeps for backward of ``fn(*args, **kwargs)``."""
     total = 0
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -116,8 +116,13 @@ def saved_multiple(fn: Callable[..., torch.Tensor], tensors: list[torch.Tensor])
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*tensors)
-    return total / sum(t.numel() * t.element_size() for t in tensors)
+        fn(*args, **kwargs)
+    return total
+
+
+def saved_multiple(fn: Callable[..., torch.Tensor], tensors: list[torch.Tensor]) -> float:
+    """Bytes autograd keeps for backward, over the inputs' bytes."""
+    return saved_bytes(fn, *tensors) / sum(t.numel() * t.element_size() for t in tensors)
 
 
 def forward_seconds(fn: Callable[[], torch.Tensor], repeat: int, device: torch.device) -> float:

@@ -15,7 +15,7 @@ import zlib
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from autopar.models.args import ModelArgs
 from autopar.models.moe import MoE
@@ -29,18 +29,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         return self.weight * self.normalized(x).to(x.dtype)
 
-    def normalized(self, x: torch.Tensor) -> torch.Tensor:
+    def normalized(self, x: Tensor) -> Tensor:
         """``x`` in fp32 divided by its root mean square (before any weight)."""
         h = x.float()
         return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
 def rotary_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, yarn: ModelArgs | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    positions: Tensor, head_dim: int, theta: float, yarn: ModelArgs | None = None
+) -> tuple[Tensor, Tensor]:
     """cos and sin tables for ``positions`` in fp32, shape (*positions.shape, head_dim).
 
     ``yarn``: the args of a ``rope_type='yarn'`` model, whose frequencies are blended and
@@ -57,7 +57,7 @@ def rotary_cos_sin(
     return emb.cos() * scale, emb.sin() * scale
 
 
-def _yarn_frequencies(wavelengths: torch.Tensor, args: ModelArgs, dim: int) -> tuple[torch.Tensor, float]:
+def _yarn_frequencies(wavelengths: Tensor, args: ModelArgs, dim: int) -> tuple[Tensor, float]:
     """YaRN's inverse frequencies from ``wavelengths`` = theta ** (2i / dim), and its scale of
     cos and sin: fast dims kept, slow ones divided by the factor, a linear ramp between."""
     low, high = args.yarn_ramp(dim)
@@ -70,7 +70,7 @@ def _yarn_frequencies(wavelengths: torch.Tensor, args: ModelArgs, dim: int) -> t
     return interpolated * (1 - kept) + extrapolated * kept, args.yarn_attention_factor
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate ``x`` (B, S, H, D) by the half-split RoPE layout HF checkpoints use."""
     cos = cos.to(x.dtype).unsqueeze(-2)  # (S, 1, D) or (B, S, 1, D)
     sin = sin.to(x.dtype).unsqueeze(-2)
@@ -79,7 +79,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-def document_positions(documents: torch.Tensor) -> torch.Tensor:
+def document_positions(documents: Tensor) -> Tensor:
     """RoPE positions that restart at 0 where each packed document starts (Megatron's
     reset_position_ids); ``documents`` (B, S) holds each token's document id, equal ids
     contiguous."""
@@ -90,7 +90,7 @@ def document_positions(documents: torch.Tensor) -> torch.Tensor:
     return index - first
 
 
-def document_mask(documents: torch.Tensor) -> torch.Tensor:
+def document_mask(documents: Tensor) -> Tensor:
     """(B, 1, S, S) boolean SDPA mask: a token sees the earlier tokens of its own document
     (Megatron's reset_attention_mask)."""
     seqlen = documents.shape[1]
@@ -99,7 +99,7 @@ def document_mask(documents: torch.Tensor) -> torch.Tensor:
     return (same & causal)[:, None]
 
 
-def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
     """Expand (B, Hkv, S, D) to (B, Hkv * n_rep, S, D) so every query head has its k/v."""
     if n_rep == 1:
         return x
@@ -122,9 +122,7 @@ class ScaledDotProduct(nn.Module):
         super().__init__()
         self.native_gqa = native_gqa
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
         """q (B, Hq, S, D), k and v (B, Hkv, S, D) -> (B, Hq, S, D); causal unless ``mask``."""
         n_rep = q.shape[1] // k.shape[1]
         gqa = n_rep > 1 and self.native_gqa
@@ -168,18 +166,14 @@ class Attention(nn.Module):
         self.k_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.sdpa = ScaledDotProduct()
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward(self, x: Tensor, positions: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
         """``mask``: a boolean (B, 1, S, S) attention mask replacing the causal one."""
         bsz, seqlen, _ = x.shape
         q = self.q_proj(x).view(bsz, seqlen, -1, self.head_dim)  # (B, S, Hq, D)
         out = self.attend(x, q, positions, mask)  # (B, S, Hq, D)
         return self.o_proj(out.reshape(bsz, seqlen, -1))  # (B, S, H)
 
-    def attend(
-        self, x: torch.Tensor, q: torch.Tensor, positions: torch.Tensor | None, mask: torch.Tensor | None
-    ) -> torch.Tensor:
+    def attend(self, x: Tensor, q: Tensor, positions: Tensor | None, mask: Tensor | None) -> Tensor:
         """The heads' outputs (B, S, Hq, D) for queries ``q`` (B, S, Hq, D) over the keys and
         values of ``x`` (B, S, H): q/k norms, RoPE, then the kernel."""
         bsz, seqlen, _ = x.shape
@@ -195,7 +189,7 @@ class Attention(nn.Module):
         k = self.rotate(k, cos, sin).transpose(1, 2)  # (B, Hkv, S, D)
         return self.sdpa(q, k, v.transpose(1, 2), mask).transpose(1, 2)  # (B, S, Hq, D)
 
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """RoPE on the first ``rotary_dim`` dims of each head of ``x`` (B, S, H, D)."""
         if self.rotary_dim == self.head_dim:
             return apply_rotary(x, cos, sin)
@@ -213,7 +207,7 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(args.hidden_size, width, bias=False)
         self.down_proj = nn.Linear(width, args.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -243,11 +237,11 @@ class Block(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
-        positions: torch.Tensor | None = None,
-        mask: torch.Tensor | None = None,
-        documents: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        x: Tensor,
+        positions: Tensor | None = None,
+        mask: Tensor | None = None,
+        documents: Tensor | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """``mask`` (and ``positions``) are what attention reads; ``documents`` (B, S), the ids
         behind them, what ``linear_attn`` reads: its state restarts at each document."""
         normed = self.input_layernorm(x)
@@ -268,7 +262,7 @@ def canonical_name(name: str) -> str:
     return name
 
 
-def dense_start(args: ModelArgs, name: str, out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def dense_start(args: ModelArgs, name: str, out: Tensor, generator: torch.Generator) -> Tensor:
     """Fill ``out`` (fp32) with the start of parameter ``name`` (canonical): norms 1, biases 0,
     other weights normal(0, ``initializer_range``), residual projections with the
     depth-scaled std of GPT-2 / Megatron."""
@@ -325,12 +319,12 @@ class Qwen(nn.Module):
 
     def forward(
         self,
-        tokens: torch.Tensor,
-        routing: torch.Tensor | None = None,
+        tokens: Tensor,
+        routing: Tensor | None = None,
         *,
-        positions: torch.Tensor | None = None,
-        documents: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        positions: Tensor | None = None,
+        documents: Tensor | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """tokens (B, S) int64, or hidden (B, S, H) for a stage without embeddings.
 
         ``documents`` (B, S): the id of the packed document each token belongs to; attention
@@ -346,8 +340,8 @@ class Qwen(nn.Module):
         return self.with_routing(out, routing, h)
 
     def with_routing(
-        self, out: torch.Tensor, routing: torch.Tensor | None, hidden: torch.Tensor
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        self, out: Tensor, routing: Tensor | None, hidden: Tensor
+    ) -> Tensor | tuple[Tensor, Tensor]:
         """``out``, and for a mixture of experts its routing statistics (B, 2, E) (zeros where
         no expert ran yet: a stage of dense layers only), as ``forward`` returns them."""
         if not self.args.moe:
@@ -358,12 +352,12 @@ class Qwen(nn.Module):
 
     def trunk(
         self,
-        tokens: torch.Tensor,
-        routing: torch.Tensor | None = None,
+        tokens: Tensor,
+        routing: Tensor | None = None,
         *,
-        positions: torch.Tensor | None = None,
-        documents: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        positions: Tensor | None = None,
+        documents: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
         """``forward`` up to the head: the final-normed hidden states (B, S, H) and the routing
         statistics so far (None without experts). Heads that read the hidden states (Qwen3.5's
         multi-token prediction) start here."""
@@ -372,12 +366,12 @@ class Qwen(nn.Module):
 
     def decode(
         self,
-        h: torch.Tensor,
-        routing: torch.Tensor | None = None,
+        h: Tensor,
+        routing: Tensor | None = None,
         *,
-        positions: torch.Tensor | None = None,
-        documents: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        positions: Tensor | None = None,
+        documents: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
         """``trunk`` from the embedded tokens (B, S, H) on: the blocks and the final norm. A
         forward that reads the embeddings again (Qwen3.5's head) embeds once and calls this,
         so the embedding runs once per forward (one FSDP gather, one gradient)."""
@@ -412,7 +406,7 @@ class Qwen(nn.Module):
         seed: int,
         device: torch.device | str,
         dtype: torch.dtype,
-    ) -> torch.Tensor:
+    ) -> Tensor:
         """The full initial tensor of parameter ``name``.
 
         Each parameter draws from its own generator seeded by (seed, name), so its value
@@ -425,9 +419,7 @@ class Qwen(nn.Module):
         return cls.start(args, name, out, named_generator(seed, name, device)).to(dtype)
 
 
-def split_output(
-    output: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def split_output(output: Tensor | tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor | None]:
     """A ``Qwen`` (or ``Block``) output as (logits or hidden states, routing statistics or
     None): a mixture of experts also returns its routing statistics, a dense model only its
     output (see ``Qwen.forward``)."""

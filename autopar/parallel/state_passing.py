@@ -26,7 +26,7 @@ per sequence each, whatever the sequence length (``planner/block_bytes.py`` pric
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.models.qwen3_5.delta_rule import AUTOPAR, DeltaRuleKernel
@@ -53,19 +53,16 @@ class StatePassing:
         self.row = {j: row for row, j in enumerate(gathered)}
         """Sequence-order range -> its row in an all-gather of every rank's ranges."""
 
-    def _gather(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+    def _gather(self, pieces: list[Tensor]) -> Tensor:
         """Every rank's per-range tensors stacked (rows as ``self.row``); autograd-aware."""
         return all_gather(torch.stack(pieces).contiguous(), gather_dim=0, group=self.mesh)
 
-    def _split(self, x: torch.Tensor | None) -> list[torch.Tensor | None]:
+    def _split(self, x: Tensor | None) -> list[Tensor | None]:
         return [None] * len(self.ranges) if x is None else list(x.chunk(len(self.ranges), dim=1))
 
     def convolve(
-        self,
-        inputs: tuple[torch.Tensor, ...],
-        weights: tuple[torch.Tensor, ...],
-        documents: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, ...]:
+        self, inputs: tuple[Tensor, ...], weights: tuple[Tensor, ...], documents: Tensor | None
+    ) -> tuple[Tensor, ...]:
         """``causal_conv`` of each input (B, S_local, C_i) as over the whole sequence: each
         range reads the previous range's last ``width - 1`` tokens (zeros before the first)."""
         halo = weights[0].shape[-1] - 1
@@ -88,14 +85,8 @@ class StatePassing:
         return torch.cat(out, dim=1).split([t.shape[-1] for t in inputs], dim=-1)
 
     def delta_rule(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        documents: torch.Tensor | None,
-    ) -> torch.Tensor:
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, documents: Tensor | None
+    ) -> Tensor:
         """``gated_delta_rule`` over this rank's ranges, each from the state the earlier
         ranges (on any rank) leave it."""
         split = [self._split(t) for t in (q, k, v, g, beta, documents)]
@@ -111,7 +102,7 @@ class StatePassing:
         ]
         return torch.cat(out, dim=1)
 
-    def _entry_states(self, maps: torch.Tensor, key_dim: int) -> dict[int, torch.Tensor]:
+    def _entry_states(self, maps: Tensor, key_dim: int) -> dict[int, Tensor]:
         """Sequence-order range -> the fp32 state entering it. The first range's, zero, is
         read off the gather like the others, so that every rank's backward joins the
         gather's reduce-scatter (a rank holding only the first range would skip it)."""

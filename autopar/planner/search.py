@@ -10,6 +10,7 @@ reach them (``planner/prune.py``): the same first plans, in the same order.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig
@@ -163,20 +164,12 @@ class Searched:
     scored: int
 
 
-def search(
-    job: JobConfig,
-    args: ModelArgs,
-    world_size: int,
-    gpus_per_node: int,
-    device: DeviceSpec,
-    pinned: set[str] = frozenset(),
-    device_type: str = "cuda",
-    keep: int | None = None,
-) -> list[Plan]:
+def search(*args: Any, **kwargs: Any) -> list[Plan]:
     """Every valid plan, best first (see ``rank``); ConfigError when none can run. With
     ``keep``, the first ``keep`` of them (the same plans, order and predictions), found by
-    bounds, and only such others as were scored on the way (``search_counted``)."""
-    return search_counted(job, args, world_size, gpus_per_node, device, pinned, device_type, keep).plans
+    bounds, and only such others as were scored on the way. ``search_counted``'s arguments;
+    its plans without the counts."""
+    return search_counted(*args, **kwargs).plans
 
 
 def search_counted(

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from autopar.models.qwen import Qwen, ScaledDotProduct, split_output
 from autopar.models.qwen3_5.delta_rule_steps import STEPS_MAX, delta_rule_steps
@@ -40,7 +40,7 @@ class Cursor:
     (a speculative verification, which may resume from any of them: ``Decoder.rewind``)."""
 
     rows: slice
-    positions: torch.Tensor
+    positions: Tensor
     keep_steps: bool = False
 
 
@@ -50,12 +50,10 @@ class CachedAttention(nn.Module):
     def __init__(self, cursor: Cursor, batch: int, length: int) -> None:
         super().__init__()
         self.cursor, self.batch, self.length = cursor, batch, length
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
         """q (b, Hq, S, D), k and v (b, Hkv, S, D) of the cursor's rows -> (b, Hq, S, D)."""
         if self.k is None:
             shape = (self.batch, k.shape[1], self.length, k.shape[-1])  # (B, Hkv, L, D)
@@ -87,19 +85,16 @@ class CachedSequence(WholeSequence):
     def __init__(self, cursor: Cursor, batch: int) -> None:
         super().__init__()
         self.cursor, self.batch = cursor, batch
-        self.conv: list[torch.Tensor] | None = None
-        self.recurrent: torch.Tensor | None = None
-        self.joined: list[torch.Tensor] = []
+        self.conv: list[Tensor] | None = None
+        self.recurrent: Tensor | None = None
+        self.joined: list[Tensor] = []
         """With ``keep_steps``: each convolution's state before the call and inputs (b, K-1+S, C)."""
-        self.recurrent_steps: torch.Tensor | None = None
+        self.recurrent_steps: Tensor | None = None
         """With ``keep_steps``: the recurrent state after each token (b, S, HK, HV / HK, dk, dv)."""
 
     def convolve(
-        self,
-        inputs: tuple[torch.Tensor, ...],
-        weights: tuple[torch.Tensor, ...],
-        documents: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, ...]:
+        self, inputs: tuple[Tensor, ...], weights: tuple[Tensor, ...], documents: Tensor | None
+    ) -> tuple[Tensor, ...]:
         """Each input (b, S, C) convolved after the K-1 inputs before it; those become the state."""
         rows = self.cursor.rows
         if self.conv is None:
@@ -116,14 +111,8 @@ class CachedSequence(WholeSequence):
         return tuple(outputs)
 
     def delta_rule(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        documents: torch.Tensor | None,
-    ) -> torch.Tensor:
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, documents: Tensor | None
+    ) -> Tensor:
         """The rule over the chunk from the rows' recurrent state (B, HK, HV / HK, dk, dv) fp32."""
         rows = self.cursor.rows
         if self.recurrent is None:
@@ -190,7 +179,7 @@ class Decoder:
                 else:
                     module.sequence = original
 
-    def place(self, rows: slice, start: torch.Tensor, count: int) -> torch.Tensor:
+    def place(self, rows: slice, start: Tensor, count: int) -> Tensor:
         """Point the cursor at ``count`` tokens of ``rows`` from ``start`` (b,); their positions (b, S)."""
         positions = start[:, None] + torch.arange(count, device=start.device)  # (b, S)
         if int(positions.max()) >= self.length:
@@ -199,7 +188,7 @@ class Decoder:
         return positions
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, rows: slice, start: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: Tensor, rows: slice, start: Tensor) -> Tensor:
         """Logits (b, S, V) of ``tokens`` (b, S) continuing ``rows`` at positions from ``start`` (b,)."""
         positions = self.place(rows, start, tokens.shape[1])
         with self.attached():
@@ -207,8 +196,8 @@ class Decoder:
 
     @torch.no_grad()
     def hidden(
-        self, tokens: torch.Tensor, rows: slice, start: torch.Tensor, keep_steps: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, tokens: Tensor, rows: slice, start: Tensor, keep_steps: bool = False
+    ) -> tuple[Tensor, Tensor]:
         """``forward``'s final-normed hidden states (b, S, H) and logits (b, S, V): the MTP
         head reads the states. ``keep_steps``: ``rewind`` can then resume after any token."""
         positions = self.place(rows, start, tokens.shape[1])
@@ -221,9 +210,7 @@ class Decoder:
             self.cursor.keep_steps = False
 
     @torch.no_grad()
-    def head(
-        self, hidden: torch.Tensor, following: torch.Tensor, rows: slice, start: torch.Tensor
-    ) -> torch.Tensor:
+    def head(self, hidden: Tensor, following: Tensor, rows: slice, start: Tensor) -> Tensor:
         """The MTP head's normed states (b, S, H) from the trunk's (or its own) ``hidden`` (b, S, H)
         at positions from ``start`` and the token ``following`` (b, S) each; its attention's
         cache is this decoder's, like the trunk's."""
@@ -241,7 +228,7 @@ class Decoder:
             sequence.rewind(kept)
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """Logits (B, V) of one token (B,) of every row, each at its position (B,)."""
         if int(positions.max()) >= self.length:
             raise ValueError(f"position {int(positions.max())} is past the decoder's length {self.length}")
@@ -249,6 +236,6 @@ class Decoder:
         with self.attached():
             return self.one_token(tokens[:, None], positions[:, None])[:, -1]
 
-    def logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def logits(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """The model's logits (b, S, V) of tokens (b, S) at positions (b, S), state attached."""
         return split_output(self.model(tokens, positions=positions))[0]

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from autopar.models.qwen3_5.delta_rule_chunks import CHUNK, l2norm
 from autopar.models.qwen3_5.delta_rule_passes import TORCH_PASSES, ChunkedRule
@@ -41,7 +42,7 @@ SEGMENT = 8 * CHUNK
 segment is kept from forward."""
 
 
-def state_shape(k: torch.Tensor, v: torch.Tensor, columns: int | None = None) -> tuple[int, ...]:
+def state_shape(k: Tensor, v: Tensor, columns: int | None = None) -> tuple[int, ...]:
     """(B, HK, HV / HK, dk, c): the state of a run over k (B, S, HK, dk) and v (B, S, HV, dv),
     value heads grouped under the key head they read; c is dv, or ``columns`` for a state
     wider than v (a map's [M | U] has dk + dv)."""
@@ -49,14 +50,14 @@ def state_shape(k: torch.Tensor, v: torch.Tensor, columns: int | None = None) ->
     return (bsz, key_heads, v.shape[2] // key_heads, key_dim, v.shape[-1] if columns is None else columns)
 
 
-def identity_entry(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def identity_entry(k: Tensor, v: Tensor) -> Tensor:
     """[I | 0] (B, HK, HV / HK, dk, dk + dv) fp32: the entry state whose exit is a range's map."""
     key_dim = k.shape[-1]
     identity = torch.eye(key_dim, key_dim + v.shape[-1], device=k.device, dtype=torch.float32)
     return identity.expand(state_shape(k, v, key_dim + v.shape[-1])).contiguous()
 
 
-def empty_exit_state(k: torch.Tensor, v: torch.Tensor, initial_state: torch.Tensor | None) -> torch.Tensor:
+def empty_exit_state(k: Tensor, v: Tensor, initial_state: Tensor | None) -> Tensor:
     """The exit state a kernel's op returns, for its fake implementation: fp32, as wide as
     the entry state (as v without one)."""
     columns = None if initial_state is None else initial_state.shape[-1]
@@ -80,20 +81,20 @@ class DeltaRuleKernel:
     op, taking ``rule``'s arguments, all given, and returning the outputs first."""
 
     name: str
-    forward: Callable[..., tuple[torch.Tensor, ...]]
-    map: Callable[..., torch.Tensor]
+    forward: Callable[..., tuple[Tensor, ...]]
+    map: Callable[..., Tensor]
 
     def rule(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        documents: torch.Tensor | None = None,
-        initial_state: torch.Tensor | None = None,
-        previous_document: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        documents: Tensor | None = None,
+        initial_state: Tensor | None = None,
+        previous_document: Tensor | None = None,
+    ) -> Tensor:
         """The gated delta rule over a sequence, from a zero state or ``initial_state``.
 
         q, k (B, S, HK, dk) and v (B, S, HV, dv) in the compute dtype, HV a multiple of HK;
@@ -112,15 +113,15 @@ def _chunked_ops(op_name: str, rule: ChunkedRule):
     each segment, the exit state) and ``autopar::{op_name}_backward``, with fake kernels."""
 
     def forward(
-        q: torch.Tensor | None,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        documents: torch.Tensor | None,
-        initial_state: torch.Tensor | None,
-        previous_document: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q: Tensor | None,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        documents: Tensor | None,
+        initial_state: Tensor | None,
+        previous_document: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         state = (
             v.new_zeros(state_shape(k, v), dtype=torch.float32) if initial_state is None else initial_state
         )
@@ -132,18 +133,18 @@ def _chunked_ops(op_name: str, rule: ChunkedRule):
         return (v.new_empty(0) if q is None else torch.empty_like(v)), states, exit_state
 
     def backward(
-        grad_out: torch.Tensor | None,
-        grad_exit: torch.Tensor | None,
-        q: torch.Tensor | None,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        documents: torch.Tensor | None,
-        previous_document: torch.Tensor | None,
-        states: torch.Tensor,
+        grad_out: Tensor | None,
+        grad_exit: Tensor | None,
+        q: Tensor | None,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        documents: Tensor | None,
+        previous_document: Tensor | None,
+        states: Tensor,
         entry_grad: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Gradients of q (empty without q), k, v, g, beta and, with ``entry_grad``, of the
         initial state (else empty)."""
         grads, grad_entry = rule.backward(
@@ -176,7 +177,7 @@ def _register_autograd(forward_op, backward_op) -> None:
         ctx.entry_grad = entry_wants_grad(ctx, inputs)
         ctx.save_for_backward(q, k, v, g, beta, documents, previous_document, output[1])
 
-    def autograd_backward(ctx, grad_out: torch.Tensor | None, _grad_states, grad_exit: torch.Tensor | None):
+    def autograd_backward(ctx, grad_out: Tensor | None, _grad_states, grad_exit: Tensor | None):
         q, k, v, g, beta, documents, previous_document, states = ctx.saved_tensors
         upstream = grad_out if ctx.has_q else None
         grads = backward_op(
@@ -196,13 +197,13 @@ def chunked_kernel(name: str, op_name: str, rule: ChunkedRule) -> DeltaRuleKerne
     _register_autograd(forward_op, backward_op)
 
     def delta_rule_map(
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        documents: torch.Tensor | None = None,
-        previous_document: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        documents: Tensor | None = None,
+        previous_document: Tensor | None = None,
+    ) -> Tensor:
         return forward_op(None, k, v, g, beta, documents, identity_entry(k, v), previous_document)[2]
 
     # the op's packet, not its definition: a model holding the kernel stays deep-copyable
@@ -218,16 +219,16 @@ delta_rule_map = AUTOPAR.map
 
 
 def reference_gated_delta_rule(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    documents: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-    previous_document: torch.Tensor | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    documents: Tensor | None = None,
+    initial_state: Tensor | None = None,
+    previous_document: Tensor | None = None,
     dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[Tensor, Tensor]:
     """The recurrence token by token in ``dtype``: the definition the chunked kernels must
     equal. Arguments as ``DeltaRuleKernel.rule``; returns (outputs (B, S, HV, dv), the exit
     state (B, HK, HV / HK, dk, dv)), both in ``dtype``."""

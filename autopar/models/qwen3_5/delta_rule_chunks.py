@@ -26,6 +26,7 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 CHUNK = 64
 """Tokens solved together; the state passes between chunks."""
@@ -37,24 +38,24 @@ touches a subnormal slows down: the debug Qwen3.5 trained 22% slower after a few
 (BENCHMARKS.md). GPUs flush subnormals in these kernels anyway."""
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     """``x / sqrt(sum(x^2) + eps)`` over the last dim (FLA's and HF's convention)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def decayed(keep: torch.Tensor, log_decay: torch.Tensor) -> torch.Tensor:
+def decayed(keep: Tensor, log_decay: Tensor) -> Tensor:
     """exp(``log_decay``) where ``keep`` and above ``LOG_DECAY_FLOOR``, else exactly zero."""
     return torch.where(keep & (log_decay > LOG_DECAY_FLOOR), log_decay, float("-inf")).exp()
 
 
-def _heads_first(x: torch.Tensor, groups: int) -> torch.Tensor:
+def _heads_first(x: Tensor, groups: int) -> Tensor:
     """(B, L, H, ...) in any dtype -> fp32 (B, K, H / K, L, ...): value heads grouped under the
     key head they read (h // (H / K)), so per-key-head products broadcast over the group."""
     x = x.float().transpose(1, 2)  # (B, H, L, ...)
     return x.reshape(x.shape[0], groups, -1, *x.shape[2:])  # (B, K, R, L, ...)
 
 
-def _chunked(x: torch.Tensor, pad: int) -> torch.Tensor:
+def _chunked(x: Tensor, pad: int) -> Tensor:
     """(B, K, R, L, ...) -> (B, K, R, n, CHUNK, ...), the sequence padded by ``pad`` zeros."""
     if pad:
         x = F.pad(x, [0, 0] * (x.dim() - 4) + [0, pad])
@@ -62,8 +63,8 @@ def _chunked(x: torch.Tensor, pad: int) -> torch.Tensor:
 
 
 def _document_masks(
-    gamma: torch.Tensor, documents: torch.Tensor | None, previous_document: torch.Tensor | None, pad: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+    gamma: Tensor, documents: Tensor | None, previous_document: Tensor | None, pad: int
+) -> tuple[Tensor, Tensor]:
     """(token j reaches token i of its chunk: causal, same document; (.., C, C)), (a token's
     document continues from the chunk's entry state: like ``gamma``)."""
     lower = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=gamma.device).tril()
@@ -82,14 +83,14 @@ class Chunks:
     """Every chunk's terms of the recurrence, (B, HK, HV / HK, n, CHUNK, ...) per value head
     grouped under its key head, in ``prepare``'s dtype."""
 
-    w: torch.Tensor  # (.., n, C, dk) how much of the entry state each token's write cancels
-    u: torch.Tensor  # (.., n, C, c) the writes from a zero entry state
-    k_exit: torch.Tensor  # (.., n, C, dk) keys decayed to the chunk's exit
-    exit_decay: torch.Tensor  # (.., n) the entry state's decay across the chunk
-    q_entry: torch.Tensor | None = None  # (.., n, C, dk) queries decayed from the chunk's entry
-    attend: torch.Tensor | None = None  # (.., n, C, C) causal decayed scores, diagonal included
+    w: Tensor  # (.., n, C, dk) how much of the entry state each token's write cancels
+    u: Tensor  # (.., n, C, c) the writes from a zero entry state
+    k_exit: Tensor  # (.., n, C, dk) keys decayed to the chunk's exit
+    exit_decay: Tensor  # (.., n) the entry state's decay across the chunk
+    q_entry: Tensor | None = None  # (.., n, C, dk) queries decayed from the chunk's entry
+    attend: Tensor | None = None  # (.., n, C, C) causal decayed scores, diagonal included
 
-    def tensors(self) -> list[torch.Tensor]:
+    def tensors(self) -> list[Tensor]:
         return [t for t in (getattr(self, f.name) for f in fields(self)) if t is not None]
 
     def stored_as(self, dtype: torch.dtype) -> Chunks:
@@ -107,13 +108,13 @@ class Chunks:
 
 
 def prepare(
-    q: torch.Tensor | None,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    documents: torch.Tensor | None,
-    previous_document: torch.Tensor | None,
+    q: Tensor | None,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    documents: Tensor | None,
+    previous_document: Tensor | None,
     columns: int,
 ) -> Chunks:
     """The fp32 terms of L tokens (arguments as ``DeltaRuleKernel.rule``, ``previous_document``
@@ -147,7 +148,7 @@ def prepare(
     return chunks
 
 
-def outputs(chunks: Chunks, states: torch.Tensor, values: torch.Tensor, seqlen: int) -> torch.Tensor:
+def outputs(chunks: Chunks, states: Tensor, values: Tensor, seqlen: int) -> Tensor:
     """(B, L, HV, c) fp32 outputs of L tokens from the states entering each chunk ``states``
     (.., n, dk, c) and the net writes ``values`` (.., n, C, c) the forward pass gave."""
     out = (chunks.q_entry @ states).float() + (chunks.attend @ values).float()  # (B, K, R, n, C, c)
@@ -155,12 +156,12 @@ def outputs(chunks: Chunks, states: torch.Tensor, values: torch.Tensor, seqlen: 
     return out.flatten(1, 2).transpose(1, 2)  # (B, L, HV, c)
 
 
-def in_chunks(x: torch.Tensor, key_heads: int) -> torch.Tensor:
+def in_chunks(x: Tensor, key_heads: int) -> Tensor:
     """(B, L, HV, c) per token (an output's gradient) -> fp32 (B, K, R, n, C, c)."""
     return _chunked(_heads_first(x, key_heads), -x.shape[1] % CHUNK)
 
 
-def local_value_grads(chunks: Chunks, grad_out: torch.Tensor) -> torch.Tensor:
+def local_value_grads(chunks: Chunks, grad_out: Tensor) -> Tensor:
     """The outputs' gradient reaching each chunk's net writes within the chunk, A^T dO
     (.., n, C, c): what the backward pass adds the later chunks' share to."""
     return chunks.attend.transpose(-1, -2) @ grad_out.to(chunks.attend.dtype)
@@ -168,12 +169,12 @@ def local_value_grads(chunks: Chunks, grad_out: torch.Tensor) -> torch.Tensor:
 
 def chunk_grads(
     chunks: Chunks,
-    states: torch.Tensor,
-    values: torch.Tensor,
-    grad_out: torch.Tensor | None,
-    grad_values: torch.Tensor,
-    grad_exits: torch.Tensor,
-) -> list[torch.Tensor]:
+    states: Tensor,
+    values: Tensor,
+    grad_out: Tensor | None,
+    grad_values: Tensor,
+    grad_exits: Tensor,
+) -> list[Tensor]:
     """Gradients of ``chunks.tensors()`` from the forward pass's entry states and net writes
     and the backward pass's: ``grad_values`` (.., n, C, c) the net writes' whole gradient,
     ``grad_exits`` (.., n, dk, c) each chunk's exit state's; ``grad_out`` as ``in_chunks``."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch import Tensor
 
 from autopar.models.qwen3_5.delta_rule_chunks import (
     Chunks,
@@ -46,19 +47,15 @@ class StatePasses(Protocol):
         ...
 
     def forward(
-        self, chunks: Chunks, state: torch.Tensor, keep_states: bool
-    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        self, chunks: Chunks, state: Tensor, keep_states: bool
+    ) -> tuple[Tensor | None, Tensor, Tensor]:
         """(the state entering each chunk (.., n, dk, c) if ``keep_states``, the net writes
         (.., n, C, c), the exit state (.., dk, c) fp32) from the entry ``state``."""
         ...
 
     def backward(
-        self,
-        chunks: Chunks,
-        grad_out: torch.Tensor | None,
-        local_grads: torch.Tensor | None,
-        grad_exit: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, chunks: Chunks, grad_out: Tensor | None, local_grads: Tensor | None, grad_exit: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """(each chunk's exit-state gradient (.., n, dk, c), the net writes' gradient
         (.., n, C, c), the entry state's gradient fp32) from the exit state's ``grad_exit``,
         the outputs' gradient ``grad_out`` (.., n, C, c) and its in-chunk share A^T dO."""
@@ -72,8 +69,8 @@ class TorchPasses:
         return torch.float32
 
     def forward(
-        self, chunks: Chunks, state: torch.Tensor, keep_states: bool
-    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        self, chunks: Chunks, state: Tensor, keep_states: bool
+    ) -> tuple[Tensor | None, Tensor, Tensor]:
         entering, values = [], []
         per_chunk = (
             t.unbind(3) for t in (chunks.w, chunks.u, chunks.k_exit, chunks.exit_decay[..., None, None])
@@ -87,12 +84,8 @@ class TorchPasses:
         return kept, torch.stack(values, dim=3), state
 
     def backward(
-        self,
-        chunks: Chunks,
-        grad_out: torch.Tensor | None,
-        local_grads: torch.Tensor | None,
-        grad_exit: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, chunks: Chunks, grad_out: Tensor | None, local_grads: Tensor | None, grad_exit: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         exits, grad_values = [], []
         grad = grad_exit
         for c in reversed(range(chunks.w.shape[3])):
@@ -121,9 +114,7 @@ def with_autograd() -> torch._C._ForceDispatchKeyGuard:
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
 
 
-def _previous_document(
-    documents: torch.Tensor | None, start: int, before_first: torch.Tensor | None
-) -> torch.Tensor | None:
+def _previous_document(documents: Tensor | None, start: int, before_first: Tensor | None) -> Tensor | None:
     """The document of the token before ``start``: ``before_first`` (B,) for the first
     segment (from another rank), else the sequence's own token (the first token's at 0,
     which lets a given entry state flow in)."""
@@ -149,15 +140,15 @@ class ChunkedRule:
 
     def forward(
         self,
-        q: torch.Tensor | None,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        documents: torch.Tensor | None,
-        state: torch.Tensor,
-        previous_document: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q: Tensor | None,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        documents: Tensor | None,
+        state: Tensor,
+        previous_document: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """(outputs in v's dtype, empty without q; the fp32 state entering each segment
         (B, segments, HK, R, dk, c); the exit state) from the entry ``state``."""
         dtype = self.passes.storage_dtype(v.dtype)
@@ -177,17 +168,17 @@ class ChunkedRule:
 
     def backward(
         self,
-        grad_out: torch.Tensor | None,
-        grad_exit: torch.Tensor | None,
-        q: torch.Tensor | None,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        documents: torch.Tensor | None,
-        previous_document: torch.Tensor | None,
-        states: torch.Tensor,
-    ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        grad_out: Tensor | None,
+        grad_exit: Tensor | None,
+        q: Tensor | None,
+        k: Tensor,
+        v: Tensor,
+        g: Tensor,
+        beta: Tensor,
+        documents: Tensor | None,
+        previous_document: Tensor | None,
+        states: Tensor,
+    ) -> tuple[list[Tensor], Tensor]:
         """(gradients of [q,] k, v, g, beta, the entry state's gradient fp32)."""
         inputs = [k, v, g, beta] if q is None else [q, k, v, g, beta]
         grads = [torch.zeros_like(x) for x in inputs]

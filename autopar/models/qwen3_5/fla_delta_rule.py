@@ -26,6 +26,7 @@ and a row's exit is its last sequence's final state. A range's map [M | U] is FL
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from autopar.models.qwen3_5.delta_rule import (
     DeltaRuleKernel,
@@ -86,7 +87,7 @@ def fla_version_problem() -> str | None:
     return hopper_triton_problem(torch.cuda.get_device_capability(), triton.__version__, has_tilelang)
 
 
-def _cu_seqlens(documents: torch.Tensor) -> torch.Tensor:
+def _cu_seqlens(documents: Tensor) -> Tensor:
     """(B, S) document ids -> the start of every sequence in the flattened (1, B * S) batch,
     and its end: a new sequence at each row's first token and at each change of id."""
     bsz, seqlen = documents.shape
@@ -98,14 +99,14 @@ def _cu_seqlens(documents: torch.Tensor) -> torch.Tensor:
     return torch.cat((bounds, bounds.new_tensor([bsz * seqlen])))
 
 
-def _row_sequences(cu_seqlens: torch.Tensor, bsz: int, seqlen: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _row_sequences(cu_seqlens: Tensor, bsz: int, seqlen: int) -> tuple[Tensor, Tensor]:
     """(index of each row's first sequence, of its last) among the flattened batch's."""
     rows = torch.arange(bsz, device=cu_seqlens.device) * seqlen
     first = torch.searchsorted(cu_seqlens, rows, right=True) - 1
     return first, torch.searchsorted(cu_seqlens, rows + seqlen - 1, right=True) - 1
 
 
-def _flat(x: torch.Tensor, varlen: bool) -> torch.Tensor:
+def _flat(x: Tensor, varlen: bool) -> Tensor:
     """(B, S, ...) -> (1, B * S, ...) for FLA's variable-length path, contiguous either way."""
     x = x.contiguous()
     return x.flatten(0, 1)[None] if varlen else x
@@ -116,7 +117,7 @@ class _Layout:
     (``cu_seqlens`` over the flattened batch, with chunk indices and each row's first and
     last sequence)."""
 
-    def __init__(self, documents: torch.Tensor | None, previous_document: torch.Tensor | None) -> None:
+    def __init__(self, documents: Tensor | None, previous_document: Tensor | None) -> None:
         self.varlen = documents is not None
         self.cu_seqlens = self.chunk_indices = self.first = self.last = None
         self.continues = None
@@ -131,7 +132,7 @@ class _Layout:
         before = documents[:, 0] if previous_document is None else previous_document
         self.continues = documents[:, 0] == before  # (B,) a row's first token takes the entry state
 
-    def initial_states(self, entry: torch.Tensor | None) -> torch.Tensor | None:
+    def initial_states(self, entry: Tensor | None) -> Tensor | None:
         """(B, HK, R, dk, c) entry states -> FLA's (N, HV, dk, c), one per sequence."""
         if entry is None:
             return None
@@ -142,17 +143,17 @@ class _Layout:
         states[self.first] = per_row * self.continues[:, None, None, None]
         return states
 
-    def entry_grads(self, grads: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    def entry_grads(self, grads: Tensor, like: Tensor) -> Tensor:
         """FLA's (N, HV, dk, c) initial-state gradients -> the (B, HK, R, dk, c) entry's."""
         per_row = grads if not self.varlen else grads[self.first] * self.continues[:, None, None, None]
         return per_row.reshape(like.shape).to(like.dtype)
 
-    def exits(self, finals: torch.Tensor, bsz: int, key_heads: int) -> torch.Tensor:
+    def exits(self, finals: Tensor, bsz: int, key_heads: int) -> Tensor:
         """FLA's (N, HV, dk, c) final states -> each row's exit state (B, HK, R, dk, c)."""
         per_row = finals if not self.varlen else finals[self.last]
         return per_row.unflatten(1, (key_heads, -1))
 
-    def final_grads(self, grad_exit: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    def final_grads(self, grad_exit: Tensor | None, n: int) -> Tensor | None:
         """Each row's exit-state gradient (B, HK, R, dk, c) -> FLA's (N, HV, dk, c)."""
         if grad_exit is None:
             return None
@@ -166,24 +167,15 @@ class _Layout:
 
 @torch.library.custom_op("autopar::fla_gated_delta_rule", mutates_args=())
 def _forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    documents: torch.Tensor | None,
-    initial_state: torch.Tensor | None,
-    previous_document: torch.Tensor | None,
-) -> tuple[
-    torch.Tensor,
-    torch.Tensor,
-    torch.Tensor,
-    torch.Tensor,
-    torch.Tensor,
-    torch.Tensor,
-    torch.Tensor,
-    torch.Tensor,
-]:
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    documents: Tensor | None,
+    initial_state: Tensor | None,
+    previous_document: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(output, exit state, then what backward needs: normed q, q's reciprocal norms, normed
     k, k's, chunk-summed decay, A), the tokens' in their input's (B, S, ...) layout."""
     from fla.modules.norm.l2norm import l2norm_fwd
@@ -223,20 +215,20 @@ def _(q, k, v, g, beta, documents, initial_state, previous_document):
 
 @torch.library.custom_op("autopar::fla_gated_delta_rule_backward", mutates_args=())
 def _backward(
-    grad_out: torch.Tensor | None,
-    grad_exit: torch.Tensor | None,
-    q_normed: torch.Tensor,
-    q_rstd: torch.Tensor,
-    k_normed: torch.Tensor,
-    k_rstd: torch.Tensor,
-    v: torch.Tensor,
-    g_sum: torch.Tensor,
-    beta: torch.Tensor,
-    solve: torch.Tensor,
-    documents: torch.Tensor | None,
-    initial_state: torch.Tensor | None,
-    previous_document: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad_out: Tensor | None,
+    grad_exit: Tensor | None,
+    q_normed: Tensor,
+    q_rstd: Tensor,
+    k_normed: Tensor,
+    k_rstd: Tensor,
+    v: Tensor,
+    g_sum: Tensor,
+    beta: Tensor,
+    solve: Tensor,
+    documents: Tensor | None,
+    initial_state: Tensor | None,
+    previous_document: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of the raw q, k, v, the log decay g, beta and the entry state (empty
     without one)."""
     from fla.modules.norm.l2norm import l2norm_bwd
@@ -312,7 +304,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.save_for_backward(*saved)
 
 
-def _autograd_backward(ctx, grad_out: torch.Tensor | None, grad_exit: torch.Tensor | None, *_unused):
+def _autograd_backward(ctx, grad_out: Tensor | None, grad_exit: Tensor | None, *_unused):
     saved = ctx.saved_tensors
     upstream = None if grad_out is None else grad_out.contiguous()
     grad_q, grad_k, grad_v, grad_g, grad_beta, grad_entry = torch.ops.autopar.fla_gated_delta_rule_backward(
@@ -326,13 +318,13 @@ _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def fla_delta_rule_map(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    documents: torch.Tensor | None = None,
-    previous_document: torch.Tensor | None = None,
-) -> torch.Tensor:
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    documents: Tensor | None = None,
+    previous_document: Tensor | None = None,
+) -> Tensor:
     """``delta_rule.delta_rule_map`` by FLA's kernels: the run from [I | 0] with values
     [0 | v] (k stands in for the queries, whose output is not used)."""
     values = torch.cat((v.new_zeros(*v.shape[:-1], k.shape[-1]), v), dim=-1)

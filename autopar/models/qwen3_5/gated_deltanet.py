@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from autopar.models.args import ModelArgs
 from autopar.models.qwen3_5.delta_rule import AUTOPAR, DeltaRuleKernel
 
 
-def causal_conv(x: torch.Tensor, weight: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
+def causal_conv(x: Tensor, weight: Tensor, documents: Tensor | None) -> Tensor:
     """Depthwise causal convolution along the sequence: x (B, S, C), weight (C, 1, K) as HF's
     ``conv1d``; token t sees tokens t-K+1..t of its own document (``documents`` (B, S) ids)."""
     width = weight.shape[-1]
@@ -52,20 +52,14 @@ class WholeSequence:
 
     @staticmethod
     def convolve(
-        inputs: tuple[torch.Tensor, ...], weights: tuple[torch.Tensor, ...], documents: torch.Tensor | None
-    ) -> tuple[torch.Tensor, ...]:
+        inputs: tuple[Tensor, ...], weights: tuple[Tensor, ...], documents: Tensor | None
+    ) -> tuple[Tensor, ...]:
         """``causal_conv`` of each input (B, S, C_i) with its weight."""
         return tuple(causal_conv(x, w, documents) for x, w in zip(inputs, weights))
 
     def delta_rule(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        documents: torch.Tensor | None,
-    ) -> torch.Tensor:
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, documents: Tensor | None
+    ) -> Tensor:
         """The kernel's rule over the sequence from a zero state."""
         return self.kernel.rule(q, k, v, g, beta, documents)
 
@@ -89,30 +83,24 @@ class DeltaRuleCore(nn.Module):
         """Runs the convolution and the delta rule; context parallelism swaps in its own."""
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        documents: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        self, q: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, documents: Tensor | None = None
+    ) -> Tensor:
         return self.compute(q, k, v, a, b, documents, *self.parameters(recurse=False))
 
     def compute(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        documents: torch.Tensor | None,
-        conv_q: torch.Tensor,
-        conv_k: torch.Tensor,
-        conv_v: torch.Tensor,
-        A_log: torch.Tensor,
-        dt_bias: torch.Tensor,
-    ) -> torch.Tensor:
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        a: Tensor,
+        b: Tensor,
+        documents: Tensor | None,
+        conv_q: Tensor,
+        conv_k: Tensor,
+        conv_v: Tensor,
+        A_log: Tensor,
+        dt_bias: Tensor,
+    ) -> Tensor:
         """q, k (B, S, HK * dk), v (B, S, HV * dv), a, b (B, S, HV) -> (B, S, HV, dv); the
         weights as arguments, in registration order (a plan passes a rank's local heads)."""
         bsz, seqlen, _ = q.shape
@@ -134,7 +122,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim))
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor, z: Tensor) -> Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.weight * h.to(x.dtype)
@@ -160,7 +148,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(args.linear_value_head_dim, args.rms_norm_eps)
         self.out_proj = nn.Linear(value_channels, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: Tensor, documents: Tensor | None = None) -> Tensor:
         """x (B, S, H); ``documents`` (B, S) packed-document ids: the state and the
         convolution restart at each document."""
         bsz, seqlen, _ = x.shape

@@ -17,7 +17,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from autopar.models.args import ModelArgs
 from autopar.models.moe import MoE
@@ -29,7 +29,7 @@ from autopar.models.qwen3_5.mtp import MTPHead, MTPMode, NextTokens, keep_mask
 class ZeroCenteredRMSNorm(RMSNorm):
     """RMSNorm scaling by (1 + weight), all in fp32, cast at the end; the weight starts at 0."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         return (self.normalized(x) * (1.0 + self.weight.float())).type_as(x)
 
 
@@ -46,9 +46,7 @@ class GatedAttention(Attention):
             norm=ZeroCenteredRMSNorm,
         )
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor | None = None, mask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def forward(self, x: Tensor, positions: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
         bsz, seqlen, _ = x.shape
         query, gate = (
             self.q_proj(x).view(bsz, seqlen, -1, 2 * self.head_dim).chunk(2, dim=-1)
@@ -66,7 +64,7 @@ class SharedExpertMoE(MoE):
         self.shared_expert = MLP(args, args.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         routed, stats = super().forward(x)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed + shared, stats
@@ -85,7 +83,7 @@ class HybridBlock(Block):
         self.self_attn = None if linear else GatedAttention(args)
 
 
-def hybrid_start(args: ModelArgs, name: str, out: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def hybrid_start(args: ModelArgs, name: str, out: Tensor, generator: torch.Generator) -> Tensor:
     """Qwen3.5's starts (HF's), filling ``out`` (fp32): zero-centred norms 0, the gated norm
     1, ``dt_bias`` 1, ``A_log`` the log of U(0.01, 16), the convolutions uniform within
     1 / sqrt(kernel width) (HF's conv1d default); every other tensor as ``dense_start``."""
@@ -117,14 +115,14 @@ class Qwen35(Qwen):
 
     def forward(
         self,
-        tokens: torch.Tensor,
-        routing: torch.Tensor | None = None,
+        tokens: Tensor,
+        routing: Tensor | None = None,
         *,
-        positions: torch.Tensor | None = None,
-        documents: torch.Tensor | None = None,
+        positions: Tensor | None = None,
+        documents: Tensor | None = None,
         mtp: MTPMode = "off",
         upcoming: NextTokens | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | tuple[object, torch.Tensor]:
+    ) -> Tensor | tuple[Tensor, Tensor] | tuple[object, Tensor]:
         """``Qwen.forward``; with ``mtp`` "on" or "detached", ``(that output, the head's
         logits (B, S, V))`` from the same pass: a training step gets both losses from one
         forward of the whole module (the way FSDP gathers and frees its weights), the head's
@@ -162,7 +160,7 @@ class Qwen35(Qwen):
             routing = head_routing if routing is None else routing + head_routing
         return self.with_routing(logits, routing, hidden), head_logits
 
-    def mtp_logits(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+    def mtp_logits(self, tokens: Tensor, documents: Tensor | None = None) -> Tensor:
         """The head's logits (B, S-1, V) for tokens (B, S): position i predicts token i+2 from
         the trunk's state at i and token i+1. Under ``documents`` (B, S) nothing crosses a
         document's end (a document's last position predicts nothing of use)."""
@@ -171,12 +169,8 @@ class Qwen35(Qwen):
         return self.mtp_logits_from(hidden, tokens, documents)[0][:, :-1]
 
     def mtp_logits_from(
-        self,
-        hidden: torch.Tensor,
-        tokens: torch.Tensor,
-        documents: torch.Tensor | None = None,
-        detach: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self, hidden: Tensor, tokens: Tensor, documents: Tensor | None = None, detach: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
         """The head's logits (B, S, V) from the trunk's final-normed ``hidden`` (B, S, H)
         (``trunk``), and the routing statistics of its experts. ``detach``: the head's loss
         trains only the head (no gradient into the trunk, the shared embedding or the shared
@@ -193,13 +187,13 @@ class Qwen35(Qwen):
 
     def _head_hidden(
         self,
-        hidden: torch.Tensor,
-        next_embedded: torch.Tensor,
-        keep: torch.Tensor | None,
-        positions: torch.Tensor | None,
-        documents: torch.Tensor | None,
+        hidden: Tensor,
+        next_embedded: Tensor,
+        keep: Tensor | None,
+        positions: Tensor | None,
+        documents: Tensor | None,
         detach: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[Tensor, Tensor | None]:
         """The head's normed states (B, S, H) from the trunk's states and the embeddings of
         the next tokens (B, S, H) each (``keep`` (B, S): ``NextTokens.keep``), and its
         routing statistics."""

@@ -30,6 +30,7 @@ import importlib.util
 import math
 
 import torch
+from torch import Tensor
 
 from autopar.models.qwen3_5.delta_rule import CHUNK, chunked_kernel
 from autopar.models.qwen3_5.delta_rule_chunks import Chunks
@@ -72,7 +73,7 @@ def _launch(kernel, device: torch.device, grid: tuple[int, int], *args, **consta
         kernel[grid](*args, **constants, num_warps=NUM_WARPS)
 
 
-def _per_head(x: torch.Tensor, heads: int, trailing: int) -> torch.Tensor:
+def _per_head(x: Tensor, heads: int, trailing: int) -> Tensor:
     """(B, K, R, n, ...) -> contiguous (B * K * R, n, ...) keeping ``trailing`` dims."""
     return x.reshape(heads, *x.shape[3 : 3 + 1 + trailing]).contiguous()
 
@@ -98,8 +99,8 @@ class TritonPasses:
         return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
 
     def forward(
-        self, chunks: Chunks, state: torch.Tensor, keep_states: bool
-    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        self, chunks: Chunks, state: Tensor, keep_states: bool
+    ) -> tuple[Tensor | None, Tensor, Tensor]:
         from autopar.models.qwen3_5.delta_rule_triton_kernels import state_forward_kernel
 
         lead, (n, key_dim), columns = chunks.w.shape[:3], chunks.w.shape[3:6:2], state.shape[-1]
@@ -123,12 +124,8 @@ class TritonPasses:
         return kept, values.reshape(*lead, n, CHUNK, columns), final.reshape(state.shape)
 
     def backward(
-        self,
-        chunks: Chunks,
-        grad_out: torch.Tensor | None,
-        local_grads: torch.Tensor | None,
-        grad_exit: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, chunks: Chunks, grad_out: Tensor | None, local_grads: Tensor | None, grad_exit: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
         from autopar.models.qwen3_5.delta_rule_triton_kernels import state_backward_kernel
 
         lead, (n, key_dim), columns = chunks.w.shape[:3], chunks.w.shape[3:6:2], grad_exit.shape[-1]
