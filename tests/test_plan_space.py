@@ -122,7 +122,7 @@ def design(folder) -> tuple[list[Combo], dict[Combo, str]]:
 
 
 @pytest.fixture(scope="module")
-def space(tmp_path_factory):
+def space_runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("space")
     chosen, refused = design(folder)
     cases = [Case(base_job(folder, c[0]), plan_text(*c)) for c in chosen]
@@ -140,8 +140,8 @@ def test_the_design_covers_every_family_with_every_searched_schedule_and_ac_mode
 
 
 @pytest.mark.slow
-def test_every_combination_the_search_can_emit_trains_like_one_device(space):
-    runs, _ = space
+def test_every_combination_the_search_can_emit_trains_like_one_device(space_runs):
+    runs, _ = space_runs
     failures = []
     for (family, pipeline, ac), (reference, run) in runs.items():
         # fp32 on CPU, STEPS steps: only the order of sums differs (FP8 rounds the same values,
