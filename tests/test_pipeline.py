@@ -225,6 +225,10 @@ PLANS = {
     ),
     "PP2 x FSDP2": ("pp=2,dp_shard=2", 4),
     "PP2 x TP2": ("pp=2,tp=2", 4),
+    "ZBVZeroBubble x TP2": (
+        "pp=2,tp=2,schedule=ZBVZeroBubble",
+        4,
+    ),  # a vocab-parallel loss, detached in place
     # (PP x FSDP x TP runs in test_plan_combinations.py, in its one eight-rank group)
     "1F1B, micro-batches of 2": ("pp=2,schedule=1F1B,parallelism.pipeline_parallel_microbatch_size=2", 4),
 }

@@ -104,8 +104,10 @@ class MicroBatchLoss(ABC):
 
 
 def plain(value: torch.Tensor) -> torch.Tensor:
-    """A loss that vocab-parallel cross-entropy returned as a DTensor, as a plain tensor."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
+    """A loss that vocab-parallel cross-entropy returned as a DTensor, as a plain tensor of its
+    own: ``full_tensor`` of a replicated value is a view of the local tensor, and a pipeline
+    schedule splitting backward detaches its stage's loss in place, which a view refuses."""
+    return value.full_tensor().clone() if isinstance(value, DTensor) else value
 
 
 class ForwardInputs:
