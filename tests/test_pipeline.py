@@ -236,7 +236,7 @@ PLANS = {
 ZERO_BUBBLE = [name for name, style in SCHEDULE_STYLES.items() if style.splits_backward]
 
 
-PLANS |= {
+SCHEDULE_AC = {
     f"{schedule} + AC {mode}/{option}": (f"pp=2,schedule={schedule},{ac_flags(mode, option)}", 4)
     for schedule in sorted(set(space.SCHEDULES) | set(ZERO_BUBBLE))
     for mode, option in space.AC_MODES
@@ -245,7 +245,15 @@ PLANS |= {
 """Every schedule the planner searches, and every zero-bubble schedule (which recompute a
 checkpointed block twice per micro-batch: input, then weight gradients), with every
 activation checkpointing mode it searches, read from ``planner/search.py``: a choice added
-there runs here."""
+there runs here. The default run takes each schedule with one mode, the modes in turn (every
+schedule and every mode at least once); the rest are heavy."""
+_MODES = [m for m in space.AC_MODES if m[0] != "none"]
+_IN_TURN = {
+    f"{schedule} + AC {mode}/{option}"
+    for i, schedule in enumerate(sorted(set(space.SCHEDULES) | set(ZERO_BUBBLE)))
+    for mode, option in [_MODES[i % len(_MODES)]]
+}
+PLANS |= {name: plan for name, plan in SCHEDULE_AC.items() if name in _IN_TURN}
 PLANS |= {
     "ZBVZeroBubble + per-op AC, compiled": (
         "pp=2,schedule=ZBVZeroBubble,compile.enable=true," + ac_flags("selective", "op"),
@@ -254,15 +262,16 @@ PLANS |= {
     "ZBVZeroBubble x CP2 + per-op AC": ("pp=2,cp=2,schedule=ZBVZeroBubble," + ac_flags("selective", "op"), 4),
     "DualPipeV x CP2 + full AC": ("pp=2,cp=2,schedule=DualPipeV," + ac_flags("full", "op"), 4),
 }
-HEAVY_PLANS = {
+HEAVY_PLANS = {name: plan for name, plan in SCHEDULE_AC.items() if name not in _IN_TURN} | {
     "ZBVZeroBubble + full AC, compiled": (
         "pp=2,schedule=ZBVZeroBubble,compile.enable=true," + ac_flags("full", "op"),
         4,
     ),
     "InterleavedZeroBubble, compiled": ("pp=2,schedule=InterleavedZeroBubble,compile.enable=true", 4),
 }
-"""More compiled zero-bubble schedules (the split backward of a compiled graph): a minute of
-compilation beside the compiled per-op case above; python -m pytest -m heavy."""
+"""The other schedule and checkpointing pairs, and more compiled zero-bubble schedules (the
+split backward of a compiled graph): a minute of compilation beside the compiled per-op case
+above; python -m pytest -m heavy."""
 
 
 def run_pipelines(folder, plans: dict[str, tuple[str, int]]) -> dict:
@@ -288,7 +297,7 @@ def test_pipeline_matches_single_device(pipeline_runs, name):
 
 
 @pytest.mark.heavy
-def test_more_compiled_zero_bubble_pipelines_match_single_device(tmp_path):
+def test_the_other_schedule_pairs_and_compiled_zero_bubble_pipelines_match_single_device(tmp_path):
     for name, (reference, run) in run_pipelines(tmp_path, HEAVY_PLANS).items():
         assert_pipeline_matches(reference, run, name)
 

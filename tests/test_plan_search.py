@@ -48,6 +48,7 @@ def run(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.heavy  # every search runs the trainer's checks on each candidate (test_plan_prune)
 def test_every_plan_in_the_top_ten_passes_the_trainers_own_checks():
     job = preset("qwen3_32b")
     plans = search(job, model_args(job), 64, 8, H100)
@@ -91,6 +92,7 @@ def test_pinned_settings_hold_in_every_plan():
     assert {p.settings.ac_mode for p in plans} == {"full"}
 
 
+@pytest.mark.heavy  # the documented 32B plan is held by test_docs_plans
 def test_the_naive_32b_plan_on_64_h100s_does_not_fit_but_the_chosen_one_does():
     job = preset("qwen3_32b", "--parallelism.tensor_parallel_degree=1", "--activation_checkpoint.mode=none")
     args = model_args(job)
@@ -100,6 +102,7 @@ def test_the_naive_32b_plan_on_64_h100s_does_not_fit_but_the_chosen_one_does():
     assert best.fits and best.peak_gib <= H100.memory_gib
 
 
+@pytest.mark.heavy  # the space's rules: test_plan_space
 def test_zero_bubble_schedules_are_searched_without_activation_checkpointing():
     # the split backward keeps what checkpointing would free (memory.py's walk and the dry run)
     job = preset("qwen3_32b")
@@ -482,6 +485,7 @@ def test_auto_with_pinned_degrees_that_contradict_the_world_is_exit_2(tmp_path, 
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.heavy  # a 20 s search; Qwen3.5 CP plans: test_planner's grid
 def test_qwen3_5_27b_at_128k_tokens_fits_64_gpus_only_by_context_parallelism():
     # 131,072 tokens: the loss's logits over 248K words alone outgrow a GPU unless CP splits
     # the sequence; the Gated DeltaNets pass their states between the CP ranks

@@ -139,7 +139,7 @@ def test_the_design_covers_every_family_with_every_searched_schedule_and_ac_mode
     assert len(chosen) < len(FAMILIES) * len(PIPELINES) * len(AC) / 2
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # 2 minutes; each family and schedule runs in its own parity file
 def test_every_combination_the_search_can_emit_trains_like_one_device(space_runs):
     runs, _ = space_runs
     failures = []
@@ -232,7 +232,7 @@ def cover_without_pipelines(combos: list[Combo]) -> list[Combo]:
     )
 
 
-@pytest.mark.slow
+@pytest.mark.heavy  # the families at real shapes: test_planner's grid
 def test_every_family_and_ac_mode_is_predicted_within_ten_percent_of_its_dry_run(tmp_path):
     """The memory model on the space it searches, at real layer shapes: each family and AC
     mode of the design at least once (every combination: the heavy test below)."""

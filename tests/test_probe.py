@@ -495,6 +495,7 @@ def test_auto_on_an_unknown_gpu_plans_with_its_probed_profile_not_an_h100s(tmp_p
     assert probe.calls == 1 and again.profile == device.profile  # read from the cache
 
 
+@pytest.mark.heavy  # a second probe on this CPU: 40 s
 def test_a_newer_probe_measures_again_rather_than_read_an_older_probes_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
     probe = CountingProbe()

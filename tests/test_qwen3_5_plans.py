@@ -42,14 +42,26 @@ DENSE_PLANS = [
     "tp=2,sp=false,loss_parallel=false",
     f"tp=2,{ac_flags('selective', 'op')}",
     "dp_shard=2,compile.enable=true",
-    f"tp=2,compile.enable=true,{ac_flags('selective', 'op')}",
-    *(f"pp=2,schedule={s},{ac_flags(m, o)}" for s in space.SCHEDULES for m, o in space.AC_MODES),
+    *(
+        f"pp=2,schedule={s},{ac_flags(*space.AC_MODES[i % len(space.AC_MODES)])}"
+        for i, s in enumerate(space.SCHEDULES)
+    ),
     "dp_replicate=2,dp_shard=2",
     "dp_shard=2,tp=2",
 ]
 """Every plan setting the planner chooses, on the dense flavor; pipelines over every schedule
-and checkpointing mode the search emits (stages hold Gated DeltaNet and attention layers in
-different numbers)."""
+the search emits, its checkpointing modes in turn (stages hold Gated DeltaNet and attention
+layers in different numbers)."""
+HEAVY_DENSE_PLANS = [
+    f"tp=2,compile.enable=true,{ac_flags('selective', 'op')}",
+    *(
+        plan
+        for s in space.SCHEDULES
+        for m, o in space.AC_MODES
+        if (plan := f"pp=2,schedule={s},{ac_flags(m, o)}") not in DENSE_PLANS
+    ),
+]
+"""The other schedule and checkpointing pairs, and TP compiled under AC: python -m pytest -m heavy."""
 MOE_PLANS = [
     "dp_shard=2,ep=2",
     "tp=2",
@@ -80,6 +92,12 @@ def moe(tmp_path_factory):
 def test_plan_matches_single_device(dense, plan):
     reference, run = dense[plan]
     assert_fp32_parity(run, reference)
+
+
+@pytest.mark.heavy
+def test_the_other_schedule_pairs_match_single_device(tmp_path):
+    for reference, run in parity_runs(hybrid_job(tmp_path), HEAVY_DENSE_PLANS, steps=STEPS).values():
+        assert_fp32_parity(run, reference)
 
 
 @pytest.fixture(scope="module")

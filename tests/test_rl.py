@@ -168,7 +168,7 @@ def check(*flags: str) -> None:
     [
         (("--rl.num_generations", "1"), "rl.num_generations=1 must be at least 2"),
         (("--rl.num_generations", "6"), "does not divide the 32 completions"),
-        (("--rl.max_completion_length", "64"), "leaves no room for a prompt"),
+        (("--rl.max_completion_length", "256"), "leaves no room for a prompt"),
         (("--rl.reward_funcs", "no_such_module:f"), "no_such_module does not import"),
         (("--rl.reward_funcs", "autopar.rewards:nothing"), "has no 'nothing'"),
         (("--rl.reward_funcs", "autopar.rewards:_GSM8K"), "_GSM8K is not callable"),
