@@ -77,7 +77,7 @@ PLANS = [
     "tp=2",
     "tp=2,sp=false",
     "dp_shard=2,tp=2,ep=2",
-    # (EP with each activation checkpointing mode runs in test_plan_space.py)
+    # (EP with each activation checkpointing mode: test_plan_space.py, under -m heavy)
     "dp_shard=2,ep=2,compile.enable=true",
     # zero-bubble schedules recompute checkpointed blocks twice (input, then weight gradients)
     "dp_shard=2,pp=2,ep=2,schedule=ZBVZeroBubble,activation_checkpoint.mode=selective",
