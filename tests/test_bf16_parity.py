@@ -35,20 +35,19 @@ BF16 = ("--training.mixed_precision_param", "bfloat16")
 DATA_PARALLEL = [
     "dp_shard=2",
     "dp_replicate=2",
-    "dp_replicate=2,dp_shard=2",
     "dp_shard=2,training.enable_cpu_offload=true",
 ]
 SPLIT_COMPUTE = [
     "tp=2",
-    "tp=2,sp=false,loss_parallel=false",
     "pp=2",
     "cp=2",
     "dp_shard=2,tp=2",
     "tp=2,training.loss_chunk_tokens=24",  # vocab-parallel chunks, bf16 logits' gradient
 ]
-THREE_D = ["dp_shard=2,tp=2,pp=2", "dp_shard=2,cp=2,tp=2"]
-"""Eight-rank mixes of the split-compute plans above: a minute of eight processes on two
-cores for what each two- and four-rank plan already shows; python -m pytest -m heavy."""
+HEAVY_DATA_PARALLEL = ["dp_replicate=2,dp_shard=2"]
+HEAVY_SPLIT_COMPUTE = ["tp=2,sp=false,loss_parallel=false", "dp_shard=2,tp=2,pp=2", "dp_shard=2,cp=2,tp=2"]
+"""HSDP, TP without SP and eight-rank mixes of the split-compute plans above: four and eight
+processes on two cores for what each two-rank plan already shows; python -m pytest -m heavy."""
 LORA_PLANS = ["dp_shard=2", "tp=2", "pp=2"]
 """LoRA in bf16: the frozen base stored in bf16 beside fp32 adapters, under FSDP (one dtype
 mix in its all-gather), TP and PP (measured on the debug model, 5 steps: FSDP 1e-7; TP, PP 1e-5
@@ -131,11 +130,14 @@ def test_split_compute_bf16_stays_within_bf16_rounding_of_single_device(runs, pl
 
 
 @pytest.mark.heavy
-def test_eight_rank_mixes_stay_within_bf16_rounding_of_single_device(tmp_path):
-    pairs, (loss_tol, norm_tol) = bf16_runs(tmp_path, THREE_D, [])
+def test_hsdp_tp_without_sp_and_eight_rank_mixes_stay_within_bf16_rounding_of_single_device(tmp_path):
+    pairs, (loss_tol, norm_tol) = bf16_runs(tmp_path, HEAVY_DATA_PARALLEL + HEAVY_SPLIT_COMPUTE, [])
     for plan, (reference, run) in pairs.items():
         d_loss, d_norm = gaps(run, reference)
-        assert d_loss <= loss_tol and d_norm <= norm_tol, (plan, d_loss, loss_tol, d_norm, norm_tol)
+        if plan in HEAVY_DATA_PARALLEL:
+            assert max(d_loss, d_norm) <= DATA_PARALLEL_RTOL, (plan, d_loss, d_norm)
+        else:
+            assert d_loss <= loss_tol and d_norm <= norm_tol, (plan, d_loss, loss_tol, d_norm, norm_tol)
 
 
 def test_lora_data_parallel_bf16_equals_single_device_lora_bf16(runs):

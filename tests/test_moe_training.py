@@ -70,19 +70,23 @@ PLANS = [
     "cp=2",
     "pp=2",
     "dp_shard=2,ep=2",
-    "dp_shard=4,ep=2",
     "cp=2,ep=2",
     "dp_shard=2,pp=2,ep=2",
-    "dp_replicate=2,dp_shard=2,ep=2",
     "tp=2",
-    "tp=2,sp=false",
     "dp_shard=2,tp=2,ep=2",
     # (EP with each activation checkpointing mode: test_plan_space.py, under -m heavy)
     "dp_shard=2,ep=2,compile.enable=true",
     # zero-bubble schedules recompute checkpointed blocks twice (input, then weight gradients)
     "dp_shard=2,pp=2,ep=2,schedule=ZBVZeroBubble,activation_checkpoint.mode=selective",
+]
+HEAVY_PLANS = [
+    "dp_shard=4,ep=2",
+    "dp_replicate=2,dp_shard=2,ep=2",
+    "tp=2,sp=false",
     "dp_shard=2,pp=2,ep=2,schedule=InterleavedZeroBubble,activation_checkpoint.mode=full",
 ]
+"""Four-rank expert meshes (the two-rank ones show the same dispatch), TP without sequence
+parallelism and a second zero-bubble schedule: python -m pytest -m heavy."""
 
 
 LORA_PLANS = ["dp_shard=2,ep=2", "tp=2"]
@@ -137,6 +141,13 @@ def test_moe_training_under_a_plan_matches_one_device(moe_parity, plan):
     # Inductor also fuses and reorders fp32 reductions.
     loss_rtol = 1e-4 if "compile" in plan else 1e-5
     assert_same_training(run, reference, loss_rtol=loss_rtol, norm_rtol=1e-4)
+
+
+@pytest.mark.heavy
+def test_four_rank_expert_meshes_and_the_other_moe_plans_match_one_device(tmp_path):
+    base = moe_job(tmp_path, "--training.local_batch_size", "2")
+    for reference, run in run_cases([Case(base, plan) for plan in HEAVY_PLANS], steps=4):
+        assert_same_training(run, reference, loss_rtol=1e-5, norm_rtol=1e-4)  # as PLANS' fp32 bound
 
 
 @pytest.mark.slow

@@ -245,13 +245,14 @@ SCHEDULE_AC = {
 """Every schedule the planner searches, and every zero-bubble schedule (which recompute a
 checkpointed block twice per micro-batch: input, then weight gradients), with every
 activation checkpointing mode it searches, read from ``planner/search.py``: a choice added
-there runs here. The default run takes each schedule with one mode, the modes in turn (every
-schedule and every mode at least once); the rest are heavy."""
+there runs here. The default run takes each mode once, with the schedules in turn (the zero-bubble
+ones, which split the backward, first); the rest are heavy."""
 _MODES = [m for m in space.AC_MODES if m[0] != "none"]
 _IN_TURN = {
     f"{schedule} + AC {mode}/{option}"
-    for i, schedule in enumerate(sorted(set(space.SCHEDULES) | set(ZERO_BUBBLE)))
-    for mode, option in [_MODES[i % len(_MODES)]]
+    for schedule, (mode, option) in zip(
+        sorted(set(space.SCHEDULES) | set(ZERO_BUBBLE), key=lambda s: (s not in ZERO_BUBBLE, s)), _MODES
+    )
 }
 PLANS |= {name: plan for name, plan in SCHEDULE_AC.items() if name in _IN_TURN}
 PLANS |= {

@@ -457,6 +457,7 @@ def auto_train(folder: Path, *flags: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+@pytest.mark.heavy  # 30 s; auto trains its plan by default (next test), a dry run measures (test_planner)
 def test_auto_plan_runs_and_keeps_prediction_beside_measurement(tmp_path):
     result = auto_train(tmp_path, "--training.steps", "3", "--metrics.log_freq", "1")
     assert result.returncode == 0, result.stderr

@@ -480,6 +480,7 @@ class CountingProbe:
         return dataclasses.replace(profile, device="NVIDIA L40S", device_type="cuda", memory_gib=44.4)
 
 
+@pytest.mark.heavy  # a probe on this CPU: 20 s; auto on a CPU plans with its probed profile by default
 def test_auto_on_an_unknown_gpu_plans_with_its_probed_profile_not_an_h100s(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA L40S")
     probe = CountingProbe()

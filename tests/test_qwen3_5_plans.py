@@ -39,20 +39,20 @@ STEPS = 3
 DENSE_PLANS = [
     "dp_shard=2",
     "tp=2",
-    "tp=2,sp=false,loss_parallel=false",
     f"tp=2,{ac_flags('selective', 'op')}",
     "dp_shard=2,compile.enable=true",
     *(
         f"pp=2,schedule={s},{ac_flags(*space.AC_MODES[i % len(space.AC_MODES)])}"
         for i, s in enumerate(space.SCHEDULES)
     ),
-    "dp_replicate=2,dp_shard=2",
     "dp_shard=2,tp=2",
 ]
 """Every plan setting the planner chooses, on the dense flavor; pipelines over every schedule
 the search emits, its checkpointing modes in turn (stages hold Gated DeltaNet and attention
 layers in different numbers)."""
 HEAVY_DENSE_PLANS = [
+    "tp=2,sp=false,loss_parallel=false",
+    "dp_replicate=2,dp_shard=2",
     f"tp=2,compile.enable=true,{ac_flags('selective', 'op')}",
     *(
         plan
@@ -61,7 +61,8 @@ HEAVY_DENSE_PLANS = [
         if (plan := f"pp=2,schedule={s},{ac_flags(m, o)}") not in DENSE_PLANS
     ),
 ]
-"""The other schedule and checkpointing pairs, and TP compiled under AC: python -m pytest -m heavy."""
+"""TP without SP, HSDP on four ranks, the other schedule and checkpointing pairs, and TP
+compiled under AC: python -m pytest -m heavy."""
 MOE_PLANS = [
     "dp_shard=2,ep=2",
     "tp=2",

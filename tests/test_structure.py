@@ -43,19 +43,32 @@ def in_package(name: str, package: str) -> bool:
 def test_every_module_imports_on_its_own_in_a_fresh_interpreter():
     # One interpreter (torch imports once); before each module every autopar module is
     # forgotten, so each import starts from nothing of autopar, as in a fresh process.
-    script = (
-        "import importlib, sys, traceback\n"
-        f"for name in {MODULES!r}:\n"
-        "    for loaded in [m for m in sys.modules if m == 'autopar' or m.startswith('autopar.')]:\n"
-        "        del sys.modules[loaded]\n"
-        "    try:\n"
-        "        importlib.import_module(name)\n"
-        "    except Exception:\n"
-        "        print(f'{name}: {traceback.format_exc().splitlines()[-1]}')\n"
-    )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout == "", f"modules that fail to import on their own:\n{result.stdout}"
+    def script(names: list[str]) -> str:
+        return (
+            "import importlib, sys, traceback\n"
+            f"for name in {names!r}:\n"
+            "    for loaded in [m for m in sys.modules if m == 'autopar' or m.startswith('autopar.')]:\n"
+            "        del sys.modules[loaded]\n"
+            "    try:\n"
+            "        importlib.import_module(name)\n"
+            "    except Exception:\n"
+            "        print(f'{name}: {traceback.format_exc().splitlines()[-1]}')\n"
+        )
+
+    # two interpreters at once, one per core, each taking every other module
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", script(MODULES[i::2])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    for worker in workers:
+        stdout, stderr = worker.communicate(timeout=300)
+        assert worker.returncode == 0, stderr[-3000:]
+        assert stdout == "", f"modules that fail to import on their own:\n{stdout}"
 
 
 FLOORS = {

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from autopar.parallel.torch_internals import untested_torch_warning
 
@@ -25,3 +27,16 @@ def warn_if_untested_torch() -> None:
     warning = untested_torch_warning()
     if warning is not None:
         logging.getLogger("autopar").warning(warning)
+
+
+@contextmanager
+def quiet(level: int = logging.WARNING) -> Iterator[None]:
+    """autopar's own lines below ``level`` dropped inside, the level before restored after:
+    a parity or bench run in this process leaves a later training's log as it was."""
+    logger = logging.getLogger("autopar")
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)

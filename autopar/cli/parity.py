@@ -19,6 +19,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
+from autopar.cli.log import quiet, setup_logging
 from autopar.config.errors import ConfigError
 from autopar.config.parse import to_toml
 from autopar.config.sections import JobConfig
@@ -116,8 +117,8 @@ def run_job(job: JobConfig) -> tuple[list[float], list[float]]:
 
 def run_plan(plan: str, job: JobConfig) -> PlanRun:
     """Train ``job`` under ``plan`` on this rank's process group (or alone)."""
-    logging.getLogger("autopar").setLevel(logging.WARNING)
-    losses, norms = run_job(job)
+    with quiet():
+        losses, norms = run_job(job)
     return PlanRun(plan, world_size(job), losses, norms)
 
 
@@ -244,13 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance per step")
     known, job_argv = parser.parse_known_args(argv)
-    from autopar.cli.log import setup_logging
-
     setup_logging(0)
-    logging.getLogger("autopar").setLevel(logging.WARNING)
     try:
-        base = parse_job(job_argv)
-        pairs = run_cases([Case(base, plan) for plan in known.plans], known.steps)
+        with quiet():
+            base = parse_job(job_argv)
+            pairs = run_cases([Case(base, plan) for plan in known.plans], known.steps)
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         return 2
