@@ -14,7 +14,9 @@ from autopar.planner.devices import PRESETS, device_spec
 from autopar.planner.measured import forward_op_share, ops_per_micro_batch
 from autopar.planner.params import meta_model
 from autopar.planner.probe import count_ops, forward_backward
-from autopar.planner.search import search, search_counted
+from autopar.planner.prune import tokens_per_s_bound
+from autopar.planner.search import lightest, search, search_counted, valid_plans
+from autopar.planner.time import busy_time
 from autopar.training.resolve import model_args, parse_job
 
 H100 = PRESETS["h100"]
@@ -60,6 +62,18 @@ def test_the_pruned_search_returns_the_exhaustive_searchs_best_plans(question):
     order = [position[p.settings] for p in pruned.plans]
     assert order == sorted(order) and len(every) == pruned.valid
     assert pruned.scored < pruned.valid
+
+
+@pytest.mark.parametrize("question", QUESTIONS)
+def test_a_plan_without_checkpointing_that_never_reshards_bounds_each_plan_it_stands_for(question):
+    argv, world, pinned = QUESTIONS[question]
+    job = parse_job(argv)
+    args = model_args(job)
+    valid, _ = valid_plans(job, args, world, 8, pinned, "cuda")
+    for settings, candidate, dims in valid:
+        own = tokens_per_s_bound(busy_time(args, candidate, dims, H100, 8))
+        lightest_job = lightest(settings).apply(job)
+        assert own <= tokens_per_s_bound(busy_time(args, lightest_job, dims, H100, 8)), settings
 
 
 def test_a_question_nothing_fits_is_scored_whole_and_names_the_smallest_peak():

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig
+
+
+def changed_fields(section: Any) -> list[str]:
+    """The fields of a config section (a dataclass that builds with no arguments) set away
+    from their defaults: what a job that never reads the section would silently drop."""
+    default = type(section)()
+    return [
+        f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(default, f.name)
+    ]
 
 
 def require(ok: bool, message: str) -> None:

@@ -14,6 +14,7 @@ pp, dp_replicate, dp_shard, cp, tp, tp fastest):
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -112,11 +113,11 @@ def _expert_degree(cfg: Parallelism, dp_shard: int, num_experts: int | None) -> 
     return ep
 
 
-def _expert_degrees(borrowed: int, num_experts: int | None) -> list[int]:
+def _expert_degrees(borrowed: int, num_experts: int | None) -> tuple[int, ...]:
     """The expert degrees that divide the ranks they borrow and the model's experts (1 alone
     for a model without experts; any divisor of the ranks while the model is unknown)."""
     if num_experts == 0:
-        return [1]
+        return (1,)
     return _degrees(borrowed, num_experts or borrowed)
 
 
@@ -124,13 +125,15 @@ def _product_text(degrees: dict[str, int]) -> str:
     return ", ".join(f"{k}={v}" for k, v in degrees.items() if v != 1) or "all others 1"
 
 
-def _degrees(*sizes: int) -> list[int]:
+@functools.lru_cache(maxsize=1024)
+def _degrees(*sizes: int) -> tuple[int, ...]:
     """The degrees (up to 64) that divide every one of ``sizes``: what a refusal offers, so
-    that each offered degree passes every rule of its kind, not only the one that refused."""
-    return [d for d in range(1, 65) if all(size % d == 0 for size in sizes)]
+    that each offered degree passes every rule of its kind, not only the one that refused.
+    Cached: the planner meets the same refusals thousands of times."""
+    return tuple(d for d in range(1, 65) if all(size % d == 0 for size in sizes))
 
 
-def _listed(degrees: list[int]) -> str:
+def _listed(degrees: tuple[int, ...]) -> str:
     return ", ".join(str(d) for d in degrees)
 
 

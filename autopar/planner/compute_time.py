@@ -26,7 +26,7 @@ from autopar.parallel.pipelining.schedule import (
     schedule_name,
     stage_modules,
 )
-from autopar.parallel.pipelining.split import stage_ids
+from autopar.parallel.pipelining.split import StageStyle, stage_ids
 from autopar.planner.block_bytes import (
     Sizes,
     state_passing,
@@ -170,6 +170,12 @@ def state_passing_seconds(step: Step, share: float) -> tuple[float, float]:
     return 3 * forward, share * forward
 
 
+@functools.lru_cache(maxsize=64)
+def moe_layer_count(args: ModelArgs) -> int:
+    return sum(args.is_moe_layer(i) for i in range(args.num_hidden_layers))
+
+
+@functools.lru_cache(maxsize=64)
 def _linear_layers(args: ModelArgs) -> int:
     return sum(args.mixer(i) == "linear_attention" for i in range(args.num_hidden_layers))
 
@@ -202,18 +208,27 @@ def busiest_stage_rank(
     over 2 ranks: 1 and 3)."""
     if pp == 1:
         return StageRank(tuple(range(args.num_hidden_layers)), 1.0)
-    stages = stage_modules(job.parallelism, args)
+    stages = tuple(tuple(names) for names in stage_modules(job.parallelism, args))
     style = SCHEDULE_STYLES[schedule_name(job.parallelism)].placement
-    flops = _flop_seconds(args, job.training.seq_len, rates)
+    ranks = _stage_ranks(args, stages, pp, style, job.training.seq_len, rates)
+    return max(((sum(work[s] for s in ids), rank) for ids, rank in ranks), key=lambda pair: pair[0])[1]
 
-    def rank_of(rank: int) -> tuple[float, StageRank]:
+
+@functools.lru_cache(maxsize=4096)
+def _stage_ranks(
+    args: ModelArgs, stages: tuple[tuple[str, ...], ...], pp: int, style: StageStyle, seq: int, rates: Rates
+) -> tuple[tuple[list[int], StageRank], ...]:
+    """Each pipeline rank's stage ids, blocks and share of the FLOP time: the same for every
+    plan of one split and one set of rates (the search meets each thousands of times)."""
+    flops = _flop_seconds(args, seq, rates)
+    ranks = []
+    for rank in range(pp):
         ids = stage_ids(rank, pp, len(stages), style)
         names = [n for s in ids for n in stages[s]]
         blocks = tuple(int(n.split(".")[1]) for n in names if n.startswith("layers."))
         share = sum(flops.get(n, 0.0) for n in names) / sum(flops.values())
-        return sum(work[s] for s in ids), StageRank(blocks, share)
-
-    return max((rank_of(r) for r in range(pp)), key=lambda pair: pair[0])[1]
+        ranks.append((ids, StageRank(blocks, share)))
+    return tuple(ranks)
 
 
 def stage_work(
@@ -251,6 +266,7 @@ def _block_forward_seconds(args: ModelArgs, layer: int, seq: int, rates: Rates) 
     return 2 * block_matmul_params(args, layer) / rates.gemm + mixer
 
 
+@functools.lru_cache(maxsize=64)
 def block_forward_flops(args: ModelArgs, seq: int) -> float:
     """Forward FLOPs per token of every block, as ``flops_per_token`` counts them: the
     projections, the attention layers' scores and the Gated DeltaNets' recurrence."""

@@ -9,7 +9,7 @@ reach them (``planner/prune.py``): the same first plans, in the same order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from autopar.config.errors import ConfigError
@@ -22,7 +22,7 @@ from autopar.planner.memory import GIB, Memory, predict_dims
 from autopar.planner.prune import best_first, tokens_per_s_bound
 from autopar.planner.settings import PLAN_FIELDS, PlanSettings
 from autopar.planner.space import candidates
-from autopar.planner.time import StepTime, predict_time, tokens_per_step
+from autopar.planner.time import Busy, StepTime, busy_time, finish_time, tokens_per_step
 from autopar.training.metrics.flops import flops_per_token
 from autopar.training.objectives.dpo.job import runs_reference_forward
 from autopar.training.preflight import check_plan
@@ -128,8 +128,10 @@ def evaluate(
     gpus_per_node: int,
     settings: PlanSettings | None = None,
     device_type: str = "cuda",
+    busy: Busy | None = None,
 ) -> Plan:
-    """Memory of the most loaded rank and, when it fits, the step time of ``job``."""
+    """Memory of the most loaded rank and, when it fits, the step time of ``job`` (from
+    ``busy``, its rank's own work, where the search already has it)."""
     cp_impl = resolve_impl(job.parallelism, device_type)
     worst = max(predict_dims(args, job, dims, cp_impl, device_type), key=lambda m: m.peak)
     parts = dict(worst.parts, runtime=runtime_reserve(worst.peak, dims))
@@ -137,7 +139,7 @@ def evaluate(
     fits = memory.peak <= device.memory_gib * GIB
     time, tokens_per_s, mfu = None, 0.0, 0.0
     if fits:
-        time = predict_time(args, job, dims, device, gpus_per_node)
+        time = finish_time(busy or busy_time(args, job, dims, device, gpus_per_node))
         tokens_per_s = tokens_per_step(job, dims) / time.total / dims.world_size
         mfu = (
             tokens_per_s
@@ -185,21 +187,33 @@ def search_counted(
     """``search``, with its counts."""
     valid, candidates = valid_plans(job, args, world_size, gpus_per_node, pinned, device_type)
 
-    def score(i: int) -> Plan:
-        settings, candidate, dims = valid[i]
-        return evaluate(args, candidate, dims, device, gpus_per_node, settings, device_type)
-
     if keep is None:
-        plans = [score(i) for i in range(len(valid))]
+        plans = [evaluate(args, j, d, device, gpus_per_node, s, device_type) for s, j, d in valid]
     else:
-        bounds = [tokens_per_s_bound(args, j, d, device, gpus_per_node) for _, j, d in valid]
+        busies: dict[int, Busy] = {}
         scored: dict[int, Plan] = {}
 
-        def tokens_per_s(i: int) -> float:
-            scored[i] = score(i)
-            return scored[i].tokens_per_s
+        def bound(i: int) -> float:
+            _, candidate, dims = valid[i]
+            busies[i] = busy_time(args, candidate, dims, device, gpus_per_node)
+            return tokens_per_s_bound(busies[i])
 
-        plans = [scored[i] for i in best_first(bounds, tokens_per_s, keep, TIE)]
+        def group_bound(members: list[int]) -> float:
+            settings, _, dims = valid[members[0]]
+            free = lightest(settings).apply(job)
+            return tokens_per_s_bound(busy_time(args, free, dims, device, gpus_per_node))
+
+        def tokens_per_s(i: int) -> float:
+            settings, candidate, dims = valid[i]
+            plan = evaluate(args, candidate, dims, device, gpus_per_node, settings, device_type, busies[i])
+            scored[i] = plan
+            return plan.tokens_per_s
+
+        groups: dict[PlanSettings, list[int]] = {}
+        for i, (settings, _, _) in enumerate(valid):
+            groups.setdefault(lightest(settings), []).append(i)
+        bounded = [(group_bound(members), members) for members in groups.values()]
+        plans = [scored[i] for i in best_first(bounded, bound, tokens_per_s, keep, TIE)]
     return Searched(rank(plans), candidates, len(valid), len(plans))
 
 
@@ -230,6 +244,13 @@ def valid_plans(
     raise ConfigError(
         f"no plan runs this job on {world_size} {RANK_WORDS[device_type][1]} (pinned: {pins}): {first_error}"
     )
+
+
+def lightest(settings: PlanSettings) -> PlanSettings:
+    """The plan without activation checkpointing whose FSDP never reshards: its bound is at
+    least that of the same plan under any checkpointing mode and resharding policy
+    (``planner/prune.py``)."""
+    return replace(settings, ac_mode="none", ac_option="op", reshard="never")
 
 
 TIE = 0.01

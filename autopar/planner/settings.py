@@ -6,9 +6,9 @@ The search enumerates ``PlanSettings``; ``apply`` makes the job that runs one, `
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Container
 from dataclasses import dataclass
+from typing import TypeVar
 
 from autopar.config.sections import JobConfig
 
@@ -31,6 +31,10 @@ CONFIG_FIELDS = {
 
 PLAN_FIELDS = tuple(CONFIG_FIELDS.values())
 """The job fields a plan consists of."""
+
+T = TypeVar("T")
+
+_SPLIT = {name: tuple(path.split(".")) for name, path in CONFIG_FIELDS.items()}
 
 
 @dataclass(frozen=True)
@@ -62,15 +66,14 @@ class PlanSettings:
         """A shallow copy of ``job`` that runs this plan, the sections it changes copied (as
         ``dataclasses.replace`` would, without rebuilding every field: the search applies
         thousands of plans, and no section checks its fields on construction)."""
-        planned = copy.copy(job)
+        planned = _shallow(job)
         copies: dict[str, object] = {}
-        for name, path in CONFIG_FIELDS.items():
+        for name, (section, field) in _SPLIT.items():
             value = getattr(self, name)
             if value is None and name != "layers_per_stage":  # None there is a choice too
                 continue
-            section, field = path.split(".")
             if section not in copies:
-                copies[section] = copy.copy(getattr(job, section))
+                copies[section] = _shallow(getattr(job, section))
                 setattr(planned, section, copies[section])
             setattr(copies[section], field, value)
         return planned
@@ -89,6 +92,13 @@ class PlanSettings:
         if self.ac_mode != "selective":
             return self.ac_mode
         return "op" if self.ac_option == "op" else f"every-{self.ac_option}"
+
+
+def _shallow(obj: T) -> T:
+    """``copy.copy`` of a plain dataclass, without its pickling protocol's cost."""
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    return new
 
 
 def _field(job: JobConfig, path: str) -> object:

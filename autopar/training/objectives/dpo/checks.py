@@ -4,9 +4,9 @@ called by ``training.preflight``)."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
+from autopar.config.checks import changed_fields
 from autopar.config.errors import ConfigError
 from autopar.config.sections import DPO, JobConfig
 from autopar.models.args import ModelArgs
@@ -71,9 +71,9 @@ def check_preference(job: JobConfig, dims: ParallelDims, args: ModelArgs) -> Non
 def _check_unused(cfg: DPO) -> None:
     """A job without preference data reads no ``[dpo]`` setting: one set is refused rather
     than dropped."""
-    changed = [f for f in dataclasses.fields(DPO) if getattr(cfg, f.name) != getattr(DPO(), f.name)]
+    changed = changed_fields(cfg)
     if changed:
-        shown = ", ".join(f"dpo.{f.name}={getattr(cfg, f.name)!r}" for f in changed)
+        shown = ", ".join(f"dpo.{name}={getattr(cfg, name)!r}" for name in changed)
         raise ConfigError(
             f"{shown} without preference data: only a preference job reads [dpo]; set "
             "--training.dataset_format preference (or leave [dpo] out)"

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import fields
 from typing import Any
 
 import torch
 from torch import nn
 
+from autopar.config.checks import changed_fields
 from autopar.config.errors import ConfigError
 from autopar.config.sections import RL, JobConfig
 from autopar.data.chat import ChatFormat, _tokenizer
@@ -53,7 +53,7 @@ def check_rl(job: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
     """``[rl]`` agrees with the data and the plan (and is not set without prompt data)."""
     cfg = job.rl
     if not is_rl(job):
-        changed = [f.name for f in fields(RL) if getattr(cfg, f.name) != getattr(RL(), f.name)]
+        changed = changed_fields(cfg)
         if changed:
             raise ConfigError(
                 f"rl.{changed[0]} is set, but training.dataset_format={job.training.dataset_format!r}; [rl] trains "

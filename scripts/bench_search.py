@@ -1,0 +1,80 @@
+"""The planner search's CPU seconds on a few cluster-sized questions, as a table.
+
+    python scripts/bench_search.py [--repeats 3] [--json FILE]
+
+Each question is answered as ``plan --top 3`` answers it (the search by bounds, ``keep=3``)
+after one warm-up answer (the model's op counts and other per-question terms are computed
+once, then cached), and timed by ``time.process_time``: the minimum of ``--repeats``, so a
+loaded machine's other work counts as little as it can. The JSON records the commit. Nothing
+trains, so no loss applies; the best plan is printed so that two commits can be seen to agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from pathlib import Path
+
+from autopar.planner.devices import PRESETS
+from autopar.planner.search import search_counted
+from autopar.training.resolve import model_args, parse_job
+
+QUESTIONS = {
+    # name: (job flags, world size)
+    "Qwen3-8B on 1,024": (["--job.config", "qwen3_8b"], 1024),
+    "Qwen3-30B-A3B on 64": (["--job.config", "qwen3_30b_a3b"], 64),
+    "Qwen3.5-27B on 128": (["--job.config", "qwen3.5_27b"], 128),
+    "Qwen3.5-35B-A3B on 256": (["--job.config", "qwen3.5_35b_a3b"], 256),
+}
+
+
+def commit() -> str:
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+
+
+def measure(argv: list[str], world: int, repeats: int) -> dict:
+    job = parse_job(argv)
+    args = model_args(job)
+    searched = search_counted(job, args, world, 8, PRESETS["h100"], keep=3)  # warm-up
+    seconds = []
+    for _ in range(repeats):
+        start = time.process_time()
+        search_counted(job, args, world, 8, PRESETS["h100"], keep=3)
+        seconds.append(time.process_time() - start)
+    best = searched.plans[0]
+    return {
+        "cpu_seconds": min(seconds),
+        "candidates": searched.candidates,
+        "valid": searched.valid,
+        "scored": searched.scored,
+        "best": best.describe(),
+        "best_tokens_per_s": best.tokens_per_s,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    known = parser.parse_args()
+    rows = {name: measure(argv, world, known.repeats) for name, (argv, world) in QUESTIONS.items()}
+    print("| question | search (CPU s) | candidates / valid / scored | best plan | tokens/s/GPU |")
+    print("|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(
+            f"| {name} | {r['cpu_seconds']:.2f} | {r['candidates']:,} / {r['valid']:,} / {r['scored']:,} "
+            f"| {r['best']} | {r['best_tokens_per_s']:,.0f} |"
+        )
+    if known.json:
+        known.json.write_text(json.dumps({"commit": commit(), "questions": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
