@@ -41,12 +41,16 @@ SPLIT_COMPUTE = [
     "tp=2",
     "pp=2",
     "cp=2",
-    "dp_shard=2,tp=2",
     "tp=2,training.loss_chunk_tokens=24",  # vocab-parallel chunks, bf16 logits' gradient
 ]
 HEAVY_DATA_PARALLEL = ["dp_replicate=2,dp_shard=2"]
-HEAVY_SPLIT_COMPUTE = ["tp=2,sp=false,loss_parallel=false", "dp_shard=2,tp=2,pp=2", "dp_shard=2,cp=2,tp=2"]
-"""HSDP, TP without SP and eight-rank mixes of the split-compute plans above: four and eight
+HEAVY_SPLIT_COMPUTE = [
+    "tp=2,sp=false,loss_parallel=false",
+    "dp_shard=2,tp=2",
+    "dp_shard=2,tp=2,pp=2",
+    "dp_shard=2,cp=2,tp=2",
+]
+"""HSDP, TP without SP, FSDP x TP and eight-rank mixes of the split-compute plans above: four and eight
 processes on two cores for what each two-rank plan already shows; python -m pytest -m heavy."""
 LORA_PLANS = ["dp_shard=2", "tp=2", "pp=2"]
 """LoRA in bf16: the frozen base stored in bf16 beside fp32 adapters, under FSDP (one dtype

@@ -212,13 +212,10 @@ PLANS = {
     "GPipe": ("pp=2,schedule=GPipe", 4),
     "1F1B": ("pp=2,schedule=1F1B", 4),
     "Interleaved1F1B": ("pp=2,schedule=Interleaved1F1B", 4),
-    "LoopedBFS": ("pp=2,schedule=LoopedBFS", 4),
     "InterleavedZeroBubble": ("pp=2,schedule=InterleavedZeroBubble", 4),
     "ZBVZeroBubble": ("pp=2,schedule=ZBVZeroBubble", 4),
     "DualPipeV": ("pp=2,schedule=DualPipeV", 4),
-    "5 layers / 2 stages": ("pp=2", 5),
     "7 layers / 4 stages": ("pp=4", 7),
-    "7 layers / 4 interleaved stages": ("pp=2,schedule=Interleaved1F1B", 7),
     "6 layers / 4 stages per rank": (  # the planner's deeper interleaving (space.STAGES_PER_RANK)
         "pp=2,schedule=Interleaved1F1B,parallelism.pipeline_parallel_layers_per_stage=1",
         6,
@@ -230,7 +227,6 @@ PLANS = {
         4,
     ),  # a vocab-parallel loss, detached in place
     # (PP x FSDP x TP runs in test_plan_combinations.py, in its one eight-rank group)
-    "1F1B, micro-batches of 2": ("pp=2,schedule=1F1B,parallelism.pipeline_parallel_microbatch_size=2", 4),
 }
 
 ZERO_BUBBLE = [name for name, style in SCHEDULE_STYLES.items() if style.splits_backward]
@@ -260,7 +256,6 @@ PLANS |= {
         "pp=2,schedule=ZBVZeroBubble,compile.enable=true," + ac_flags("selective", "op"),
         4,
     ),
-    "ZBVZeroBubble x CP2 + per-op AC": ("pp=2,cp=2,schedule=ZBVZeroBubble," + ac_flags("selective", "op"), 4),
     "DualPipeV x CP2 + full AC": ("pp=2,cp=2,schedule=DualPipeV," + ac_flags("full", "op"), 4),
 }
 HEAVY_PLANS = {name: plan for name, plan in SCHEDULE_AC.items() if name not in _IN_TURN} | {
@@ -269,10 +264,17 @@ HEAVY_PLANS = {name: plan for name, plan in SCHEDULE_AC.items() if name not in _
         4,
     ),
     "InterleavedZeroBubble, compiled": ("pp=2,schedule=InterleavedZeroBubble,compile.enable=true", 4),
+    "LoopedBFS": ("pp=2,schedule=LoopedBFS", 4),
+    "5 layers / 2 stages": ("pp=2", 5),
+    "7 layers / 4 interleaved stages": ("pp=2,schedule=Interleaved1F1B", 7),
+    "1F1B, micro-batches of 2": ("pp=2,schedule=1F1B,parallelism.pipeline_parallel_microbatch_size=2", 4),
+    "ZBVZeroBubble x CP2 + per-op AC": ("pp=2,cp=2,schedule=ZBVZeroBubble," + ac_flags("selective", "op"), 4),
 }
-"""The other schedule and checkpointing pairs, and more compiled zero-bubble schedules (the
-split backward of a compiled graph): a minute of compilation beside the compiled per-op case
-above; python -m pytest -m heavy."""
+"""The other schedule and checkpointing pairs, more compiled zero-bubble schedules (the
+split backward of a compiled graph: a minute of compilation beside the compiled per-op case
+above), LoopedBFS (placed as Interleaved1F1B), the other uneven splits (7 layers over 4
+stages shows one), micro-batches of 2 and ZBV beside CP (DualPipeV x CP2 shows a V schedule
+there); python -m pytest -m heavy."""
 
 
 def run_pipelines(folder, plans: dict[str, tuple[str, int]]) -> dict:

@@ -116,21 +116,20 @@ def test_a_gated_deltanet_layer_under_cp_computes_the_whole_sequence(layer_gaps,
 
 PLANS = [
     "cp=2",
-    "cp=4",
     "cp=2,parallelism.context_parallel_load_balancer=none",
     "cp=2,tp=2",
     "cp=2,pp=2",
     f"cp=2,pp=2,schedule=ZBVZeroBubble,{ac_flags('full', 'op')}",
-    "cp=2,dp_shard=2",
     f"cp=2,{ac_flags('selective', 'op')}",
     "cp=2,compile.enable=true",
 ]
 DOCUMENT_PLANS = ["cp=2", "cp=2,tp=2"]
 """On the shipped conversations, packed: documents start inside ranges and cross ranks."""
-HEAVY_PLANS = [f"cp=2,{ac_flags('full', 'op')}"]
+HEAVY_PLANS = ["cp=4", "cp=2,dp_shard=2", f"cp=2,{ac_flags('full', 'op')}"]
 HEAVY_DOCUMENT_PLANS = ["cp=4", "cp=2,dp_shard=2"]
-"""Full AC (ZBV's case above checkpoints fully too), and packed documents at four ranks and
-beside FSDP: python -m pytest -m heavy."""
+"""Four ranks (CP alone and beside FSDP: the two-rank plans show each exchange), full AC
+(ZBV's case above checkpoints fully too), and packed documents likewise: python -m pytest
+-m heavy."""
 
 
 @pytest.fixture(scope="module")
