@@ -227,6 +227,7 @@ PLANS = {
         4,
     ),  # a vocab-parallel loss, detached in place
     # (PP x FSDP x TP runs in test_plan_combinations.py, in its one eight-rank group)
+    "1F1B, micro-batches of 2": ("pp=2,schedule=1F1B,parallelism.pipeline_parallel_microbatch_size=2", 4),
 }
 
 ZERO_BUBBLE = [name for name, style in SCHEDULE_STYLES.items() if style.splits_backward]
@@ -267,13 +268,12 @@ HEAVY_PLANS = {name: plan for name, plan in SCHEDULE_AC.items() if name not in _
     "LoopedBFS": ("pp=2,schedule=LoopedBFS", 4),
     "5 layers / 2 stages": ("pp=2", 5),
     "7 layers / 4 interleaved stages": ("pp=2,schedule=Interleaved1F1B", 7),
-    "1F1B, micro-batches of 2": ("pp=2,schedule=1F1B,parallelism.pipeline_parallel_microbatch_size=2", 4),
     "ZBVZeroBubble x CP2 + per-op AC": ("pp=2,cp=2,schedule=ZBVZeroBubble," + ac_flags("selective", "op"), 4),
 }
 """The other schedule and checkpointing pairs, more compiled zero-bubble schedules (the
 split backward of a compiled graph: a minute of compilation beside the compiled per-op case
 above), LoopedBFS (placed as Interleaved1F1B), the other uneven splits (7 layers over 4
-stages shows one), micro-batches of 2 and ZBV beside CP (DualPipeV x CP2 shows a V schedule
+stages shows one) and ZBV beside CP (DualPipeV x CP2 shows a V schedule
 there); python -m pytest -m heavy."""
 
 
