@@ -5,7 +5,7 @@
 Each question is answered as ``plan --top 3`` answers it (the search by bounds, ``keep=3``)
 after one warm-up answer (the model's op counts and other per-question terms are computed
 once, then cached), and timed by ``time.process_time``: the minimum of ``--repeats``, so a
-loaded machine's other work counts as little as it can. The JSON records the commit. Nothing
+loaded machine's other work counts as little as it can. The JSON records the commit (``+dirty`` for uncommitted code). Nothing
 trains, so no loss applies; the best plan is printed so that two commits can be seen to agree.
 """
 
@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import time
 from pathlib import Path
 
+from autopar.cli.bench import source_commit
 from autopar.planner.devices import PRESETS
 from autopar.planner.search import search_counted
 from autopar.training.resolve import model_args, parse_job
@@ -28,13 +28,6 @@ QUESTIONS = {
     "Qwen3.5-27B on 128": (["--job.config", "qwen3.5_27b"], 128),
     "Qwen3.5-35B-A3B on 256": (["--job.config", "qwen3.5_35b_a3b"], 256),
 }
-
-
-def commit() -> str:
-    root = Path(__file__).resolve().parents[1]
-    return subprocess.run(
-        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
 
 
 def measure(argv: list[str], world: int, repeats: int) -> dict:
@@ -73,7 +66,7 @@ def main() -> None:
             f"| {r['best']} | {r['best_tokens_per_s']:,.0f} |"
         )
     if known.json:
-        known.json.write_text(json.dumps({"commit": commit(), "questions": rows}, indent=2) + "\n")
+        known.json.write_text(json.dumps({"commit": source_commit(), "questions": rows}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

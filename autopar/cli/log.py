@@ -32,7 +32,7 @@ def warn_if_untested_torch() -> None:
 @contextmanager
 def quiet(level: int = logging.WARNING) -> Iterator[None]:
     """autopar's own lines below ``level`` dropped inside, the level before restored after:
-    a parity or bench run in this process leaves a later training's log as it was."""
+    a parity run in this process leaves a later training's log as it was."""
     logger = logging.getLogger("autopar")
     before = logger.level
     logger.setLevel(level)

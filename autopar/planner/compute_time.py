@@ -217,7 +217,7 @@ def busiest_stage_rank(
 @functools.lru_cache(maxsize=4096)
 def _stage_ranks(
     args: ModelArgs, stages: tuple[tuple[str, ...], ...], pp: int, style: StageStyle, seq: int, rates: Rates
-) -> tuple[tuple[list[int], StageRank], ...]:
+) -> tuple[tuple[tuple[int, ...], StageRank], ...]:
     """Each pipeline rank's stage ids, blocks and share of the FLOP time: the same for every
     plan of one split and one set of rates (the search meets each thousands of times)."""
     flops = _flop_seconds(args, seq, rates)
@@ -227,7 +227,7 @@ def _stage_ranks(
         names = [n for s in ids for n in stages[s]]
         blocks = tuple(int(n.split(".")[1]) for n in names if n.startswith("layers."))
         share = sum(flops.get(n, 0.0) for n in names) / sum(flops.values())
-        ranks.append((ids, StageRank(blocks, share)))
+        ranks.append((tuple(ids), StageRank(blocks, share)))
     return tuple(ranks)
 
 
