@@ -34,24 +34,25 @@ BATCH = ("--training.steps", str(STEPS), "--training.global_batch_size", "8", "-
 BF16 = ("--training.mixed_precision_param", "bfloat16")
 DATA_PARALLEL = [
     "dp_shard=2",
-    "dp_replicate=2",
     "dp_shard=2,training.enable_cpu_offload=true",
 ]
 SPLIT_COMPUTE = [
     "tp=2",
     "pp=2",
     "cp=2",
-    "tp=2,training.loss_chunk_tokens=24",  # vocab-parallel chunks, bf16 logits' gradient
 ]
-HEAVY_DATA_PARALLEL = ["dp_replicate=2,dp_shard=2"]
+HEAVY_DATA_PARALLEL = ["dp_replicate=2", "dp_replicate=2,dp_shard=2"]
 HEAVY_SPLIT_COMPUTE = [
+    "tp=2,training.loss_chunk_tokens=24",  # vocab-parallel chunks, bf16 logits' gradient
     "tp=2,sp=false,loss_parallel=false",
     "dp_shard=2,tp=2",
     "dp_shard=2,tp=2,pp=2",
     "dp_shard=2,cp=2,tp=2",
 ]
-"""HSDP, TP without SP, FSDP x TP and eight-rank mixes of the split-compute plans above: four and eight
-processes on two cores for what each two-rank plan already shows; python -m pytest -m heavy."""
+"""DDP and HSDP (one bf16 recipe for every data-parallel plan: FSDP's case above), the chunked loss
+under TP (its fp32 parity runs in test_chunked_loss.py), TP without SP, FSDP x TP and eight-rank
+mixes of the split-compute plans above: what each two-rank plan already shows, kept out of the
+default run's 25 minutes; python -m pytest -m heavy."""
 LORA_PLANS = ["dp_shard=2", "tp=2", "pp=2"]
 """LoRA in bf16: the frozen base stored in bf16 beside fp32 adapters, under FSDP (one dtype
 mix in its all-gather), TP and PP (measured on the debug model, 5 steps: FSDP 1e-7; TP, PP 1e-5

@@ -67,7 +67,13 @@ PIPELINE = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "flags", [[], ["--parallelism.tensor_parallel_degree=2"], PIPELINE], ids=["fsdp", "fsdp-tp", "pp-fsdp"]
+    "flags",
+    [
+        pytest.param([], id="fsdp"),
+        # the head's TP split is the trunk's: python -m pytest -m heavy
+        pytest.param(["--parallelism.tensor_parallel_degree=2"], id="fsdp-tp", marks=pytest.mark.heavy),
+        pytest.param(PIPELINE, id="pp-fsdp"),
+    ],
 )
 def test_the_planner_counts_the_head_as_the_dry_run_measures(flags):
     """Qwen3.5-2B's shapes at 4 layers, 4096 tokens, 8 ranks: the head's weights and AdamW

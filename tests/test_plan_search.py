@@ -384,23 +384,17 @@ def test_plan_json_that_cannot_be_written_is_one_line_before_the_search(tmp_path
     assert line.startswith(f"plan error: --json {path}{why.format(tmp=tmp_path)}"), line
 
 
-def test_plan_cli_says_how_to_launch_a_plan_that_spans_nodes():
+def test_plan_cli_says_how_to_launch_a_plan_that_spans_nodes(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
     line = "on 2 nodes (torchrun --nnodes 2 --nproc-per-node 8), with --parallelism.gpus_per_node=8"
-    spans = run(
-        "-m",
-        "autopar.plan",
-        "--job.config",
-        "train_configs/qwen3_8b.toml",
-        "--world-size",
-        "16",
-        "--top",
-        "1",
-    )
-    one_node = run(
-        "-m", "autopar.plan", "--job.config", "train_configs/qwen3_8b.toml", "--world-size", "8", "--top", "1"
-    )
-    assert line in spans.stdout
-    assert "--parallelism.gpus_per_node" not in one_node.stdout
+    outputs = []
+    for world in ("16", "8"):
+        argv = ["--job.config", "train_configs/qwen3_8b.toml", "--world-size", world, "--top", "1"]
+        assert plan_main(argv) == 0
+        outputs.append(capsys.readouterr().out)
+    spans, one_node = outputs
+    assert line in spans
+    assert "--parallelism.gpus_per_node" not in one_node
 
 
 @pytest.mark.parametrize("compiled", [True, False])

@@ -4,12 +4,11 @@ answers, measured beside predicted, and a plan that does not fit as measured is 
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from autopar.cli.plan import main as plan_main
 from autopar.planner.devices import PRESETS
 from autopar.planner.search import search
 from autopar.planner.verify import TRIES_PER_KEPT, first_built, verify, verify_plan
@@ -23,16 +22,9 @@ SMALL = [
 ]
 
 
-def test_plan_verify_builds_the_best_plans_and_prints_measured_beside_predicted():
-    result = subprocess.run(
-        [sys.executable, "-m", "autopar.plan", *SMALL, "--world-size", "4", "--verify", "2", "--top", "3"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
+def test_plan_verify_builds_the_best_plans_and_prints_measured_beside_predicted(capsys):
+    assert plan_main([*SMALL, "--world-size", "4", "--verify", "2", "--top", "3"]) == 0
+    out = capsys.readouterr().out
     assert "verifying the 2 best plans by their dry runs" in out
     assert out.count(": built (") == 2, out
     assert "measured" in out and "predicted" in out
