@@ -67,8 +67,6 @@ def test_mfu_counts_the_active_parameters():
 
 PLANS = [
     "dp_shard=2",
-    "cp=2",
-    "pp=2",
     "dp_shard=2,ep=2",
     "cp=2,ep=2",
     "dp_shard=2,pp=2,ep=2",
@@ -80,13 +78,16 @@ PLANS = [
     "dp_shard=2,pp=2,ep=2,schedule=ZBVZeroBubble,activation_checkpoint.mode=selective",
 ]
 HEAVY_PLANS = [
+    "cp=2",
+    "pp=2",
     "dp_shard=4,ep=2",
     "dp_replicate=2,dp_shard=2,ep=2",
     "tp=2,sp=false",
     "dp_shard=2,pp=2,ep=2,schedule=InterleavedZeroBubble,activation_checkpoint.mode=full",
 ]
-"""Four-rank expert meshes (the two-rank ones show the same dispatch), TP without sequence
-parallelism and a second zero-bubble schedule: python -m pytest -m heavy."""
+"""CP and PP without EP (each runs above with EP beside it), four-rank expert meshes (the
+two-rank ones show the same dispatch), TP without sequence parallelism and a second
+zero-bubble schedule: python -m pytest -m heavy."""
 
 
 LORA_PLANS = ["dp_shard=2,ep=2", "tp=2"]
