@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,7 @@ from autopar.planner.probe import (
     probe_plan_overheads,
     probe_recurrence,
     run_probe,
+    timed,
 )
 from autopar.planner.profile import (
     COLLECTIVES,
@@ -101,6 +103,17 @@ def test_the_probe_on_cpu_writes_a_profile_whose_figures_are_positive_and_round_
     assert [(s.batch, s.seq) for s in (one, four)] == [(1, 64), (4, 64)]
     assert all(0 < s.seconds < 10 for s in (one, four))
     assert DeviceProfile.from_json(json.loads(path.read_text())) == profile
+
+
+def test_a_run_as_long_as_the_long_run_bound_is_timed_once_and_a_short_one_after_a_warm_up():
+    calls = []
+
+    def sleep(seconds: float):
+        return lambda: (calls.append(seconds), time.sleep(seconds))
+
+    assert timed(sleep(0.05), torch.device("cpu"), long_run_s=0.04) >= 0.05 and len(calls) == 1
+    calls.clear()
+    assert timed(sleep(0.001), torch.device("cpu"), repeats=3, long_run_s=0.04) < 0.04 and len(calls) == 4
 
 
 def test_a_job_given_by_its_flags_alone_is_probed_like_one_given_by_a_config():
