@@ -74,19 +74,15 @@ def test_train_py_reports_a_config_error_and_touches_nothing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_print_config_shows_overrides():
-    result = run(
-        sys.executable,
-        "train.py",
-        "--job.config",
-        "train_configs/qwen3_8b.toml",
-        "--parallelism.tensor_parallel_degree",
-        "4",
-        "--print-config",
-    )
-    assert result.returncode == 0
-    assert 'flavor = "8B"' in result.stdout and "tensor_parallel_degree = 4" in result.stdout
-    assert "print_config" not in result.stdout  # a command, not a setting of the job
+def test_print_config_shows_overrides(capsys, monkeypatch):
+    from autopar.cli.train import main as train_main
+
+    monkeypatch.chdir(ROOT)
+    argv = ["--job.config", "train_configs/qwen3_8b.toml", "--parallelism.tensor_parallel_degree", "4"]
+    assert train_main([*argv, "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert 'flavor = "8B"' in out and "tensor_parallel_degree = 4" in out
+    assert "print_config" not in out  # a command, not a setting of the job
 
 
 @pytest.mark.slow
@@ -307,17 +303,15 @@ def test_plot_overlays_runs(tmp_path):
         (tmp_path / name).mkdir()
         lines = [json.dumps({"step": i + 1, "loss": loss}) for i, loss in enumerate(losses)]
         (tmp_path / name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    from autopar.cli.plot import main as plot_main
+
     out = tmp_path / "curves.png"
-    result = run(
-        sys.executable,
-        "-m",
-        "autopar.plot",
-        str(tmp_path / "a" / "metrics.jsonl"),
-        str(tmp_path / "b" / "metrics.jsonl"),
-        "-o",
-        str(out),
+    assert (
+        plot_main(
+            [str(tmp_path / "a" / "metrics.jsonl"), str(tmp_path / "b" / "metrics.jsonl"), "-o", str(out)]
+        )
+        == 0
     )
-    assert result.returncode == 0, result.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
