@@ -19,6 +19,7 @@ SMALL = [
     "--job.config",
     str(ROOT / "train_configs" / "debug_model.toml"),
     "--model.tie_word_embeddings=false",
+    "--training.local_batch_size=2",  # pinned: each dry run's fake step costs per sequence
 ]
 
 

@@ -551,6 +551,7 @@ def test_every_stage_role_of_a_pp_cp_tp_plan_builds_under_the_fake_group():
             "--parallelism.context_parallel_degree=2",
             "--parallelism.tensor_parallel_degree=2",
             "--parallelism.pipeline_parallel_degree=2",
+            "--training.local_batch_size=2",  # two micro-batches: each stage's steady state
         ]
     )
     ranks = compare(job, check_job(job, 8), 8)
