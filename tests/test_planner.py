@@ -380,14 +380,21 @@ SIZES = (
     "training.global_batch_size=",
 )
 """Flags that only size a case: what they change, every case's formulas already read."""
+BY_NAME = ("lora.target_modules=", "training.loss_chunk_tokens=")
+"""Settings whose value changes how much, not which, memory: a feature by name alone."""
 
 
 def grid_features(case: tuple) -> set[str]:
-    """What a grid case exercises: its family, each setting it changes (a degree by name, any
-    other setting but a size with its value)."""
+    """What a grid case exercises: its family, each setting it changes but a size (a degree or
+    a ``BY_NAME`` setting by name, any other with its value)."""
     _, (family, _), flags = case
-    named = {f.lstrip("-").split("=")[0] if "_degree=" in f else f.lstrip("-") for f in flags}
-    return {f"family:{family}", *(f for f in named if not f.startswith(SIZES))}
+    named = set()
+    for flag in (f.lstrip("-") for f in flags):
+        if flag.startswith(SIZES):
+            continue
+        by_name = "_degree=" in flag or flag.startswith(BY_NAME)
+        named.add(flag.split("=")[0] if by_name else flag)
+    return {f"family:{family}", *named}
 
 
 def grid_split(grid: list) -> list:
