@@ -13,7 +13,7 @@ from autopar.config.sections import Parallelism
 from autopar.data.loader import Batch
 from autopar.models import Qwen
 from autopar.models.flavors import get_flavor
-from autopar.parallel.context_parallel import ContextParallel, shard_sequence
+from autopar.parallel.context_parallel import ContextParallel, shard_sequence, unshard_sequence
 from autopar.parallel.sdpa_backend import apply_attention_kernel
 from autopar.training.preflight import check_job
 
@@ -25,6 +25,14 @@ def test_head_tail_shards_pair_early_and_late_chunks():
     assert shard_sequence(x, 0, 2, head_tail=True).tolist() == [[0, 1, 2, 3, 12, 13, 14, 15]]
     assert shard_sequence(x, 1, 2, head_tail=True).tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
     assert shard_sequence(x, 1, 2, head_tail=False).tolist() == [[8, 9, 10, 11, 12, 13, 14, 15]]
+
+
+@pytest.mark.parametrize("head_tail", [True, False])
+@pytest.mark.parametrize("size", [2, 4])
+def test_every_ranks_shards_unshard_to_the_whole_sequence(head_tail, size):
+    x = torch.arange(3 * 32 * 2).view(3, 32, 2)
+    parts = [shard_sequence(x, rank, size, head_tail) for rank in range(size)]
+    assert torch.equal(unshard_sequence(parts, head_tail), x)
 
 
 def test_head_tail_gives_every_rank_the_same_causal_work():

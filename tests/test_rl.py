@@ -13,7 +13,7 @@ from autopar.data.tokens import BUILTIN_DATASETS
 from autopar.training.metrics.logger import read_metrics
 from autopar.training.resolve import parse_job
 
-from jobs import one_process_trainer
+from jobs import MOE_FLAGS, one_process_trainer
 
 HERE = Path(__file__).parent
 FIXTURES = HERE / "grpo_fixtures"
@@ -156,6 +156,14 @@ def test_a_run_resumed_inside_a_rollouts_passes_trains_on_the_completions_it_kep
     assert [(r.loss, r.grad_norm) for r in resumed] == [(r.loss, r.grad_norm) for r in uninterrupted[1:]]
 
 
+REPLAYED_UNDER_PP = (
+    "--parallelism.pipeline_parallel_degree",
+    "2",
+    "--rl.replay",
+    str(FIXTURES / "rollouts"),
+)
+
+
 def check(*flags: str) -> None:
     from autopar.training.preflight import check_job
 
@@ -176,6 +184,20 @@ def check(*flags: str) -> None:
         (("--rl.beta", "0.1", "--rl.reference", "adapters_off"), "lora.enable=false"),
         (("--rl.temperature", "0"), "rl.temperature=0.0 must be > 0"),
         (("--parallelism.pipeline_parallel_degree", "2"), "pipeline_parallel_degree=2: not supported yet"),
+        (
+            (
+                *REPLAYED_UNDER_PP,
+                "--rl.beta",
+                "0.1",
+                "--parallelism.pipeline_parallel_schedule",
+                "ZBVZeroBubble",
+            ),
+            "rl.beta=0.1 (the reference pass) under parallelism.pipeline_parallel_schedule='ZBVZeroBubble'",
+        ),
+        (
+            (*REPLAYED_UNDER_PP, *MOE_FLAGS),
+            "RL with a mixture of experts under pipeline_parallel_degree=2: not supported yet",
+        ),
     ],
 )
 def test_a_bad_rl_setting_is_one_line_before_any_work(flags, says):
@@ -263,3 +285,48 @@ def test_the_shipped_rewards_read_gsm8k_and_boxed_answers():
     ]
     assert answer_match([], completions) == [None] * 4
     assert think_format([" <think>add them</think> 7", "<think>no answer</think>", "7"]) == [1.0, 0.0, 0.0]
+
+
+def packed_completions(groups: int | None):
+    """Four replayed completions of 3-4 tokens after 3-token prompts packed as one micro-batch
+    of 16-token rows, their old log-probabilities such that every ratio clips, and the
+    (B, S, V) logits of a random policy over them."""
+    import torch
+
+    from autopar.training.objectives.rl.rollouts import Completion, Packed, pack_micro_batch
+
+    generator = torch.Generator().manual_seed(0)
+    items = []
+    for k in range(4):
+        ids = torch.randint(0, 20, (7 - k % 2,), generator=generator).tolist()
+        completion = Completion(1, k // 2, "p", ids[:3], ids[3:], "c", {}, 1.0, (-1.0) ** k, None, False)
+        n = len(completion.completion_ids)
+        old = [-6.0 if k % 2 == 0 else -1.0] * n  # ratios far above 1 (advantage +1) or below (-1)
+        items.append(Packed(completion, [0.1] * n, old, [0.0] * n))
+    batch = pack_micro_batch(items, 16, 0, groups)
+    return batch, torch.randn(*batch.inputs.shape, 20, generator=generator)
+
+
+def test_a_pipelines_packing_gives_each_pipeline_micro_batch_whole_completions_in_fixed_rows():
+    batch, _ = packed_completions(groups=2)
+    assert batch.inputs.shape == (4, 16)  # two completions per group, a row each, always
+    completions = batch.labels[..., 1]
+    assert {int(c) for c in completions[:2].unique()} - {-1} == {0, 1}
+    assert {int(c) for c in completions[2:].unique()} - {-1} == {2, 3}
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_a_micro_batch_cut_into_pipeline_micro_batches_sums_to_the_whole_ones_loss_and_metrics(level):
+    import torch
+
+    from autopar.training.objectives.rl.loss import Columns, PolicyLoss, policy_loss
+
+    settings = PolicyLoss("dapo", level, 0.2, 0.2, None, 0.0, 1.0)
+    batch, logits = packed_completions(groups=2)
+    whole = policy_loss(settings, logits, Columns.of(batch.labels), 4, None)
+    halves = [
+        policy_loss(settings, logits[r], Columns.of(batch.labels[r]), 4, None)
+        for r in (slice(0, 2), slice(2, 4))
+    ]
+    torch.testing.assert_close(halves[0][0] + halves[1][0], whole[0])
+    torch.testing.assert_close(halves[0][1] + halves[1][1], whole[1])  # clip counts over completions too

@@ -1,6 +1,7 @@
 """A replayed RL step trains as one device does under every plan it runs under: the policy
 loss's per-token weights, its per-completion sums (GSPO) across context-parallel ranks, a
-mixture's experts across expert-parallel ranks, Qwen3.5's delta rule across CP ranks."""
+mixture's experts across expert-parallel ranks, Qwen3.5's delta rule across CP ranks, each
+pipeline micro-batch's completions and a reference's log-probabilities through a pipeline."""
 
 from __future__ import annotations
 
@@ -9,10 +10,19 @@ from pathlib import Path
 
 import pytest
 
+from autopar.config.sections import JobConfig
 from autopar.data.tokens import BUILTIN_DATASETS
 from autopar.training.metrics.logger import read_metrics
 
-from jobs import CHAT_VOCAB, assert_fp32_parity, hybrid_job, moe_job, parity_runs, tiny_job
+from jobs import (
+    CHAT_VOCAB,
+    assert_fp32_parity,
+    assert_same_training,
+    hybrid_job,
+    moe_job,
+    parity_runs,
+    tiny_job,
+)
 
 FIXTURES = Path(__file__).parent / "grpo_fixtures"
 CHATML = Path(BUILTIN_DATASETS["autopar_corpus"]).parent / "tokenizers" / "chatml"
@@ -44,21 +54,31 @@ DENSE_PLANS = [
     "cp=2",
     "dp_shard=2,compile.enable=true",
     "dp_shard=2,activation_checkpoint.mode=full",
+    "pp=2",
 ]
 
+HYBRID_PLANS = ["dp_shard=2", "cp=2"]
+LORA_PLANS = ["dp_shard=2", "cp=2"]
+"""LoRA with beta > 0 and its adapters bypassed for the reference: under CP each rank's
+shard of the reference's log-probabilities is gathered back into whole rows."""
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("rl_plans")
-    dense = tiny_job(folder / "dense", *REPLAY, vocab_size=CHAT_VOCAB)
-    gspo = tiny_job(
-        folder / "gspo", *REPLAY, "--rl.importance_sampling_level", "sequence", vocab_size=CHAT_VOCAB
-    )
-    moe = moe_job(folder / "moe", *REPLAY, f"--model.vocab_size={CHAT_VOCAB}")
-    hybrid = hybrid_job(folder / "hybrid", *REPLAY, vocab_size=CHAT_VOCAB)
-    lora = tiny_job(
-        folder / "lora",
-        *REPLAY,
+
+def replay_job(folder: Path, kind: str) -> JobConfig:
+    """The replayed fixture step as ``kind`` trains it."""
+    if kind == "dense":
+        return tiny_job(folder / kind, *REPLAY, vocab_size=CHAT_VOCAB)
+    if kind == "gspo":
+        return tiny_job(
+            folder / kind, *REPLAY, "--rl.importance_sampling_level", "sequence", vocab_size=CHAT_VOCAB
+        )
+    if kind == "moe":
+        return moe_job(folder / kind, *REPLAY, f"--model.vocab_size={CHAT_VOCAB}")
+    if kind == "hybrid":
+        return hybrid_job(folder / kind, *REPLAY, vocab_size=CHAT_VOCAB)
+    if kind == "reference":  # beta > 0 with a frozen copy as reference
+        return tiny_job(folder / kind, *REPLAY, "--rl.beta", "0.04", vocab_size=CHAT_VOCAB)
+    assert kind == "lora"
+    lora = (
         "--lora.enable",
         "true",
         "--lora.rank",
@@ -67,38 +87,65 @@ def runs(tmp_path_factory):
         "0.04",
         "--rl.reference",
         "adapters_off",
-        vocab_size=CHAT_VOCAB,
     )
-    out = {f"dense {plan}": run for plan, run in parity_runs(dense, DENSE_PLANS, steps=1).items()}
-    out |= {f"gspo {plan}": run for plan, run in parity_runs(gspo, ["cp=2"], steps=1).items()}
-    out |= {f"moe {plan}": run for plan, run in parity_runs(moe, ["dp_shard=2,ep=2"], steps=1).items()}
-    out |= {
-        f"hybrid {plan}": run for plan, run in parity_runs(hybrid, ["dp_shard=2", "cp=2"], steps=1).items()
-    }
-    out |= {f"lora {plan}": run for plan, run in parity_runs(lora, ["dp_shard=2"], steps=1).items()}
+    return tiny_job(folder / kind, *REPLAY, *lora, vocab_size=CHAT_VOCAB)
+
+
+def replayed_runs(folder: Path, plans: dict[str, list[str]]) -> dict:
+    """ "kind plan" -> (one device's run, the plan's) for each kind's plans."""
+    out = {}
+    for kind, kind_plans in plans.items():
+        runs = parity_runs(replay_job(folder, kind), kind_plans, steps=1)
+        out |= {f"{kind} {plan}": run for plan, run in runs.items()}
     return out
 
 
-CASES = [
-    *(f"dense {p}" for p in DENSE_PLANS),
-    "gspo cp=2",
-    "moe dp_shard=2,ep=2",
-    "hybrid dp_shard=2",
-    "hybrid cp=2",
-    "lora dp_shard=2",
-]
+PLANS = {
+    "dense": DENSE_PLANS,
+    "gspo": ["cp=2"],
+    "moe": ["dp_shard=2,ep=2"],
+    "hybrid": HYBRID_PLANS,
+    "lora": LORA_PLANS,
+}
+HEAVY_PLANS = {
+    "hybrid": ["pp=2,schedule=Interleaved1F1B"],  # four layers: one per stage
+    "reference": ["pp=2", "cp=2"],  # forward only through a pipeline; gathered from CP shards
+    "lora": ["pp=2"],  # the reference through the policy's own schedule
+}
+"""More replayed plans (python -m pytest -m heavy): each mechanism keeps a case above."""
+CASES = [f"{kind} {plan}" for kind, plans in PLANS.items() for plan in plans]
+HEAVY_CASES = [f"{kind} {plan}" for kind, plans in HEAVY_PLANS.items() for plan in plans]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return replayed_runs(tmp_path_factory.mktemp("rl_plans"), PLANS)
+
+
+@pytest.fixture(scope="module")
+def heavy_runs(tmp_path_factory):
+    return replayed_runs(tmp_path_factory.mktemp("rl_heavy_plans"), HEAVY_PLANS)
+
+
+def assert_replayed_parity(run, reference, case: str) -> None:
+    if "compile" in case:  # inductor fuses and reorders sums: 1e-4, as every compiled plan
+        assert_same_training(run, reference, loss_rtol=1e-4, norm_rtol=1e-4)
+    else:
+        assert_fp32_parity(run, reference)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_a_replayed_rl_step_under_a_plan_equals_one_device(runs, case):
     reference, run = runs[case]
-    if "compile" in case:  # inductor fuses and reorders sums: 1e-4, as every compiled plan
-        from jobs import assert_same_training
+    assert_replayed_parity(run, reference, case)
 
-        assert_same_training(run, reference, loss_rtol=1e-4, norm_rtol=1e-4)
-    else:
-        assert_fp32_parity(run, reference)
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("case", HEAVY_CASES)
+def test_a_replayed_rl_step_under_more_plans_equals_one_device(heavy_runs, case):
+    reference, run = heavy_runs[case]
+    assert_replayed_parity(run, reference, case)
 
 
 LIVE = (
@@ -122,7 +169,7 @@ LIVE = (
     "32",
 )
 """The toy task, sampled live: 2 prompts x 4 completions a step."""
-LIVE_PLANS = ["dp_shard=2", "tp=2,sp=false"]
+LIVE_PLANS = ["dp_shard=2", "tp=2,sp=false", "cp=2"]
 
 
 @pytest.fixture(scope="module")

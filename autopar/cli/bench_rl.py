@@ -22,6 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from autopar.cli.bench import source_commit
 from autopar.data.chat import CHATML_TOKENIZER
 from autopar.data.tokens import BUILTIN_DATASETS
 
@@ -142,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         }
     print(table(rows))
     if options.json:
-        Path(options.json).write_text(json.dumps(rows, indent=1))
+        record = {"commit": source_commit(), "steps": options.steps, "threads": 1, "rows": rows}
+        Path(options.json).write_text(json.dumps(record, indent=1))
     return 0
 
 

@@ -93,6 +93,17 @@ def shard_sequence(x: torch.Tensor, rank: int, size: int, head_tail: bool, dim: 
     return torch.cat((chunks[rank], chunks[2 * size - 1 - rank]), dim=dim)
 
 
+def unshard_sequence(parts: list[torch.Tensor], head_tail: bool, dim: int = 1) -> torch.Tensor:
+    """The whole of a tensor from every CP rank's ``shard_sequence`` part, in rank order."""
+    if not head_tail:
+        return torch.cat(parts, dim=dim)
+    size = len(parts)
+    chunks: list[torch.Tensor | None] = [None] * (2 * size)
+    for rank, part in enumerate(parts):
+        chunks[rank], chunks[2 * size - 1 - rank] = part.chunk(2, dim=dim)
+    return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]
+
+
 class AllGatherKVAttention(TorchFunctionMode):
     """Causal SDPA over the whole sequence for this rank's queries: k/v gathered from all CP
     ranks, the mask from global positions (so any sharding layout is handled) and, with

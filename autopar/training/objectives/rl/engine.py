@@ -3,8 +3,9 @@ given advantages, kept, and packed into the micro-batches the policy loss trains
 
 ``Rollouts`` stands where a loader stands: ``next_step()`` returns this rank's micro-batches.
 Every ``num_iterations`` steps it samples anew: ``global_batch_size / num_generations``
-prompts a step, split over the data-parallel ranks, ``num_generations`` completions each, from
-the model parts being trained (``PlanRunner``), with the sampler's log-probabilities as pi_old.
+prompts a step, split over the data-parallel ranks (and each rank's completions over its
+context-parallel ranks), ``num_generations`` completions each, from the model parts being
+trained (``PlanRunner``), with the sampler's log-probabilities as pi_old.
 The ranks' rewards are gathered so advantages are the whole batch's (TRL's), each rank keeps
 its own completions, and the main rank writes the step's to ``rollouts/step-N.jsonl``. With
 ``rl.replay`` it samples nothing: step N trains on the file's records of step N.
@@ -80,6 +81,9 @@ class Rollouts:
         self.dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
         self.dp_size = dims.dp
         self.dp_group = dp_mesh.get_group() if dp_mesh is not None and dims.dp > 1 else None
+        cp_mesh = runner.meshes.get("cp")
+        self.cp_mesh = cp_mesh if cp_mesh is not None and cp_mesh.size() > 1 else None
+        """Ranks that split each sampling's rows between them (context parallelism's)."""
         self.device = runner.device
         self.vocab_size = runner.args.vocab_size
         self.groups = self.global_batch // cfg.num_generations
@@ -158,18 +162,27 @@ class Rollouts:
         cfg = self.job.rl
         groups = self._my_groups(index)
         prompt_ids = [self.prompts[g].prompt_ids for g in groups for _ in range(cfg.num_generations)]
-        seed = hash((self.job.debug.seed, index, self.dp_rank)) % 2**63
-        sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, seed)
+        # CP ranks hold the same weights: each samples its share of the rows, then they swap
+        cp_rank, cp_size = (self.cp_mesh.get_local_rank(), self.cp_mesh.size()) if self.cp_mesh else (0, 1)
+        share = slice(cp_rank * len(prompt_ids) // cp_size, (cp_rank + 1) * len(prompt_ids) // cp_size)
+        key = (self.job.debug.seed, index, self.dp_rank) + ((cp_rank,) if cp_size > 1 else ())
+        sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, hash(key) % 2**63)
         model = self.runner.parts[0]
         modules = [m for part in self.runner.parts for m in part.modules()]
         with torch.no_grad(), fsdp_weights_gathered(modules):
             made = sample(
                 model,
-                prompt_ids,
+                prompt_ids[share],
                 cfg.max_completion_length,
                 sampling,
                 self.stop_ids,
                 whole=_whole,
+            )
+        if self.cp_mesh is not None:
+            shares: list[tuple[list[list[int]], list[list[float]]]] = [None] * cp_size  # type: ignore[list-item]
+            dist.all_gather_object(shares, (made.tokens, made.logps), group=self.cp_mesh.get_group())
+            made = made._replace(
+                tokens=[t for s in shares for t in s[0]], logps=[p for s in shares for p in s[1]]
             )
         first_group = (index - 1) * self.groups + self.dp_rank * (self.groups // self.dp_size)
         out = []
@@ -302,6 +315,7 @@ class Rollouts:
             dtype=torch.float64,
         )
         total = _gathered(tokens.sum()[None], self.dp_group).sum().item()  # the generation batch's tokens
+        cuts = self.runner.calls_per_batch if self.runner.pipeline is not None else None
         batches = []
         for start in range(0, len(completions), self.local_batch):
             part = range(start, start + self.local_batch)
@@ -321,7 +335,7 @@ class Rollouts:
                 )
                 for i in part
             ]
-            batches.append(pack_micro_batch(items, self.job.training.seq_len, self.pad_id))
+            batches.append(pack_micro_batch(items, self.job.training.seq_len, self.pad_id, cuts))
         if self.reference is not None:
             batches = [_with_reference(b, r) for b, r in zip(batches, self.reference(batches), strict=True)]
         return [

@@ -4,8 +4,8 @@ the objective over them.
 For ``training.dataset_format = "prompts"`` the trainer gets the rollouts (``engine``) where
 a loader stands and the policy loss (``objective``) as its objective; the batch sizes count
 completions (TRL's). Live sampling runs on the job's own parts; what it cannot run under yet
-is refused here in one line (a pipeline; expert or sequence parallelism while sampling;
-context parallelism with a reference), while a replay trains under any of them but the pipeline.
+is refused here in one line (a pipeline, expert or sequence parallelism while sampling),
+while a replay trains under any of them.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import functools
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from autopar.config.checks import changed_fields
@@ -27,8 +28,10 @@ from autopar.data.prompt_records import PromptSource, read_prompt_records
 from autopar.data.prompts import stop_ids
 from autopar.data.tokenizer import build_tokenizer
 from autopar.models.args import ModelArgs
+from autopar.parallel.context_parallel import ContextParallel, unshard_sequence
 from autopar.parallel.materialize import FullValue
 from autopar.parallel.mesh import ParallelDims
+from autopar.parallel.pipelining.schedule import Pipeline, check_forward_only_schedule
 from autopar.training.objectives.base import ForwardInputs
 from autopar.training.objectives.dpo.job import (
     all_adapters_off,
@@ -41,7 +44,7 @@ from autopar.training.objectives.rl.loss import Columns, PolicyLoss, token_logps
 from autopar.training.objectives.rl.objective import PolicyGradient
 from autopar.training.objectives.rl.rollouts import read_replay
 from autopar.training.objectives.rl.scoring import load_rewards
-from autopar.training.plan_runner import PlanRunner
+from autopar.training.plan_runner import PlanRunner, sum_over
 from autopar.training.resolve import tokenizer_path
 
 
@@ -77,8 +80,8 @@ def check_rl(job: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
             f"rl.max_completion_length={cfg.max_completion_length} leaves no room for a prompt in a row of "
             f"training.seq_len={job.training.seq_len}; raise seq_len or lower max_completion_length"
         )
-    _check_reference(job, dims)
-    _check_plan(job, dims)
+    _check_reference(job)
+    _check_plan(job, dims, args)
     refused = {
         "training.loss_chunk_tokens > 0": job.training.loss_chunk_tokens > 0,
         "validation.enable=true": job.validation.enable,
@@ -131,7 +134,7 @@ def _check_batch(job: JobConfig, dims: ParallelDims) -> None:
         )
 
 
-def _check_reference(job: JobConfig, dims: ParallelDims) -> None:
+def _check_reference(job: JobConfig) -> None:
     cfg = job.rl
     if cfg.beta == 0:
         return
@@ -140,19 +143,11 @@ def _check_reference(job: JobConfig, dims: ParallelDims) -> None:
             "rl.reference='adapters_off' is the LoRA model with its adapters bypassed, and lora.enable=false; "
             "use --lora.enable true, or --rl.reference copy"
         )
-    if dims.cp > 1:
-        raise ConfigError(
-            f"rl.beta={cfg.beta} with context_parallel_degree={dims.cp}: the reference pass runs whole rows and is "
-            "not supported under context parallelism yet; use --rl.beta 0 or no context parallelism"
-        )
 
 
-def _check_plan(job: JobConfig, dims: ParallelDims) -> None:
+def _check_plan(job: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
     if dims.pp > 1:
-        raise ConfigError(
-            f"training.dataset_format='prompts' (RL) with pipeline_parallel_degree={dims.pp}: not supported yet "
-            "(rollouts decode on each rank's whole model); use FSDP, TP or CP instead"
-        )
+        _check_pipelined(job, dims, args)
     if job.rl.replay is not None:
         return
     if dims.ep > 1:
@@ -166,6 +161,24 @@ def _check_plan(job: JobConfig, dims: ParallelDims) -> None:
             "decode step's one token cannot split over the sequence); use --parallelism.enable_sequence_parallel "
             "false, or replay"
         )
+
+
+def _check_pipelined(job: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
+    """A pipeline trains replayed rollouts: its micro-batches pack each pipeline micro-batch's
+    completions alone (``rollouts.pack_micro_batch``), a reference runs forward only."""
+    if job.rl.replay is None:
+        raise ConfigError(
+            f"RL sampling with pipeline_parallel_degree={dims.pp}: not supported yet (rollouts decode on each "
+            "rank's whole model); sample under FSDP, TP or CP, or train --rl.replay rollouts under the pipeline"
+        )
+    if args.moe:
+        raise ConfigError(
+            f"RL with a mixture of experts under pipeline_parallel_degree={dims.pp}: not supported yet (the "
+            "load-balancing loss is per row, and a pipeline packs each of its micro-batches into rows of their "
+            "own); use expert or FSDP parallelism instead"
+        )
+    if job.rl.beta != 0:
+        check_forward_only_schedule(job.parallelism, f"rl.beta={job.rl.beta} (the reference pass)")
 
 
 def prompt_source(job: JobConfig) -> PromptSource:
@@ -200,7 +213,8 @@ def rl_objective(
                     dcp_path,
                     "rl.reference_path" if cfg.reference_path else "checkpoint.initial_load_path",
                 )
-        reference = functools.partial(_reference_tokens, runner, copy[0] if copy else None, job)
+        model = (runner.pipeline_of(copy) if runner.pipeline is not None else copy[0]) if copy else None
+        reference = functools.partial(_reference_tokens, runner, model, job)
     replay = read_replay(cfg.replay, args.vocab_size) if cfg.replay is not None else None
     rollouts = Rollouts(
         job,
@@ -232,7 +246,7 @@ class _TokenRecord:
 
 @torch.no_grad()
 def _reference_tokens(
-    runner: PlanRunner, model: nn.Module | None, job: JobConfig, batches: list[Batch]
+    runner: PlanRunner, model: nn.Module | Pipeline | None, job: JobConfig, batches: list[Batch]
 ) -> list[torch.Tensor]:
     """Each packed micro-batch's reference log-probabilities per label: a frozen copy's, or
     (``model`` None) the policy's with its adapters bypassed."""
@@ -243,5 +257,25 @@ def _reference_tokens(
         for b in batches
     ]
     with scope():
-        runner.run(device_batches, record, ForwardInputs(), backward=False, model=model)
-    return record.logps
+        calls = runner.run(device_batches, record, ForwardInputs(), backward=False, model=model)
+    cp = runner.context.context_parallel
+    logps = record.logps
+    if runner.pipeline is not None:  # the last stage holds every pipeline micro-batch's, in order
+        rows = [b.inputs.shape[0] for b in device_batches]
+        width = device_batches[0].inputs.shape[1] // (1 if cp is None else cp.mesh.size())
+        values = (
+            torch.cat(logps[len(logps) - calls :])
+            if calls
+            else torch.zeros(sum(rows), width, device=runner.device)
+        )
+        logps = list(sum_over(values, runner, "pp").split(rows))
+    if cp is not None:  # each CP rank holds its shard of every row
+        logps = [_whole_rows(part, cp) for part in logps]
+    return logps
+
+
+def _whole_rows(local: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """(B, S) from every CP rank's (B, S / cp) shard of it."""
+    parts = [torch.empty_like(local) for _ in range(cp.mesh.size())]
+    dist.all_gather(parts, local.contiguous(), group=cp.mesh.get_group())
+    return unshard_sequence(parts, cp.head_tail)

@@ -146,6 +146,15 @@ def per_sequence_means(
     return means
 
 
+def _present(columns: Columns, sequences: int, cp_mesh: DeviceMesh | None) -> torch.Tensor:
+    """(``sequences``,) 1 for each completion the call holds a token of on any CP rank (a
+    pipeline micro-batch holds some of its micro-batch's completions), else 0."""
+    ids = columns.completions.flatten()
+    held = (ids >= 0).float()
+    found = held.new_zeros(sequences).index_add(0, torch.where(ids >= 0, ids, 0), held)
+    return (sum_over_cp(found, cp_mesh) > 0).float()
+
+
 def _at_tokens(per_sequence: torch.Tensor, columns: Columns) -> torch.Tensor:
     """(B, S) each token's completion's value of ``per_sequence`` (0 off any completion)."""
     ids = columns.completions
@@ -170,7 +179,7 @@ def policy_loss(
         clipped = _clipped(settings, torch.exp(seq_log_weights.detach()), seq_advantages)
         cp = 1 if cp_mesh is None else cp_mesh.size()  # every CP rank counts every completion
         clip_sums = [c.float().sum() / cp for c in clipped] + [
-            torch.tensor(sequences / cp, device=logps.device)
+            _present(columns, sequences, cp_mesh).sum() / cp
         ]
     else:
         coef_1 = torch.exp(log_ratio)

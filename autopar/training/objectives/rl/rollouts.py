@@ -132,17 +132,21 @@ class Packed:
     learned: bool = True
 
 
-def pack_micro_batch(items: Sequence[Packed], seq_len: int, pad_id: int) -> Batch:
+def pack_micro_batch(items: Sequence[Packed], seq_len: int, pad_id: int, groups: int | None = None) -> Batch:
     """The rows of one micro-batch: each item a document whole in one row, a new row when the
-    next does not fit; labels (R, seq_len, 6) carry ``loss.CHANNELS``."""
-    rows: list[list[int]] = [[]]
-    used = 0
-    for index, item in enumerate(items):
-        if used + item.completion.tokens > seq_len and rows[-1]:
-            rows.append([])
-            used = 0
-        rows[-1].append(index)
-        used += item.completion.tokens
+    next does not fit; labels (R, seq_len, 6) carry ``loss.CHANNELS``. ``groups`` (a pipeline's
+    micro-batches): the items cut into that many equal groups in order, each packed alone into
+    as many rows as it has items (one always fits), so the schedule's equal cuts of the rows
+    give each pipeline micro-batch whole completions, and every step the same shapes."""
+    if groups is None:
+        rows = _rows(items, range(len(items)), seq_len)
+    else:
+        per_group = len(items) // groups
+        assert per_group * groups == len(items), "validated: the pipeline micro-batches divide the batch"
+        rows = []
+        for g in range(groups):
+            members = _rows(items, range(g * per_group, (g + 1) * per_group), seq_len)
+            rows += members + [[] for _ in range(per_group - len(members))]
     inputs = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
     documents = torch.full((len(rows), seq_len), -1, dtype=torch.long)
     columns = torch.zeros(len(rows), seq_len, 6)
@@ -153,6 +157,20 @@ def pack_micro_batch(items: Sequence[Packed], seq_len: int, pad_id: int) -> Batc
         for index in members:
             at = _place(items[index], index, inputs[r], documents[r], columns[r], at)
     return Batch(inputs, columns, documents)
+
+
+def _rows(items: Sequence[Packed], indices: range, seq_len: int) -> list[list[int]]:
+    """``indices`` of ``items`` in rows of ``seq_len``, in order, a new row when the next does
+    not fit."""
+    rows: list[list[int]] = [[]]
+    used = 0
+    for index in indices:
+        if used + items[index].completion.tokens > seq_len and rows[-1]:
+            rows.append([])
+            used = 0
+        rows[-1].append(index)
+        used += items[index].completion.tokens
+    return rows
 
 
 def _place(
