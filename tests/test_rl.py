@@ -273,6 +273,25 @@ def test_a_replay_of_another_vocabulary_is_refused(tmp_path):
         one_process_trainer(job)
 
 
+def test_a_replay_longer_than_a_row_is_refused_naming_the_seq_len_it_needs(tmp_path):
+    from autopar.config.errors import ConfigError
+
+    job = replay_job(tmp_path / "run", CASES["dapo"], "--training.seq_len", "12")
+    with pytest.raises(ConfigError, match=r"rl.replay: a completion of step 1 makes a \d+-token document"):
+        one_process_trainer(job)
+
+
+def test_a_prompt_that_leaves_no_room_for_a_whole_completion_is_refused_before_any_work():
+    from autopar.config.errors import ConfigError
+    from autopar.training.objectives.rl.job import prompt_source
+
+    job = parse_job(
+        ["--job.config", "rl_debug", "--training.seq_len", "32", "--rl.max_completion_length", "24"]
+    )
+    with pytest.raises(ConfigError, match=r"prompt \d+ is \d+ tokens, .* raise seq_len to \d+"):
+        prompt_source(job)
+
+
 def test_the_shipped_rewards_read_gsm8k_and_boxed_answers():
     from autopar.rewards import answer_match, think_format
 

@@ -24,7 +24,7 @@ from autopar.config.sections import RL, JobConfig
 from autopar.data.chat import ChatFormat, _tokenizer
 from autopar.data.loader import Batch, dataset_path
 from autopar.data.preference import PairEncoder
-from autopar.data.prompt_records import PromptSource, read_prompt_records
+from autopar.data.prompt_records import PromptRecord, PromptSource, read_prompt_records
 from autopar.data.prompts import stop_ids
 from autopar.data.tokenizer import build_tokenizer
 from autopar.models.args import ModelArgs
@@ -42,7 +42,7 @@ from autopar.training.objectives.dpo.job import (
 from autopar.training.objectives.rl.engine import Rollouts
 from autopar.training.objectives.rl.loss import Columns, PolicyLoss, token_logps_and_entropy
 from autopar.training.objectives.rl.objective import PolicyGradient
-from autopar.training.objectives.rl.rollouts import read_replay
+from autopar.training.objectives.rl.rollouts import Completion, read_replay
 from autopar.training.objectives.rl.scoring import load_rewards
 from autopar.training.plan_runner import PlanRunner, sum_over
 from autopar.training.resolve import tokenizer_path
@@ -189,7 +189,23 @@ def prompt_source(job: JobConfig) -> PromptSource:
     path = str(tokenizer_path(job))
     source = dataset_path(training.dataset, training.dataset_path)
     records = read_prompt_records(source, PairEncoder(path, ChatFormat(path, training.chat_template)))
+    _check_prompts_fit(records, str(source), training.seq_len, job.rl.max_completion_length)
     return PromptSource(records, str(source))
+
+
+def _check_prompts_fit(records: list[PromptRecord], source: str, seq_len: int, completion: int) -> None:
+    """Every prompt with a whole completion fits a row: packing places each document whole
+    (its tokens but the last), so a longer one would be found only after sampling it."""
+    if not records:
+        return
+    index, longest = max(enumerate(records), key=lambda item: len(item[1].prompt_ids))
+    need = len(longest.prompt_ids) + completion - 1
+    if need > seq_len:
+        raise ConfigError(
+            f"{source}: prompt {index + 1} is {len(longest.prompt_ids)} tokens, which with "
+            f"rl.max_completion_length={completion} makes a {need}-token document, longer than "
+            f"training.seq_len={seq_len}; raise seq_len to {need}, lower max_completion_length, or shorten the prompt"
+        )
 
 
 def rl_objective(
@@ -216,6 +232,8 @@ def rl_objective(
         model = (runner.pipeline_of(copy) if runner.pipeline is not None else copy[0]) if copy else None
         reference = functools.partial(_reference_tokens, runner, model, job)
     replay = read_replay(cfg.replay, args.vocab_size) if cfg.replay is not None else None
+    if replay:
+        _check_replay_fits(replay, job.training.seq_len)
     rollouts = Rollouts(
         job,
         runner,
@@ -228,6 +246,16 @@ def rl_objective(
         replay,
     )
     return PolicyGradient(runner, PolicyLoss.of(cfg), rollouts), copy, rollouts
+
+
+def _check_replay_fits(replay: dict[int, list[Completion]], seq_len: int) -> None:
+    longest = max((c for step in replay.values() for c in step), key=lambda c: c.tokens)
+    if longest.tokens > seq_len:
+        raise ConfigError(
+            f"rl.replay: a completion of step {longest.step} makes a {longest.tokens}-token document (prompt + "
+            f"completion), longer than training.seq_len={seq_len}; replay with --training.seq_len {longest.tokens} "
+            "or more"
+        )
 
 
 class _TokenRecord:
