@@ -17,6 +17,8 @@ and, under TP or FSDP, one over the whole vocabulary; zero-bubble input steps ke
 gradients at every weight's output until their weight step; and under pipelining with FSDP,
 gradients stay unsharded in float32 from a stage's first backward to its last micro-batch.
 CPU offload moves the weights, their gradients and the optimizer state to ``Memory.host``.
+An RL job that samples peaks at its rollout instead where that holds more
+(``planner/rollout_bytes.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from autopar.planner.block_bytes import (
     block_weight_output_grad_bytes,
 )
 from autopar.planner.params import RankStages, uses_fsdp
+from autopar.planner.rollout_bytes import rollout_moment
 from autopar.planner.weight_bytes import (
     Unsynced,
     casts_per_micro_batch,
@@ -172,6 +175,9 @@ def _predict_stage_rank(
     )
     peak = _walk_schedule(actions, costs)
     moment = dict(zip(("gathered_params", "activations", "gradient_buffers"), peak, strict=True))
+    rollout = rollout_moment(args, job, dims, rank.modules, c)
+    if sum(rollout.values()) > sum(moment.values()):  # an RL job's sampling holds more
+        moment = rollout
     return Memory(role, {**static, **{k: v for k, v in moment.items() if v}}, host)
 
 

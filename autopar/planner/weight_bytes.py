@@ -77,11 +77,14 @@ def weights_and_optimizer(
 
 
 def _reference_bytes(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str]) -> float:
-    """A DPO job's frozen reference copy (``dpo.reference = "copy"``): the model's weights
-    stored as the policy's full weights are, sharded alike, with no gradients or optimizer
-    state; its forward runs before the policy's, so its activations are gone by the peak.
-    ``adapters_off`` and ``precomputed`` hold none."""
-    if job.training.dataset_format != "preference" or job.dpo.reference != "copy":
+    """A DPO or RL job's frozen reference copy (``dpo.reference = "copy"``, ``rl.reference =
+    "copy"`` with ``rl.beta > 0``): the model's weights stored as the policy's full weights
+    are, sharded alike, with no gradients or optimizer state; its forward runs before the
+    policy's, so its activations are gone by the peak. ``adapters_off`` and ``precomputed``
+    hold none."""
+    dpo = job.training.dataset_format == "preference" and job.dpo.reference == "copy"
+    rl = job.training.dataset_format == "prompts" and job.rl.beta != 0 and job.rl.reference == "copy"
+    if not (dpo or rl):
         return 0.0
     return FP32 * modules_numel(args, job, dims, modules)
 
