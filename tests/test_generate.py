@@ -99,6 +99,17 @@ def test_a_chunked_prefill_equals_a_whole_one(family):
     torch.testing.assert_close(torch.cat(pieces, dim=1), whole, rtol=1e-5, atol=1e-5)
 
 
+def test_a_prefill_runs_the_head_on_each_prompts_last_position_only():
+    model = tiny("qwen3")
+    seen = []
+    model.lm_head.register_forward_hook(lambda module, inputs, out: seen.append(inputs[0].shape[1]))
+    prompt = torch.tensor([PROMPTS[1], PROMPTS[1]])
+    last = Decoder(model, 2, 80).last_logits(prompt, slice(None), torch.tensor([0, 0]))
+    assert seen == [1]
+    whole = Decoder(model, 2, 80).forward(prompt, slice(None), torch.tensor([0, 0]))
+    torch.testing.assert_close(last, whole[:, -1], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
 def test_logits_along_a_generated_sequence_equal_one_forward(family):
     model = tiny(family)

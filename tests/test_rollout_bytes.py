@@ -44,13 +44,13 @@ def rl_8b(*flags: str):
 def test_an_rl_job_whose_rollout_holds_more_than_its_step_peaks_at_the_rollout():
     training = rl_8b()
     assert "decode_state" not in training  # 64 completions a rank: the step's activations lead
-    sampling = rl_8b("--training.global_batch_size", "1024")  # 128 a rank
+    sampling = rl_8b("--training.global_batch_size", "2048")  # 256 a rank
     assert {"decode_state", "decode_logits"} <= set(sampling) and "activations" not in sampling
     assert sampling["params"] == training["params"]
 
 
 def test_a_replayed_rl_job_samples_nothing_and_peaks_at_its_step():
-    parts = rl_8b("--training.global_batch_size", "1024", "--rl.replay", "rollouts")
+    parts = rl_8b("--training.global_batch_size", "2048", "--rl.replay", "rollouts")
     assert "decode_state" not in parts and "activations" in parts
 
 

@@ -10,12 +10,12 @@ optimizer state stay, the gradients are gone, and on top come
   state.py``): each attention layer's k and v cache (rows, Hkv/tp, L, D) in the compute
   dtype; each Gated DeltaNet's three convolution states (rows, K-1, C/tp) in the compute dtype
   and its recurrent state (rows, HV/tp, dk, dv) in float32;
-- the largest logits: a prefill chunk's (rows, chunk, V) where every row's prompt has the
-  same length (a group's completions do), in the compute dtype (V/tp under loss parallel).
+- a decode step's logits (rows, V) whole over the vocabulary in the compute dtype, and the
+  float32 probabilities and log-probabilities drawn from them (a prefill computes the head at
+  each prompt's last position only).
 
 A row holds the prompt and the whole completion (``rl.job`` refuses prompts that leave no
-room), so ``L`` is at most ``seq_len + 1`` and a prompt at most ``seq_len + 1 -
-max_completion_length`` tokens. The rank samples its data-parallel share of the step's
+room), so ``L`` is at most ``seq_len + 1``. The rank samples its data-parallel share of the step's
 completions, split again over its context-parallel ranks.
 """
 
@@ -23,9 +23,7 @@ from __future__ import annotations
 
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
-from autopar.models.generation.generate import PREFILL_CHUNK
 from autopar.parallel.mesh import ParallelDims
-from autopar.parallel.parallelize import loss_parallel_enabled
 from autopar.planner.params import modules_numel, uses_fsdp
 
 FP32 = 4
@@ -73,12 +71,10 @@ def rollout_moment(
     if not samples_live(job):
         return {}
     rows = rollout_rows(job, dims)
-    seq_len, completion = job.training.seq_len, job.rl.max_completion_length
-    prompt = seq_len + 1 - completion
-    vocab = args.vocab_size // dims.tp if loss_parallel_enabled(job, dims) else args.vocab_size
+    seq_len = job.training.seq_len
     moment = {
         "decode_state": decode_state_bytes(args, dims.tp, rows, seq_len + 1, c),
-        "decode_logits": float(rows * min(PREFILL_CHUNK, prompt) * vocab * c),
+        "decode_logits": float(rows * args.vocab_size * (c + 2 * FP32)),
     }
     if uses_fsdp(job, dims):
         moment["gathered_params"] = float(modules_numel(args, job, dims, modules, sharded=False) * c)

@@ -44,13 +44,13 @@ def same_lengths(prompts: Sequence[Sequence[int]]) -> list[slice]:
 
 def prefill(decoder: Decoder, prompts: Sequence[Sequence[int]], rows: slice, chunk: int) -> torch.Tensor:
     """Run ``prompts`` (of one length) into ``rows`` of the state, ``chunk`` tokens a forward;
-    their last logits (b, V)."""
+    their last logits (b, V), the only ones computed."""
     device = decoder.cursor.positions.device
     tokens = torch.tensor([list(p) for p in prompts], device=device)  # (b, S)
     for start in range(0, tokens.shape[1], chunk):
         piece = tokens[:, start : start + chunk]
-        logits = decoder.forward(piece, rows, torch.full((len(prompts),), start, device=device))
-    return logits[:, -1]
+        logits = decoder.last_logits(piece, rows, torch.full((len(prompts),), start, device=device))
+    return logits
 
 
 class Generated(NamedTuple):

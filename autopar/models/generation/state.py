@@ -75,6 +75,17 @@ class CachedAttention(nn.Module):
         )
 
 
+class LastPosition(nn.Module):
+    """A head applied to the last position of its input (B, S, H) only: (B, 1, V)."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.head(hidden[:, -1:])
+
+
 class CachedSequence(WholeSequence):
     """``WholeSequence``'s place during decoding: convolution and delta rule continue from
     the state the cursor's rows left (zero before their first token). The delta rule is
@@ -193,6 +204,22 @@ class Decoder:
         positions = self.place(rows, start, tokens.shape[1])
         with self.attached():
             return self.logits(tokens, positions)
+
+    @torch.no_grad()
+    def last_logits(self, tokens: Tensor, rows: slice, start: Tensor) -> Tensor:
+        """``forward``'s logits of the last token only (b, V): a prompt's earlier positions
+        need none, and the head over them would be a (b, S, V) tensor and its FLOPs. The
+        model's own forward runs (a plan's hooks on it: FSDP's root gathers the head), its
+        head reading the last position only."""
+        positions = self.place(rows, start, tokens.shape[1])
+        head = self.model.lm_head
+        assert head is not None, "a decoder runs a whole model"
+        with self.attached():
+            self.model.lm_head = LastPosition(head)
+            try:
+                return self.logits(tokens, positions)[:, -1]
+            finally:
+                self.model.lm_head = head
 
     @torch.no_grad()
     def hidden(
