@@ -170,6 +170,8 @@ LIVE = (
 )
 """The toy task, sampled live: 2 prompts x 4 completions a step."""
 LIVE_PLANS = ["dp_shard=2", "tp=2,sp=false", "cp=2"]
+MOE_LIVE_PLANS = ["dp_shard=2,ep=2"]
+"""An expert-parallel group samples its ranks' prompts together, in step."""
 
 
 @pytest.fixture(scope="module")
@@ -181,9 +183,17 @@ def live(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("rl_live")
     base = tiny_job(folder / "base", *LIVE, vocab_size=CHAT_VOCAB)
+    moe = moe_job(folder / "moe", *LIVE, f"--model.vocab_size={CHAT_VOCAB}")
     jobs = {plan: plan_job(base, plan, 2, str(folder / (plan or "one"))) for plan in ["", *LIVE_PLANS]}
+    jobs |= {
+        f"moe {plan}": plan_job(moe, plan, 2, str(folder / f"moe {plan}")) for plan in ["", *MOE_LIVE_PLANS]
+    }
     run_plan("", jobs[""])
-    each_on_ranks(run_plan, 2, [(plan, jobs[plan]) for plan in LIVE_PLANS])
+    run_plan("", jobs["moe "])
+    plans = [(plan, jobs[plan]) for plan in LIVE_PLANS] + [
+        (plan, jobs[f"moe {plan}"]) for plan in MOE_LIVE_PLANS
+    ]
+    each_on_ranks(run_plan, 2, plans)
     out = {}
     for plan, job in jobs.items():
         dump = Path(job.job.dump_folder)
@@ -197,7 +207,7 @@ def live(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", ["", *LIVE_PLANS])
+@pytest.mark.parametrize("plan", ["", *LIVE_PLANS, "moe ", *(f"moe {p}" for p in MOE_LIVE_PLANS)])
 def test_sampled_log_probs_equal_the_trainers_under_a_plan(live, plan):
     records, _ = live[plan]
     # fp32: the decode step's logits and the packed training forward's differ in sums only

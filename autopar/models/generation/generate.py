@@ -94,9 +94,12 @@ def sample(
     compiled: bool = False,
     on_token: Callable[[int, int], None] | None = None,
     whole: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Generated:
     """``generate``'s tokens, and each one's log-probability (``Generated``). ``whole``: makes
-    the model's last logits whole over the vocabulary where a plan splits them."""
+    the model's last logits whole over the vocabulary where a plan splits them; ``agree``: the
+    tokens every rank sampling the same rows goes on with (one rank's), so that ranks whose
+    forwards exchange tokens (expert parallelism) stop at the same step."""
     check_prompts(prompts, max_new_tokens, model.args.max_position_embeddings)
     if not prompts or max_new_tokens < 1:
         return Generated([[] for _ in prompts], [[] for _ in prompts])
@@ -115,6 +118,7 @@ def sample(
     for step in range(max_new_tokens):
         last = whole(last) if whole is not None else last
         chosen = next_tokens(last, sampling, generator)  # (B,)
+        chosen = agree(chosen) if agree is not None else chosen
         chosen_logps = token_logps(last, chosen, sampling)
         for row, (token, logp) in enumerate(zip(chosen.tolist(), chosen_logps.tolist())):
             if not done[row]:

@@ -4,7 +4,8 @@ given advantages, kept, and packed into the micro-batches the policy loss trains
 ``Rollouts`` stands where a loader stands: ``next_step()`` returns this rank's micro-batches.
 Every ``num_iterations`` steps it samples anew: ``global_batch_size / num_generations``
 prompts a step, split over the data-parallel ranks (and each rank's completions over its
-context-parallel ranks), ``num_generations`` completions each, from the model parts being
+context-parallel ranks; an expert-parallel group samples its ranks' together),
+``num_generations`` completions each, from the model parts being
 trained (``PlanRunner``), with the sampler's log-probabilities as pi_old.
 The ranks' rewards are gathered so advantages are the whole batch's (TRL's), each rank keeps
 its own completions, and the main rank writes the step's to ``rollouts/step-N.jsonl``. With
@@ -84,6 +85,10 @@ class Rollouts:
         cp_mesh = runner.meshes.get("cp")
         self.cp_mesh = cp_mesh if cp_mesh is not None and cp_mesh.size() > 1 else None
         """Ranks that split each sampling's rows between them (context parallelism's)."""
+        ep_mesh = runner.meshes.get("ep")
+        self.ep_mesh = ep_mesh if ep_mesh is not None and ep_mesh.size() > 1 else None
+        """Ranks whose forwards exchange tokens (expert parallelism's): they sample their rows
+        together, every one of them all the rows, and go on with the first one's tokens."""
         self.device = runner.device
         self.vocab_size = runner.args.vocab_size
         self.groups = self.global_batch // cfg.num_generations
@@ -166,18 +171,29 @@ class Rollouts:
         cp_rank, cp_size = (self.cp_mesh.get_local_rank(), self.cp_mesh.size()) if self.cp_mesh else (0, 1)
         share = slice(cp_rank * len(prompt_ids) // cp_size, (cp_rank + 1) * len(prompt_ids) // cp_size)
         key = (self.job.debug.seed, index, self.dp_rank) + ((cp_rank,) if cp_size > 1 else ())
-        sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, hash(key) % 2**63)
+        rows, seed, agree = prompt_ids[share], hash(key) % 2**63, None
+        if self.ep_mesh is not None:  # the expert group samples its ranks' rows together
+            everyone: list[tuple[list[list[int]], int]] = [None] * self.ep_mesh.size()  # type: ignore[list-item]
+            dist.all_gather_object(everyone, (rows, seed), group=self.ep_mesh.get_group())
+            mine = self.ep_mesh.get_local_rank()
+            first = sum(len(r) for r, _ in everyone[:mine])
+            rows, seed, agree = [r for part, _ in everyone for r in part], everyone[0][1], self._agree
+        sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, seed)
         model = self.runner.parts[0]
         modules = [m for part in self.runner.parts for m in part.modules()]
         with torch.no_grad(), fsdp_weights_gathered(modules):
             made = sample(
                 model,
-                prompt_ids[share],
+                rows,
                 cfg.max_completion_length,
                 sampling,
                 self.stop_ids,
                 whole=_whole,
+                agree=agree,
             )
+        if self.ep_mesh is not None:
+            own = slice(first, first + share.stop - share.start)
+            made = made._replace(tokens=made.tokens[own], logps=made.logps[own])
         if self.cp_mesh is not None:
             shares: list[tuple[list[list[int]], list[list[float]]]] = [None] * cp_size  # type: ignore[list-item]
             dist.all_gather_object(shares, (made.tokens, made.logps), group=self.cp_mesh.get_group())
@@ -207,6 +223,15 @@ class Rollouts:
                 )
             )
         return out
+
+    def _agree(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The expert group's first rank's ``tokens``: the group's logits may differ in the last
+        bits (each rank's experts see the tokens in another order), so its draws could."""
+        assert self.ep_mesh is not None
+        group = self.ep_mesh.get_group()
+        tokens = tokens.contiguous()
+        dist.broadcast(tokens, src=dist.get_global_rank(group, 0), group=group)
+        return tokens
 
     def _scored(self, completions: list[Completion], index: int) -> list[Completion]:
         """Every completion's rewards and advantage; the step's reward metrics."""

@@ -4,8 +4,8 @@ the objective over them.
 For ``training.dataset_format = "prompts"`` the trainer gets the rollouts (``engine``) where
 a loader stands and the policy loss (``objective``) as its objective; the batch sizes count
 completions (TRL's). Live sampling runs on the job's own parts; what it cannot run under yet
-is refused here in one line (a pipeline, expert or sequence parallelism while sampling),
-while a replay trains under any of them.
+is refused here in one line (a pipeline or sequence parallelism while sampling), while a
+replay trains under either.
 """
 
 from __future__ import annotations
@@ -150,11 +150,6 @@ def _check_plan(job: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         _check_pipelined(job, dims, args)
     if job.rl.replay is not None:
         return
-    if dims.ep > 1:
-        raise ConfigError(
-            f"RL sampling with expert_parallel_degree={dims.ep}: not supported yet (ranks sampling different "
-            "prompts would exchange tokens out of step); use --parallelism.expert_parallel_degree 1, or replay"
-        )
     if dims.tp > 1 and job.parallelism.enable_sequence_parallel:
         raise ConfigError(
             f"RL sampling with tensor_parallel_degree={dims.tp} and sequence parallelism: not supported yet (a "
