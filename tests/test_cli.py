@@ -262,7 +262,14 @@ def test_bench_json_to_a_folder_is_one_line_before_any_variant_runs(tmp_path, ca
 
 
 @pytest.mark.slow
-def test_bench_prints_the_table_and_writes_json(tmp_path):
+@pytest.mark.parametrize(
+    "second",
+    [
+        "full_ac:activation_checkpoint.mode=full",
+        pytest.param("compiled", marks=pytest.mark.heavy),  # compiling on CPU: ~12 s more
+    ],
+)
+def test_bench_prints_the_table_and_writes_json(tmp_path, second):
     out = tmp_path / "bench.json"
     result = run(
         sys.executable,
@@ -273,7 +280,7 @@ def test_bench_prints_the_table_and_writes_json(tmp_path):
         *TINY_FLAGS,
         "--variants",
         "eager",
-        "compiled",
+        second,
         "--warmup",
         "1",
         "--steps",
@@ -288,7 +295,7 @@ def test_bench_prints_the_table_and_writes_json(tmp_path):
     payload = json.loads(out.read_text())
     assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", payload["commit"]), payload["commit"]
     results = payload["results"]
-    assert [r["variant"] for r in results] == ["eager", "compiled"]
+    assert [r["variant"] for r in results] == ["eager", second.split(":")[0]]
     assert results[1]["first_loss"] == pytest.approx(results[0]["first_loss"], rel=1e-4)
     for variant in results:  # each variant's curve, ready for autopar.cli.plot
         curve = read_metrics(tmp_path / "bench" / variant["variant"] / "metrics.jsonl")
