@@ -86,6 +86,28 @@ def test_a_replayed_step_gives_trls_loss_and_metrics(tmp_path, name):
         assert ours[key] == pytest.approx(value, rel=RTOL, abs=1e-6), (name, key)
 
 
+def test_a_correction_logs_trls_sampling_gap_and_ratio_metrics(tmp_path):
+    import torch
+
+    case = CASES["dapo_is_token_mask"]
+    trainer = one_process_trainer(replay_job(tmp_path, case))
+    outcome = trainer.train_step.forward_backward(trainer.loader.next_step())
+    ours = dict(zip(trainer.train_step.objective.metric_names, outcome.metrics.tolist()))
+    columns = trainer.loader.current[0].labels
+    mask = columns[..., 0] != -100
+    factors = columns[..., 6][mask]
+    assert (factors == 0).any() and (factors > 0).any()  # the caps masked some tokens, kept others
+    assert ours["sampling/importance_sampling_ratio/min"] == 0.0
+    assert ours["sampling/importance_sampling_ratio/mean"] == pytest.approx(
+        factors.double().mean().item(), rel=1e-6
+    )
+    assert ours["sampling/importance_sampling_ratio/max"] == pytest.approx(factors.max().item(), rel=1e-6)
+    gap = ours["sampling/sampling_logp_difference/max"]
+    assert 0 < ours["sampling/sampling_logp_difference/mean"] < gap
+    assert ours["sampling/logp_diff_max"] <= 1e-5  # pi_old recomputed: the first pass is on-policy
+    assert torch.isfinite(outcome.loss)
+
+
 @pytest.mark.parametrize("name", ["dapo", "grpo_batch_scale", "bnpo_no_scale"])
 def test_replayed_advantages_are_trls(tmp_path, name):
     case = CASES[name]
@@ -183,6 +205,20 @@ def check(*flags: str) -> None:
         (("--rl.reward_funcs", "autopar.rewards"), "is not 'package.module:function'"),
         (("--rl.beta", "0.1", "--rl.reference", "adapters_off"), "lora.enable=false"),
         (("--rl.temperature", "0"), "rl.temperature=0.0 must be > 0"),
+        (
+            ("--rl.importance_cap_min", "4"),
+            "rl.importance_cap_min=4.0 must be >= 0 and below importance_cap_max",
+        ),
+        (
+            (
+                *REPLAYED_UNDER_PP,
+                "--rl.old_logps",
+                "trainer",
+                "--parallelism.pipeline_parallel_schedule",
+                "DualPipeV",
+            ),
+            "rl.old_logps='trainer' (a forward-only pass) under parallelism.pipeline_parallel_schedule='DualPipeV'",
+        ),
         (("--parallelism.pipeline_parallel_degree", "2"), "pipeline_parallel_degree=2: not supported yet"),
         (
             (

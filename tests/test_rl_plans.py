@@ -77,6 +77,9 @@ def replay_job(folder: Path, kind: str) -> JobConfig:
         return hybrid_job(folder / kind, *REPLAY, vocab_size=CHAT_VOCAB)
     if kind == "reference":  # beta > 0 with a frozen copy as reference
         return tiny_job(folder / kind, *REPLAY, "--rl.beta", "0.04", vocab_size=CHAT_VOCAB)
+    if kind == "corrected":  # pi_old recomputed forward only under the plan, TRL's sequence mask
+        correction = ("--rl.importance_correction", "sequence_mask", "--rl.importance_cap_max", "1.5")
+        return tiny_job(folder / kind, *REPLAY, *correction, vocab_size=CHAT_VOCAB)
     assert kind == "lora"
     lora = (
         "--lora.enable",
@@ -111,6 +114,7 @@ HEAVY_PLANS = {
     "hybrid": ["pp=2,schedule=Interleaved1F1B"],  # four layers: one per stage
     "reference": ["pp=2", "cp=2"],  # forward only through a pipeline; gathered from CP shards
     "lora": ["pp=2"],  # the reference through the policy's own schedule
+    "corrected": ["dp_shard=2", "cp=2", "pp=2"],
 }
 """More replayed plans (python -m pytest -m heavy): each mechanism keeps a case above."""
 CASES = [f"{kind} {plan}" for kind, plans in PLANS.items() for plan in plans]

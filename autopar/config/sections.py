@@ -386,6 +386,20 @@ class RL:
     """Advantages divided by the group's reward std (group), the batch's (batch), or not at all."""
     mask_truncated_completions: bool = False
     """Completions cut at max_completion_length take no part in the loss."""
+    old_logps: Literal["sampler", "trainer"] = "sampler"
+    """pi_old: the sampler's log-probabilities (equal to the trainer's in fp32: no second
+    pass), or recomputed by a forward of the trainer before the step's passes (TRL's)."""
+    importance_correction: Literal[
+        "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"
+    ] = "none"
+    """TRL's correction for a sampler whose log-probabilities differ from the trainer's
+    (vllm_importance_sampling_mode; it recomputes pi_old as old_logps = "trainer" does): each
+    token's loss times exp(trainer - sampler log-probability), per token or summed per
+    completion, truncated to [importance_cap_min, importance_cap_max] or zero outside it."""
+    importance_cap_max: float | None = 3.0
+    """The correction's upper bound (TRL's vllm_importance_sampling_clip_max); unset: none."""
+    importance_cap_min: float | None = None
+    """The correction's lower bound (vllm_importance_sampling_clip_min); unset: none."""
     reference: Literal["copy", "adapters_off"] = "copy"
     """With beta > 0: a frozen copy of the weights (reference_path's, else the initial ones), or
     with LoRA the policy with its adapters bypassed."""

@@ -60,8 +60,38 @@ CONFIGS = {
     "dapo_masked_truncated": {"mask_truncated_completions": True},
     "grpo_batch_scale": {"loss_type": "grpo", "scale_rewards": "batch"},
     "bnpo_no_scale": {"loss_type": "bnpo", "scale_rewards": "none"},
+    "dapo_beta_uncorrected_kl": {"beta": 0.04, "use_bias_correction_kl": False},
+    "dapo_trainer_old_logps": {"old_logps": "trainer"},
+    "dapo_is_token_truncate": {
+        "vllm_importance_sampling_mode": "token_truncate",
+        "vllm_importance_sampling_clip_max": 1.2,
+    },
+    "dapo_is_token_mask": {
+        "vllm_importance_sampling_mode": "token_mask",
+        "vllm_importance_sampling_clip_max": 1.3,
+        "vllm_importance_sampling_clip_min": 0.8,
+    },
+    "grpo_is_sequence_truncate": {
+        "loss_type": "grpo",
+        "vllm_importance_sampling_mode": "sequence_truncate",
+        "vllm_importance_sampling_clip_max": 2.0,
+    },
+    "dapo_is_sequence_mask": {
+        "vllm_importance_sampling_mode": "sequence_mask",
+        "vllm_importance_sampling_clip_max": 2.0,
+        "vllm_importance_sampling_clip_min": 0.5,
+    },
 }
-"""Each configuration's ``[rl]`` settings (TRL's GRPOConfig names) over the defaults."""
+"""Each configuration's settings (TRL's GRPOConfig names) over the defaults. ``old_logps =
+"trainer"`` (autopar's name) stands for TRL recomputing pi_old with the policy; a
+``vllm_importance_sampling_mode`` turns TRL's importance-sampling correction on (as with vLLM:
+pi_old the policy's, each token's loss times the ratio ``importance_ratio`` makes)."""
+AUTOPAR_NAMES = {
+    "vllm_importance_sampling_mode": "importance_correction",
+    "vllm_importance_sampling_clip_max": "importance_cap_max",
+    "vllm_importance_sampling_clip_min": "importance_cap_min",
+}
+"""autopar's ``[rl]`` names of TRL's settings that differ."""
 
 
 def completions() -> tuple[list[list[int]], list[list[int]]]:
@@ -108,6 +138,28 @@ def token_logps(model: Qwen3ForCausalLM, prompts: list[list[int]], ids: list[lis
     return out
 
 
+def importance_ratio(
+    config: dict, old: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """The correction's factors as ``GRPOTrainer._generate_and_score_completions`` makes them
+    (TRL 1.16, its lines under "Compute the importance sampling ratio when using vLLM"): (B, T)
+    per token, (B, 1) per completion; truncated to the caps, or zero outside them."""
+    mode = config["vllm_importance_sampling_mode"]
+    diff = (old - sampler) * mask
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    low, high = (
+        config.get("vllm_importance_sampling_clip_min"),
+        config.get("vllm_importance_sampling_clip_max", 3.0),
+    )
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=low, max=high)
+    low = low if low is not None else -math.inf
+    high = high if high is not None else math.inf
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
 def trainer_for(policy: Qwen3ForCausalLM, config: dict, tokenizer) -> GRPOTrainer:
     args = GRPOConfig(
         output_dir=str(HERE / "_trl_output"),
@@ -120,7 +172,7 @@ def trainer_for(policy: Qwen3ForCausalLM, config: dict, tokenizer) -> GRPOTraine
         max_completion_length=MAX_COMPLETION,
         temperature=TEMPERATURE,
         report_to=[],
-        **config,
+        **{k: v for k, v in config.items() if k != "old_logps"},
     )
     data = Dataset.from_list([{"prompt": "x"}] * (PROMPTS * GROUP))
     trainer = GRPOTrainer(
@@ -131,6 +183,8 @@ def trainer_for(policy: Qwen3ForCausalLM, config: dict, tokenizer) -> GRPOTraine
         processing_class=tokenizer,
     )
     trainer.current_gradient_accumulation_steps = 1
+    if "vllm_importance_sampling_mode" in config:  # the correction TRL applies to a vLLM's samples
+        trainer.use_vllm = True
     return trainer
 
 
@@ -156,16 +210,21 @@ def main() -> None:
         if config.get("mask_truncated_completions"):
             completion_mask *= torch.tensor([0.0 if t else 1.0 for t in truncated])[:, None]
         padded = torch.tensor([c + [EOS] * (MAX_COMPLETION - len(c)) for c in ids])
+        recomputed = config.get("old_logps") == "trainer" or "vllm_importance_sampling_mode" in config
         inputs = {
             "prompt_ids": torch.tensor(prompts),
             "prompt_mask": torch.ones(len(prompts), PROMPT_LENGTH, dtype=torch.long),
             "completion_ids": padded,
             "completion_mask": completion_mask.long(),
             "advantages": adv,
-            "old_per_token_logps": sampler,
+            "old_per_token_logps": policy_logps if recomputed else sampler,
             "ref_per_token_logps": ref,
             "num_items_in_batch": completion_mask.sum(),
         }
+        if "vllm_importance_sampling_mode" in config:
+            inputs["importance_sampling_ratio"] = importance_ratio(
+                config, policy_logps, sampler, completion_mask
+            )
         policy.train()
         trainer._metrics["train"].clear()
         loss = trainer._compute_loss(policy, inputs)
@@ -173,7 +232,7 @@ def main() -> None:
         entries.append(
             {
                 "name": name,
-                "rl": config,
+                "rl": {AUTOPAR_NAMES.get(k, k): v for k, v in config.items()},
                 "loss": loss.item(),
                 "metrics": metrics,
                 "rewards": [None if math.isnan(r) else r for r in rewards.tolist()],

@@ -15,17 +15,19 @@ its own completions, and the main rank writes the step's to ``rollouts/step-N.js
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from autopar.config.sections import JobConfig
+from autopar.config.sections import RL, JobConfig
 from autopar.data.errors import DataError
-from autopar.data.loader import Batch
+from autopar.data.loader import IGNORE_INDEX, Batch
 from autopar.data.prompt_records import PromptRecord
 from autopar.models.generation.generate import sample
 from autopar.models.generation.sampling import Sampling
@@ -61,6 +63,7 @@ class Rollouts:
         pad_id: int,
         reference: ReferenceTokens | None = None,
         replay: dict[int, list[Completion]] | None = None,
+        recompute: ReferenceTokens | None = None,
     ) -> None:
         self.job, self.runner, self.prompts, self.rewards = job, runner, prompts, rewards
         self.text, self.stop_ids, self.pad_id, self.reference, self.replay = (
@@ -89,6 +92,9 @@ class Rollouts:
         self.ep_mesh = ep_mesh if ep_mesh is not None and ep_mesh.size() > 1 else None
         """Ranks whose forwards exchange tokens (expert parallelism's): they sample their rows
         together, every one of them all the rows, and go on with the first one's tokens."""
+        self.recompute = recompute
+        """The trainer's own log-probabilities of packed micro-batches, where pi_old is recomputed
+        (``rl.old_logps = "trainer"``, or an importance correction)."""
         self.device = runner.device
         self.vocab_size = runner.args.vocab_size
         self.groups = self.global_batch // cfg.num_generations
@@ -276,6 +282,40 @@ class Rollouts:
         stats["frac_reward_zero_std"] = found.std_zero.float().mean().item()
         self.stats = stats
 
+    def _correction_stats(self, fixed: list[Corrected]) -> dict[str, float]:
+        """TRL's names for the sampler-trainer gap over the step's learned tokens, and for the
+        correction's ratios (per completion at the sequence level, else per token)."""
+        gaps = torch.cat([f.gaps for f in fixed]).double()
+        ratios = torch.cat([f.ratios for f in fixed]).double()
+        inf = torch.tensor(math.inf, dtype=torch.float64)
+        local = torch.stack(
+            [
+                gaps.sum(),
+                torch.tensor(float(gaps.numel())),
+                gaps.max() if gaps.numel() else torch.tensor(0.0),
+                ratios.sum(),
+                torch.tensor(float(ratios.numel())),
+                ratios.max() if ratios.numel() else -inf,
+                ratios.min() if ratios.numel() else inf,
+            ]
+        ).to(torch.float64)
+        parts = _gathered(local[None], self.dp_group)
+        stats = {
+            "sampling/sampling_logp_difference/mean": (
+                parts[:, 0].sum() / parts[:, 1].sum().clamp(min=1)
+            ).item(),
+            "sampling/sampling_logp_difference/max": parts[:, 2].max().item(),
+        }
+        if self.job.rl.importance_correction != "none":
+            stats |= {
+                "sampling/importance_sampling_ratio/min": parts[:, 6].min().item(),
+                "sampling/importance_sampling_ratio/mean": (
+                    parts[:, 3].sum() / parts[:, 4].sum().clamp(min=1)
+                ).item(),
+                "sampling/importance_sampling_ratio/max": parts[:, 5].max().item(),
+            }
+        return stats
+
     def _keep(self, completions: list[Completion]) -> None:
         """The step's completions, every rank's, to ``rollouts/step-N.jsonl`` (main rank)."""
         everyone = [completions]
@@ -361,12 +401,59 @@ class Rollouts:
                 for i in part
             ]
             batches.append(pack_micro_batch(items, self.job.training.seq_len, self.pad_id, cuts))
+        if self.recompute is not None:
+            fixed = [corrected(b, t, cfg) for b, t in zip(batches, self.recompute(batches), strict=True)]
+            batches = [f.batch for f in fixed]
+            self.stats |= self._correction_stats(fixed)
         if self.reference is not None:
             batches = [_with_reference(b, r) for b, r in zip(batches, self.reference(batches), strict=True)]
         return [
             Batch(b.inputs.to(self.device), b.labels.to(self.device), b.documents.to(self.device))
             for b in batches
         ]
+
+
+class Corrected(NamedTuple):
+    """A micro-batch with the trainer's pi_old (and a correction's factors), and what was
+    measured on the way: |trainer - sampler| per learned token, the correction's ratios."""
+
+    batch: Batch
+    gaps: torch.Tensor
+    ratios: torch.Tensor
+
+
+def corrected(batch: Batch, trainer: torch.Tensor, cfg: RL) -> Corrected:
+    """``batch`` with pi_old the trainer's log-probabilities (R, S) instead of the sampler's,
+    and TRL's importance-sampling factor exp(trainer - sampler) per token, or per completion
+    from its tokens' summed difference, truncated to the caps or zero outside them."""
+    labels = batch.labels.clone()
+    trainer = trainer.to(labels.device)
+    mask = labels[..., 0] != IGNORE_INDEX
+    sampler = labels[..., 4]
+    diff = torch.where(mask, trainer - sampler, 0.0)
+    ratios = torch.exp(diff)[mask]
+    factor = torch.exp(diff)
+    if cfg.importance_correction.startswith("sequence"):  # one ratio per completion
+        ids = labels[..., 1].long()
+        held = ids >= 0
+        index = ids.clamp(min=0)
+        count = int(ids.max().item()) + 1 if bool(held.any()) else 0
+        sums = diff.new_zeros(count).index_add(0, index.flatten(), diff.flatten())
+        present = diff.new_zeros(count).index_add(0, index.flatten(), held.flatten().float()) > 0
+        factor = torch.where(held, torch.exp(sums)[index], 1.0)
+        ratios = torch.exp(sums)[present]
+    low = cfg.importance_cap_min if cfg.importance_cap_min is not None else -math.inf
+    high = cfg.importance_cap_max if cfg.importance_cap_max is not None else math.inf
+    if cfg.importance_correction.endswith("truncate"):
+        factor, ratios = factor.clamp(min=low, max=high), ratios.clamp(min=low, max=high)
+    elif cfg.importance_correction.endswith("mask"):
+        factor = factor.masked_fill((factor < low) | (factor > high), 0.0)
+        ratios = ratios.masked_fill((ratios < low) | (ratios > high), 0.0)
+    gaps = (trainer - sampler).abs()[mask]
+    labels[..., 4] = torch.where(mask, trainer, sampler)
+    if cfg.importance_correction != "none":
+        labels[..., 6] = torch.where(mask, factor, 1.0)
+    return Corrected(replace(batch, labels=labels), gaps, ratios)
 
 
 def _token_weight(

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -109,6 +111,14 @@ def _check_numbers(cfg: RL) -> None:
         "epsilon_high": (cfg.epsilon_high is None or cfg.epsilon_high >= 0, ">= 0"),
         "delta": (cfg.delta is None or cfg.delta > 1, "> 1 (it caps the ratio from above), or unset"),
         "beta": (cfg.beta >= 0, ">= 0"),
+        "importance_cap_max": (cfg.importance_cap_max is None or cfg.importance_cap_max > 0, "> 0, or unset"),
+        "importance_cap_min": (
+            cfg.importance_cap_min is None
+            or 0
+            <= cfg.importance_cap_min
+            < (cfg.importance_cap_max if cfg.importance_cap_max is not None else math.inf),
+            ">= 0 and below importance_cap_max, or unset",
+        ),
     }
     for name, (ok, rule) in rules.items():
         if not ok:
@@ -174,6 +184,8 @@ def _check_pipelined(job: JobConfig, dims: ParallelDims, args: ModelArgs) -> Non
         )
     if job.rl.beta != 0:
         check_forward_only_schedule(job.parallelism, f"rl.beta={job.rl.beta} (the reference pass)")
+    if recomputes(job.rl):
+        check_forward_only_schedule(job.parallelism, "rl.old_logps='trainer' (a forward-only pass)")
 
 
 def prompt_source(job: JobConfig) -> PromptSource:
@@ -225,7 +237,11 @@ def rl_objective(
                     "rl.reference_path" if cfg.reference_path else "checkpoint.initial_load_path",
                 )
         model = (runner.pipeline_of(copy) if runner.pipeline is not None else copy[0]) if copy else None
-        reference = functools.partial(_reference_tokens, runner, model, job)
+        scope = functools.partial(all_adapters_off, runner.parts) if model is None else contextlib.nullcontext
+        reference = functools.partial(_token_logps, runner, model, scope, cfg.temperature)
+    recompute = None
+    if recomputes(cfg):  # the policy's own forward, as it stands before the step's passes
+        recompute = functools.partial(_token_logps, runner, None, contextlib.nullcontext, cfg.temperature)
     replay = read_replay(cfg.replay, args.vocab_size) if cfg.replay is not None else None
     if replay:
         _check_replay_fits(replay, job.training.seq_len)
@@ -239,6 +255,7 @@ def rl_objective(
         ChatFormat(path).pad_id(),
         reference,
         replay,
+        recompute,
     )
     return PolicyGradient(runner, PolicyLoss.of(cfg), rollouts), copy, rollouts
 
@@ -267,14 +284,23 @@ class _TokenRecord:
         return logps.new_zeros(())
 
 
+def recomputes(cfg: RL) -> bool:
+    """pi_old comes from a forward of the trainer (asked for, or an importance correction's)."""
+    return cfg.old_logps == "trainer" or cfg.importance_correction != "none"
+
+
 @torch.no_grad()
-def _reference_tokens(
-    runner: PlanRunner, model: nn.Module | Pipeline | None, job: JobConfig, batches: list[Batch]
+def _token_logps(
+    runner: PlanRunner,
+    model: nn.Module | Pipeline | None,
+    scope: Callable[[], contextlib.AbstractContextManager],
+    temperature: float,
+    batches: list[Batch],
 ) -> list[torch.Tensor]:
-    """Each packed micro-batch's reference log-probabilities per label: a frozen copy's, or
-    (``model`` None) the policy's with its adapters bypassed."""
-    record = _TokenRecord(job.rl.temperature)
-    scope = functools.partial(all_adapters_off, runner.parts) if model is None else contextlib.nullcontext
+    """Each packed micro-batch's log-probabilities per label at ``temperature``, forward only
+    under the job's plan: of ``model`` (a frozen copy's parts or pipeline), or (None) of the
+    policy, inside ``scope`` (its adapters bypassed for a reference)."""
+    record = _TokenRecord(temperature)
     device_batches = [
         Batch(b.inputs.to(runner.device), b.labels.to(runner.device), b.documents.to(runner.device))
         for b in batches

@@ -32,8 +32,9 @@ from torch.distributed.tensor import DTensor
 from autopar.config.sections import RL
 from autopar.data.loader import IGNORE_INDEX
 
-CHANNELS = ("label", "completion", "weight", "advantage", "old_logp", "ref_logp")
-"""What a packed micro-batch's labels (B, S, 6) carry per token, in order."""
+CHANNELS = ("label", "completion", "weight", "advantage", "old_logp", "ref_logp", "is_weight")
+"""What a packed micro-batch's labels (B, S, 7) carry per token, in order (``is_weight``: an
+importance-sampling correction's factor, 1 without one)."""
 
 METRIC_SUMS = ("entropy", "kl", "clip_low", "clip_high", "clip_region", "tokens", "clip_units", "logp_diff")
 """What each call records beside its loss share: sums over its completion tokens (the clip
@@ -49,6 +50,7 @@ class Columns(NamedTuple):
     advantages: torch.Tensor
     old_logps: torch.Tensor
     ref_logps: torch.Tensor
+    is_weights: torch.Tensor
 
     @staticmethod
     def of(target: torch.Tensor) -> Columns:
@@ -84,6 +86,7 @@ class PolicyLoss:
             cfg.delta,
             cfg.beta,
             cfg.temperature,
+            cfg.use_bias_correction_kl,
         )
 
 
@@ -199,6 +202,7 @@ def policy_loss(
         if settings.delta is not None:
             coef_1 = torch.clamp(coef_1, max=settings.delta)
         per_token = -torch.min(coef_1 * advantages, coef_2 * advantages)
+    per_token = per_token * columns.is_weights
     if settings.beta != 0.0:
         per_token = per_token + settings.beta * kl
     loss = (per_token * columns.weights * maskf).sum()

@@ -28,6 +28,14 @@ ROLLOUT_METRICS = (
 )
 """TRL's completion lengths over the step's completions, and the seconds its rollout took
 (sampling, then scoring and packing; training is the rest of ``step_time_s``)."""
+GAP_METRICS = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max")
+"""TRL's |pi_old - sampler| over the learned tokens, where pi_old is the trainer's recomputed."""
+RATIO_METRICS = (
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max",
+)
+"""TRL's statistics of an importance correction's factors (per completion at the sequence level)."""
 _INDEX = {name: i for i, name in enumerate(METRIC_SUMS)}
 
 
@@ -58,7 +66,21 @@ class PolicyGradient(Objective):
         clip = ("cispo_clip_ratio",) if settings.loss_type == "cispo" else TRAINING_METRICS[2:]
         kl = ("kl",) if settings.beta != 0.0 else ()
         rewards = tuple(f"rewards/{r.name}/{stat}" for r in rollouts.rewards for stat in ("mean", "std"))
-        self.rollout_names = (*rewards, "reward", "reward_std", "frac_reward_zero_std", *ROLLOUT_METRICS)
+        cfg = rollouts.job.rl
+        recomputed = cfg.old_logps == "trainer" or cfg.importance_correction != "none"
+        correction = (
+            (*GAP_METRICS, *(RATIO_METRICS if cfg.importance_correction != "none" else ()))
+            if recomputed
+            else ()
+        )
+        self.rollout_names = (
+            *rewards,
+            "reward",
+            "reward_std",
+            "frac_reward_zero_std",
+            *ROLLOUT_METRICS,
+            *correction,
+        )
         self.metric_names = ("entropy", *kl, *clip, *SAMPLING_METRICS, *self.rollout_names)
 
     def begin(self, batches: list[Batch], calls_per_batch: int) -> tuple[MicroBatchLoss, list[Batch]]:

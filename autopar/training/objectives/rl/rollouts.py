@@ -134,7 +134,7 @@ class Packed:
 
 def pack_micro_batch(items: Sequence[Packed], seq_len: int, pad_id: int, groups: int | None = None) -> Batch:
     """The rows of one micro-batch: each item a document whole in one row, a new row when the
-    next does not fit; labels (R, seq_len, 6) carry ``loss.CHANNELS``. ``groups`` (a pipeline's
+    next does not fit; labels (R, seq_len, 7) carry ``loss.CHANNELS``. ``groups`` (a pipeline's
     micro-batches): the items cut into that many equal groups in order, each packed alone into
     as many rows as it has items (one always fits), so the schedule's equal cuts of the rows
     give each pipeline micro-batch whole completions, and every step the same shapes."""
@@ -149,9 +149,10 @@ def pack_micro_batch(items: Sequence[Packed], seq_len: int, pad_id: int, groups:
             rows += members + [[] for _ in range(per_group - len(members))]
     inputs = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
     documents = torch.full((len(rows), seq_len), -1, dtype=torch.long)
-    columns = torch.zeros(len(rows), seq_len, 6)
+    columns = torch.zeros(len(rows), seq_len, 7)
     columns[..., 0] = IGNORE_INDEX
     columns[..., 1] = -1
+    columns[..., 6] = 1.0
     for r, members in enumerate(rows):
         at = 0
         for index in members:
