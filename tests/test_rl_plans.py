@@ -111,7 +111,9 @@ PLANS = {
     "lora": LORA_PLANS,
 }
 HEAVY_PLANS = {
-    "hybrid": ["pp=2,schedule=Interleaved1F1B"],  # four layers: one per stage
+    "dense": ["tp=2,dp_shard=2"],  # four ranks (HSDP would need a step of four prompts)
+    "moe": ["dp_shard=2", "tp=2", "cp=2"],
+    "hybrid": ["tp=2", "pp=2,schedule=Interleaved1F1B"],  # four layers: one stage each interleaved
     "reference": ["pp=2", "cp=2"],  # forward only through a pipeline; gathered from CP shards
     "lora": ["pp=2"],  # the reference through the policy's own schedule
     "corrected": ["dp_shard=2", "cp=2", "pp=2"],
