@@ -1,6 +1,6 @@
 """The planner search's CPU seconds on a few cluster-sized questions, as a table.
 
-    python scripts/bench_search.py [--repeats 3] [--json FILE]
+    python scripts/bench_search.py [--repeats 3] [--json FILE] [--cluster]
 
 Each question is answered as ``plan --top 3`` answers it (the search by bounds, ``keep=3``)
 after one warm-up answer (the model's op counts and other per-question terms are computed
@@ -28,6 +28,14 @@ QUESTIONS = {
     "Qwen3.5-27B on 128": (["--job.config", "qwen3.5_27b"], 128),
     "Qwen3.5-35B-A3B on 256": (["--job.config", "qwen3.5_35b_a3b"], 256),
 }
+CLUSTER = {
+    "Qwen3-235B-A22B on 16,384": (["--model.flavor", "235B-A22B", "--training.seq_len", "4096"], 16384),
+    "Qwen3.5-397B-A17B on 16,384": (
+        ["--model.name", "qwen3.5", "--model.flavor", "397B-A17B", "--training.seq_len", "4096"],
+        16384,
+    ),
+}
+"""The issue's MoE questions at the Llama 3 paper's scale (``--cluster``: about a minute each)."""
 
 
 def measure(argv: list[str], world: int, repeats: int) -> dict:
@@ -56,8 +64,10 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--cluster", action="store_true", help="the 16,384-rank MoE questions instead")
     known = parser.parse_args()
-    rows = {name: measure(argv, world, known.repeats) for name, (argv, world) in QUESTIONS.items()}
+    questions = CLUSTER if known.cluster else QUESTIONS
+    rows = {name: measure(argv, world, known.repeats) for name, (argv, world) in questions.items()}
     print("| question | search (CPU s) | candidates / valid / scored | best plan | tokens/s/GPU |")
     print("|---|---|---|---|---|")
     for name, r in rows.items():
