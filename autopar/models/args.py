@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -243,9 +244,10 @@ class ModelArgs:
                 "(linear_num_value_heads > 0); use 0, or a Qwen3.5 model"
             )
 
-    @property
+    @functools.cached_property
     def has_dense_layers(self) -> bool:
-        """Whether any layer has the dense SwiGLU of ``intermediate_size`` (one pass over the layers)."""
+        """Whether any layer has the dense SwiGLU of ``intermediate_size`` (one pass over the
+        layers, once: the planner asks it of every candidate plan)."""
         dense = set(self.mlp_only_layers)
         step = self.decoder_sparse_step
         return not self.moe or any(i in dense or (i + 1) % step for i in range(self.num_hidden_layers))
