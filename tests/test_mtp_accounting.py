@@ -72,7 +72,7 @@ PIPELINE = [
         pytest.param([], id="fsdp"),
         # the head's TP split is the trunk's: python -m pytest -m heavy
         pytest.param(["--parallelism.tensor_parallel_degree=2"], id="fsdp-tp", marks=pytest.mark.heavy),
-        pytest.param(PIPELINE, id="pp-fsdp"),
+        pytest.param(PIPELINE, id="pp-fsdp", marks=pytest.mark.heavy),  # CI time: FSDP alone stays
     ],
 )
 def test_the_planner_counts_the_head_as_the_dry_run_measures(flags):
