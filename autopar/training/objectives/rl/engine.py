@@ -431,8 +431,6 @@ def corrected(batch: Batch, trainer: torch.Tensor, cfg: RL) -> Corrected:
     mask = labels[..., 0] != IGNORE_INDEX
     sampler = labels[..., 4]
     diff = torch.where(mask, trainer - sampler, 0.0)
-    ratios = torch.exp(diff)[mask]
-    factor = torch.exp(diff)
     if cfg.importance_correction.startswith("sequence"):  # one ratio per completion
         ids = labels[..., 1].long()
         held = ids >= 0
@@ -440,20 +438,28 @@ def corrected(batch: Batch, trainer: torch.Tensor, cfg: RL) -> Corrected:
         count = int(ids.max().item()) + 1 if bool(held.any()) else 0
         sums = diff.new_zeros(count).index_add(0, index.flatten(), diff.flatten())
         present = diff.new_zeros(count).index_add(0, index.flatten(), held.flatten().float()) > 0
-        factor = torch.where(held, torch.exp(sums)[index], 1.0)
-        ratios = torch.exp(sums)[present]
-    low = cfg.importance_cap_min if cfg.importance_cap_min is not None else -math.inf
-    high = cfg.importance_cap_max if cfg.importance_cap_max is not None else math.inf
-    if cfg.importance_correction.endswith("truncate"):
-        factor, ratios = factor.clamp(min=low, max=high), ratios.clamp(min=low, max=high)
-    elif cfg.importance_correction.endswith("mask"):
-        factor = factor.masked_fill((factor < low) | (factor > high), 0.0)
-        ratios = ratios.masked_fill((ratios < low) | (ratios > high), 0.0)
+        per_completion = _capped(torch.exp(sums), cfg)
+        factor = torch.where(held, per_completion[index], 1.0)
+        ratios = per_completion[present]
+    else:
+        factor = _capped(torch.exp(diff), cfg)
+        ratios = factor[mask]
     gaps = (trainer - sampler).abs()[mask]
     labels[..., 4] = torch.where(mask, trainer, sampler)
     if cfg.importance_correction != "none":
         labels[..., 6] = torch.where(mask, factor, 1.0)
     return Corrected(replace(batch, labels=labels), gaps, ratios)
+
+
+def _capped(ratio: torch.Tensor, cfg: RL) -> torch.Tensor:
+    """TRL's caps on importance ratios: truncated to them, or zero outside them (no mode: as is)."""
+    low = cfg.importance_cap_min if cfg.importance_cap_min is not None else -math.inf
+    high = cfg.importance_cap_max if cfg.importance_cap_max is not None else math.inf
+    if cfg.importance_correction.endswith("truncate"):
+        return ratio.clamp(min=low, max=high)
+    if cfg.importance_correction.endswith("mask"):
+        return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    return ratio
 
 
 def _token_weight(
