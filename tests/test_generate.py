@@ -14,7 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.models import build_model, from_hf, get_flavor
 from autopar.models.generation import Decoder, generate
-from autopar.models.generation.generate import same_lengths
+from autopar.models.generation.generate import same_lengths, sample
+from autopar.models.generation.sampling import Sampling
 from autopar.models.qwen3_5.delta_rule_steps import delta_rule_steps
 
 from jobs import tiny_args
@@ -193,6 +194,24 @@ def test_a_ragged_batch_gives_each_prompt_its_own_tokens():
     assert same_lengths(prompts) == [slice(0, 2), slice(2, 3), slice(3, 4)]
     together = generate(model, prompts, 6)
     assert together == [generate(model, [p], 6)[0] for p in prompts]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
+def test_a_prompt_repeated_in_a_batch_is_prefilled_once_and_each_copy_continues_alone(family):
+    """GRPO samples each prompt num_generations times: the copies share one prefill, their
+    KV cache and Gated DeltaNet states copied, and each continues as the prompt alone would."""
+    model = tiny(family)
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[2]]
+    widths = []
+    model.layers["0"].register_forward_hook(lambda module, inputs, out: widths.append(inputs[0].shape[:2]))
+    greedy = Sampling(0.0, 0, 1.0, 0)
+    together = sample(model, prompts, 6, greedy)
+    assert widths[:3] == [torch.Size([1, 70]), torch.Size([1, 3]), torch.Size([1, 1])]  # the prefills
+    assert set(widths[3:]) == {torch.Size([5, 1])}  # then the decode steps of every row
+    for row, prompt in enumerate(prompts):
+        alone = sample(model, [prompt], 6, greedy)
+        assert together.tokens[row] == alone.tokens[0]
+        torch.testing.assert_close(together.logps[row], alone.logps[0], rtol=1e-5, atol=1e-5)
 
 
 def test_sampling_with_a_seed_is_reproducible_and_seeds_differ():

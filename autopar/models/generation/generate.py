@@ -42,6 +42,17 @@ def same_lengths(prompts: Sequence[Sequence[int]]) -> list[slice]:
     return runs
 
 
+def distinct(prompts: Sequence[Sequence[int]]) -> tuple[list[Sequence[int]], list[int]]:
+    """The distinct prompts in order of first appearance, and each prompt's index among them:
+    a group's copies of one prompt (GRPO's ``num_generations``) need one prefill, not one each."""
+    index: dict[tuple[int, ...], int] = {}
+    where = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    firsts: dict[int, Sequence[int]] = {}
+    for prompt, k in zip(prompts, where):
+        firsts.setdefault(k, prompt)
+    return list(firsts.values()), where
+
+
 def prefill(decoder: Decoder, prompts: Sequence[Sequence[int]], rows: slice, chunk: int) -> torch.Tensor:
     """Run ``prompts`` (of one length) into ``rows`` of the state, ``chunk`` tokens a forward;
     their last logits (b, V), the only ones computed."""
@@ -110,13 +121,18 @@ def sample(
         length = min(-(-length // COMPILED_LENGTHS) * COMPILED_LENGTHS, model.args.max_position_embeddings)
     decoder = Decoder(model, len(prompts), length, compiled)
     decoder.cursor.positions = decoder.cursor.positions.to(device)
-    last = torch.cat([prefill(decoder, prompts[rows], rows, prefill_chunk) for rows in same_lengths(prompts)])
+    unique, where = distinct(prompts)  # prefilled into the first rows, then copied to their own
+    last = torch.cat([prefill(decoder, unique[rows], rows, prefill_chunk) for rows in same_lengths(unique)])
+    last = whole(last) if whole is not None else last
+    if len(unique) < len(prompts):
+        spread = torch.tensor(where, device=device)
+        decoder.spread(spread)
+        last = last[spread]
     position = torch.tensor([len(p) for p in prompts], device=device)  # (B,) where the next token goes
     new: list[list[int]] = [[] for _ in prompts]
     logps: list[list[float]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     for step in range(max_new_tokens):
-        last = whole(last) if whole is not None else last
         chosen = next_tokens(last, sampling, generator)  # (B,)
         chosen = agree(chosen) if agree is not None else chosen
         chosen_logps = token_logps(last, chosen, sampling)
@@ -130,5 +146,6 @@ def sample(
         if all(done) or step == max_new_tokens - 1:
             break
         last = decoder.step(chosen, position)
+        last = whole(last) if whole is not None else last
         position = position + 1
     return Generated(new, logps)

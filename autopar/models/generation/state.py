@@ -74,6 +74,12 @@ class CachedAttention(nn.Module):
             q, keys[:, :, :end], values[:, :, :end], attn_mask=visible, enable_gqa=gqa
         )
 
+    def spread(self, where: Tensor) -> None:
+        """Row r's cache becomes row ``where[r]``'s (B,)."""
+        if self.k is not None and self.v is not None:
+            self.k.copy_(self.k[where])
+            self.v.copy_(self.v[where])
+
 
 class LastPosition(nn.Module):
     """A head applied to the last position of its input (B, S, H) only: (B, 1, V)."""
@@ -141,6 +147,13 @@ class CachedSequence(WholeSequence):
             )
         self.recurrent[rows] = exit_state
         return out
+
+    def spread(self, where: Tensor) -> None:
+        """Row r's convolution and recurrent state become row ``where[r]``'s (B,)."""
+        for state in self.conv or ():
+            state.copy_(state[where])
+        if self.recurrent is not None:
+            self.recurrent.copy_(self.recurrent[where])
 
     def rewind(self, kept: int) -> None:
         """The cursor's rows' state as after the first ``kept`` tokens of the last call (made
@@ -245,6 +258,12 @@ class Decoder:
         with self.attached():
             out, _ = self.model.mtp(hidden, self.model.embed_tokens(following), positions=positions)
             return out
+
+    def spread(self, where: Tensor) -> None:
+        """Each row's state becomes row ``where[r]``'s (B,): prompts prefilled once, each into
+        one row, then copied to every row that continues it."""
+        for cached in (*self.attention.values(), *self.sequences.values()):
+            cached.spread(where)
 
     def rewind(self, rows: slice, kept: int) -> None:
         """``rows``' Gated DeltaNet state as after the first ``kept`` tokens of the last
