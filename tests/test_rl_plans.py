@@ -80,6 +80,8 @@ def replay_job(folder: Path, kind: str) -> JobConfig:
     if kind == "corrected":  # pi_old recomputed forward only under the plan, TRL's sequence mask
         correction = ("--rl.importance_correction", "sequence_mask", "--rl.importance_cap_max", "1.5")
         return tiny_job(folder / kind, *REPLAY, *correction, vocab_size=CHAT_VOCAB)
+    if kind == "hsdp":  # four data ranks need four groups: the fixture's in groups of two
+        return tiny_job(folder / kind, *REPLAY, *pairs_replay(folder), vocab_size=CHAT_VOCAB)
     assert kind == "lora"
     lora = (
         "--lora.enable",
@@ -92,6 +94,25 @@ def replay_job(folder: Path, kind: str) -> JobConfig:
         "adapters_off",
     )
     return tiny_job(folder / kind, *REPLAY, *lora, vocab_size=CHAT_VOCAB)
+
+
+def pairs_replay(folder: Path) -> tuple[str, ...]:
+    """Overrides replaying the fixture's completions in groups of two (eight groups of the
+    same rewards and log-probs), two a data rank: a step of four prompts, one per rank of a
+    2 x 2 HSDP mesh."""
+    records = [json.loads(line) for line in (FIXTURES / "rollouts" / "step-1.jsonl").read_text().splitlines()]
+    for i, record in enumerate(records):
+        record["group"] = i // 2
+    (folder / "pairs").mkdir(parents=True, exist_ok=True)
+    (folder / "pairs" / "step-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return (
+        "--rl.replay",
+        str(folder / "pairs"),
+        "--rl.num_generations",
+        "2",
+        "--training.local_batch_size",
+        "2",
+    )
 
 
 def replayed_runs(folder: Path, plans: dict[str, list[str]]) -> dict:
@@ -111,7 +132,8 @@ PLANS = {
     "lora": LORA_PLANS,
 }
 HEAVY_PLANS = {
-    "dense": ["tp=2,dp_shard=2"],  # four ranks (HSDP would need a step of four prompts)
+    "dense": ["tp=2,dp_shard=2"],  # four ranks
+    "hsdp": ["dp_replicate=2,dp_shard=2"],
     "moe": ["dp_shard=2", "tp=2", "cp=2"],
     "hybrid": ["tp=2", "pp=2,schedule=Interleaved1F1B"],  # four layers: one stage each interleaved
     "reference": ["pp=2", "cp=2"],  # forward only through a pipeline; gathered from CP shards
