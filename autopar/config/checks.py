@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import math
 import os
@@ -17,10 +18,17 @@ from autopar.config.sections import JobConfig
 def changed_fields(section: Any) -> list[str]:
     """The fields of a config section (a dataclass that builds with no arguments) set away
     from their defaults: what a job that never reads the section would silently drop."""
-    default = type(section)()
+    default = _default(type(section))
     return [
         f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(default, f.name)
     ]
+
+
+@functools.lru_cache(maxsize=64)
+def _default(section_type: type) -> Any:
+    """A section as built with no arguments, built once (the planner checks a hundred
+    thousand candidate jobs' sections against it); read, never changed."""
+    return section_type()
 
 
 def require(ok: bool, message: str) -> None:

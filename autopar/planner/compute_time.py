@@ -238,11 +238,20 @@ def stage_work(
     its blocks' FLOPs at their kinds' rates (and the head's) and their elementwise work
     (``block_memory``); dispatch and recompute left out (the same share of every block)."""
     flops = _flop_seconds(args, job.training.seq_len, rates)
-    memory = {f"layers.{i}": m for i, m in enumerate(block_memory)}
     return [
-        sum(flops.get(n, 0.0) * tokens + memory.get(n, 0.0) for n in names)
-        for names in stage_modules(job.parallelism, args)
+        sum(flops.get(n, 0.0) * tokens + (block_memory[b] if b is not None else 0.0) for n, b in named)
+        for named in _stage_blocks(tuple(map(tuple, stage_modules(job.parallelism, args))))
     ]
+
+
+@functools.lru_cache(maxsize=256)
+def _stage_blocks(stages: tuple[tuple[str, ...], ...]) -> tuple[tuple[tuple[str, int | None], ...], ...]:
+    """Each stage's modules with their block's index (None outside the blocks): read once per
+    split, not once per plan."""
+    return tuple(
+        tuple((n, int(n.split(".")[1]) if n.startswith("layers.") else None) for n in names)
+        for names in stages
+    )
 
 
 @functools.lru_cache(maxsize=256)

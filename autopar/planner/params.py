@@ -109,6 +109,13 @@ def key_counts(args: ModelArgs, modules: tuple[str, ...]) -> tuple[tuple[ModuleK
     return tuple(counts.items())
 
 
+@functools.lru_cache(maxsize=4096)
+def one_of_each_key(args: ModelArgs, modules: tuple[str, ...]) -> tuple[str, ...]:
+    """A module of each ``module_key`` among ``modules`` (the last of each), in the order of
+    their keys' first appearance."""
+    return tuple({module_key(args, m): m for m in modules}.values())
+
+
 def _total(numel: dict[ModuleKey, int], args: ModelArgs, modules: list[str]) -> int:
     """Elements of ``modules`` given the elements of one module of each kind."""
     return sum(numel.get(key, 0) * count for key, count in key_counts(args, tuple(modules)))
@@ -244,9 +251,15 @@ def uses_fsdp(job: JobConfig, dims: ParallelDims) -> bool:
 
 def rank_params(args: ModelArgs, job: JobConfig, dims: ParallelDims) -> int:
     """Parameters of this rank's stage (TP-sharded, not FSDP-sharded), the busiest stage."""
-    layers = -(-args.num_hidden_layers // dims.pp)
-    modules = [f"layers.{i}" for i in range(layers)] + ["embed_tokens", "norm", "lm_head"]
-    return modules_numel(args, job, dims, modules, sharded=False)
+    return modules_numel(
+        args, job, dims, _first_stage_modules(-(-args.num_hidden_layers // dims.pp)), sharded=False
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _first_stage_modules(layers: int) -> list[str]:
+    """The first ``layers`` blocks and the modules outside them (read, never changed)."""
+    return [f"layers.{i}" for i in range(layers)] + ["embed_tokens", "norm", "lm_head"]
 
 
 def rank_expert_params(args: ModelArgs, dims: ParallelDims) -> int:
@@ -273,6 +286,11 @@ class RankStages:
     @functools.cached_property
     def kind_of(self) -> dict[str, LayerKind]:
         """The kind (``ModelArgs.layer_kind``) of each of the rank's blocks, in order."""
-        return {
-            m: self.args.layer_kind(int(m.split(".")[1])) for m in self.modules if m.startswith("layers.")
-        }
+        return block_kinds(self.args, tuple(self.modules))
+
+
+@functools.lru_cache(maxsize=1024)
+def block_kinds(args: ModelArgs, modules: tuple[str, ...]) -> dict[str, LayerKind]:
+    """The kind of each block among ``modules``, in order (cached for the search, which
+    prices the same stages for thousands of plans: read, never changed)."""
+    return {m: args.layer_kind(int(m.split(".")[1])) for m in modules if m.startswith("layers.")}

@@ -33,8 +33,8 @@ from autopar.planner.params import (
     is_block_kind,
     key_counts,
     layer_expert_numel,
-    module_key,
     modules_numel,
+    one_of_each_key,
     trained_numel,
     uses_fsdp,
 )
@@ -260,7 +260,7 @@ def unsynced_grads(rank: RankStages, c: int) -> dict[int, Unsynced]:
     args, job, dims, stages = rank.args, rank.job, rank.dims, rank.stages
     out = {}
     for i in rank.ids:
-        kinds_here = {module_key(args, m): m for m in stages[i]}.values()
+        kinds_here = one_of_each_key(args, tuple(stages[i]))
         largest = max(kinds_here, key=lambda m: trained_numel(args, job, dims, [m], sharded=False))
         whole = trained_numel(args, job, dims, [largest], sharded=False)
         out[i] = Unsynced(
