@@ -12,10 +12,11 @@ import torch
 from autopar.cli.plan import main as plan_main
 from autopar.planner.devices import PRESETS, device_spec
 from autopar.planner.measured import forward_op_share, ops_per_micro_batch
+from autopar.planner.memory import GIB, weights_floor
 from autopar.planner.params import meta_model
 from autopar.planner.probe import count_ops, forward_backward
 from autopar.planner.prune import tokens_per_s_bound
-from autopar.planner.search import lightest, search, search_counted, valid_plans
+from autopar.planner.search import lightest, runtime_reserve, search, search_counted, valid_plans
 from autopar.planner.time import busy_time
 from autopar.training.resolve import model_args, parse_job
 
@@ -74,6 +75,34 @@ def test_a_plan_without_checkpointing_that_never_reshards_bounds_each_plan_it_st
         own = tokens_per_s_bound(busy_time(args, candidate, dims, H100, 8))
         lightest_job = lightest(settings).apply(job)
         assert own <= tokens_per_s_bound(busy_time(args, lightest_job, dims, H100, 8)), settings
+
+
+@pytest.mark.parametrize("question", QUESTIONS)
+def test_the_weights_floor_is_at_most_each_plans_predicted_peak(question):
+    """The floor (weights, optimizer state, a pipeline's unsharded gradients, the runtime
+    reserve) lets the search skip plans it shows cannot fit: it must never pass a prediction."""
+    argv, world, pinned = QUESTIONS[question]
+    job = parse_job(argv)
+    args = model_args(job)
+    every = search(job, args, world, 8, H100, pinned)
+    for plan in every:
+        floor = weights_floor(args, plan.settings.apply(job), plan.dims)
+        assert floor + runtime_reserve(floor, plan.dims) <= plan.memory.peak, plan.describe()
+
+
+def test_the_search_sets_aside_plans_whose_weights_alone_pass_the_device():
+    job = parse_job(["--job.config", "qwen3_32b"])
+    args = model_args(job)
+    every = search(job, args, 16, 8, H100)
+    pruned = search_counted(job, args, 16, 8, H100, keep=3)
+    assert [prediction(p) for p in pruned.plans[:3]] == [prediction(p) for p in every[:3]]
+
+    def over(plan) -> bool:
+        floor = weights_floor(args, plan.settings.apply(job), plan.dims)
+        return floor + runtime_reserve(floor, plan.dims) > H100.memory_gib * GIB
+
+    assert any(over(p) for p in every)
+    assert not any(over(p) for p in pruned.plans)
 
 
 def test_a_question_nothing_fits_is_scored_whole_and_names_the_smallest_peak():

@@ -113,26 +113,52 @@ def predict_dims(
             "plan with sdpa_backend auto, then pin math"
         )
     compute_bytes = compute_dtype(job, torch.device(device_type)).itemsize
-    head = ["mtp"] if args.mtp_num_hidden_layers else []  # Qwen3.5's multi-token-prediction head
-    if dims.pp == 1:
-        stages = [
-            [
-                "embed_tokens",
-                *(f"layers.{i}" for i in range(args.num_hidden_layers)),
-                "norm",
-                *head,
-                "lm_head",
-            ]
-        ]
-        roles = {0: "all ranks"}
-    else:
-        stages = stage_modules(job.parallelism, args)
-        stages = [*stages[:-1], [*stages[-1], *head]]  # the head goes with lm_head (``BESIDE_HEAD``)
-        roles = {0: "first stage", dims.pp // 2: "middle stage", dims.pp - 1: "last stage"}
+    stages, roles = _stages_and_roles(args, job, dims)
     return [
         _predict_stage_rank(args, job, dims, stages, rank_stage, role, cp_impl, compute_bytes, device_type)
         for rank_stage, role in sorted(roles.items())
     ]
+
+
+def _stages_and_roles(
+    args: ModelArgs, job: JobConfig, dims: ParallelDims
+) -> tuple[list[list[str]], dict[int, str]]:
+    """Every stage's modules, and the pipeline ranks predicted (one of each role)."""
+    head = ["mtp"] if args.mtp_num_hidden_layers else []  # Qwen3.5's multi-token-prediction head
+    if dims.pp == 1:
+        stage = [
+            "embed_tokens",
+            *(f"layers.{i}" for i in range(args.num_hidden_layers)),
+            "norm",
+            *head,
+            "lm_head",
+        ]
+        return [stage], {0: "all ranks"}
+    stages = stage_modules(job.parallelism, args)
+    stages = [*stages[:-1], [*stages[-1], *head]]  # the head goes with lm_head (``BESIDE_HEAD``)
+    return stages, {0: "first stage", dims.pp // 2: "middle stage", dims.pp - 1: "last stage"}
+
+
+def weights_floor(args: ModelArgs, job: JobConfig, dims: ParallelDims, device_type: str = "cuda") -> float:
+    """Bytes no more than ``predict_dims``' worst peak: the first pipeline rank's weights and
+    optimizer state (and a reference copy), and where a pipeline holds a stage's gradients
+    unsharded, the moment that stage's first backward ends (``_walk_schedule``: those
+    gradients and its largest module's, nothing else of the moment counted). It reads
+    neither activation checkpointing nor FSDP's resharding, so one floor holds for every
+    plan that differs only in those; the search sets aside plans whose floor alone passes
+    the device (``planner/prune.py``) without pricing their steps."""
+    stages, _ = _stages_and_roles(args, job, dims)
+    ids = _rank_stage_ids(job, dims, len(stages), 0) if dims.pp > 1 else [0]
+    rank = RankStages(args, job, dims, stages, ids)
+    static, _ = weights_and_optimizer(args, job, dims, rank.modules, stored_bytes(job, device_type), False)
+    floor = sum(static.values())
+    micro = (
+        job.parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else job.training.local_batch_size
+    )
+    if syncs_last(job, dims, micro):
+        c = compute_dtype(job, torch.device(device_type)).itemsize
+        floor += max(held.grads + held.largest for held in unsynced_grads(rank, c).values())
+    return floor
 
 
 def _rank_stage_ids(job: JobConfig, dims: ParallelDims, num_stages: int, pp_rank: int) -> list[int]:

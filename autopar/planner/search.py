@@ -18,7 +18,7 @@ from autopar.models.args import ModelArgs
 from autopar.parallel.context_parallel import resolve_impl
 from autopar.parallel.mesh import ParallelDims
 from autopar.planner.devices import DeviceSpec
-from autopar.planner.memory import GIB, Memory, predict_dims
+from autopar.planner.memory import GIB, Memory, predict_dims, weights_floor
 from autopar.planner.prune import best_first, tokens_per_s_bound
 from autopar.planner.settings import PLAN_FIELDS, PlanSettings
 from autopar.planner.space import candidates
@@ -196,10 +196,13 @@ def search_counted(
         def bound(i: int) -> float:
             _, candidate, dims = valid[i]
             busies[i] = busy_time(args, candidate, dims, device, gpus_per_node)
-            return tokens_per_s_bound(busies[i])
+            return tokens_per_s_bound(busies[i]) if group_bounds[lightest(valid[i][0])] > 0 else 0.0
 
         def group_bound(members: list[int]) -> float:
-            settings, _, dims = valid[members[0]]
+            settings, candidate, dims = valid[members[0]]
+            floor = weights_floor(args, candidate, dims, device_type)
+            if floor + runtime_reserve(floor, dims) > device.memory_gib * GIB:
+                return 0.0  # none fits: the group is scored only if fewer than keep plans fit
             free = lightest(settings).apply(job)
             return tokens_per_s_bound(busy_time(args, free, dims, device, gpus_per_node))
 
@@ -212,7 +215,8 @@ def search_counted(
         groups: dict[PlanSettings, list[int]] = {}
         for i, (settings, _, _) in enumerate(valid):
             groups.setdefault(lightest(settings), []).append(i)
-        bounded = [(group_bound(members), members) for members in groups.values()]
+        group_bounds = {key: group_bound(members) for key, members in groups.items()}
+        bounded = [(group_bounds[key], members) for key, members in groups.items()]
         plans = [scored[i] for i in best_first(bounded, bound, tokens_per_s, keep, TIE)]
     return Searched(rank(plans), candidates, len(valid), len(plans))
 
