@@ -260,9 +260,12 @@ def unsynced_grads(rank: RankStages, c: int) -> dict[int, Unsynced]:
     args, job, dims, stages = rank.args, rank.job, rank.dims, rank.stages
     out = {}
     for i in rank.ids:
-        kinds_here = one_of_each_key(args, tuple(stages[i]))
-        largest = max(kinds_here, key=lambda m: trained_numel(args, job, dims, [m], sharded=False))
-        whole = trained_numel(args, job, dims, [largest], sharded=False)
+        whole_of = {
+            m: trained_numel(args, job, dims, [m], sharded=False)
+            for m in one_of_each_key(args, tuple(stages[i]))
+        }
+        largest = max(whole_of, key=whole_of.__getitem__)
+        whole = whole_of[largest]
         out[i] = Unsynced(
             grads=FP32 * trained_numel(args, job, dims, stages[i], sharded=False),
             largest=c * whole,
