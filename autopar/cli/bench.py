@@ -164,9 +164,7 @@ def run_variant(name: str, job: JobConfig, nproc: int, warmup: int) -> list[dict
         return run_on_ranks(_bench_on_rank, nproc, job, warmup)
     ranks = run_on_ranks(torchtitan_on_rank, nproc, str(write_torchtitan_job(job)), warmup)
     training, dims = job.training, ParallelDims.resolve(job.parallelism, nproc)
-    sequences = (
-        training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dims.dp
-    )
+    sequences = training.global_batch(dims.dp)
     args = model_args(job)
     for rank in ranks:  # what ours reports from its own trainer, for the same job
         rank["tokens_per_step"] = sequences * training.seq_len

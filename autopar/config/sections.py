@@ -146,6 +146,10 @@ class Training:
     and activations. FSDP then runs even on one rank, so one GPU trains a model whose
     weights and optimizer state do not fit on it."""
 
+    def global_batch(self, dp: int) -> int:
+        """Sequences (completions, pairs) per optimizer step over ``dp`` data-parallel ranks."""
+        return self.global_batch_size if self.global_batch_size > 0 else self.local_batch_size * dp
+
 
 @dataclass
 class Parallelism:

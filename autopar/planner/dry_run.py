@@ -141,9 +141,7 @@ def dry_run_job(job: JobConfig) -> JobConfig:
 
 def _batches(job: JobConfig, dims: ParallelDims) -> list[Batch]:
     training = job.training
-    global_batch = (
-        training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dims.dp
-    )
+    global_batch = training.global_batch(dims.dp)
     micro_steps = min(2, global_batch // (training.local_batch_size * dims.dp))
     shape = (training.local_batch_size, training.seq_len)
     tokens = torch.zeros(shape, dtype=torch.long)

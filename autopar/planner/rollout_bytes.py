@@ -56,10 +56,7 @@ def decode_state_bytes(args: ModelArgs, tp: int, rows: int, length: int, c: int)
 
 def rollout_rows(job: JobConfig, dims: ParallelDims) -> int:
     """Completions one rank samples at once: its data-parallel share, split over CP."""
-    training = job.training
-    completions = (
-        training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dims.dp
-    )
+    completions = job.training.global_batch(dims.dp)
     return -(-completions // (dims.dp * dims.cp))
 
 

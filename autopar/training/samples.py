@@ -46,9 +46,7 @@ def step_loader(
     training, dims = job.training, meshes.dims
     dp_mesh = meshes.get("dp")
     dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0
-    global_batch = (
-        training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dims.dp
-    )
+    global_batch = training.global_batch(dims.dp)
     if isinstance(samples, PairSource):
         return pair_loader(job, samples, global_batch, dp_rank, dims.dp, device, tokenizer_path(job))
     return StepLoader(global_batch, training.local_batch_size, dp_rank, dims.dp, device, samples=samples)

@@ -75,11 +75,7 @@ class Rollouts:
         )
         cfg, training = job.rl, job.training
         dims = runner.dims
-        self.global_batch = (
-            training.global_batch_size
-            if training.global_batch_size > 0
-            else training.local_batch_size * dims.dp
-        )
+        self.global_batch = training.global_batch(dims.dp)
         self.local_batch = training.local_batch_size
         dp_mesh = runner.meshes.get("dp")
         self.dp_rank = dp_mesh.get_local_rank() if dp_mesh is not None else 0

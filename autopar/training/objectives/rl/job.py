@@ -127,9 +127,7 @@ def _check_numbers(cfg: RL) -> None:
 
 def _check_batch(job: JobConfig, dims: ParallelDims) -> None:
     training, cfg = job.training, job.rl
-    completions = (
-        training.global_batch_size if training.global_batch_size > 0 else training.local_batch_size * dims.dp
-    )
+    completions = training.global_batch(dims.dp)
     if completions % cfg.num_generations:
         raise ConfigError(
             f"rl.num_generations={cfg.num_generations} does not divide the {completions} completions of a step "
