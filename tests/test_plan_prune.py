@@ -5,6 +5,7 @@ taken from one block of each kind, is the whole model's."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -42,7 +43,19 @@ QUESTIONS = {
         16,
         {"parallelism.tensor_parallel_degree"},
     ),
+    "Qwen3-32B on 16, weights that pass the device": (["--job.config", "qwen3_32b"], 16, set()),
 }
+FLOORED = "Qwen3-32B on 16, weights that pass the device"
+"""A question where some plans' weights alone cannot fit (``memory.weights_floor``)."""
+
+
+@functools.cache
+def exhaustive(question: str) -> tuple:
+    """(job, model args, every plan ranked) of a question, searched once for the tests here."""
+    argv, world, pinned = QUESTIONS[question]
+    job = parse_job(argv)
+    args = model_args(job)
+    return job, args, search(job, args, world, 8, H100, pinned)
 
 
 def prediction(plan) -> tuple:
@@ -52,10 +65,8 @@ def prediction(plan) -> tuple:
 
 @pytest.mark.parametrize("question", QUESTIONS)
 def test_the_pruned_search_returns_the_exhaustive_searchs_best_plans(question):
-    argv, world, pinned = QUESTIONS[question]
-    job = parse_job(argv)
-    args = model_args(job)
-    every = search(job, args, world, 8, H100, pinned)
+    _, world, pinned = QUESTIONS[question]
+    job, args, every = exhaustive(question)
     pruned = search_counted(job, args, world, 8, H100, pinned, keep=KEEP)
     assert [prediction(p) for p in pruned.plans[:KEEP]] == [prediction(p) for p in every[:KEEP]]
     # the rest it scored keep the exhaustive order, and it scored fewer
@@ -77,32 +88,27 @@ def test_a_plan_without_checkpointing_that_never_reshards_bounds_each_plan_it_st
         assert own <= tokens_per_s_bound(busy_time(args, lightest_job, dims, H100, 8)), settings
 
 
+def over_the_device(args, job, plan) -> bool:
+    """Whether ``plan``'s weights floor and runtime reserve alone pass the H100."""
+    floor = weights_floor(args, plan.settings.apply(job), plan.dims)
+    return floor + runtime_reserve(floor, plan.dims) > H100.memory_gib * GIB
+
+
 @pytest.mark.parametrize("question", QUESTIONS)
 def test_the_weights_floor_is_at_most_each_plans_predicted_peak(question):
     """The floor (weights, optimizer state, a pipeline's unsharded gradients, the runtime
     reserve) lets the search skip plans it shows cannot fit: it must never pass a prediction."""
-    argv, world, pinned = QUESTIONS[question]
-    job = parse_job(argv)
-    args = model_args(job)
-    every = search(job, args, world, 8, H100, pinned)
+    job, args, every = exhaustive(question)
     for plan in every:
         floor = weights_floor(args, plan.settings.apply(job), plan.dims)
         assert floor + runtime_reserve(floor, plan.dims) <= plan.memory.peak, plan.describe()
 
 
 def test_the_search_sets_aside_plans_whose_weights_alone_pass_the_device():
-    job = parse_job(["--job.config", "qwen3_32b"])
-    args = model_args(job)
-    every = search(job, args, 16, 8, H100)
+    job, args, every = exhaustive(FLOORED)
     pruned = search_counted(job, args, 16, 8, H100, keep=3)
-    assert [prediction(p) for p in pruned.plans[:3]] == [prediction(p) for p in every[:3]]
-
-    def over(plan) -> bool:
-        floor = weights_floor(args, plan.settings.apply(job), plan.dims)
-        return floor + runtime_reserve(floor, plan.dims) > H100.memory_gib * GIB
-
-    assert any(over(p) for p in every)
-    assert not any(over(p) for p in pruned.plans)
+    assert any(over_the_device(args, job, p) for p in every)
+    assert not any(over_the_device(args, job, p) for p in pruned.plans)
 
 
 def test_a_question_nothing_fits_is_scored_whole_and_names_the_smallest_peak():

@@ -28,7 +28,7 @@ from autopar.config.errors import ConfigError
 from autopar.config.sections import Parallelism
 from autopar.data.loader import Batch
 from autopar.models.args import ModelArgs
-from autopar.parallel.pipelining.split import StageStyle, check_split, even_split, stage_ids
+from autopar.parallel.pipelining.split import StageStyle, check_split, even_split, even_split_count, stage_ids
 from autopar.parallel.pipelining.stage_loss import LossFn, LossSlot, flat_head_output
 from autopar.parallel.torch_internals import keep_donated_buffers
 
@@ -275,7 +275,19 @@ def check_pipeline(cfg: Parallelism, args: ModelArgs, local_batch_size: int) -> 
             f"parallelism.pipeline_parallel_microbatch_size={mbs} does not divide "
             f"training.local_batch_size={local_batch_size}; use a divisor of it"
         )
-    check_schedule(cfg, len(stage_modules(cfg, args)), local_batch_size // mbs)
+    check_schedule(cfg, _stage_count(cfg, args), local_batch_size // mbs)
+
+
+def _stage_count(cfg: Parallelism, args: ModelArgs) -> int:
+    """``len(stage_modules(cfg, args))``, checked alike, without building the split."""
+    if cfg.module_fqns_per_model_part:
+        return len(stage_modules(cfg, args))
+    return even_split_count(
+        args.num_hidden_layers,
+        num_stages(cfg, args.num_hidden_layers),
+        cfg.pipeline_parallel_first_stage_less_layers,
+        cfg.pipeline_parallel_last_stage_less_layers,
+    )
 
 
 @dataclass

@@ -33,6 +33,12 @@ def even_split(
     return [list(names) for names in stages]
 
 
+def even_split_count(num_layers: int, num_stages: int, first_stage_less: int, last_stage_less: int) -> int:
+    """``len(even_split(...))``, checked alike, without copying the split (the planner checks
+    a hundred thousand candidate plans)."""
+    return len(_even_split(num_layers, num_stages, first_stage_less, last_stage_less))
+
+
 @functools.lru_cache(maxsize=1024)
 def _even_split(
     num_layers: int, num_stages: int, first_stage_less: int, last_stage_less: int
