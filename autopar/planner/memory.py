@@ -53,7 +53,7 @@ from autopar.planner.block_bytes import (
     block_backward_transient_bytes,
     block_weight_output_grad_bytes,
 )
-from autopar.planner.params import RankStages, uses_fsdp
+from autopar.planner.params import RankStages, one_of_each_key, uses_fsdp
 from autopar.planner.rollout_bytes import rollout_moment
 from autopar.planner.weight_bytes import (
     Unsynced,
@@ -63,6 +63,7 @@ from autopar.planner.weight_bytes import (
     fsdp_block_bytes,
     gathered_bytes,
     landing_grads,
+    micro_batch,
     micro_steps,
     stored_bytes,
     syncs_last,
@@ -152,9 +153,7 @@ def weights_floor(args: ModelArgs, job: JobConfig, dims: ParallelDims, device_ty
     rank = RankStages(args, job, dims, stages, ids)
     static, _ = weights_and_optimizer(args, job, dims, rank.modules, stored_bytes(job, device_type), False)
     floor = sum(static.values())
-    micro = (
-        job.parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else job.training.local_batch_size
-    )
+    micro = micro_batch(job, dims)
     if syncs_last(job, dims, micro):
         c = compute_dtype(job, torch.device(device_type)).itemsize
         floor += max(held.grads + held.largest for held in unsynced_grads(rank, c).values())
@@ -182,9 +181,7 @@ def _predict_stage_rank(
     ids = _rank_stage_ids(job, dims, len(stages), pp_rank) if dims.pp > 1 else [0]
     rank = RankStages(args, job, dims, stages, ids)
     stored = stored_bytes(job, device_type)
-    micro = (
-        job.parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else job.training.local_batch_size
-    )
+    micro = micro_batch(job, dims)
     z = sizes(args, job, dims, micro, cp_impl, c, device_type)
     # sharded gradients outlive a backward only when micro-steps accumulate into them, or
     # when a pipeline without FSDP keeps them whole across micro-batches
@@ -288,18 +285,13 @@ def _stage_costs(
         embedding_grads=embedding_grads,
         embedding_first_grads=embedding_grads - (embedding_grad(args, job, dims) if held_in_walk else 0.0),
         stage_grads={i: landing_grads(args, job, dims, rank.stages[i]) if fresh else 0.0 for i in rank.ids},
+        # blocks of one kind keep the same gradients: priced from one of each
         block_grads={
-            kind: landing_grads(args, job, dims, [m]) for kind, m in one_of_each_kind(kind_of).items()
+            kind_of[m]: landing_grads(args, job, dims, [m]) for m in one_of_each_key(args, tuple(kind_of))
         },
         first_block={i: next(iter(blocks[i]), None) for i in rank.ids},
         before_first=saves.before_first,
     )
-
-
-def one_of_each_kind(kind_of: dict[str, LayerKind]) -> dict[LayerKind, str]:
-    """A block of each kind (its last): blocks of one kind keep the same bytes, so a plan of a
-    hundred blocks is priced from a few (one search prices thousands of plans)."""
-    return {kind: module for module, kind in kind_of.items()}
 
 
 class _Peak:

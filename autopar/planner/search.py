@@ -196,7 +196,7 @@ def search_counted(
         def bound(i: int) -> float:
             _, candidate, dims = valid[i]
             busies[i] = busy_time(args, candidate, dims, device, gpus_per_node)
-            return tokens_per_s_bound(busies[i]) if group_bounds[lightest(valid[i][0])] > 0 else 0.0
+            return tokens_per_s_bound(busies[i]) if group_bounds[keys[i]] > 0 else 0.0
 
         def group_bound(members: list[int]) -> float:
             settings, candidate, dims = valid[members[0]]
@@ -212,9 +212,10 @@ def search_counted(
             scored[i] = plan
             return plan.tokens_per_s
 
+        keys = [lightest(settings) for settings, _, _ in valid]  # each candidate's group
         groups: dict[PlanSettings, list[int]] = {}
-        for i, (settings, _, _) in enumerate(valid):
-            groups.setdefault(lightest(settings), []).append(i)
+        for i, key in enumerate(keys):
+            groups.setdefault(key, []).append(i)
         group_bounds = {key: group_bound(members) for key, members in groups.items()}
         bounded = [(group_bounds[key], members) for key, members in groups.items()]
         plans = [scored[i] for i in best_first(bounded, bound, tokens_per_s, keep, TIE)]

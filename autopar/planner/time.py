@@ -46,7 +46,7 @@ from autopar.planner.measured import (
 from autopar.planner.pipeline_time import pipeline_bubble, pipeline_send_seconds
 from autopar.planner.rates import blended_rate, compute_rates
 from autopar.planner.step import Step
-from autopar.planner.weight_bytes import micro_steps
+from autopar.planner.weight_bytes import micro_batch, micro_steps
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def busy_time(
     """The compute, recompute, elementwise work and dispatch of the busiest rank's step."""
     c = 4 if compute_dtype(job, device) == "float32" else 2
     pipelined = dims.pp > 1
-    micro = job.parallelism.pipeline_parallel_microbatch_size if pipelined else job.training.local_batch_size
+    micro = micro_batch(job, dims)
     n_micro = job.training.local_batch_size // micro if pipelined else 1
     cp_impl = resolve_impl(job.parallelism, device.device_type)
     z = sizes(args, job, dims, micro, cp_impl, c, device.device_type)

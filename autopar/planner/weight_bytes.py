@@ -48,6 +48,11 @@ def stored_bytes(job: JobConfig, device_type: str) -> int:
     return base_storage_dtype(job.lora, compute_dtype(job, torch.device(device_type))).itemsize
 
 
+def micro_batch(job: JobConfig, dims: ParallelDims) -> int:
+    """Sequences a forward runs at once: a pipeline's micro-batch, else the local batch."""
+    return job.parallelism.pipeline_parallel_microbatch_size if dims.pp > 1 else job.training.local_batch_size
+
+
 def micro_steps(job: JobConfig, dims: ParallelDims) -> int:
     training = job.training
     if training.global_batch_size <= 0:

@@ -42,15 +42,12 @@ def same_lengths(prompts: Sequence[Sequence[int]]) -> list[slice]:
     return runs
 
 
-def distinct(prompts: Sequence[Sequence[int]]) -> tuple[list[Sequence[int]], list[int]]:
+def distinct(prompts: Sequence[Sequence[int]]) -> tuple[list[tuple[int, ...]], list[int]]:
     """The distinct prompts in order of first appearance, and each prompt's index among them:
     a group's copies of one prompt (GRPO's ``num_generations``) need one prefill, not one each."""
     index: dict[tuple[int, ...], int] = {}
     where = [index.setdefault(tuple(p), len(index)) for p in prompts]
-    firsts: dict[int, Sequence[int]] = {}
-    for prompt, k in zip(prompts, where):
-        firsts.setdefault(k, prompt)
-    return list(firsts.values()), where
+    return list(index), where
 
 
 def prefill(decoder: Decoder, prompts: Sequence[Sequence[int]], rows: slice, chunk: int) -> torch.Tensor:
