@@ -427,6 +427,17 @@ def test_the_three_references_give_the_same_losses(tmp_path):
     assert abs(runs["adapters_off"][-1] - math.log(2)) > 1e-3
 
 
+def test_a_reference_copy_keeps_bf16_weights_and_computes_what_the_policys_fp32_masters_do(tmp_path):
+    job = preference_job(tmp_path, "--training.mixed_precision_param", "bfloat16")
+    trainer = one_process_trainer(job)
+    (policy,), (reference,) = trainer.parts, trainer.reference
+    assert {p.dtype for p in policy.parameters()} == {torch.float32}
+    assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}  # half the memory
+    tokens = torch.randint(0, CHAT_VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the same weights (the job's start) cast once or stored cast: the same logits
+        assert torch.equal(reference(tokens), policy(tokens))
+
+
 def test_a_precomputed_reference_is_read_back_and_refused_for_another_reference(tmp_path):
     flags = ("--dpo.reference", "precomputed", "--training.steps", "1")
     losses(preference_job(tmp_path, *flags))

@@ -43,7 +43,7 @@ from autopar.models.moe import ExpertKernel, ExpertMatmul, Experts, on_expert_ro
 from autopar.models.qwen import canonical_name, named_generator
 from autopar.parallel.expert_parallel import RoutedExperts, local
 from autopar.parallel.materialize import FullValue
-from autopar.parallel.mixed_precision import compute_dtype
+from autopar.parallel.mixed_precision import compute_dtype, store_frozen
 from autopar.parallel.pipelining.schedule import stage_modules
 from autopar.parallel.pipelining.split import prune
 
@@ -205,21 +205,8 @@ def apply_lora(model: nn.Module, cfg: LoRA, compute_dtype: torch.dtype) -> int:
         else:
             _add_adapters(module, cfg)
     _share_fused_a(targets, family_of(model.args).fused_linears)
-    _store_frozen(model, base_storage_dtype(cfg, compute_dtype))
+    store_frozen(model, base_storage_dtype(cfg, compute_dtype))
     return len(targets)
-
-
-def _store_frozen(model: nn.Module, dtype: torch.dtype) -> None:
-    """Frozen weights (every one but the adapters) in ``dtype``, as new parameters: assigning
-    ``.data`` of a DTensor would leave its local shard in the old dtype. Tied weights stay tied."""
-    stored: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for name, param in list(module.named_parameters(recurse=False)):
-            if param.requires_grad or param.dtype == dtype:
-                continue
-            if id(param) not in stored:
-                stored[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
-            setattr(module, name, stored[id(param)])
 
 
 def base_storage_dtype(cfg: LoRA, compute_dtype: torch.dtype) -> torch.dtype:

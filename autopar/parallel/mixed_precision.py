@@ -13,7 +13,10 @@ With a bf16 compute dtype (``training.mixed_precision_param``; ``auto`` is bf16 
 - a bf16 weight gradient becomes fp32 where it leaves the cast (per micro-batch), and
   data-parallel sums run in fp32 (FSDP2's ``reduce_dtype``,
   ``training.mixed_precision_reduce``); tensor-parallel activation sums
-  (row-parallel outputs) run in bf16, as in Megatron-LM.
+  (row-parallel outputs) run in bf16, as in Megatron-LM;
+- frozen weights (LoRA's base by default, a DPO or RL reference copy always) are stored in
+  the compute dtype: nothing updates them, so an fp32 master would only be cast to the same
+  bf16 values in every forward, at twice the memory.
 
 torch.autocast is not used: it keeps the residual stream fp32 and casts per matmul, which
 FSDP2's bf16 gather cannot match. With an fp32 compute dtype nothing is cast.
@@ -71,6 +74,20 @@ class CastsWeights(nn.Module):
 
     def extra_repr(self) -> str:
         return ", ".join(filter(None, [super().extra_repr(), f"weights cast to {self.compute_dtype}"]))
+
+
+def store_frozen(model: nn.Module, dtype: torch.dtype) -> None:
+    """Frozen weights (those not requiring grad) in ``dtype``, as new parameters: assigning
+    ``.data`` of a DTensor would leave its local shard in the old dtype. Tied weights stay
+    tied. Apply on the meta model, before FSDP, which then gathers them as they are."""
+    stored: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.requires_grad or param.dtype == dtype:
+                continue
+            if id(param) not in stored:
+                stored[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
+            setattr(module, name, stored[id(param)])
 
 
 @functools.cache

@@ -28,7 +28,7 @@ from autopar.parallel.fsdp import apply_fsdp
 from autopar.parallel.lora import adapter_values, apply_lora, base_storage_dtype
 from autopar.parallel.materialize import FullValue, materialize
 from autopar.parallel.mesh import Meshes, ParallelDims
-from autopar.parallel.mixed_precision import apply_compute_dtype, compute_dtype, fsdp_policy
+from autopar.parallel.mixed_precision import apply_compute_dtype, compute_dtype, fsdp_policy, store_frozen
 from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, schedule_name, stage_modules
 from autopar.parallel.pipelining.split import prune, stage_ids
 from autopar.parallel.sdpa_backend import apply_attention_kernel, model_groups_kv, native_gqa
@@ -49,10 +49,12 @@ def parallelize(
     meshes: Meshes,
     device: torch.device,
     pipelined: bool = False,
+    frozen: bool = False,
 ) -> nn.Module:
     """Apply every transformation the job asks for to one (meta-device) model part, in the
     order they compose: TP, kernels, EP, LoRA (following TP's and EP's placements), the compute dtype,
-    activation checkpointing, compile, then FSDP around it all."""
+    activation checkpointing, compile, then FSDP around it all. A ``frozen`` part (a reference
+    copy) trains nothing and keeps its weights in the compute dtype."""
     _tensor_parallel(model, args, job, meshes, device)
     cp_mesh = meshes.get("cp")
     if cp_mesh is not None:
@@ -80,14 +82,17 @@ def parallelize(
             count,
             base_storage_dtype(job.lora, dtype),
         )
-    if job.mtp.only:
-        frozen = freeze_all_but(model, MTP_PREFIX)  # the multi-token-prediction head's
-        logger.info("mtp.only: %d weights outside %s* frozen; training the head alone", frozen, MTP_PREFIX)
-    if job.mtp.enable and job.mtp.loss_scale == 0:
-        frozen = freeze(model, MTP_PREFIX)  # untrained, and untouched by the optimizer's weight decay
+    if frozen:
+        model.requires_grad_(False)
+        store_frozen(model, dtype)
+    elif job.mtp.only:
+        count = freeze_all_but(model, MTP_PREFIX)  # the multi-token-prediction head's
+        logger.info("mtp.only: %d weights outside %s* frozen; training the head alone", count, MTP_PREFIX)
+    if job.mtp.enable and job.mtp.loss_scale == 0 and not frozen:
+        count = freeze(model, MTP_PREFIX)  # untrained, and untouched by the optimizer's weight decay
         logger.info(
             "mtp.loss_scale=0: the head's %d weights frozen; its loss and acceptance are logged, not trained",
-            frozen,
+            count,
         )
     if meshes.get("fsdp") is None and dtype != torch.float32:
         apply_compute_dtype(model, dtype)
@@ -221,8 +226,11 @@ class ModelParts:
     args: ModelArgs
 
 
-def parallelized_parts(args: ModelArgs, job: JobConfig, meshes: Meshes, device: torch.device) -> ModelParts:
-    """The model parts this rank runs, parallelized on the meta device (no memory yet)."""
+def parallelized_parts(
+    args: ModelArgs, job: JobConfig, meshes: Meshes, device: torch.device, frozen: bool = False
+) -> ModelParts:
+    """The model parts this rank runs, parallelized on the meta device (no memory yet);
+    ``frozen``: a reference copy's (see ``parallelize``)."""
     with torch.device("meta"):
         model = build_model(args)
     if job.float8.enable:
@@ -238,7 +246,7 @@ def parallelized_parts(args: ModelArgs, job: JobConfig, meshes: Meshes, device: 
     else:
         ids, stages, parts = [0], [[]], [model]
     for part in parts:
-        parallelize(part, args, job, meshes, device, pipelined=pp_mesh is not None)
+        parallelize(part, args, job, meshes, device, pipelined=pp_mesh is not None, frozen=frozen)
     return ModelParts(parts, ids, len(stages), args)
 
 
@@ -257,10 +265,12 @@ def build_parts(
     meshes: Meshes,
     device: torch.device,
     values: FullValue,
+    frozen: bool = False,
 ) -> ModelParts:
     """The model parts this rank runs, parallelized and filled with ``values`` (in host
-    memory under CPU offload, where FSDP keeps the sharded weights)."""
+    memory under CPU offload, where FSDP keeps the sharded weights); ``frozen``: a reference
+    copy's (see ``parallelize``)."""
     storage = torch.device("cpu") if job.training.enable_cpu_offload else device
     if job.lora.enable:
         values = adapter_values(values, job.debug.seed, storage)
-    return materialize_parts(parallelized_parts(args, job, meshes, device), storage, values)
+    return materialize_parts(parallelized_parts(args, job, meshes, device, frozen), storage, values)

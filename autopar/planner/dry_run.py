@@ -163,8 +163,6 @@ def _fake_objective(
     if copy is not None:
         built = materialize_parts(copy, torch.device("cpu"), _fake_values)
         parts = built.parts
-        for part in parts:
-            part.requires_grad_(False)
         io = _stage_io(job, runner.meshes, built) if runner.pipeline is not None else None
         reference: ReferenceLogps = reference_pass(runner, job, parts, io)
     elif job.dpo.reference == "adapters_off":
@@ -302,7 +300,9 @@ def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) ->
         built = parallelized_parts(args, job, meshes, world.device)
         copied = is_preference(job) and job.dpo.reference == "copy"
         plain = replace(job, lora=replace(job.lora, enable=False))  # a DPO job's frozen reference
-        reference_built = parallelized_parts(args, plain, meshes, world.device) if copied else None
+        reference_built = (
+            parallelized_parts(args, plain, meshes, world.device, frozen=True) if copied else None
+        )
         cuda_delta_rule = resolve_delta_rule_kernel(job.training.delta_rule_kernel, "cuda")
         for part in built.parts:
             apply_attention_kernel(part, gqa)

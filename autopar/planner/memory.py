@@ -151,11 +151,11 @@ def weights_floor(args: ModelArgs, job: JobConfig, dims: ParallelDims, device_ty
     stages, _ = _stages_and_roles(args, job, dims)
     ids = _rank_stage_ids(job, dims, len(stages), 0) if dims.pp > 1 else [0]
     rank = RankStages(args, job, dims, stages, ids)
-    static, _ = weights_and_optimizer(args, job, dims, rank.modules, stored_bytes(job, device_type), False)
+    c = compute_dtype(job, torch.device(device_type)).itemsize
+    static, _ = weights_and_optimizer(args, job, dims, rank.modules, stored_bytes(job, device_type), c, False)
     floor = sum(static.values())
     micro = micro_batch(job, dims)
     if syncs_last(job, dims, micro):
-        c = compute_dtype(job, torch.device(device_type)).itemsize
         floor += max(held.grads + held.largest for held in unsynced_grads(rank, c).values())
     return floor
 
@@ -189,7 +189,9 @@ def _predict_stage_rank(
     # without micro-steps, the walk is the whole step: a stage's gradients land at its first
     # backward and are held from there
     in_walk = accumulating and micro_steps(job, dims) == 1
-    static, host = weights_and_optimizer(args, job, dims, rank.modules, stored, accumulating and not in_walk)
+    static, host = weights_and_optimizer(
+        args, job, dims, rank.modules, stored, c, accumulating and not in_walk
+    )
     costs = _stage_costs(rank, z, c, stored, micro, accumulating or bool(host), in_walk)
     actions = (
         rank_actions(schedule_name(job.parallelism), dims.pp, len(stages), costs.n_micro, pp_rank)

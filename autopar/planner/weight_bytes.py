@@ -61,7 +61,13 @@ def micro_steps(job: JobConfig, dims: ParallelDims) -> int:
 
 
 def weights_and_optimizer(
-    args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str], stored: int, accumulating: bool
+    args: ModelArgs,
+    job: JobConfig,
+    dims: ParallelDims,
+    modules: list[str],
+    stored: int,
+    c: int,
+    accumulating: bool,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """(device bytes, host bytes) of the rank's weights, optimizer state and the gradients
     that outlive a backward. CPU offload keeps the master weights, the step's gradients
@@ -73,7 +79,7 @@ def weights_and_optimizer(
         "optimizer": 2 * FP32 * trained,
         "grads": landing_grads(args, job, dims, modules) if accumulating else 0.0,
     }
-    reference = _reference_bytes(args, job, dims, modules)
+    reference = _reference_bytes(args, job, dims, modules, c)
     if reference:  # a DPO job's frozen copy, kept where the weights are (the host under offload)
         static["reference"] = reference
     if job.training.enable_cpu_offload:
@@ -81,17 +87,19 @@ def weights_and_optimizer(
     return static, {}
 
 
-def _reference_bytes(args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str]) -> float:
+def _reference_bytes(
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str], c: int
+) -> float:
     """A DPO or RL job's frozen reference copy (``dpo.reference = "copy"``, ``rl.reference =
-    "copy"`` with ``rl.beta > 0``): the model's weights stored as the policy's full weights
-    are, sharded alike, with no gradients or optimizer state; its forward runs before the
+    "copy"`` with ``rl.beta > 0``): the model's weights in the compute dtype (``c`` bytes),
+    sharded as the policy's, with no gradients or optimizer state; its forward runs before the
     policy's, so its activations are gone by the peak. ``adapters_off`` and ``precomputed``
     hold none."""
     dpo = job.training.dataset_format == "preference" and job.dpo.reference == "copy"
     rl = job.training.dataset_format == "prompts" and job.rl.beta != 0 and job.rl.reference == "copy"
     if not (dpo or rl):
         return 0.0
-    return FP32 * modules_numel(args, job, dims, modules)
+    return c * modules_numel(args, job, dims, modules)
 
 
 def gathered_bytes(

@@ -103,13 +103,11 @@ def build_reference_copy(
     path: str | None,
 ) -> list[nn.Module]:
     """The frozen reference: the model under the job's plan (without LoRA), holding the
-    reference's weights (an HF folder at ``path``, else ``initial``); no optimizer state, no
-    gradients. A DCP source is loaded by the caller (``reference_dcp``)."""
+    reference's weights (an HF folder at ``path``, else ``initial``) in the compute dtype; no
+    optimizer state, no gradients. A DCP source is loaded by the caller (``reference_dcp``)."""
     plain = dataclasses.replace(job, lora=dataclasses.replace(job.lora, enable=False))
-    built = build_parts(args, plain, meshes, device, _reference_values(path, args, device, initial))
-    for part in built.parts:
-        part.requires_grad_(False)
-    return built.parts
+    values = _reference_values(path, args, device, initial)
+    return build_parts(args, plain, meshes, device, values, frozen=True).parts
 
 
 def reference_source(job: JobConfig, args: ModelArgs) -> str:
