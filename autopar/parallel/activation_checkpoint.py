@@ -4,7 +4,8 @@
 - ``selective`` with an integer option k: every k-th block is fully checkpointed.
 - ``selective`` with option ``op``: every block saves the outputs of its expensive ops
   (matmuls and grouped GEMMs, attention, collectives) and recomputes only the cheap ones (norms, RoPE,
-  activations, casts), which costs a few percent of speed for most of the memory saving.
+  activations, casts, LoRA's low-rank B matmuls), which costs a few percent of speed for most
+  of the memory saving.
 """
 
 from __future__ import annotations
@@ -53,14 +54,41 @@ SAVED_OPS = frozenset(
 
 
 _ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+_MATMUL_LEFT = {
+    op: left
+    for op, left in (
+        (_aten.mm.default, 0),
+        (_aten.bmm.default, 0),
+        (_aten.addmm.default, 1),
+        (getattr(_aten, "_grouped_mm", None) and _aten._grouped_mm.default, 0),
+    )
+    if op
+}
+"""Matmuls, and which argument is their left operand (the right one follows it)."""
+
+LOW_RANK = 256
+"""The widest inner dimension ``low_rank`` counts as cheap to recompute."""
+
+
+def low_rank(inner: int, width: int) -> bool:
+    """Whether per-op checkpointing recomputes a matmul of this inner dimension and output
+    width rather than keep its output: a narrow inner dimension into a 16x wider output
+    (LoRA's B: rank r into the base linear's width), whose recompute costs r / in_features
+    of the base's matmul and whose output as much memory as the base's."""
+    return inner <= LOW_RANK and 16 * inner <= width
+
+
+def _low_rank(op: object, args: tuple) -> bool:
+    left = _MATMUL_LEFT.get(op)
+    return left is not None and low_rank(args[left].shape[-1], args[left + 1].shape[-1])
 
 
 def _kept(op: object, args: tuple, recomputed_groups: frozenset[str]) -> bool:
-    """Whether per-op checkpointing keeps this op's output: an op of ``SAVED_OPS``, except an
-    all-gather over one of ``recomputed_groups`` (context parallel's: its k/v span the whole
-    sequence, so keeping them for every block would cost what CP saves; backward gathers
-    them again, as torch's ring attention does)."""
-    if op not in SAVED_OPS:
+    """Whether per-op checkpointing keeps this op's output: an op of ``SAVED_OPS``, except a
+    low-rank matmul (``_low_rank``) and an all-gather over one of ``recomputed_groups``
+    (context parallel's: its k/v span the whole sequence, so keeping them for every block
+    would cost what CP saves; backward gathers them again, as torch's ring attention does)."""
+    if op not in SAVED_OPS or _low_rank(op, args):
         return False
     return not (op is _ALL_GATHER and args[2] in recomputed_groups)
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from autopar.config.sections import JobConfig
 from autopar.models.args import LayerKind, ModelArgs
 from autopar.models.qwen3_5.mtp import head_layer_args
-from autopar.parallel.activation_checkpoint import checkpointed_layers
+from autopar.parallel.activation_checkpoint import checkpointed_layers, low_rank
 from autopar.parallel.delta_rule_kernel import SEGMENTS, resolve_delta_rule_kernel
 from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.sdpa_backend import native_gqa
@@ -193,7 +193,7 @@ def _lora_sizes(args: ModelArgs, job: JobConfig, dims: ParallelDims) -> dict[str
         "frozen": True,
         "rank": cfg.rank,
         "dropout": cfg.dropout > 0,
-        "adapted": _adapted_linears(args, targets, dims.tp),
+        "adapted": _adapted_linears(args, targets, dims.tp, cfg.rank),
         "kept_inputs": {} if cfg.dropout > 0 else _adapted_inputs(args, targets),
         "head_adapted": any(key == "lm_head" for key, *_ in lora_linears(args, targets)),
         "experts_adapted": experts_adapted(args, targets),
@@ -210,14 +210,16 @@ def _adapted_inputs(args: ModelArgs, targets: tuple[str, ...]) -> dict[LayerKind
 
 
 def _adapted_linears(
-    args: ModelArgs, targets: tuple[str, ...], tp: int
-) -> dict[LayerKind, tuple[tuple[int, int], ...]]:
-    """Per kind of block, the (in, out) features per TP rank of each adapted linear."""
-    adapted: dict[LayerKind, list[tuple[int, int]]] = {}
+    args: ModelArgs, targets: tuple[str, ...], tp: int, rank: int
+) -> dict[LayerKind, tuple[tuple[int, int, bool], ...]]:
+    """Per kind of block, the (in, out) features per TP rank of each adapted linear, and
+    whether per-op checkpointing keeps its B output (not where it is ``low_rank``, which
+    reads the whole width, as the checkpointing policy sees DTensors)."""
+    adapted: dict[LayerKind, list[tuple[int, int, bool]]] = {}
     for key, _, fan_in, fan_out, dim in lora_linears(args, targets):
         if is_block_kind(key):
             local = (-(-fan_in // tp) if dim == 1 else fan_in, -(-fan_out // tp) if dim == 0 else fan_out)
-            adapted.setdefault(key, []).append(local)
+            adapted.setdefault(key, []).append((*local, not low_rank(rank, fan_out)))
     return {k: tuple(v) for k, v in adapted.items()}
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from autopar.models.args import LayerKind
 from autopar.models.qwen3_5.delta_rule import SEGMENT
 from autopar.models.qwen3_5.fla_delta_rule import CHUNK as FLA_CHUNK
+from autopar.parallel.activation_checkpoint import low_rank
 from autopar.planner.hybrid_cp import StatePassing
 
 FP32 = 4
@@ -59,7 +60,7 @@ class Sizes:
     frozen: bool = False  # LoRA: norm and head weights take no gradient, so save no input for one
     rank: int = 0  # LoRA's adapters: rank, dropout, and per kind of block the
     dropout: bool = False  # (in, out) features per TP rank of each adapted linear
-    adapted: dict[LayerKind, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    adapted: dict[LayerKind, tuple[tuple[int, int, bool], ...]] = field(default_factory=dict)  # and B kept
     kept_inputs: dict[LayerKind, frozenset[str]] = field(default_factory=dict)  # LoRA: see INPUTS
     head_adapted: bool = False
     experts_adapted: bool = False  # LoRA on the experts: they save what their adapters' gradients read
@@ -101,14 +102,15 @@ def lora_bytes_no_ac(z: Sizes, kind: LayerKind) -> float:
     gradient) and, with dropout, its mask and the dropped input A takes (the input the base
     saves is otherwise A's too)."""
     t, linears = z.tokens, z.adapted.get(kind, ())
-    dropped = sum((z.dtype_bytes + 1) * fan_in * t for fan_in, _ in linears) if z.dropout else 0.0
+    dropped = sum((z.dtype_bytes + 1) * fan_in * t for fan_in, *_ in linears) if z.dropout else 0.0
     return z.dtype_bytes * z.rank * t * len(linears) + dropped
 
 
 def lora_bytes_op_ac(z: Sizes, kind: LayerKind) -> float:
     """Per-op checkpointing keeps both adapter matmuls' outputs: A's (rank wide) and B's (as
-    wide as the base's)."""
-    return sum(z.dtype_bytes * (z.rank + fan_out) * z.tokens for _, fan_out in z.adapted.get(kind, ()))
+    wide as the base's) unless it recomputes B as a low-rank matmul (``activation_checkpoint.low_rank``)."""
+    linears = z.adapted.get(kind, ())
+    return sum(z.dtype_bytes * (z.rank + (fan_out if kept else 0)) * z.tokens for _, fan_out, kept in linears)
 
 
 def moe_bytes_no_ac(z: Sizes) -> float:
@@ -175,14 +177,21 @@ def _attention_block_op_ac(z: Sizes, tp: int, kind: LayerKind) -> float:
 
 
 def op_only_bytes(z: Sizes, kind: LayerKind) -> float:
-    """What per-op checkpointing keeps that a block without checkpointing does not save, so
-    its backward rebuilds no less for it: adapted experts' B outputs, as wide as the base's;
+    """What per-op checkpointing keeps, or rebuilds, that a block without checkpointing does
+    not save, so its backward rebuilds no less for it: adapted experts' B outputs, as wide as
+    the base's (kept, or where ``low_rank`` recomputed in backward: measured alike);
     Qwen3.5's projections whose outputs only float32 copies or later ops' outputs are saved
     of (``_hybrid_op_only``)."""
     mixer = _hybrid_op_only(z, kind) if kind[0] != "attention" else 0.0
     if not (kind[1] == "moe" and z.experts_adapted):
         return mixer
-    return mixer + z.dtype_bytes * z.top_k * z.tokens * (2 * z.moe_inter + z.hidden)
+    return mixer + _expert_b_bytes(z, kept_only=False)
+
+
+def _expert_b_bytes(z: Sizes, kept_only: bool) -> float:
+    """Adapted experts' B outputs (gate/up's and down's), or those per-op checkpointing keeps."""
+    widths = [w for w in (2 * z.moe_inter, z.hidden) if not (kept_only and low_rank(z.rank, w))]
+    return z.dtype_bytes * z.top_k * z.tokens * sum(widths)
 
 
 def _hybrid_op_only(z: Sizes, kind: LayerKind) -> float:
@@ -229,9 +238,9 @@ def _experts_op_ac(z: Sizes, kind: LayerKind) -> float:
         + z.dtype_bytes * rows * z.hidden
     )
     mlp += 2 * z.dtype_bytes * rows * z.hidden if z.ep > 1 else 0.0
-    # adapted experts: both A outputs (rank wide) and both B outputs (as wide as the base's)
+    # adapted experts: both A outputs (rank wide) and the B outputs not recomputed (as wide as the base's)
     if z.experts_adapted:
-        mlp += z.dtype_bytes * rows * 2 * z.rank + op_only_bytes(z, kind)
+        mlp += z.dtype_bytes * rows * 2 * z.rank + _expert_b_bytes(z, kept_only=True)
     return mlp
 
 
