@@ -82,18 +82,7 @@ def parallelize(
             count,
             base_storage_dtype(job.lora, dtype),
         )
-    if frozen:
-        model.requires_grad_(False)
-        store_frozen(model, dtype)
-    elif job.mtp.only:
-        count = freeze_all_but(model, MTP_PREFIX)  # the multi-token-prediction head's
-        logger.info("mtp.only: %d weights outside %s* frozen; training the head alone", count, MTP_PREFIX)
-    if job.mtp.enable and job.mtp.loss_scale == 0 and not frozen:
-        count = freeze(model, MTP_PREFIX)  # untrained, and untouched by the optimizer's weight decay
-        logger.info(
-            "mtp.loss_scale=0: the head's %d weights frozen; its loss and acceptance are logged, not trained",
-            count,
-        )
+    _freeze(model, job, dtype if frozen else None)
     if meshes.get("fsdp") is None and dtype != torch.float32:
         apply_compute_dtype(model, dtype)
         logger.info("weights cast to %s in each block's forward (fp32 master weights)", dtype)
@@ -106,6 +95,24 @@ def parallelize(
     if meshes.get("fsdp") is not None:
         _fully_shard(model, job, meshes, device, pipelined)
     return model
+
+
+def _freeze(model: nn.Module, job: JobConfig, stored_in: torch.dtype | None) -> None:
+    """Freeze what trains nothing: all of a reference copy (``stored_in`` its weights'
+    dtype), else what the multi-token-prediction settings leave untrained."""
+    if stored_in is not None:
+        model.requires_grad_(False)
+        store_frozen(model, stored_in)
+        return
+    if job.mtp.only:
+        count = freeze_all_but(model, MTP_PREFIX)  # the multi-token-prediction head's
+        logger.info("mtp.only: %d weights outside %s* frozen; training the head alone", count, MTP_PREFIX)
+    if job.mtp.enable and job.mtp.loss_scale == 0:
+        count = freeze(model, MTP_PREFIX)  # untrained, and untouched by the optimizer's weight decay
+        logger.info(
+            "mtp.loss_scale=0: the head's %d weights frozen; its loss and acceptance are logged, not trained",
+            count,
+        )
 
 
 def freeze(model: nn.Module, prefix: str) -> int:
