@@ -30,6 +30,7 @@ def test_the_table_records_speeds_agreement_and_the_commit(tmp_path, monkeypatch
     assert "qwen3.5:debug" in capsys.readouterr().out
 
 
+@pytest.mark.heavy  # 7 s; test_speculative holds the drafts' tokens to plain greedy's
 def test_speculative_rows_record_acceptance_against_plain_greedy(tmp_path):
     """k=1 for the random head and a head trained 2 steps; their tokens equal plain greedy's."""
     out = tmp_path / "bench.json"

@@ -123,6 +123,7 @@ def test_a_job_given_by_its_flags_alone_is_probed_like_one_given_by_a_config():
     assert job_shapes([]) == ([], [], [], None)
 
 
+@pytest.mark.heavy  # compiling on this CPU: 7 s
 def test_a_compiling_jobs_step_is_timed_compiled_as_well_as_eager():
     *_, step = job_shapes(
         ["--job.config", "debug_model", "--training.seq_len", "32", "--compile.enable", "true"]
