@@ -72,10 +72,15 @@ from autopar.parallel.torch_internals import (
 from autopar.parallel.world import World, init_world
 from autopar.planner.memory import predict
 from autopar.training.objectives.base import Objective
+from autopar.training.objectives.build import copies_reference, packs_documents
 from autopar.training.objectives.dpo.job import is_preference, reference_pass
 from autopar.training.objectives.dpo.objective import Preference, ReferenceLogps, losses_of
 from autopar.training.objectives.language_model import LanguageModel
 from autopar.training.objectives.mtp.loss import MTPTraining
+from autopar.training.objectives.rl.engine import Rollouts
+from autopar.training.objectives.rl.job import is_rl
+from autopar.training.objectives.rl.loss import CHANNELS, PolicyLoss
+from autopar.training.objectives.rl.objective import PolicyGradient
 from autopar.training.plan_runner import PlanRunner
 from autopar.training.preflight import check_job
 from autopar.training.step import TrainStep
@@ -145,8 +150,13 @@ def _batches(job: JobConfig, dims: ParallelDims) -> list[Batch]:
     micro_steps = min(2, global_batch // (training.local_batch_size * dims.dp))
     shape = (training.local_batch_size, training.seq_len)
     tokens = torch.zeros(shape, dtype=torch.long)
+    if is_rl(job):  # at their largest: a completion per row, every position a learned token
+        columns = torch.zeros(*shape, len(CHANNELS))
+        columns[..., CHANNELS.index("completion")] = torch.arange(shape[0], dtype=torch.float32)[:, None]
+        columns[..., CHANNELS.index("is_weight")] = 1.0
+        return [Batch(tokens, columns, tokens)] * micro_steps
     # the masked attention path (preference pairs are documents too)
-    documents = tokens if training.document_masking or is_preference(job) else None
+    documents = tokens if packs_documents(job) else None
     return [Batch(tokens, tokens, documents)] * micro_steps
 
 
@@ -155,14 +165,20 @@ def _fake_objective(
 ) -> tuple[Objective, list[torch.nn.Module]]:
     """The job's objective as the trainer builds it, with fake weights; for DPO the
     trainer's reference: a frozen ``copy`` (parallelized on meta), or the policy's LoRA base,
-    or a table (a few bytes per pair, nothing to build). Returns the copy's parts too."""
-    if not is_preference(job):
-        return LanguageModel(runner, MTPTraining.of(job)), []
-    pairs = job.training.local_batch_size
+    or a table (a few bytes per pair, nothing to build). RL's policy loss is built on rollouts
+    that sample nothing: its reference pass and sampling run outside the step measured.
+    Returns the copy's parts too."""
     parts: list[torch.nn.Module] = []
     if copy is not None:
         built = materialize_parts(copy, torch.device("cpu"), _fake_values)
         parts = built.parts
+    if is_rl(job):
+        rollouts = Rollouts(job, runner, [], [], str, set(), 0)
+        return PolicyGradient(runner, PolicyLoss.of(job.rl), rollouts), parts
+    if not is_preference(job):
+        return LanguageModel(runner, MTPTraining.of(job)), []
+    pairs = job.training.local_batch_size
+    if copy is not None:
         io = _stage_io(job, runner.meshes, built) if runner.pipeline is not None else None
         reference: ReferenceLogps = reference_pass(runner, job, parts, io)
     elif job.dpo.reference == "adapters_off":
@@ -298,8 +314,8 @@ def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) ->
         # parallelizing on meta allocates nothing; FSDP builds meshes of its own from real
         # rank lists, so only materializing and the step run under fake tensors
         built = parallelized_parts(args, job, meshes, world.device)
-        copied = is_preference(job) and job.dpo.reference == "copy"
-        plain = replace(job, lora=replace(job.lora, enable=False))  # a DPO job's frozen reference
+        copied = copies_reference(job)
+        plain = replace(job, lora=replace(job.lora, enable=False))  # a DPO or RL job's frozen reference
         reference_built = (
             parallelized_parts(args, plain, meshes, world.device, frozen=True) if copied else None
         )

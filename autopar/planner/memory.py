@@ -45,6 +45,7 @@ from autopar.planner.activations import (
     chain_moments,
     checkpointing_saves,
     head_bytes,
+    policy_head_bytes,
     sizes,
     with_mtp_head,
 )
@@ -70,6 +71,7 @@ from autopar.planner.weight_bytes import (
     unsynced_grads,
     weights_and_optimizer,
 )
+from autopar.training.objectives.rl.job import is_rl
 
 GIB = 2**30
 
@@ -274,7 +276,7 @@ def _stage_costs(
         stage_kinds={i: sorted(set(blocks[i])) for i in rank.ids},
         heads={i for i in rank.ids if "lm_head" in rank.stages[i]},
         embeds={i for i in rank.ids if "embed_tokens" in rank.stages[i]},
-        head=with_mtp_head(args, z, head_bytes(z, args.vocab_size, shards, job.training.loss_chunk_tokens)),
+        head=_head(args, job, z, dims.tp, shards),
         recompute=saves.recompute,
         transient={k: block_backward_transient_bytes(z, k) for k in kinds},
         chain=chain_moments(rank, z, saves, block_buffers),
@@ -294,6 +296,14 @@ def _stage_costs(
         first_block={i: next(iter(blocks[i]), None) for i in rank.ids},
         before_first=saves.before_first,
     )
+
+
+def _head(args: ModelArgs, job: JobConfig, z: Sizes, tp: int, shards: int) -> HeadBytes:
+    """The final norm, head and loss of a micro-batch: the objective's (RL's policy loss reads
+    whole-vocabulary log-probabilities; the others a cross-entropy, chunked or not)."""
+    if is_rl(job):
+        return policy_head_bytes(z, args.vocab_size, tp)
+    return with_mtp_head(args, z, head_bytes(z, args.vocab_size, shards, job.training.loss_chunk_tokens))
 
 
 class _Peak:

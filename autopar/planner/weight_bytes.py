@@ -38,6 +38,7 @@ from autopar.planner.params import (
     trained_numel,
     uses_fsdp,
 )
+from autopar.training.objectives.build import copies_reference
 
 
 def stored_bytes(job: JobConfig, device_type: str) -> int:
@@ -95,9 +96,7 @@ def _reference_bytes(
     sharded as the policy's, with no gradients or optimizer state; its forward runs before the
     policy's, so its activations are gone by the peak. ``adapters_off`` and ``precomputed``
     hold none."""
-    dpo = job.training.dataset_format == "preference" and job.dpo.reference == "copy"
-    rl = job.training.dataset_format == "prompts" and job.rl.beta != 0 and job.rl.reference == "copy"
-    if not (dpo or rl):
+    if not copies_reference(job):
         return 0.0
     return c * modules_numel(args, job, dims, modules)
 

@@ -31,9 +31,10 @@ from autopar.parallel.sdpa_backend import check_sdpa_backend
 from autopar.training.checkpointing.initial_load import check_initial_load, check_load_step
 from autopar.training.metrics.profiling import check_profiling
 from autopar.training.metrics.sinks import check_wandb
-from autopar.training.objectives.dpo.checks import check_preference, is_preference
+from autopar.training.objectives.build import packs_documents
+from autopar.training.objectives.dpo.checks import check_preference
 from autopar.training.objectives.mtp.checks import check_mtp
-from autopar.training.objectives.rl.job import check_rl, is_rl
+from autopar.training.objectives.rl.job import check_rl
 from autopar.training.resolve import model_args, tokenizer_path
 from autopar.training.validation import check_validation
 
@@ -82,7 +83,7 @@ def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: st
         device_type,
         job.compile.enable,
         job.activation_checkpoint.mode,
-        job.training.document_masking or is_preference(job) or is_rl(job),  # packed as documents
+        packs_documents(job),
     )
     check_pipeline(parallelism, args, job.training.local_batch_size)
     check_sdpa_backend(job, device_type)

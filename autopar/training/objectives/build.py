@@ -30,6 +30,21 @@ class BuiltObjective(NamedTuple):
     """What stands for the loader where the objective makes its own data (RL's rollouts)."""
 
 
+def packs_documents(job: JobConfig) -> bool:
+    """Whether a micro-batch's rows hold documents that attend within themselves only:
+    preference pairs and RL completions always, language modelling under
+    ``training.document_masking``."""
+    return job.training.document_masking or job.training.dataset_format in ("preference", "prompts")
+
+
+def copies_reference(job: JobConfig) -> bool:
+    """Whether the objective keeps a frozen reference copy of the model (DPO's ``copy``, RL's
+    ``copy`` where ``rl.beta > 0``)."""
+    if job.training.dataset_format == "preference":
+        return job.dpo.reference == "copy"
+    return job.training.dataset_format == "prompts" and job.rl.beta != 0 and job.rl.reference == "copy"
+
+
 def build_objective(
     job: JobConfig,
     args: ModelArgs,

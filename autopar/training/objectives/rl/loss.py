@@ -25,7 +25,6 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -90,22 +89,33 @@ class PolicyLoss:
         )
 
 
+ENTROPY_POSITIONS = 1024
+"""Positions whose entropy is taken at once: the metric's vocabulary-wide float32 temporaries
+stay this small whatever the micro-batch."""
+
+
 def token_logps_and_entropy(
     logits: torch.Tensor, labels: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each target's log-probability at ``temperature`` (0 where there is none), with its
     graph, and each position's entropy (nats, no graph), fp32 (B, S); vocab-sharded logits are
-    gathered first."""
+    gathered first. One vocabulary-wide float32 tensor is kept for backward (the
+    log-softmax, as cross-entropy keeps) and about one more exists beside it (the scaled
+    logits, until the log-softmax is taken): the entropy is taken a slice at a time."""
     if isinstance(logits, DTensor):
         logits = logits.full_tensor()
-    scaled = logits.float() / temperature
-    logps = -F.cross_entropy(
-        scaled.flatten(0, 1), labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX
-    )
+    scaled = logits.float()
+    if temperature != 1.0:  # in place on the float32 copy (a cast keeps nothing for backward)
+        scaled = scaled / temperature if scaled is logits else scaled.div_(temperature)
+    all_logps = scaled.log_softmax(dim=-1)
+    del scaled
+    learned = labels != IGNORE_INDEX
+    picked = all_logps.gather(-1, torch.where(learned, labels, 0).unsqueeze(-1)).squeeze(-1)
+    logps = torch.where(learned, picked, 0.0)
     with torch.no_grad():
-        all_logps = scaled.log_softmax(dim=-1)
-        entropy = -(all_logps.exp() * all_logps).sum(-1)
-    return logps.view(labels.shape), entropy
+        rows = all_logps.detach().flatten(0, -2)
+        entropy = torch.cat([-(part.exp() * part).sum(-1) for part in rows.split(ENTROPY_POSITIONS)])
+    return logps, entropy.view(labels.shape)
 
 
 class _SumOverRanks(torch.autograd.Function):
