@@ -134,6 +134,11 @@ CASES = {
         "--activation_checkpoint.mode sometimes",
         "is not one of ['none', 'full', 'selective']",
     ),
+    "regather with nothing gathered": (
+        "--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op_regather",
+        "selective_ac_option='op_regather' gathers sequence parallelism's inputs again in backward, and this "
+        "plan gathers none",
+    ),
     "unknown model": ("--model.name llama", "model.name='llama' is not one of"),
     "unknown flavor": ("--model.flavor 9B", "model.flavor='9B' is unknown for qwen3"),
     "unknown dtype": (

@@ -32,6 +32,11 @@ CASES = {
         {},
     ),
     "full AC x CP": ("cp=2,activation_checkpoint.mode=full", {}),
+    # SP's gathered inputs gathered again in backward (and bitwise what keeping them gives)
+    "per-op AC regathering x TP + SP": (
+        "tp=2,activation_checkpoint.mode=selective,activation_checkpoint.selective_ac_option=op_regather",
+        {},
+    ),
 }
 
 

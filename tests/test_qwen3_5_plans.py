@@ -54,6 +54,7 @@ HEAVY_DENSE_PLANS = [
     "tp=2,sp=false,loss_parallel=false",
     "dp_replicate=2,dp_shard=2",
     f"tp=2,compile.enable=true,{ac_flags('selective', 'op')}",
+    f"tp=2,{ac_flags('selective', 'op_regather')}",
     *(
         plan
         for s in space.SCHEDULES
@@ -61,8 +62,8 @@ HEAVY_DENSE_PLANS = [
         if (plan := f"pp=2,schedule={s},{ac_flags(m, o)}") not in DENSE_PLANS
     ),
 ]
-"""TP without SP, HSDP on four ranks, the other schedule and checkpointing pairs, and TP
-compiled under AC: python -m pytest -m heavy."""
+"""TP without SP, HSDP on four ranks, the other schedule and checkpointing pairs, TP
+compiled under AC and TP + SP gathering its inputs again: python -m pytest -m heavy."""
 MOE_PLANS = [
     "dp_shard=2,ep=2",
     "tp=2",

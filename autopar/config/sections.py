@@ -261,7 +261,9 @@ class ActivationCheckpoint:
     mode: Literal["none", "full", "selective"] = "none"
     """Recompute block activations in backward: none, every block (full), or selective."""
     selective_ac_option: str = "op"
-    """With selective: 'op' saves matmul/attention outputs and recomputes the rest; an integer k checkpoints every k-th block."""
+    """With selective: 'op' saves matmul/attention outputs and recomputes the rest; 'op_regather'
+    does so, and under sequence parallelism gathers the projections' inputs again in backward
+    instead of keeping them; an integer k checkpoints every k-th block."""
 
 
 @dataclass

@@ -6,6 +6,10 @@
   (matmuls and grouped GEMMs, attention, collectives) and recomputes only the cheap ones (norms, RoPE,
   activations, casts, LoRA's low-rank B matmuls), which costs a few percent of speed for most
   of the memory saving.
+- ``selective`` with option ``op_regather``: ``op``, but under sequence parallelism the
+  all-gathered inputs of the attention and feed-forward projections (the sequence whole, TP
+  times the sharded input) are gathered again in backward instead of kept, as Megatron's
+  sequence-parallel linears do: two all-gathers more per block for that memory.
 """
 
 from __future__ import annotations
@@ -199,13 +203,35 @@ def _eager_contexts(
     return forward, _Recompute(tuple(function_mode_stack()), saved)
 
 
-def check_ac(cfg: ActivationCheckpoint) -> None:
-    """Refuse a selective option that is neither 'op' nor a positive integer."""
+PER_OP_OPTIONS = ("op", "op_regather")
+"""Selective options that checkpoint per op."""
+
+
+def per_op(cfg: ActivationCheckpoint) -> bool:
+    """Whether ``cfg`` checkpoints every block per op (``op`` or ``op_regather``)."""
+    return cfg.mode == "selective" and cfg.selective_ac_option in PER_OP_OPTIONS
+
+
+def regathers(cfg: ActivationCheckpoint) -> bool:
+    """Whether per-op checkpointing gathers sequence parallelism's inputs again in backward."""
+    return cfg.mode == "selective" and cfg.selective_ac_option == "op_regather"
+
+
+def check_ac(cfg: ActivationCheckpoint, tp: int = 1, sequence_parallel: bool = False) -> None:
+    """Refuse a selective option that is neither per-op nor a positive integer, and
+    ``op_regather`` where no sequence-parallel input is gathered (it would be ``op``)."""
     option = cfg.selective_ac_option
-    if cfg.mode == "selective" and option != "op" and not (option.isdigit() and int(option) >= 1):
+    valid = option in PER_OP_OPTIONS or (option.isdigit() and int(option) >= 1)
+    if cfg.mode == "selective" and not valid:
         raise ConfigError(
-            f"activation_checkpoint.selective_ac_option={option!r} must be 'op' or a positive "
-            "integer k (every k-th block)"
+            f"activation_checkpoint.selective_ac_option={option!r} must be 'op', 'op_regather' or a "
+            "positive integer k (every k-th block)"
+        )
+    if regathers(cfg) and not (tp > 1 and sequence_parallel):
+        raise ConfigError(
+            "activation_checkpoint.selective_ac_option='op_regather' gathers sequence parallelism's inputs "
+            f"again in backward, and this plan gathers none (tensor_parallel_degree={tp}, "
+            f"enable_sequence_parallel={str(sequence_parallel).lower()}); use 'op'"
         )
 
 
@@ -213,7 +239,7 @@ def checkpointed_layers(cfg: ActivationCheckpoint, layer_ids: list[str]) -> list
     """Which blocks get wrapped (``layer_ids`` are the model's own, e.g. a pipeline stage's)."""
     if cfg.mode == "none":
         return []
-    if cfg.mode == "full" or cfg.selective_ac_option == "op":
+    if cfg.mode == "full" or per_op(cfg):
         return list(layer_ids)
     every = int(cfg.selective_ac_option)
     return [i for i in layer_ids if int(i) % every == 0]
@@ -234,13 +260,11 @@ def apply_ac(
     gathers again, rather than keeps, what it all-gathers over ``recomputed_groups``.
     ``random``: the blocks draw random numbers (LoRA's dropout), so recompute replays the
     forward's random state."""
-    per_op = cfg.mode == "selective" and cfg.selective_ac_option == "op"
+    op = per_op(cfg)
     if not compiled:
-        extra = {
-            "context_fn": functools.partial(_eager_contexts, per_op, recomputed_twice, recomputed_groups)
-        }
+        extra = {"context_fn": functools.partial(_eager_contexts, op, recomputed_twice, recomputed_groups)}
     else:
-        extra = {"context_fn": functools.partial(_op_context, recomputed_groups)} if per_op else {}
+        extra = {"context_fn": functools.partial(_op_context, recomputed_groups)} if op else {}
     for i in checkpointed_layers(cfg, list(model.layers.keys())):
         model.layers[i] = checkpoint_wrapper(
             model.layers[i],

@@ -30,12 +30,13 @@ from autopar.config.errors import ConfigError
 from autopar.config.sections import ActivationCheckpoint
 from autopar.models.args import ModelArgs
 from autopar.models.moe import ExpertKernel, Experts, run_experts
+from autopar.parallel.activation_checkpoint import per_op
 from autopar.parallel.torch_internals import funcol, is_fake
 
 
 def check_ep(ep: int, ac: ActivationCheckpoint, compiled: bool) -> None:
     """Expert parallelism's limits with the other transformations."""
-    if ep > 1 and compiled and ac.mode == "selective" and ac.selective_ac_option == "op":
+    if ep > 1 and compiled and per_op(ac):
         # measured (torch 2.13): the experts' own FSDP group records one more profiler range
         # when the block is recomputed; eager blocks run those ranges past the per-op
         # bookkeeping (plans/activation_checkpoint.py), compiled ones take only torch's own

@@ -18,7 +18,7 @@ from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.models.family import build_model
 from autopar.models.hf_names import MTP_PREFIX
-from autopar.parallel.activation_checkpoint import apply_ac
+from autopar.parallel.activation_checkpoint import apply_ac, regathers
 from autopar.parallel.compile import apply_compile
 from autopar.parallel.context_parallel import resolve_impl
 from autopar.parallel.delta_rule_kernel import apply_delta_rule_kernel
@@ -184,12 +184,13 @@ def _kernels(model: nn.Module, args: ModelArgs, job: JobConfig, device: torch.de
 
 def _checkpointing(model: nn.Module, job: JobConfig, meshes: Meshes, compiled: bool, pipelined: bool) -> None:
     """Activation checkpointing that recomputes twice under zero-bubble schedules, gathers
-    CP's k/v again rather than keeping them, and replays LoRA's dropout masks."""
+    CP's k/v (and under ``op_regather`` SP's inputs) again rather than keeping them, and
+    replays LoRA's dropout masks."""
     twice = pipelined and SCHEDULE_STYLES[schedule_name(job.parallelism)].splits_backward
-    cp_mesh = meshes.get("cp")
-    cp_groups = frozenset() if cp_mesh is None else frozenset({cp_mesh.get_group().group_name})
+    regathered = [meshes.get("cp")] + ([meshes.get("tp")] if regathers(job.activation_checkpoint) else [])
+    groups = frozenset(mesh.get_group().group_name for mesh in regathered if mesh is not None)
     dropout = job.lora.enable and job.lora.dropout > 0
-    apply_ac(model, job.activation_checkpoint, compiled, twice, cp_groups, random=dropout)
+    apply_ac(model, job.activation_checkpoint, compiled, twice, groups, random=dropout)
     logger.info(
         "applied activation checkpointing: %s (%s)",
         job.activation_checkpoint.mode,

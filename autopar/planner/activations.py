@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from autopar.config.sections import JobConfig
 from autopar.models.args import LayerKind, ModelArgs
 from autopar.models.qwen3_5.mtp import head_layer_args
-from autopar.parallel.activation_checkpoint import checkpointed_layers, low_rank
+from autopar.parallel.activation_checkpoint import checkpointed_layers, low_rank, per_op, regathers
 from autopar.parallel.delta_rule_kernel import SEGMENTS, resolve_delta_rule_kernel
 from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.sdpa_backend import native_gqa
@@ -160,6 +160,7 @@ def sizes(
         head_dim=args.head_dim,
         ffn=args.intermediate_size // dims.tp,
         sp_shards=dims.tp if sequence_parallel else 1,
+        regather=sequence_parallel and regathers(job.activation_checkpoint),
         kv_seq_factor=kv_seq_factor,
         mask=mask,
         experts=args.num_experts,
@@ -259,7 +260,7 @@ def checkpointing_saves(rank: RankStages, z: Sizes) -> Saves:
     those per-op AC rebuilt alive and those it kept used up, or its own freed (no AC)."""
     job, stages, kind_of = rank.job, rank.stages, rank.kind_of
     ac = job.activation_checkpoint
-    op = ac.mode == "selective" and ac.selective_ac_option == "op"
+    op = per_op(ac)
     layers = [m.split(".")[1] for m in kind_of]
     full = set() if op else set(checkpointed_layers(ac, layers))
     kinds = sorted(set(kind_of.values()))

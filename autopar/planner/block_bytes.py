@@ -57,6 +57,7 @@ class Sizes:
     moe_inter: int = 0
     norm_topk: bool = False
     ep: int = 1
+    regather: bool = False  # per-op AC gathers SP's inputs again in backward (``op_regather``)
     frozen: bool = False  # LoRA: norm and head weights take no gradient, so save no input for one
     rank: int = 0  # LoRA's adapters: rank, dropout, and per kind of block the
     dropout: bool = False  # (in, out) features per TP rank of each adapted linear
@@ -246,14 +247,16 @@ def _experts_op_ac(z: Sizes, kind: LayerKind) -> float:
 
 def _collectives_op_ac(z: Sizes, tp: int, kind: LayerKind) -> float:
     """Per-op AC keeps TP's collectives' outputs: under SP, an all-gather (c*h) before each
-    sublayer and a reduce-scatter (c*h/tp) after the token mixer and a dense MLP (a mixture of
-    experts' output is split without one); otherwise an all-reduce after each (only the
-    mixer's before a mixture of experts)."""
+    sublayer (unless ``op_regather`` gathers it again in backward) and a reduce-scatter
+    (c*h/tp) after the token mixer and a dense MLP (a mixture of experts' output is split
+    without one); otherwise an all-reduce after each (only the mixer's before a mixture of
+    experts)."""
     if tp == 1:
         return 0.0
     reduce_scatters = 1 if kind[1] == "moe" else 2
     if z.sp_shards > 1:
-        return z.dtype_bytes * z.hidden * z.tokens * (2 + reduce_scatters / tp)
+        gathers = 0 if z.regather else 2
+        return z.dtype_bytes * z.hidden * z.tokens * (gathers + reduce_scatters / tp)
     return z.dtype_bytes * z.hidden * z.tokens * reduce_scatters
 
 

@@ -19,6 +19,7 @@ critical path (the chain waits for them).
 from __future__ import annotations
 
 from autopar.config.sections import JobConfig
+from autopar.parallel.activation_checkpoint import per_op
 from autopar.parallel.fsdp import reshards_blocks
 from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.pipelining.schedule import (
@@ -129,7 +130,9 @@ def _tensor_parallel_seconds(step: Step, share: float) -> float:
     pairs = ((4 + 2 * share) * step.layers + 2) * step.micro_batches
     if step.job.parallelism.enable_sequence_parallel:
         gather, scatter = (link(step, "tp", op, tp, message) for op in ("all_gather", "reduce_scatter"))
-        return pairs * per_collective * (1 / gather + 1 / scatter)
+        # ``op_regather``: each block's two input gathers again, in each recompute of it
+        again = 2 * step.layers * step.micro_batches * step.recomputes if z.regather else 0
+        return (pairs * (1 / gather + 1 / scatter) + again / gather) * per_collective
     return pairs * 2 * per_collective / link(step, "tp", "all_reduce", tp, message)
 
 
@@ -177,7 +180,7 @@ def _gathers_again(job: JobConfig, share: float) -> float:
     blocks fully recomputed, or every block under per-op checkpointing (CP's all-gathers are
     not kept, ``parallel.activation_checkpoint``)."""
     ac = job.activation_checkpoint
-    return 1.0 if ac.mode == "selective" and ac.selective_ac_option == "op" else share
+    return 1.0 if per_op(ac) else share
 
 
 def _state_passing_bytes(step: Step, share: float) -> float:

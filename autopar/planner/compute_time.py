@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.models.family import family_of
-from autopar.parallel.activation_checkpoint import checkpointed_layers
+from autopar.parallel.activation_checkpoint import checkpointed_layers, per_op
 from autopar.parallel.float8 import eligible
 from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.pipelining.schedule import (
@@ -77,7 +77,7 @@ def compute_seconds(step: Step, memory_bound: float, overhead: float) -> tuple[f
         # (a compiled graph drops the GEMM itself)
         compute += 2 * fp8_linear_numel(args, tuple(job.float8.filter_fqns))[0] * step.tokens / world / rate
     ac = job.activation_checkpoint
-    op = ac.mode == "selective" and ac.selective_ac_option == "op"
+    op = per_op(ac)
     recompute = 0.0
     ids = [str(i) for i in range(args.num_hidden_layers)]
     share = len(checkpointed_layers(ac, ids)) / len(ids) if ac.mode != "none" and not op else 0.0

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from autopar.config.sections import JobConfig
+from autopar.parallel.activation_checkpoint import PER_OP_OPTIONS
 
 CONFIG_FIELDS = {
     "dp_replicate": "parallelism.data_parallel_replicate_degree",
@@ -91,7 +92,7 @@ class PlanSettings:
         """The checkpointing mode in one word: none, full, op or every-k."""
         if self.ac_mode != "selective":
             return self.ac_mode
-        return "op" if self.ac_option == "op" else f"every-{self.ac_option}"
+        return self.ac_option if self.ac_option in PER_OP_OPTIONS else f"every-{self.ac_option}"
 
 
 def _shallow(obj: T) -> T:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.parallel.mesh import ParallelDims
+from autopar.parallel.pipelining.schedule import SCHEDULE_STYLES, schedule_name
 from autopar.planner.block_bytes import Sizes
 from autopar.planner.devices import DeviceSpec
 from autopar.planner.rates import Rates
@@ -31,3 +32,10 @@ class Step:
     dims: ParallelDims
     device: DeviceSpec
     gpus_per_node: int
+
+    @property
+    def recomputes(self) -> int:
+        """How many times the step recomputes what checkpointing dropped: twice under a split
+        backward (the input- and weight-gradient passes each recompute it), else once."""
+        split = SCHEDULE_STYLES[schedule_name(self.job.parallelism)].splits_backward
+        return 2 if self.dims.pp > 1 and split else 1

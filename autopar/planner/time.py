@@ -21,10 +21,6 @@ from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.parallel.context_parallel import resolve_impl
 from autopar.parallel.mesh import ParallelDims
-from autopar.parallel.pipelining.schedule import (
-    SCHEDULE_STYLES,
-    schedule_name,
-)
 from autopar.planner.activations import sizes
 from autopar.planner.comm_time import data_parallel_comm, model_parallel_comm, overlaps
 from autopar.planner.compute_time import (
@@ -108,10 +104,8 @@ class Busy:
 
     @property
     def recomputes(self) -> int:
-        """How many times the step recomputes what checkpointing dropped: twice under a split
-        backward (the input- and weight-gradient passes each recompute it), else once."""
-        dims, job = self.step.dims, self.step.job
-        return 2 if dims.pp > 1 and SCHEDULE_STYLES[schedule_name(job.parallelism)].splits_backward else 1
+        """``Step.recomputes``."""
+        return self.step.recomputes
 
 
 def busy_time(

@@ -74,7 +74,7 @@ def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: st
     )
     check_batch(job.training, dims.dp)
     check_loss_chunks(job)
-    check_ac(job.activation_checkpoint)
+    check_ac(job.activation_checkpoint, dims.tp, parallelism.enable_sequence_parallel)
     check_ep(dims.ep, job.activation_checkpoint, job.compile.enable and "model" in job.compile.components)
     check_compile(job.compile)
     check_float8(job.float8, device_type, dims.tp, job.compile.enable, job.lora.enable)
