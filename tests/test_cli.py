@@ -237,7 +237,9 @@ def test_a_wheel_trains_a_preset_by_name_outside_the_repository(tmp_path):
 
 @pytest.mark.slow
 def test_parity_cli_prints_the_table_and_passes(tmp_path):
-    result = parity(*TINY_FLAGS, "--plans", "dp_shard=2", "tp=2,sp=false", "--steps", "3")
+    result = parity(
+        *TINY_FLAGS, "--plans", "tp=2,sp=false", "--steps", "3"
+    )  # plans' numbers: test_parallel_parity
     assert result.returncode == 0, result.stderr[-3000:]
     assert "all plans within rtol 1e-05 of single device" in result.stdout
     assert "tp=2,sp=false" in result.stdout

@@ -479,7 +479,9 @@ RL = [
 ]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize(
+    "tp", [pytest.param(1, marks=pytest.mark.heavy), 2]
+)  # TP gathers, and is the larger miss
 def test_an_rl_steps_policy_loss_is_measured_and_predicted_within_ten_percent(tp):
     # the loss reads whole-vocabulary log-probabilities (gathered under TP); its entropy
     # metric was taken of three more float32 copies of the logits at once (Qwen3-8B LoRA RL,

@@ -19,7 +19,7 @@ def changed_fields(section: Any) -> list[str]:
     """The fields of a config section (a dataclass that builds with no arguments) set away
     from their defaults: what a job that never reads the section would silently drop."""
     default = _default(type(section))
-    if section == default:
+    if section.__dict__ == default.__dict__:  # its fields, as ``==`` compares them, but faster
         return []
     return [
         f.name for f in dataclasses.fields(section) if getattr(section, f.name) != getattr(default, f.name)

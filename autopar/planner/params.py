@@ -116,7 +116,7 @@ def one_of_each_key(args: ModelArgs, modules: tuple[str, ...]) -> tuple[str, ...
     return tuple({module_key(args, m): m for m in modules}.values())
 
 
-def _total(numel: dict[ModuleKey, int], args: ModelArgs, modules: list[str]) -> int:
+def numel_total(numel: dict[ModuleKey, int], args: ModelArgs, modules: list[str] | tuple[str, ...]) -> int:
     """Elements of ``modules`` given the elements of one module of each kind."""
     return sum(numel.get(key, 0) * count for key, count in key_counts(args, tuple(modules)))
 
@@ -155,7 +155,7 @@ def modules_numel(
     fsdp = dims.dp_shard * dims.cp if (sharded and dims.fsdp_enabled) else 1
     sequence_parallel = job.parallelism.enable_sequence_parallel
     numel = module_numel(args, dims.tp, fsdp, sequence_parallel, loss_parallel_enabled(job, dims), dims.ep)
-    return _total(numel, args, modules)
+    return numel_total(numel, args, modules)
 
 
 def _adapter_tp_dims(base_dim: int | None) -> tuple[int | None, ...]:
@@ -227,7 +227,28 @@ def adapters_numel(
         return 0
     fsdp = dims.dp_shard * dims.cp if (sharded and dims.fsdp_enabled) else 1
     numel = adapter_numel(args, tuple(job.lora.target_modules), job.lora.rank, dims.tp, fsdp, dims.ep)
-    return _total(numel, args, modules)
+    return numel_total(numel, args, modules)
+
+
+def trained_numel_key(job: JobConfig, dims: ParallelDims, sharded: bool = True) -> tuple:
+    """What ``trained_numel`` reads of the job and the degrees, hashable (``numel_of_key``)."""
+    fsdp = dims.dp_shard * dims.cp if (sharded and dims.fsdp_enabled) else 1
+    if job.lora.enable:
+        return ("adapters", tuple(job.lora.target_modules), job.lora.rank, dims.tp, fsdp, dims.ep)
+    parallelism = job.parallelism
+    return (
+        "modules",
+        dims.tp,
+        fsdp,
+        parallelism.enable_sequence_parallel,
+        loss_parallel_enabled(job, dims),
+        dims.ep,
+    )
+
+
+def numel_of_key(args: ModelArgs, key: tuple) -> dict[ModuleKey, int]:
+    """The trained elements a rank keeps of one module of each kind, for a ``trained_numel_key``."""
+    return adapter_numel(args, *key[1:]) if key[0] == "adapters" else module_numel(args, *key[1:])
 
 
 def trained_numel(

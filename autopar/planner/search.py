@@ -212,8 +212,8 @@ def search_counted(
             scored[i] = plan
             return plan.tokens_per_s
 
-        keys = [lightest(settings) for settings, _, _ in valid]  # each candidate's group
-        groups: dict[PlanSettings, list[int]] = {}
+        keys = [group_key(settings) for settings, _, _ in valid]  # each candidate's group
+        groups: dict[tuple, list[int]] = {}
         for i, key in enumerate(keys):
             groups.setdefault(key, []).append(i)
         group_bounds = {key: group_bound(members) for key, members in groups.items()}
@@ -249,6 +249,16 @@ def valid_plans(
     raise ConfigError(
         f"no plan runs this job on {world_size} {RANK_WORDS[device_type][1]} (pinned: {pins}): {first_error}"
     )
+
+
+GROUP_FREE = frozenset({"ac_mode", "ac_option", "reshard"})
+"""The settings a group's plans differ in (``lightest`` sets them)."""
+
+
+def group_key(settings: PlanSettings) -> tuple:
+    """What the plans of ``settings``' group share: the same for two plans exactly where
+    their ``lightest`` is the same (a tuple: the search keys every candidate)."""
+    return tuple(value for name, value in settings.__dict__.items() if name not in GROUP_FREE)
 
 
 def lightest(settings: PlanSettings) -> PlanSettings:

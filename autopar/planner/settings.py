@@ -35,7 +35,17 @@ PLAN_FIELDS = tuple(CONFIG_FIELDS.values())
 
 T = TypeVar("T")
 
-_SPLIT = {name: tuple(path.split(".")) for name, path in CONFIG_FIELDS.items()}
+
+def _by_section() -> dict[str, tuple[tuple[str, str], ...]]:
+    """Each job section a plan sets, and its (setting, field) pairs."""
+    sections: dict[str, list[tuple[str, str]]] = {}
+    for name, path in CONFIG_FIELDS.items():
+        section, field = path.split(".")
+        sections.setdefault(section, []).append((name, field))
+    return {section: tuple(pairs) for section, pairs in sections.items()}
+
+
+_BY_SECTION = _by_section()
 
 
 @dataclass(frozen=True)
@@ -64,20 +74,19 @@ class PlanSettings:
         return cls(**{name: _field(job, path) for name, path in CONFIG_FIELDS.items()})
 
     def apply(self, job: JobConfig) -> JobConfig:
-        """A shallow copy of ``job`` that runs this plan, the sections it changes copied (as
+        """A shallow copy of ``job`` that runs this plan, the sections it sets copied (as
         ``dataclasses.replace`` would, without rebuilding every field: the search applies
-        thousands of plans, and no section checks its fields on construction)."""
-        planned = _shallow(job)
-        copies: dict[str, object] = {}
-        for name, (section, field) in _SPLIT.items():
-            value = getattr(self, name)
-            if value is None and name != "layers_per_stage":  # None there is a choice too
-                continue
-            if section not in copies:
-                copies[section] = _shallow(getattr(job, section))
-                setattr(planned, section, copies[section])
-            setattr(copies[section], field, value)
-        return planned
+        a hundred thousand plans, and no section checks its fields on construction)."""
+        values = self.__dict__
+        sections = dict(job.__dict__)
+        for section, fields in _BY_SECTION.items():
+            fields_of = dict(sections[section].__dict__)
+            for name, field in fields:
+                value = values[name]
+                if value is not None or name == "layers_per_stage":  # None there is a choice too
+                    fields_of[field] = value
+            sections[section] = _with_dict(sections[section], fields_of)
+        return _with_dict(job, sections)
 
     def config(self, leave_out: Container[str] = ()) -> dict[str, str]:
         """``section.field`` to value, as the command line spells them, but for the settings
@@ -95,10 +104,11 @@ class PlanSettings:
         return self.ac_option if self.ac_option in PER_OP_OPTIONS else f"every-{self.ac_option}"
 
 
-def _shallow(obj: T) -> T:
-    """``copy.copy`` of a plain dataclass, without its pickling protocol's cost."""
+def _with_dict(obj: T, fields: dict[str, object]) -> T:
+    """An object of ``obj``'s plain dataclass type holding ``fields`` (``copy.copy`` with
+    changes, without its pickling protocol's cost)."""
     new = object.__new__(type(obj))
-    new.__dict__.update(obj.__dict__)
+    new.__dict__ = fields
     return new
 
 

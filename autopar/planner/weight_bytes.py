@@ -9,6 +9,7 @@ CPU offload moves the weights, their gradients and the optimizer state to host m
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -34,8 +35,11 @@ from autopar.planner.params import (
     key_counts,
     layer_expert_numel,
     modules_numel,
+    numel_of_key,
+    numel_total,
     one_of_each_key,
     trained_numel,
+    trained_numel_key,
     uses_fsdp,
 )
 from autopar.training.objectives.build import copies_reference
@@ -269,18 +273,24 @@ class Unsynced:
 
 def unsynced_grads(rank: RankStages, c: int) -> dict[int, Unsynced]:
     """By stage: its gradients held unsharded (``syncs_last``)."""
-    args, job, dims, stages = rank.args, rank.job, rank.dims, rank.stages
-    out = {}
-    for i in rank.ids:
-        whole_of = {
-            m: trained_numel(args, job, dims, [m], sharded=False)
-            for m in one_of_each_key(args, tuple(stages[i]))
-        }
-        largest = max(whole_of, key=whole_of.__getitem__)
-        whole = whole_of[largest]
-        out[i] = Unsynced(
-            grads=FP32 * trained_numel(args, job, dims, stages[i], sharded=False),
-            largest=c * whole,
-            sync=FP32 * (whole + 2 * trained_numel(args, job, dims, [largest])),
-        )
-    return out
+    whole, sharded = (
+        trained_numel_key(rank.job, rank.dims, sharded=False),
+        trained_numel_key(rank.job, rank.dims),
+    )
+    return {i: _unsynced_stage(rank.args, tuple(rank.stages[i]), c, whole, sharded) for i in rank.ids}
+
+
+@functools.lru_cache(maxsize=4096)
+def _unsynced_stage(
+    args: ModelArgs, modules: tuple[str, ...], c: int, whole_key: tuple, sharded_key: tuple
+) -> Unsynced:
+    """One stage's ``Unsynced``: the same for every plan of one split and one set of shards
+    (the search meets each thousands of times)."""
+    whole, sharded = numel_of_key(args, whole_key), numel_of_key(args, sharded_key)
+    whole_of = {m: numel_total(whole, args, (m,)) for m in one_of_each_key(args, modules)}
+    largest = max(whole_of, key=whole_of.__getitem__)
+    return Unsynced(
+        grads=FP32 * numel_total(whole, args, modules),
+        largest=c * whole_of[largest],
+        sync=FP32 * (whole_of[largest] + 2 * numel_total(sharded, args, (largest,))),
+    )

@@ -51,8 +51,10 @@ def check_expert_kernel(job: JobConfig, args: ModelArgs, device_type: str) -> No
     """A forced grouped expert GEMM must be one torch can compile: its traced shape function
     takes bfloat16 only (``auto`` falls back to the per-expert loop there by itself)."""
     compiled = job.compile.enable and "model" in job.compile.components
+    if not (args.moe and job.training.expert_kernel == "grouped" and compiled):
+        return
     dtype = compute_dtype(job, torch.device(device_type))
-    if args.moe and job.training.expert_kernel == "grouped" and compiled and dtype != torch.bfloat16:
+    if dtype != torch.bfloat16:
         raise ConfigError(
             f"training.expert_kernel='grouped' with compile.enable=true needs bfloat16 compute (torch "
             f"traces its grouped GEMM in bfloat16 only), and this job computes in {dtype}; use "
