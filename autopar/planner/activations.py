@@ -85,14 +85,20 @@ def head_bytes(z: Sizes, vocab: int, tp_loss_parallel: int, chunk_tokens: int = 
     t = z.tokens
     logits = z.dtype_bytes * (vocab // tp_loss_parallel) * t
     fp32_logits = logits * FP32 // z.dtype_bytes
-    weighted = not z.frozen or z.head_adapted  # a frozen head needs no input for its gradient
-    norm = (FP32 + (0 if z.frozen else z.dtype_bytes)) * z.hidden * t / z.sp_shards + FP32 * t / z.sp_shards
-    kept = norm + (z.dtype_bytes * z.hidden * t if weighted else 0) + logits
+    kept = _norm_and_head_saves(z) + logits
     if chunk_tokens:
         chunk = (3 * FP32 + z.dtype_bytes) * (vocab // tp_loss_parallel) * min(chunk_tokens, t)
         return HeadBytes(kept + logits, chunk, logits)
     gradients = 3 if tp_loss_parallel > 1 else 2
     return HeadBytes(kept + fp32_logits, 0.0, gradients * fp32_logits)
+
+
+def _norm_and_head_saves(z: Sizes) -> float:
+    """The final norm's saves and the head's input (for its weight's gradient)."""
+    t = z.tokens
+    weighted = not z.frozen or z.head_adapted  # a frozen head needs no input for its gradient
+    norm = (FP32 + (0 if z.frozen else z.dtype_bytes)) * z.hidden * t / z.sp_shards + FP32 * t / z.sp_shards
+    return norm + (z.dtype_bytes * z.hidden * t if weighted else 0)
 
 
 def policy_head_bytes(z: Sizes, vocab: int, tp: int) -> HeadBytes:
@@ -103,11 +109,8 @@ def policy_head_bytes(z: Sizes, vocab: int, tp: int) -> HeadBytes:
     float32 gradients of the picked log-probabilities and of the log-softmax (dry run, Qwen3-8B
     LoRA RL, 8 x 2,048 tokens a micro-batch: 45.49 GiB measured, this 45.47)."""
     t = z.tokens
-    logits = z.dtype_bytes * (vocab // tp) * t
     fp32_logits = FP32 * vocab * t
-    weighted = not z.frozen or z.head_adapted
-    norm = (FP32 + (0 if z.frozen else z.dtype_bytes)) * z.hidden * t / z.sp_shards + FP32 * t / z.sp_shards
-    kept = norm + (z.dtype_bytes * z.hidden * t if weighted else 0) + logits
+    kept = _norm_and_head_saves(z) + z.dtype_bytes * (vocab // tp) * t
     gathered = z.dtype_bytes * vocab * t if tp > 1 else 0
     return HeadBytes(kept + fp32_logits, fp32_logits + gathered, 2 * fp32_logits)
 

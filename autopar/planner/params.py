@@ -151,7 +151,7 @@ def modules_numel(
     args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str], sharded: bool = True
 ) -> int:
     """Elements this rank keeps of ``modules`` (top-level paths such as ``layers.3``), FSDP
-    shards included when ``sharded``; LoRA's adapters not included (``adapters_numel``)."""
+    shards included when ``sharded``; LoRA's adapters not included (``trained_numel`` counts them)."""
     fsdp = dims.dp_shard * dims.cp if (sharded and dims.fsdp_enabled) else 1
     sequence_parallel = job.parallelism.enable_sequence_parallel
     numel = module_numel(args, dims.tp, fsdp, sequence_parallel, loss_parallel_enabled(job, dims), dims.ep)
@@ -219,17 +219,6 @@ def _expert_adapter_numel(args: ModelArgs, rank: int, fsdp: int, ep: int) -> int
     return sum(local_numel((experts, *shape), None, 1, max(1, fsdp // ep)) for shape in shapes)
 
 
-def adapters_numel(
-    args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str], sharded: bool = True
-) -> int:
-    """``modules_numel`` of LoRA's adapters (0 without LoRA)."""
-    if not job.lora.enable:
-        return 0
-    fsdp = dims.dp_shard * dims.cp if (sharded and dims.fsdp_enabled) else 1
-    numel = adapter_numel(args, tuple(job.lora.target_modules), job.lora.rank, dims.tp, fsdp, dims.ep)
-    return numel_total(numel, args, modules)
-
-
 def trained_numel_key(job: JobConfig, dims: ParallelDims, sharded: bool = True) -> tuple:
     """What ``trained_numel`` reads of the job and the degrees, hashable (``numel_of_key``)."""
     fsdp = dims.dp_shard * dims.cp if (sharded and dims.fsdp_enabled) else 1
@@ -255,9 +244,7 @@ def trained_numel(
     args: ModelArgs, job: JobConfig, dims: ParallelDims, modules: list[str], sharded: bool = True
 ) -> int:
     """Elements with gradients and optimizer state: the adapters under LoRA, else every one."""
-    if job.lora.enable:
-        return adapters_numel(args, job, dims, modules, sharded)
-    return modules_numel(args, job, dims, modules, sharded)
+    return numel_total(numel_of_key(args, trained_numel_key(job, dims, sharded)), args, modules)
 
 
 def layer_expert_numel(args: ModelArgs, ep: int) -> int:

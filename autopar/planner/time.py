@@ -95,17 +95,12 @@ class Busy:
 
     step: Step
     compute: float
-    recompute: float  # once; a split backward runs it twice (``recomputes``)
+    recompute: float  # once; a split backward runs it twice (``Step.recomputes``)
     memory_bound: float  # the blocks' elementwise work and the casts; AdamW's comes after
     overhead: float
     share: float  # of blocks fully recomputed
     n_micro: int  # micro-batches per pipeline flush
     work: list[float]  # each pipeline stage's (``stage_work``)
-
-    @property
-    def recomputes(self) -> int:
-        """``Step.recomputes``."""
-        return self.step.recomputes
 
 
 def busy_time(
@@ -158,7 +153,7 @@ def step_seconds_lower_bound(busy: Busy) -> float:
     step = busy.step
     comm, cp_exposed = model_parallel_comm(step, busy.share)
     optimizer = device_optimizer_seconds(step.args, step.job, step.dims, step.device)
-    own = busy.compute + busy.recompute * busy.recomputes + busy.memory_bound + optimizer + busy.overhead
+    own = busy.compute + busy.recompute * busy.step.recomputes + busy.memory_bound + optimizer + busy.overhead
     return own + comm.get("tp", 0.0) + comm.get("ep", 0.0) + cp_exposed
 
 
@@ -191,7 +186,7 @@ def finish_time(busy: Busy) -> StepTime:
         + (max(0.0, background - compute - recompute) if overlaps(device) else background)
         + first_gather
     )
-    recompute *= busy.recomputes
+    recompute *= step.recomputes
     bubble = 0.0
     if pipelined:
         work = compute + recompute + memory_bound + busy.overhead
