@@ -214,6 +214,20 @@ def test_a_prompt_repeated_in_a_batch_is_prefilled_once_and_each_copy_continues_
         torch.testing.assert_close(together.logps[row], alone.logps[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3.5"])
+def test_forwards_padded_to_a_multiple_of_tokens_sample_as_unpadded_ones(family):
+    """Sequence parallelism splits each forward's tokens evenly: padded to multiples of 3 (a
+    70-token prompt, a 3-token one, one-token decode steps), the padding enters no cache or
+    delta-rule state, and every token and log-probability is the unpadded run's."""
+    model = tiny(family)
+    draw = Sampling(1.0, 20, 1.0, 4)
+    plain = sample(model, PROMPTS, 12, draw)
+    padded = sample(model, PROMPTS, 12, draw, multiple=3)
+    assert padded.tokens == plain.tokens
+    for ours, theirs in zip(padded.logps, plain.logps, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
 def test_sampling_with_a_seed_is_reproducible_and_seeds_differ():
     model = tiny("qwen3")
     draw = {"temperature": 1.0, "top_p": 0.9, "top_k": 50}

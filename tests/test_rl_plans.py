@@ -197,9 +197,12 @@ LIVE = (
     "32",
 )
 """The toy task, sampled live: 2 prompts x 4 completions a step."""
-LIVE_PLANS = ["dp_shard=2", "tp=2,sp=false", "cp=2"]
+LIVE_PLANS = ["dp_shard=2", "tp=2,sp=false", "tp=2", "cp=2"]
 MOE_LIVE_PLANS = ["dp_shard=2,ep=2"]
 """An expert-parallel group samples its ranks' prompts together, in step."""
+HYBRID_LIVE_PLANS = ["tp=2", "cp=2"]
+"""Qwen3.5 under TP + SP (the padded forwards leave the Gated DeltaNet states alone) and under
+CP (each rank decodes its rows alone, its delta rule's state passing set aside)."""
 
 
 @pytest.fixture(scope="module")
@@ -211,15 +214,20 @@ def live(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("rl_live")
     base = tiny_job(folder / "base", *LIVE, vocab_size=CHAT_VOCAB)
-    moe = moe_job(folder / "moe", *LIVE, f"--model.vocab_size={CHAT_VOCAB}")
-    jobs = {plan: plan_job(base, plan, 2, str(folder / (plan or "one"))) for plan in ["", *LIVE_PLANS]}
-    jobs |= {
-        f"moe {plan}": plan_job(moe, plan, 2, str(folder / f"moe {plan}")) for plan in ["", *MOE_LIVE_PLANS]
+    families = {
+        "": (base, LIVE_PLANS),
+        "moe ": (moe_job(folder / "moe", *LIVE, f"--model.vocab_size={CHAT_VOCAB}"), MOE_LIVE_PLANS),
+        "qwen3.5 ": (hybrid_job(folder / "hybrid", *LIVE, vocab_size=CHAT_VOCAB), HYBRID_LIVE_PLANS),
     }
-    run_plan("", jobs[""])
-    run_plan("", jobs["moe "])
-    plans = [(plan, jobs[plan]) for plan in LIVE_PLANS] + [
-        (plan, jobs[f"moe {plan}"]) for plan in MOE_LIVE_PLANS
+    jobs = {
+        family + plan: plan_job(job, plan, 2, str(folder / (family + plan or "one")))
+        for family, (job, plans) in families.items()
+        for plan in ["", *plans]
+    }
+    for family in families:
+        run_plan("", jobs[family])
+    plans = [
+        (plan, jobs[family + plan]) for family, (_, family_plans) in families.items() for plan in family_plans
     ]
     each_on_ranks(run_plan, 2, plans)
     out = {}
@@ -235,7 +243,17 @@ def live(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plan", ["", *LIVE_PLANS, "moe ", *(f"moe {p}" for p in MOE_LIVE_PLANS)])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        "",
+        *LIVE_PLANS,
+        "moe ",
+        *(f"moe {p}" for p in MOE_LIVE_PLANS),
+        "qwen3.5 ",
+        *(f"qwen3.5 {p}" for p in HYBRID_LIVE_PLANS),
+    ],
+)
 def test_sampled_log_probs_equal_the_trainers_under_a_plan(live, plan):
     records, _ = live[plan]
     # fp32: the decode step's logits and the packed training forward's differ in sums only
@@ -243,8 +261,10 @@ def test_sampled_log_probs_equal_the_trainers_under_a_plan(live, plan):
 
 
 @pytest.mark.slow
-def test_live_sampling_under_tensor_parallel_draws_one_devices_completions(live):
-    _, one = live[""]
-    _, tp = live["tp=2,sp=false"]
+@pytest.mark.parametrize("plan", ["tp=2,sp=false", "tp=2", "qwen3.5 tp=2"])
+def test_live_sampling_under_tensor_parallel_draws_one_devices_completions(live, plan):
+    """With sequence parallelism too: each forward padded to split evenly over the ranks."""
+    _, one = live[plan.removesuffix("tp=2,sp=false").removesuffix("tp=2")]
+    _, tp = live[plan]
     for ours, theirs in zip(tp, one, strict=True):
         assert [r["completion_ids"] for r in ours] == [r["completion_ids"] for r in theirs]

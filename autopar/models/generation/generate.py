@@ -103,11 +103,13 @@ def sample(
     on_token: Callable[[int, int], None] | None = None,
     whole: Callable[[torch.Tensor], torch.Tensor] | None = None,
     agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    multiple: int = 1,
 ) -> Generated:
     """``generate``'s tokens, and each one's log-probability (``Generated``). ``whole``: makes
     the model's last logits whole over the vocabulary where a plan splits them; ``agree``: the
     tokens every rank sampling the same rows goes on with (one rank's), so that ranks whose
-    forwards exchange tokens (expert parallelism) stop at the same step."""
+    forwards exchange tokens (expert parallelism) stop at the same step; ``multiple``: every
+    forward runs a multiple of this many tokens (``Decoder``; a plan that splits them evenly)."""
     check_prompts(prompts, max_new_tokens, model.args.max_position_embeddings)
     if not prompts or max_new_tokens < 1:
         return Generated([[] for _ in prompts], [[] for _ in prompts])
@@ -116,7 +118,7 @@ def sample(
     length = max(len(p) for p in prompts) + max_new_tokens
     if compiled:  # lengths of the same multiple share the compiled step's shapes
         length = min(-(-length // COMPILED_LENGTHS) * COMPILED_LENGTHS, model.args.max_position_embeddings)
-    decoder = Decoder(model, len(prompts), length, compiled)
+    decoder = Decoder(model, len(prompts), length, compiled, multiple)
     decoder.cursor.positions = decoder.cursor.positions.to(device)
     unique, where = distinct(prompts)  # prefilled into the first rows, then copied to their own
     last = torch.cat([prefill(decoder, unique[rows], rows, prefill_chunk) for rows in same_lengths(unique)])

@@ -7,7 +7,8 @@ parts replaced for the duration (``Decoder.attached``), as parallel plans replac
   positions passed in) by ``CachedAttention``, which writes k and v into a preallocated
   (B, Hkv, L, D) buffer at each token's position and attends to every cached position up to
   the token's own;
-- each Gated DeltaNet's ``core.sequence`` (the two steps that read along the sequence) by
+- each Gated DeltaNet's ``core.sequence`` (the two steps that read along the sequence,
+  whole or passed between context-parallel ranks, which sample rows of their own) by
   ``CachedSequence``, which prepends the last K-1 inputs of each convolution and runs the
   delta rule from the recurrent state entering the chunk (the kernel's entry state), keeping
   the exit state: a call of up to ``STEPS_MAX`` tokens (a decode step) token by token
@@ -16,12 +17,19 @@ parts replaced for the duration (``Decoder.attached``), as parallel plans replac
 Rows are independent: a call names the rows it advances (a prefill one prompt at a time,
 a decode step all of them) and each row's tokens carry their own positions, so prompts of
 different lengths share a batch without padding entering any row's state.
+
+A decoder made with ``multiple`` > 1 runs every call on a multiple of that many tokens:
+sequence parallelism splits each forward's tokens evenly over the tensor-parallel ranks, and
+a one-token decode step does not split. The call's tokens are followed by copies of its last
+(at its position); nothing of them enters the state (the cache and the recurrent and
+convolution states keep the call's own tokens only), and causal layers keep them out of the
+real tokens' outputs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -30,18 +38,20 @@ from torch import Tensor, nn
 
 from autopar.models.qwen import Qwen, ScaledDotProduct, split_output
 from autopar.models.qwen3_5.delta_rule_steps import STEPS_MAX, delta_rule_steps
-from autopar.models.qwen3_5.gated_deltanet import WholeSequence, causal_conv
+from autopar.models.qwen3_5.gated_deltanet import DeltaRuleCore, WholeSequence, causal_conv
 
 
 @dataclass
 class Cursor:
     """Where the current call writes: which rows of the state, at which positions (b, S);
     ``keep_steps``: the Gated DeltaNet layers keep their state after each token of the call
-    (a speculative verification, which may resume from any of them: ``Decoder.rewind``)."""
+    (a speculative verification, which may resume from any of them: ``Decoder.rewind``);
+    ``real``: how many of the call's tokens are its own, the rest padding (``Decoder.multiple``)."""
 
     rows: slice
     positions: Tensor
     keep_steps: bool = False
+    real: int = 1
 
 
 class CachedAttention(nn.Module):
@@ -62,8 +72,9 @@ class CachedAttention(nn.Module):
         rows, positions = self.cursor.rows, self.cursor.positions  # (b, S)
         index = torch.arange(positions.shape[0], device=positions.device)[:, None].expand_as(positions)
         keys, values = self.k[rows], self.v[rows]  # views (b, Hkv, L, D)
-        keys[index, :, positions] = k.transpose(1, 2)  # (b, S, Hkv, D) into each token's slot
-        values[index, :, positions] = v.transpose(1, 2)
+        own = slice(0, self.cursor.real)  # padding writes nothing
+        keys[index[:, own], :, positions[:, own]] = k.transpose(1, 2)[:, own]  # (b, S, Hkv, D) into each slot
+        values[index[:, own], :, positions[:, own]] = v.transpose(1, 2)[:, own]
         # eager: the slots up to the last token's; compiled: all of them, masked, so that every
         # decode step has one shape and the graph one compilation
         end = self.length if torch.compiler.is_compiling() else int(positions.max()) + 1
@@ -82,14 +93,15 @@ class CachedAttention(nn.Module):
 
 
 class LastPosition(nn.Module):
-    """A head applied to the last position of its input (B, S, H) only: (B, 1, V)."""
+    """A head applied to one position of its input (B, S, H) only, the call's last own
+    token: (B, 1, V)."""
 
-    def __init__(self, head: nn.Module) -> None:
+    def __init__(self, head: nn.Module, position: int) -> None:
         super().__init__()
-        self.head = head
+        self.head, self.position = head, position
 
     def forward(self, hidden: Tensor) -> Tensor:
-        return self.head(hidden[:, -1:])
+        return self.head(hidden[:, self.position : self.position + 1])
 
 
 class CachedSequence(WholeSequence):
@@ -119,10 +131,11 @@ class CachedSequence(WholeSequence):
                 x.new_zeros(self.batch, w.shape[-1] - 1, x.shape[-1]) for x, w in zip(inputs, weights)
             ]
         outputs, self.joined = [], []
+        real = self.cursor.real
         for state, x, w in zip(self.conv, inputs, weights):
             joined = torch.cat((state[rows], x), dim=1)  # (b, K - 1 + S, C)
             outputs.append(causal_conv(joined, w, None)[:, state.shape[1] :])  # (b, S, C)
-            state[rows] = joined[:, joined.shape[1] - state.shape[1] :]
+            state[rows] = joined[:, real : real + state.shape[1]]  # the K-1 inputs up to the last own token
             if self.cursor.keep_steps:
                 self.joined.append(joined)
         return tuple(outputs)
@@ -130,8 +143,12 @@ class CachedSequence(WholeSequence):
     def delta_rule(
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, documents: Tensor | None
     ) -> Tensor:
-        """The rule over the chunk from the rows' recurrent state (B, HK, HV / HK, dk, dv) fp32."""
-        rows = self.cursor.rows
+        """The rule over the chunk from the rows' recurrent state (B, HK, HV / HK, dk, dv) fp32;
+        over the call's own tokens only, zeros for its padding."""
+        rows, real, count = self.cursor.rows, self.cursor.real, k.shape[1]
+        if real < count:
+            out = self.delta_rule(*(x[:, :real] for x in (q, k, v, g, beta)), documents)
+            return torch.cat((out, out.new_zeros(out.shape[0], count - real, *out.shape[2:])), dim=1)
         if self.recurrent is None:
             heads, dk, dv = k.shape[2], k.shape[-1], v.shape[-1]
             self.recurrent = v.new_zeros(self.batch, heads, v.shape[2] // heads, dk, dv, dtype=torch.float32)
@@ -172,18 +189,22 @@ class Decoder:
     ``start`` (b,) and returns their logits (b, S, V); the state then holds them. ``step``
     runs one token of every row, through ``torch.compile`` when ``compiled``: its shapes are
     the same at every step (the cache is static), so it compiles once per decoder.
+    ``multiple``: every forward runs a multiple of this many tokens (module docstring).
     """
 
-    def __init__(self, model: Qwen, batch: int, length: int, compiled: bool = False) -> None:
-        self.model, self.batch, self.length = model, batch, length
+    def __init__(
+        self, model: Qwen, batch: int, length: int, compiled: bool = False, multiple: int = 1
+    ) -> None:
+        self.model, self.batch, self.length, self.multiple = model, batch, length, multiple
         self.one_token = torch.compile(self.logits, dynamic=False) if compiled else self.logits
         self.cursor = Cursor(slice(None), torch.zeros(batch, 1, dtype=torch.long))
         self.attention: dict[nn.Module, CachedAttention] = {}
         self.sequences: dict[object, CachedSequence] = {}
+        self.heads: dict[int, LastPosition] = {}
         for module in model.modules():
             if isinstance(getattr(module, "sdpa", None), ScaledDotProduct):
                 self.attention[module] = CachedAttention(self.cursor, batch, length)
-            if isinstance(getattr(module, "sequence", None), WholeSequence):
+            if isinstance(module, DeltaRuleCore):  # its sequence whole, or passed between CP ranks
                 self.sequences[module] = CachedSequence(self.cursor, batch)
 
     @contextmanager
@@ -203,20 +224,28 @@ class Decoder:
                 else:
                     module.sequence = original
 
-    def place(self, rows: slice, start: Tensor, count: int) -> Tensor:
-        """Point the cursor at ``count`` tokens of ``rows`` from ``start`` (b,); their positions (b, S)."""
+    def place(self, rows: slice, start: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """Point the cursor at ``tokens`` (b, S) of ``rows`` from ``start`` (b,); the tokens and
+        their positions as the forward runs them (b, S'), padded to ``multiple`` with copies
+        of the last token at its position."""
+        count = tokens.shape[1]
         positions = start[:, None] + torch.arange(count, device=start.device)  # (b, S)
         if int(positions.max()) >= self.length:
             raise ValueError(f"position {int(positions.max())} is past the decoder's length {self.length}")
-        self.cursor.rows, self.cursor.positions = rows, positions
-        return positions
+        pad = -count % self.multiple
+        if pad:
+            tokens = torch.cat((tokens, tokens[:, -1:].expand(-1, pad)), dim=1)
+            positions = torch.cat((positions, positions[:, -1:].expand(-1, pad)), dim=1)
+        self.cursor.rows, self.cursor.positions, self.cursor.real = rows, positions, count
+        return tokens, positions
 
     @torch.no_grad()
     def forward(self, tokens: Tensor, rows: slice, start: Tensor) -> Tensor:
         """Logits (b, S, V) of ``tokens`` (b, S) continuing ``rows`` at positions from ``start`` (b,)."""
-        positions = self.place(rows, start, tokens.shape[1])
+        count = tokens.shape[1]
+        tokens, positions = self.place(rows, start, tokens)
         with self.attached():
-            return self.logits(tokens, positions)
+            return self.logits(tokens, positions)[:, :count]
 
     @torch.no_grad()
     def last_logits(self, tokens: Tensor, rows: slice, start: Tensor) -> Tensor:
@@ -224,15 +253,21 @@ class Decoder:
         need none, and the head over them would be a (b, S, V) tensor and its FLOPs. The
         model's own forward runs (a plan's hooks on it: FSDP's root gathers the head), its
         head reading the last position only."""
-        positions = self.place(rows, start, tokens.shape[1])
+        tokens, positions = self.place(rows, start, tokens)
+        with self.attached(), self.head_at(self.cursor.real - 1):
+            return self.logits(tokens, positions)[:, -1]
+
+    @contextmanager
+    def head_at(self, position: int) -> Iterator[None]:
+        """The model's head reading ``position`` only, restored on exit (one wrapper a
+        position, so that a compiled step sees the same module every call)."""
         head = self.model.lm_head
         assert head is not None, "a decoder runs a whole model"
-        with self.attached():
-            self.model.lm_head = LastPosition(head)
-            try:
-                return self.logits(tokens, positions)[:, -1]
-            finally:
-                self.model.lm_head = head
+        self.model.lm_head = self.heads.setdefault(position, LastPosition(head, position))
+        try:
+            yield
+        finally:
+            self.model.lm_head = head
 
     @torch.no_grad()
     def hidden(
@@ -240,12 +275,13 @@ class Decoder:
     ) -> tuple[Tensor, Tensor]:
         """``forward``'s final-normed hidden states (b, S, H) and logits (b, S, V): the MTP
         head reads the states. ``keep_steps``: ``rewind`` can then resume after any token."""
-        positions = self.place(rows, start, tokens.shape[1])
+        count = tokens.shape[1]
+        tokens, positions = self.place(rows, start, tokens)
         self.cursor.keep_steps = keep_steps
         try:
             with self.attached():
                 hidden, _ = self.model.trunk(tokens, positions=positions)
-                return hidden, self.model.lm_head(hidden)
+                return hidden[:, :count], self.model.lm_head(hidden)[:, :count]
         finally:
             self.cursor.keep_steps = False
 
@@ -254,10 +290,13 @@ class Decoder:
         """The MTP head's normed states (b, S, H) from the trunk's (or its own) ``hidden`` (b, S, H)
         at positions from ``start`` and the token ``following`` (b, S) each; its attention's
         cache is this decoder's, like the trunk's."""
-        positions = self.place(rows, start, hidden.shape[1])
+        count = hidden.shape[1]
+        following, positions = self.place(rows, start, following)
+        if following.shape[1] > count:
+            hidden = torch.cat((hidden, hidden[:, -1:].expand(-1, following.shape[1] - count, -1)), dim=1)
         with self.attached():
             out, _ = self.model.mtp(hidden, self.model.embed_tokens(following), positions=positions)
-            return out
+            return out[:, :count]
 
     def spread(self, where: Tensor) -> None:
         """Each row's state becomes row ``where[r]``'s (B,): prompts prefilled once, each into
@@ -276,11 +315,10 @@ class Decoder:
     @torch.no_grad()
     def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """Logits (B, V) of one token (B,) of every row, each at its position (B,)."""
-        if int(positions.max()) >= self.length:
-            raise ValueError(f"position {int(positions.max())} is past the decoder's length {self.length}")
-        self.cursor.rows, self.cursor.positions = slice(None), positions[:, None]
-        with self.attached():
-            return self.one_token(tokens[:, None], positions[:, None])[:, -1]
+        tokens, positions = self.place(slice(None), positions, tokens[:, None])
+        padded = self.head_at(0) if self.multiple > 1 else nullcontext()
+        with self.attached(), padded:
+            return self.one_token(tokens, positions)[:, 0]
 
     def logits(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """The model's logits (b, S, V) of tokens (b, S) at positions (b, S), state attached."""

@@ -29,7 +29,7 @@ from autopar.config.sections import RL, JobConfig
 from autopar.data.errors import DataError
 from autopar.data.loader import IGNORE_INDEX, Batch
 from autopar.data.prompt_records import PromptRecord
-from autopar.models.generation.generate import sample
+from autopar.models.generation.generate import Generated, sample
 from autopar.models.generation.sampling import Sampling
 from autopar.parallel.torch_internals import fsdp_weights_gathered
 from autopar.training.objectives.rl.rollouts import (
@@ -88,6 +88,9 @@ class Rollouts:
         self.ep_mesh = ep_mesh if ep_mesh is not None and ep_mesh.size() > 1 else None
         """Ranks whose forwards exchange tokens (expert parallelism's): they sample their rows
         together, every one of them all the rows, and go on with the first one's tokens."""
+        self.sequence_split = dims.tp if dims.tp > 1 and job.parallelism.enable_sequence_parallel else 1
+        """Sequence parallelism splits each forward's tokens evenly over the TP ranks: sampling
+        pads its forwards to a multiple of them."""
         self.recompute = recompute
         """The trainer's own log-probabilities of packed micro-batches, where pi_old is recomputed
         (``rl.old_logps = "trainer"``, or an importance correction)."""
@@ -192,16 +195,13 @@ class Rollouts:
                 self.stop_ids,
                 whole=_whole,
                 agree=agree,
+                multiple=self.sequence_split,
             )
         if self.ep_mesh is not None:
             own = slice(first, first + share.stop - share.start)
             made = made._replace(tokens=made.tokens[own], logps=made.logps[own])
         if self.cp_mesh is not None:
-            shares: list[tuple[list[list[int]], list[list[float]]]] = [None] * cp_size  # type: ignore[list-item]
-            dist.all_gather_object(shares, (made.tokens, made.logps), group=self.cp_mesh.get_group())
-            made = made._replace(
-                tokens=[t for s in shares for t in s[0]], logps=[p for s in shares for p in s[1]]
-            )
+            made = self._swapped(made)
         first_group = (index - 1) * self.groups + self.dp_rank * (self.groups // self.dp_size)
         out = []
         for k, (ids, tokens, logps) in enumerate(zip(prompt_ids, made.tokens, made.logps, strict=True)):
@@ -225,6 +225,15 @@ class Rollouts:
                 )
             )
         return out
+
+    def _swapped(self, made: Generated) -> Generated:
+        """Every CP rank's share of the completions, in rank order (each sampled its own)."""
+        assert self.cp_mesh is not None
+        shares: list[tuple[list[list[int]], list[list[float]]]] = [None] * self.cp_mesh.size()  # type: ignore[list-item]
+        dist.all_gather_object(shares, (made.tokens, made.logps), group=self.cp_mesh.get_group())
+        return made._replace(
+            tokens=[t for s in shares for t in s[0]], logps=[p for s in shares for p in s[1]]
+        )
 
     def _agree(self, tokens: torch.Tensor) -> torch.Tensor:
         """The expert group's first rank's ``tokens``: the group's logits may differ in the last

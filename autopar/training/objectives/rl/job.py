@@ -4,8 +4,7 @@ the objective over them.
 For ``training.dataset_format = "prompts"`` the trainer gets the rollouts (``engine``) where
 a loader stands and the policy loss (``objective``) as its objective; the batch sizes count
 completions (TRL's). Live sampling runs on the job's own parts; what it cannot run under yet
-is refused here in one line (a pipeline or sequence parallelism while sampling), while a
-replay trains under either.
+is refused here in one line (a pipeline while sampling), while a replay trains under it.
 """
 
 from __future__ import annotations
@@ -156,14 +155,6 @@ def _check_reference(job: JobConfig) -> None:
 def _check_plan(job: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
     if dims.pp > 1:
         _check_pipelined(job, dims, args)
-    if job.rl.replay is not None:
-        return
-    if dims.tp > 1 and job.parallelism.enable_sequence_parallel:
-        raise ConfigError(
-            f"RL sampling with tensor_parallel_degree={dims.tp} and sequence parallelism: not supported yet (a "
-            "decode step's one token cannot split over the sequence); use --parallelism.enable_sequence_parallel "
-            "false, or replay"
-        )
 
 
 def _check_pipelined(job: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
