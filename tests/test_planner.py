@@ -496,6 +496,32 @@ def test_an_rl_steps_policy_loss_is_measured_and_predicted_within_ten_percent(tp
     assert rank.predicted_peak_gib == pytest.approx(rank.measured_peak_gib, rel=0.10), rank
 
 
+@pytest.mark.parametrize(
+    ("name", "flavor", "flags"),
+    [
+        # a thousand rows a rank: top-p's sort holds six float32 copies of their logits
+        (
+            "qwen3", "8B",
+            ["--model.num_hidden_layers=6", "--training.seq_len=1280", "--parallelism.tensor_parallel_degree=4",
+             "--rl.top_p=0.9"],
+        ),
+        # an expert group samples all its ranks' rows; Gated DeltaNet states beside the caches
+        (
+            "qwen3.5", "35B-A3B",
+            [HYBRID_4, "--parallelism.expert_parallel_degree=4", "--parallelism.tensor_parallel_degree=2"],
+        ),
+    ],
+    ids=["tp-sp-top-p", "qwen3.5-moe-ep"],
+)  # fmt: skip
+def test_an_rl_rollout_is_measured_and_predicted_within_ten_percent(name, flavor, flags):
+    # the dry run decodes one step of every row a rank samples, its state at whole rows, on
+    # fake tensors; the rollout then holds more than the training step (no gradients)
+    job = real_scale_job(name, flavor, *RL, "--training.global_batch_size=4096", *flags)
+    (rank,) = compare(job, check_job(job, 8, "cuda"), 8)
+    assert rank.breakdown_gib.get("rollout", 0) > rank.measured_peak_gib / 2, rank
+    assert rank.predicted_peak_gib == pytest.approx(rank.measured_peak_gib, rel=0.10), rank
+
+
 def test_a_tp_embedding_without_fsdp_keeps_only_its_rows_of_the_gradient():
     # TP 8 without FSDP, two micro-steps: gradients are held between backwards. DTensor
     # computes the vocabulary-parallel embedding's gradient whole; kept whole, it would add the

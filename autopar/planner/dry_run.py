@@ -49,6 +49,8 @@ from autopar.config.sections import JobConfig
 from autopar.data.loader import Batch
 from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
+from autopar.models.generation.sampling import Sampling, filtered_logits, token_logps
+from autopar.models.generation.state import Decoder
 from autopar.parallel.delta_rule_kernel import apply_delta_rule_kernel, resolve_delta_rule_kernel
 from autopar.parallel.mesh import Meshes, ParallelDims, build_meshes
 from autopar.parallel.parallelize import (
@@ -66,18 +68,20 @@ from autopar.parallel.torch_internals import (
     active_fake_mode,
     fake_store,
     forget_sharding_caches,
+    fsdp_weights_gathered,
     sharding_propagation_untracked,
     tree_flatten,
 )
 from autopar.parallel.world import World, init_world
 from autopar.planner.memory import predict
+from autopar.planner.rollout_bytes import rollout_rows, samples_live
 from autopar.training.objectives.base import Objective
 from autopar.training.objectives.build import copies_reference, packs_documents
 from autopar.training.objectives.dpo.job import is_preference, reference_pass
 from autopar.training.objectives.dpo.objective import Preference, ReferenceLogps, losses_of
 from autopar.training.objectives.language_model import LanguageModel
 from autopar.training.objectives.mtp.loss import MTPTraining
-from autopar.training.objectives.rl.engine import Rollouts
+from autopar.training.objectives.rl.engine import Rollouts, sequence_split
 from autopar.training.objectives.rl.job import is_rl
 from autopar.training.objectives.rl.loss import CHANNELS, PolicyLoss
 from autopar.training.objectives.rl.objective import PolicyGradient
@@ -333,7 +337,11 @@ def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) ->
                 runner.context.context_parallel.expand_kv = not native_gqa(job, "cuda", "allgather")
             objective, reference = _fake_objective(runner, job, reference_built)
             step = TrainStep(runner, objective)
-            peak = measure_step(step, _batches(job, dims), job.optimizer.lr)
+            batches = _batches(job, dims)
+            step(batches, job.optimizer.lr)  # the first step creates the optimizer state
+            # FSDP's memory tracker leaves hooks that refuse a later forward: the rollout first
+            rollout = measure_rollout(runner, job, step.optimizers) if samples_live(job) else {}
+            peak = max(tracked_step(step, batches, job.optimizer.lr), rollout, key=lambda p: sum(p.values()))
             if reference:
                 peak["reference"] = sum(_local_bytes(p) for part in reference for p in part.parameters())
     finally:
@@ -346,6 +354,11 @@ def measure_step(step: TrainStep, batches: list[Batch], lr: float) -> dict[str, 
     """Peak bytes by category of this rank over the forward and backward of a second training
     step on ``batches`` (the first creates the optimizer state), fake or real alike."""
     step(batches, lr)
+    return tracked_step(step, batches, lr)
+
+
+def tracked_step(step: TrainStep, batches: list[Batch], lr: float) -> dict[str, int]:
+    """Peak bytes by category over one training step's forward and backward."""
     # a pipeline stage with Qwen3.5's head: FSDPMemTracker takes its second micro-batch's
     # forward for another step's and raises ("multiple iterative calls"; torch 2.13, seen here)
     head = step.pipeline is not None and step.job.mtp.enable
@@ -361,6 +374,32 @@ def measure_step(step: TrainStep, batches: list[Batch], lr: float) -> dict[str, 
         step.forward_backward(batches)
     step.update(lr)
     return tracker.peak if isinstance(tracker, PeakTracker) else _fsdp_peak(tracker)
+
+
+@torch.no_grad()
+def measure_rollout(
+    runner: PlanRunner, job: JobConfig, optimizers: list[torch.optim.Optimizer]
+) -> dict[str, int]:
+    """Peak bytes by category of an RL rank's rollout moment, between optimizer steps: its
+    weights gathered as sampling gathers them, and one decode step of every completion it
+    samples at once, the decoding state allocated for whole rows (``seq_len + 1`` positions,
+    as ``planner/rollout_bytes.py`` counts it) and the step's logits turned into the sampler's
+    probabilities and log-probabilities. What the rollout adds is ``rollout``."""
+    rows = rollout_rows(job, runner.dims)
+    modules = [m for part in runner.parts for m in part.modules()]
+    sampling = Sampling(job.rl.temperature, job.rl.top_k, job.rl.top_p)
+    tracker = PeakTracker(runner.parts, optimizers)
+    with sharding_propagation_untracked((PeakTracker,)), tracker, fsdp_weights_gathered(modules):
+        split = sequence_split(job, runner.dims)
+        decoder = Decoder(runner.parts[0], rows, job.training.seq_len + 1, multiple=split, static=True)
+        tokens = torch.zeros(rows, dtype=torch.long, device=runner.device)
+        logits = decoder.step(tokens, tokens)
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        filtered_logits(logits, sampling).softmax(dim=-1)
+        token_logps(logits, tokens, sampling)
+    peak = dict(tracker.peak)
+    peak["rollout"] = peak.pop("step_tensors", 0)
+    return peak
 
 
 def measure_jobs(jobs: list[JobConfig]) -> list[dict[str, int]]:

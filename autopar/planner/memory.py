@@ -203,7 +203,9 @@ def _predict_stage_rank(
     peak = _walk_schedule(actions, costs)
     moment = dict(zip(("gathered_params", "activations", "gradient_buffers"), peak, strict=True))
     rollout = rollout_moment(args, job, dims, rank.modules, c)
-    if sum(rollout.values()) > sum(moment.values()):  # an RL job's sampling holds more
+    grads = static.get("grads", 0.0)  # held across micro-steps; none while an RL job samples
+    if sum(rollout.values()) > sum(moment.values()) + grads:  # its sampling holds more
+        static = {k: v for k, v in static.items() if k != "grads"}
         moment = rollout
     return Memory(role, {**static, **{k: v for k, v in moment.items() if v}}, host)
 

@@ -11,17 +11,17 @@ optimizer state stay, the gradients are gone, and on top come
   dtype; each Gated DeltaNet's three convolution states (rows, K-1, C/tp) in the compute dtype
   and its recurrent state (rows, HV/tp, dk, dv) in float32;
 - a decode step's logits (rows, V) whole over the vocabulary in the compute dtype, and the
-  float32 probabilities and log-probabilities drawn from them (a prefill computes the head at
+  float32 tensors the draw holds at once (``sampler_copies``; a prefill computes the head at
   each prompt's last position only).
 
 A row holds the prompt and the whole completion (``rl.job`` refuses prompts that leave no
 room), so ``L`` is at most ``seq_len + 1``. The rank samples its data-parallel share of the step's
-completions, split again over its context-parallel ranks.
+completions, split again over its context-parallel ranks (``rollout_rows``).
 """
 
 from __future__ import annotations
 
-from autopar.config.sections import JobConfig
+from autopar.config.sections import RL, JobConfig
 from autopar.models.args import ModelArgs
 from autopar.parallel.mesh import ParallelDims
 from autopar.planner.params import modules_numel, uses_fsdp
@@ -32,6 +32,14 @@ FP32 = 4
 def samples_live(job: JobConfig) -> bool:
     """An RL job that samples (a replay samples nothing)."""
     return job.training.dataset_format == "prompts" and job.rl.replay is None
+
+
+def sampler_copies(cfg: RL) -> float:
+    """float32 (rows, V) tensors a draw holds at once (``models/generation/sampling.py``): the
+    scaled logits and their probabilities; under top-p the sorted logits, their int64 order
+    (two), their probabilities and running sum, and a quarter for the mask. Measured by the
+    dry run: top-k adds nothing at its peak."""
+    return 6.25 if cfg.top_p < 1.0 else 2.0
 
 
 def decode_state_bytes(args: ModelArgs, tp: int, rows: int, length: int, c: int) -> float:
@@ -55,9 +63,11 @@ def decode_state_bytes(args: ModelArgs, tp: int, rows: int, length: int, c: int)
 
 
 def rollout_rows(job: JobConfig, dims: ParallelDims) -> int:
-    """Completions one rank samples at once: its data-parallel share, split over CP."""
+    """Completions one rank samples at once: its data-parallel share, split over CP; an
+    expert-parallel group's ranks each sample all the group's rows (their forwards exchange
+    tokens, so they decode together)."""
     completions = job.training.global_batch(dims.dp)
-    return -(-completions // (dims.dp * dims.cp))
+    return -(-completions // (dims.dp * dims.cp)) * dims.ep
 
 
 def rollout_moment(
@@ -71,7 +81,7 @@ def rollout_moment(
     seq_len = job.training.seq_len
     moment = {
         "decode_state": decode_state_bytes(args, dims.tp, rows, seq_len + 1, c),
-        "decode_logits": float(rows * args.vocab_size * (c + 2 * FP32)),
+        "decode_logits": float(rows * args.vocab_size * (c + sampler_copies(job.rl) * FP32)),
     }
     if uses_fsdp(job, dims):
         moment["gathered_params"] = float(modules_numel(args, job, dims, modules, sharded=False) * c)

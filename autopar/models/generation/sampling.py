@@ -25,17 +25,19 @@ class Sampling:
 
 
 def filtered_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """(b, V) fp32 logits scaled by the temperature, tokens outside top-k / top-p at -inf."""
-    logits = logits.float() / sampling.temperature
+    """(b, V) fp32 logits scaled by the temperature, tokens outside top-k / top-p at -inf;
+    worked in place on a copy of its own (a rollout's thousand rows make every (b, V) float32
+    tensor GiBs: top-p holds six of them at once, sort indices counted twice)."""
+    logits = logits.to(torch.float32, copy=True).div_(sampling.temperature)
     if 0 < sampling.top_k < logits.shape[-1]:
         kth = logits.topk(sampling.top_k, dim=-1).values[:, -1:]  # (b, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits.masked_fill_(logits < kth, float("-inf"))
     if sampling.top_p < 1.0:
         ordered, order = logits.sort(dim=-1, descending=True)
         probs = ordered.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass of the likelier tokens
-        drop = before >= sampling.top_p  # the likeliest token is never dropped
-        logits = logits.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
+        drop = probs.cumsum(dim=-1).sub_(probs) >= sampling.top_p  # the likelier tokens' mass reaches p
+        del probs  # the likeliest token is never dropped
+        logits.scatter_(-1, order, ordered.masked_fill_(drop, float("-inf")))
     return logits
 
 

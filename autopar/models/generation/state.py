@@ -46,12 +46,15 @@ class Cursor:
     """Where the current call writes: which rows of the state, at which positions (b, S);
     ``keep_steps``: the Gated DeltaNet layers keep their state after each token of the call
     (a speculative verification, which may resume from any of them: ``Decoder.rewind``);
-    ``real``: how many of the call's tokens are its own, the rest padding (``Decoder.multiple``)."""
+    ``real``: how many of the call's tokens are its own, the rest padding (``Decoder.multiple``);
+    ``static``: the positions' values are not known here (a dry run's fake tensors), so
+    attention reads every slot, masked, as a compiled step does, and no bound is checked."""
 
     rows: slice
     positions: Tensor
     keep_steps: bool = False
     real: int = 1
+    static: bool = False
 
 
 class CachedAttention(nn.Module):
@@ -77,7 +80,7 @@ class CachedAttention(nn.Module):
         values[index[:, own], :, positions[:, own]] = v.transpose(1, 2)[:, own]
         # eager: the slots up to the last token's; compiled: all of them, masked, so that every
         # decode step has one shape and the graph one compilation
-        end = self.length if torch.compiler.is_compiling() else int(positions.max()) + 1
+        end = self.length if torch.compiler.is_compiling() or self.cursor.static else int(positions.max()) + 1
         slots = torch.arange(end, device=positions.device)
         visible = (slots <= positions[:, :, None])[:, None]  # (b, 1, S, end): a slot at or before the token
         gqa = q.shape[1] != k.shape[1]
@@ -189,15 +192,22 @@ class Decoder:
     ``start`` (b,) and returns their logits (b, S, V); the state then holds them. ``step``
     runs one token of every row, through ``torch.compile`` when ``compiled``: its shapes are
     the same at every step (the cache is static), so it compiles once per decoder.
-    ``multiple``: every forward runs a multiple of this many tokens (module docstring).
+    ``multiple``: every forward runs a multiple of this many tokens (module docstring);
+    ``static``: positions of unknown value (``Cursor``).
     """
 
     def __init__(
-        self, model: Qwen, batch: int, length: int, compiled: bool = False, multiple: int = 1
+        self,
+        model: Qwen,
+        batch: int,
+        length: int,
+        compiled: bool = False,
+        multiple: int = 1,
+        static: bool = False,
     ) -> None:
         self.model, self.batch, self.length, self.multiple = model, batch, length, multiple
         self.one_token = torch.compile(self.logits, dynamic=False) if compiled else self.logits
-        self.cursor = Cursor(slice(None), torch.zeros(batch, 1, dtype=torch.long))
+        self.cursor = Cursor(slice(None), torch.zeros(batch, 1, dtype=torch.long), static=static)
         self.attention: dict[nn.Module, CachedAttention] = {}
         self.sequences: dict[object, CachedSequence] = {}
         self.heads: dict[int, LastPosition] = {}
@@ -230,7 +240,7 @@ class Decoder:
         of the last token at its position."""
         count = tokens.shape[1]
         positions = start[:, None] + torch.arange(count, device=start.device)  # (b, S)
-        if int(positions.max()) >= self.length:
+        if not self.cursor.static and int(positions.max()) >= self.length:
             raise ValueError(f"position {int(positions.max())} is past the decoder's length {self.length}")
         pad = -count % self.multiple
         if pad:

@@ -31,6 +31,7 @@ from autopar.data.loader import IGNORE_INDEX, Batch
 from autopar.data.prompt_records import PromptRecord
 from autopar.models.generation.generate import Generated, sample
 from autopar.models.generation.sampling import Sampling
+from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.torch_internals import fsdp_weights_gathered
 from autopar.training.objectives.rl.rollouts import (
     Completion,
@@ -88,9 +89,7 @@ class Rollouts:
         self.ep_mesh = ep_mesh if ep_mesh is not None and ep_mesh.size() > 1 else None
         """Ranks whose forwards exchange tokens (expert parallelism's): they sample their rows
         together, every one of them all the rows, and go on with the first one's tokens."""
-        self.sequence_split = dims.tp if dims.tp > 1 and job.parallelism.enable_sequence_parallel else 1
-        """Sequence parallelism splits each forward's tokens evenly over the TP ranks: sampling
-        pads its forwards to a multiple of them."""
+        self.sequence_split = sequence_split(job, dims)
         self.recompute = recompute
         """The trainer's own log-probabilities of packed micro-batches, where pi_old is recomputed
         (``rl.old_logps = "trainer"``, or an importance correction)."""
@@ -416,6 +415,12 @@ class Rollouts:
             Batch(b.inputs.to(self.device), b.labels.to(self.device), b.documents.to(self.device))
             for b in batches
         ]
+
+
+def sequence_split(job: JobConfig, dims: ParallelDims) -> int:
+    """Sequence parallelism splits each forward's tokens evenly over the TP ranks: sampling
+    pads its forwards to a multiple of this many tokens."""
+    return dims.tp if dims.tp > 1 and job.parallelism.enable_sequence_parallel else 1
 
 
 class Corrected(NamedTuple):
