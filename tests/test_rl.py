@@ -141,6 +141,19 @@ def test_the_sampler_scores_its_tokens_as_the_trainer_does(tmp_path):
     assert len(rollouts) == 32 and all(len(r["logps"]) == len(r["completion_ids"]) for r in rollouts)
 
 
+def test_an_rl_step_counts_the_tokens_it_trains_not_its_rows_capacity(tmp_path):
+    # completions pack several to a row: tokens/s and MFU count prompts and completions (each
+    # document's tokens but its last), not local_batch_size x seq_len (4x as many here)
+    run = ["--job.config", "rl_debug", "--training.steps", "1", "--checkpoint.enable", "false"]
+    job = parse_job([*run, "--job.dump_folder", str(tmp_path)])
+    one_process_trainer(job).train()
+    (record,) = read_metrics(tmp_path / "metrics.jsonl")
+    rollouts = [
+        json.loads(line) for line in (tmp_path / "rollouts" / "step-1.jsonl").read_text().splitlines()
+    ]
+    assert record["tokens_seen"] == sum(len(r["prompt_ids"]) + len(r["completion_ids"]) - 1 for r in rollouts)
+
+
 @pytest.mark.heavy
 def test_the_toy_preset_doubles_its_reward(tmp_path):
     # measured: the last ten steps' mean reward 3.1x the first ten's (0.045 -> 0.139), 60 steps

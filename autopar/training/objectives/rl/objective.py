@@ -49,6 +49,8 @@ class PolicyGradientLoss(MicroBatchLoss):
         super().__init__(runner.balance, rows, runner.device)
         self.settings, self.sequences, self.cp_mesh = settings, sequences, runner.meshes.get("cp")
         self.gap_max = torch.zeros((), device=runner.device)
+        self.tokens: torch.Tensor | None = None
+        """The step's tokens over every rank (``PolicyGradient.begin``)."""
 
     def term(
         self, logits: torch.Tensor, extra: object, target: torch.Tensor
@@ -84,11 +86,18 @@ class PolicyGradient(Objective):
         self.metric_names = ("entropy", *kl, *clip, *SAMPLING_METRICS, *self.rollout_names)
 
     def begin(self, batches: list[Batch], calls_per_batch: int) -> tuple[MicroBatchLoss, list[Batch]]:
-        rows = all_reduce_sum(
-            torch.tensor(float(sum(b.inputs.shape[0] for b in batches)), device=self.runner.device),
-            self.runner.meshes.get("dp"),
+        """The step's loss; its rows and tokens (prompts and completions, padding left out:
+        completions pack into fewer rows than the batch counts) over every rank."""
+        counts = torch.stack(
+            [
+                torch.tensor(float(sum(b.inputs.shape[0] for b in batches)), device=self.runner.device),
+                sum(((b.documents >= 0).sum() for b in batches), torch.zeros((), device=self.runner.device)),
+            ]
         )
-        return PolicyGradientLoss(self.settings, self.rollouts.local_batch, self.runner, rows), batches
+        rows, tokens = all_reduce_sum(counts.float(), self.runner.meshes.get("dp"))
+        loss = PolicyGradientLoss(self.settings, self.rollouts.local_batch, self.runner, rows)
+        loss.tokens = tokens
+        return loss, batches
 
     def finish(self, sums: torch.Tensor, local: torch.Tensor, loss: MicroBatchLoss) -> StepOutcome:
         assert isinstance(loss, PolicyGradientLoss)
@@ -108,7 +117,9 @@ class PolicyGradient(Objective):
         values |= {name: torch.tensor(stats.get(name, float("nan"))) for name in self.rollout_names}
         metrics = torch.stack([values[name].to(sums.device).float() for name in self.metric_names])
         completions = torch.tensor(float(self.rollouts.global_batch), device=sums.device)
-        return StepOutcome(sums[0], local[0], sums[-1], at["tokens"], completions, metrics)
+        return StepOutcome(
+            sums[0], local[0], sums[-1], at["tokens"], completions, metrics, tokens=loss.tokens
+        )
 
     def _largest(self, value: torch.Tensor) -> torch.Tensor:
         """``value``'s maximum over every rank that holds a share of the step."""
