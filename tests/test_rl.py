@@ -143,7 +143,7 @@ def test_the_sampler_scores_its_tokens_as_the_trainer_does(tmp_path):
 
 def test_an_rl_step_counts_the_tokens_it_trains_not_its_rows_capacity(tmp_path):
     # completions pack several to a row: tokens/s and MFU count prompts and completions (each
-    # document's tokens but its last), not local_batch_size x seq_len (4x as many here)
+    # document's tokens but its last), not local_batch_size x seq_len (2.5x as many here)
     run = ["--job.config", "rl_debug", "--training.steps", "1", "--checkpoint.enable", "false"]
     job = parse_job([*run, "--job.dump_folder", str(tmp_path)])
     one_process_trainer(job).train()
