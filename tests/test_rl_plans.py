@@ -200,9 +200,11 @@ LIVE = (
 LIVE_PLANS = ["dp_shard=2", "tp=2,sp=false", "tp=2", "cp=2"]
 MOE_LIVE_PLANS = ["dp_shard=2,ep=2"]
 """An expert-parallel group samples its ranks' prompts together, in step."""
-HYBRID_LIVE_PLANS = ["tp=2", "cp=2"]
-"""Qwen3.5 under TP + SP (the padded forwards leave the Gated DeltaNet states alone) and under
-CP (each rank decodes its rows alone, its delta rule's state passing set aside)."""
+HYBRID_LIVE_PLANS = ["tp=2", "cp=2", "dp_shard=2,compile.enable=true"]
+"""Qwen3.5 under TP + SP (the padded forwards leave the Gated DeltaNet states alone), under CP
+(each rank decodes its rows alone, its delta rule's state passing set aside) and compiled (the
+sampler runs the blocks eagerly: compiled, each prefill length recompiled them past dynamo's
+limit)."""
 
 
 @pytest.fixture(scope="module")

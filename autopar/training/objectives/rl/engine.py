@@ -185,7 +185,9 @@ class Rollouts:
         sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p, seed)
         model = self.runner.parts[0]
         modules = [m for part in self.runner.parts for m in part.modules()]
-        with torch.no_grad(), fsdp_weights_gathered(modules):
+        # eager: a compiled job's blocks would recompile for every prefill length and the
+        # decode step, past dynamo's limit (Qwen3.5's two kinds of block first)
+        with torch.no_grad(), fsdp_weights_gathered(modules), torch.compiler.set_stance("force_eager"):
             made = sample(
                 model,
                 rows,
