@@ -5,8 +5,9 @@ FSDPMemTracker or, where that cannot follow the rank (several pipeline stages, n
 
 One rank of each distinct role runs (the first, a middle and the last pipeline stage; every
 other rank holds the same shapes as one of these). What runs is ``autopar.training.step.TrainStep``,
-the trainer's own step, on synthetic token batches; nothing is allocated and nothing touches
-the disk except ``dry_run.json``.
+the trainer's own step, on synthetic token batches, after the optimizer state is made
+(``create_optimizer_state``); an RL job that samples measures its rollout moment too
+(``measure_rollout``). Nothing is allocated and nothing touches the disk except ``dry_run.json``.
 
 Differences from the GPU run, stated rather than hidden:
 
