@@ -139,13 +139,19 @@ def _listed(degrees: tuple[int, ...]) -> str:
 
 def tp_split_sizes(args: ModelArgs) -> dict[str, int]:
     """Every size tensor parallelism splits (head counts, widths), by its field name."""
+    return dict(_tp_split_sizes(args))
+
+
+@functools.lru_cache(maxsize=64)
+def _tp_split_sizes(args: ModelArgs) -> tuple[tuple[str, int], ...]:
+    """``tp_split_sizes`` as pairs, once per model: the planner checks every candidate."""
     fields = ["num_attention_heads", "num_key_value_heads"]
     if args.hybrid:  # Gated DeltaNet layers are split by key and by value head
         fields += ["linear_num_key_heads", "linear_num_value_heads"]
     if args.has_dense_layers:
         fields.append("intermediate_size")
     fields.append("vocab_size")
-    return {field: getattr(args, field) for field in fields}
+    return tuple((field, getattr(args, field)) for field in fields)
 
 
 def _seq_lens(seq_len: int, split: int, lowest: int) -> list[int]:

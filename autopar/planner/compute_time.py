@@ -237,19 +237,25 @@ def stage_work(
     """Seconds of each pipeline stage's forward and backward over a micro-batch of ``tokens``:
     its blocks' FLOPs at their kinds' rates (and the head's) and their elementwise work
     (``block_memory``); dispatch and recompute left out (the same share of every block)."""
-    flops = _flop_seconds(args, job.training.seq_len, rates)
+    stages = tuple(map(tuple, stage_modules(job.parallelism, args)))
     return [
-        sum(flops.get(n, 0.0) * tokens + (block_memory[b] if b is not None else 0.0) for n, b in named)
-        for named in _stage_blocks(tuple(map(tuple, stage_modules(job.parallelism, args))))
+        seconds * tokens + sum(block_memory[b] for b in blocks)
+        for seconds, blocks in _stage_flops(args, stages, job.training.seq_len, rates)
     ]
 
 
 @functools.lru_cache(maxsize=256)
-def _stage_blocks(stages: tuple[tuple[str, ...], ...]) -> tuple[tuple[tuple[str, int | None], ...], ...]:
-    """Each stage's modules with their block's index (None outside the blocks): read once per
-    split, not once per plan."""
+def _stage_flops(
+    args: ModelArgs, stages: tuple[tuple[str, ...], ...], seq: int, rates: Rates
+) -> tuple[tuple[float, tuple[int, ...]], ...]:
+    """Each stage's FLOP seconds per token and its blocks' indices: the same for every plan
+    of one split and one set of rates (the search meets each thousands of times)."""
+    flops = _flop_seconds(args, seq, rates)
     return tuple(
-        tuple((n, int(n.split(".")[1]) if n.startswith("layers.") else None) for n in names)
+        (
+            sum(flops.get(n, 0.0) for n in names),
+            tuple(int(n.split(".")[1]) for n in names if n.startswith("layers.")),
+        )
         for names in stages
     )
 
