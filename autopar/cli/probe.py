@@ -29,6 +29,7 @@ from autopar.planner.probe import (
     CPU_MESSAGES,
     CUDA_MESSAGES,
     probe_collectives,
+    probe_fsdp_call,
     probe_plan_overheads,
     run_probe,
 )
@@ -124,6 +125,8 @@ def describe(profile: DeviceProfile) -> str:
     if profile.op_overhead_s is not None:
         per_op = [("eager", profile.op_overhead_s), *profile.plan_op_overhead_s]
         lines.append("  per op          " + ", ".join(f"{plan} {s * 1e6:.1f} us" for plan, s in per_op))
+    if profile.fsdp_call_s is not None:
+        lines.append(f"  FSDP per call   {profile.fsdp_call_s * 1e3:.2f} ms beyond its traffic")
     if profile.checkpoint_op_overhead_s:
         lines.append(
             "  per op, checkpointed "
@@ -148,7 +151,11 @@ def _collectives_on_rank() -> tuple[list, tuple]:
         else torch.device("cpu")
     )
     messages = CUDA_MESSAGES if device.type == "cuda" else CPU_MESSAGES
-    return probe_collectives(device, messages, COLLECTIVES), probe_plan_overheads(device)
+    return (
+        probe_collectives(device, messages, COLLECTIVES),
+        probe_plan_overheads(device),
+        probe_fsdp_call(device),
+    )
 
 
 def machine_probe(device: torch.device, local_world: int) -> DeviceProfile:
@@ -158,9 +165,13 @@ def machine_probe(device: torch.device, local_world: int) -> DeviceProfile:
     profile = run_probe(device, local_world=local_world)
     if local_world < 2:
         return profile
-    points, overheads = run_on_ranks(_collectives_on_rank, local_world, timeout_s=300)[0]
+    points, overheads, fsdp_call = run_on_ranks(_collectives_on_rank, local_world, timeout_s=300)[0]
     return dataclasses.replace(
-        profile, collectives=tuple(points), plan_op_overhead_s=overheads, world_size=local_world
+        profile,
+        collectives=tuple(points),
+        plan_op_overhead_s=overheads,
+        fsdp_call_s=fsdp_call,
+        world_size=local_world,
     )
 
 

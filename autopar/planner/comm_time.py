@@ -213,7 +213,7 @@ def data_parallel_comm(step: Step) -> tuple[dict[str, float], float]:
         gather = link(step, "fsdp", "all_gather", fsdp, c * block)
         scatter = link(step, "fsdp", "reduce_scatter", fsdp, FP32 * block)
         reduced = 0 if job.lora.enable else FP32 * reductions
-        comm["fsdp"] = moved * c * gathers / gather + moved * reduced / scatter
+        comm["fsdp"] = moved * c * gathers / gather + moved * reduced / scatter + fsdp_calls_seconds(step)
     if dims.dp_replicate > 1 and not job.lora.enable:
         r = dims.dp_replicate
         moved = 2 * (r - 1) / r * 4 * unsharded / fsdp * reductions
@@ -230,6 +230,19 @@ def data_parallel_comm(step: Step) -> tuple[dict[str, float], float]:
         comm["host"] = FP32 * shard * copies / host
         host_optimizer = shard / HOST_ADAM_PARAMS_PER_S
     return comm, host_optimizer
+
+
+def fsdp_calls_seconds(step: Step) -> float:
+    """FSDP's own cost beyond its bytes (``DeviceProfile.fsdp_call_s``, where probed): each of
+    the rank's FSDP units (its blocks and each stage's root) makes a call per whole gather and
+    per gradient reduction (LoRA's adapters' too)."""
+    profile = step.device.profile
+    if profile is None or profile.fsdp_call_s is None:
+        return 0.0
+    dims = step.dims
+    roots = num_stages(step.job.parallelism, step.args.num_hidden_layers) // dims.pp if dims.pp > 1 else 1
+    calls = (step.layers + roots) * (whole_gathers(step) + micro_steps(step.job, dims))
+    return calls * profile.fsdp_call_s
 
 
 def whole_gathers(step: Step) -> float:

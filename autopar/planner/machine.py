@@ -36,7 +36,7 @@ def cache_dir() -> Path:
     return Path(base) / "autopar" / "profiles"
 
 
-PROBE_VERSION = 4
+PROBE_VERSION = 5
 """Raised whenever what the probe measures, or how, changes, so that a profile cached by an
 older probe is measured again rather than trusted: 2, its models initialized (their norms had
 held whatever memory held); 3, the job's step timed as training runs it; 4, that step at one

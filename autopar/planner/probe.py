@@ -330,6 +330,43 @@ def probe_plan_overheads(
     return tuple(seconds)
 
 
+NARROW = {
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 8,
+    "vocab_size": 64,
+}
+"""The reference model narrowed until its weights move between ranks in no time: what FSDP
+costs it is then its calls alone."""
+
+
+def probe_fsdp_call(device: torch.device) -> float | None:
+    """Seconds FSDP2 costs per collective call beyond the bytes it moves (its hooks, the
+    copies in and out of the flat buffers, the wait for the pair's other rank), on pairs of
+    ranks: the narrowed reference model fully sharded per block and at the root, forward and
+    backward on 8 tokens, less the plain model's, over its calls (each unit gathered for
+    forward and again for backward, its gradients reduce-scattered). The slowest pair's
+    figure; none on an odd world."""
+    from torch.distributed.fsdp import fully_shard
+
+    world = dist.get_world_size()
+    if world % 2:
+        return None
+    pairs = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("pairs", "fsdp"))["fsdp"]
+    args = dataclasses.replace(reference_args(), **NARROW)
+    plain = timed(forward_backward(initialized_model(args, device), device), device)
+    model = initialized_model(args, device)
+    for block in model.layers.values():
+        fully_shard(block, mesh=pairs)
+    fully_shard(model, mesh=pairs)
+    calls = 3 * (len(model.layers) + 1)
+    extra = torch.tensor([(timed(forward_backward(model, device), device) - plain) / calls], device=device)
+    dist.all_reduce(extra, op=dist.ReduceOp.MAX)
+    return extra.item() if extra.item() > 0 else None
+
+
 def _context_parallel_pass(model: torch.nn.Module, cp, batch) -> Callable[[], None]:
     """``forward_backward`` with the batch split by ``cp`` and attention spanning its ranks."""
 
@@ -546,6 +583,7 @@ def run_probe(
         plan_op_overhead_s=(
             probe_plan_overheads(device, job_step[0] if job_step else None) if grouped and collectives else ()
         ),
+        fsdp_call_s=probe_fsdp_call(device) if grouped and collectives else None,
         model_steps=probe_job_step(device, job_step),
         checkpoint_op_overhead_s=probe_checkpoint_overheads(device, job_step[0] if job_step else None),
     )

@@ -161,6 +161,9 @@ class DeviceProfile:
     plan_op_overhead_s: tuple[tuple[str, float], ...] = ()
     """(plan, seconds per model op) under a plan's own machinery ("tp", "cp"), timed on two
     ranks; a plan without one pays ``op_overhead_s``."""
+    fsdp_call_s: float | None = None
+    """Seconds FSDP2 costs per collective call beyond the bytes it moves (hooks, copies, the
+    pair's wait), timed on two ranks with weights too small to take time to move."""
     model_steps: tuple[ModelStepPoint, ...] = ()
     checkpoint_op_overhead_s: tuple[tuple[str, float], ...] = ()
     """(activation checkpointing, "op" or "full": seconds per model op of an eager forward and
@@ -195,7 +198,7 @@ class DeviceProfile:
     def check(self) -> None:
         """ValueError naming the first figure that is not a positive number."""
         figures = {"memory_gib": self.memory_gib, "memory_bytes_per_s": self.memory_bytes_per_s}
-        for name in ("host_bytes_per_s", "op_overhead_s"):
+        for name in ("host_bytes_per_s", "op_overhead_s", "fsdp_call_s"):
             if getattr(self, name) is not None:
                 figures[name] = getattr(self, name)
         figures |= {f"matmul {p.dtype} {p.m}x{p.n}x{p.k}": p.flops_per_s for p in self.matmul}
