@@ -200,11 +200,9 @@ LIVE = (
 LIVE_PLANS = ["dp_shard=2", "tp=2,sp=false", "tp=2", "cp=2"]
 MOE_LIVE_PLANS = ["dp_shard=2,ep=2"]
 """An expert-parallel group samples its ranks' prompts together, in step."""
-HYBRID_LIVE_PLANS = ["tp=2", "cp=2", "dp_shard=2,compile.enable=true"]
-"""Qwen3.5 under TP + SP (the padded forwards leave the Gated DeltaNet states alone), under CP
-(each rank decodes its rows alone, its delta rule's state passing set aside) and compiled (the
-sampler runs the blocks eagerly: compiled, each prefill length recompiled them past dynamo's
-limit)."""
+HYBRID_LIVE_PLANS = ["tp=2", "cp=2"]
+"""Qwen3.5 under TP + SP (the padded forwards leave the Gated DeltaNet states alone) and under CP
+(each rank decodes its rows alone, its delta rule's state passing set aside)."""
 
 
 @pytest.fixture(scope="module")
@@ -259,6 +257,22 @@ def live(tmp_path_factory):
 def test_sampled_log_probs_equal_the_trainers_under_a_plan(live, plan):
     records, _ = live[plan]
     # fp32: the decode step's logits and the packed training forward's differ in sums only
+    assert len(records) == 2 and all(r["sampling/logp_diff_max"] <= 1e-5 for r in records), records
+
+
+@pytest.mark.heavy  # compiled Qwen3.5 on CPU: a native heap corruption seen here (docs/rl.md)
+def test_a_compiled_qwen3_5_samples_with_its_blocks_run_eagerly(tmp_path):
+    # compiled, each prefill length recompiled the blocks past dynamo's limit and the run died
+    from autopar.cli.parity import plan_job, run_plan
+
+    from jobs import each_on_ranks
+
+    plan = "dp_shard=2,compile.enable=true"
+    job = plan_job(
+        hybrid_job(tmp_path / "base", *LIVE, vocab_size=CHAT_VOCAB), plan, 2, str(tmp_path / "run")
+    )
+    each_on_ranks(run_plan, 2, [(plan, job)])
+    records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "reward" in r]
     assert len(records) == 2 and all(r["sampling/logp_diff_max"] <= 1e-5 for r in records), records
 
 

@@ -45,12 +45,19 @@ class PolicyGradientLoss(MicroBatchLoss):
 
     width = 1 + len(METRIC_SUMS)
 
-    def __init__(self, settings: PolicyLoss, sequences: int, runner: PlanRunner, rows: torch.Tensor) -> None:
+    def __init__(
+        self,
+        settings: PolicyLoss,
+        sequences: int,
+        runner: PlanRunner,
+        rows: torch.Tensor,
+        tokens: torch.Tensor,
+    ) -> None:
         super().__init__(runner.balance, rows, runner.device)
         self.settings, self.sequences, self.cp_mesh = settings, sequences, runner.meshes.get("cp")
         self.gap_max = torch.zeros((), device=runner.device)
-        self.tokens: torch.Tensor | None = None
-        """The step's tokens over every rank (``PolicyGradient.begin``)."""
+        self.tokens = tokens
+        """The step's tokens over every rank, padding left out (what tokens/s counts)."""
 
     def term(
         self, logits: torch.Tensor, extra: object, target: torch.Tensor
@@ -95,9 +102,9 @@ class PolicyGradient(Objective):
             ]
         )
         rows, tokens = all_reduce_sum(counts.float(), self.runner.meshes.get("dp"))
-        loss = PolicyGradientLoss(self.settings, self.rollouts.local_batch, self.runner, rows)
-        loss.tokens = tokens
-        return loss, batches
+        return PolicyGradientLoss(
+            self.settings, self.rollouts.local_batch, self.runner, rows, tokens
+        ), batches
 
     def finish(self, sums: torch.Tensor, local: torch.Tensor, loss: MicroBatchLoss) -> StepOutcome:
         assert isinstance(loss, PolicyGradientLoss)
