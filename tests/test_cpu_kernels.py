@@ -52,3 +52,40 @@ def test_parity_holds_on_the_scalar_cpu_kernels_with_one_thread(subset):
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert "all plans within rtol 1e-05 of single device" in result.stdout
+
+
+COMPILED_LOSS = """
+import torch
+from torch._dynamo.utils import counters
+from autopar.training.train_context import TrainContext
+
+loss_fn = TrainContext(loss_parallel=False, compile_loss=True).loss_fn
+logits = torch.randn(2, 32, 576, requires_grad=True)
+loss_fn(logits, torch.randint(0, 576, (2, 33))[:, 1:]).backward()
+print("cache", counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"])
+"""
+
+
+def _compile_the_loss(env: dict[str, str]) -> tuple[int, int]:
+    """(cache hits, cache misses) of inductor's graph cache compiling the training loss."""
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILED_LOSS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    hits, misses = result.stdout.split("cache")[-1].split()
+    return int(hits), int(misses)
+
+
+@pytest.mark.slow
+def test_a_compiled_graph_cached_for_one_vector_isa_is_not_reused_by_another(tmp_path):
+    """torch keys its graph cache on threads, not on the vector ISA its C++ kernels were
+    written for (``models/compile_cache.py``); reusing one across ISAs overruns buffers."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    if not pick_vec_isa():
+        pytest.skip("this CPU has no vector ISA inductor uses: nothing differs from the scalar path")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    assert _compile_the_loss(env) == (0, 2)  # forward and backward graphs
+    assert _compile_the_loss(env) == (2, 0)  # the same ISA reuses both
+    # inductor writes scalar kernels under ATen's scalar path; the cache must not hand it vector ones
+    assert _compile_the_loss({**env, "ATEN_CPU_CAPABILITY": "default"}) == (0, 2)

@@ -260,7 +260,7 @@ def test_sampled_log_probs_equal_the_trainers_under_a_plan(live, plan):
     assert len(records) == 2 and all(r["sampling/logp_diff_max"] <= 1e-5 for r in records), records
 
 
-@pytest.mark.heavy  # compiled Qwen3.5 on CPU: a native heap corruption seen here (docs/rl.md)
+@pytest.mark.slow
 def test_a_compiled_qwen3_5_samples_with_its_blocks_run_eagerly(tmp_path):
     # compiled, each prefill length recompiled the blocks past dynamo's limit and the run died
     from autopar.cli.parity import plan_job, run_plan

@@ -32,6 +32,7 @@ import torch
 
 from autopar.cli.bench import source_commit
 from autopar.models import get_flavor
+from autopar.models.compile_cache import key_compile_cache_on_vector_isa
 from autopar.models.qwen3_5.delta_rule import DeltaRuleKernel, gated_delta_rule
 from autopar.models.qwen3_5.fla_delta_rule import FLA, fla_gated_delta_rule, fla_version_problem
 from autopar.models.qwen3_5.gated_deltanet import GatedDeltaNet
@@ -178,6 +179,7 @@ def layer_seconds(
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.02)
     x = torch.randn(1, seq, args.hidden_size, device=device, dtype=dtype)
+    key_compile_cache_on_vector_isa()
     compiled = torch.compile(layer, fullgraph=True)
     return timed(lambda: layer(x), repeat, device), timed(lambda: compiled(x), repeat, device)
 

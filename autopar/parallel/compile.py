@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.config.errors import ConfigError
 from autopar.config.sections import Compile
+from autopar.models.compile_cache import key_compile_cache_on_vector_isa
 from autopar.models.moe import MoE
 
 
@@ -41,6 +42,7 @@ def _fresh_output(_module: nn.Module, _inputs: tuple, output: torch.Tensor) -> t
 
 
 def apply_compile(model: nn.Module, cfg: Compile) -> None:
+    key_compile_cache_on_vector_isa()
     for block in model.layers.values():
         # a mixture of experts learns its row counts per expert at run time: its per-expert
         # loop and expert-parallel all-to-all run between graphs (the only breaks allowed)

@@ -210,7 +210,7 @@ def probe_model_steps(
     if dtype != "float32":
         apply_compute_dtype(model, getattr(torch, dtype))
     if compiled:
-        apply_compile(model, Compile(enable=True))
+        apply_compile(model, Compile(enable=True))  # keys inductor's cache on the vector ISA
         loss = torch.compile(token_loss_sum)  # as ``TrainContext`` compiles it
 
     def step(batch: int) -> Callable[[], None]:

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.data.loader import Batch
+from autopar.models.compile_cache import key_compile_cache_on_vector_isa
 from autopar.models.moe import load_balancing_loss
 from autopar.parallel.context_parallel import ContextParallel
 from autopar.training.loss import (
@@ -75,6 +76,8 @@ class TrainContext:
         self.loss_parallel = loss_parallel
         self.fp8_autocast = fp8_autocast
         self.context_parallel = context_parallel
+        if compile_loss:
+            key_compile_cache_on_vector_isa()
         # vocab-parallel cross-entropy is a DTensor op dispatch that does not trace; it is
         # already a fused collective-aware kernel, so it stays eager
         if loss_chunk_tokens > 0:
