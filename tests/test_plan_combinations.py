@@ -11,39 +11,41 @@ import pytest
 
 from autopar.cli.parity import Case, run_cases
 
-from jobs import assert_fp32_parity, tiny_job
+from jobs import MOE_FLAGS, assert_fp32_parity, tiny_job
 
 pytestmark = pytest.mark.slow
 
 # global batch 8 from local batch 2: two micro-steps of accumulation wherever dp is 2,
 # four where it is 1 (so pipelining also runs under accumulation)
 ACCUMULATING = ("--training.global_batch_size", "8")
+REGATHER = "activation_checkpoint.mode=selective,activation_checkpoint.selective_ac_option=op_regather"
 CASES = {
-    # name: (plan, model overrides)
-    "DDP alone": ("dp_replicate=2", {}),
-    "HSDP x TP": ("dp_replicate=2,dp_shard=2,tp=2", {}),
-    "PP with accumulation": ("pp=2", {}),
-    "PP x TP with accumulation": ("pp=2,tp=2", {}),
-    "PP x FSDP x TP with accumulation": ("pp=2,dp_shard=2,tp=2", {}),  # eight ranks, beside HSDP x TP
-    "TP degree 4": ("tp=4", {"num_key_value_heads": 4}),
-    "full AC x TP": ("tp=2,activation_checkpoint.mode=full", {}),
+    # name: (plan, the job's flags beyond the tiny model's)
+    "DDP alone": ("dp_replicate=2", []),
+    "HSDP x TP": ("dp_replicate=2,dp_shard=2,tp=2", []),
+    "PP with accumulation": ("pp=2", []),
+    "PP x TP with accumulation": ("pp=2,tp=2", []),
+    "PP x FSDP x TP with accumulation": ("pp=2,dp_shard=2,tp=2", []),  # eight ranks, beside HSDP x TP
+    "TP degree 4": ("tp=4", ["--model.num_key_value_heads=4"]),
+    "full AC x TP": ("tp=2,activation_checkpoint.mode=full", []),
     "per-op AC x PP": (
         "pp=2,activation_checkpoint.mode=selective,activation_checkpoint.selective_ac_option=op",
-        {},
+        [],
     ),
-    "full AC x CP": ("cp=2,activation_checkpoint.mode=full", {}),
+    "full AC x CP": ("cp=2,activation_checkpoint.mode=full", []),
     # SP's gathered inputs gathered again in backward (and bitwise what keeping them gives)
-    "per-op AC regathering x TP + SP": (
-        "tp=2,activation_checkpoint.mode=selective,activation_checkpoint.selective_ac_option=op_regather",
-        {},
-    ),
+    "per-op AC regathering x TP + SP": (f"tp=2,{REGATHER}", []),
+    # and with what the planner pairs it with (Qwen3.5's pipeline x TP is in test_qwen3_5_plans)
+    "per-op AC regathering x PP x TP": (f"pp=2,tp=2,{REGATHER}", []),
+    "per-op AC regathering x CP x TP": (f"cp=2,tp=2,{REGATHER}", []),
+    "per-op AC regathering x FSDP x TP x EP": (f"dp_shard=2,tp=2,ep=2,{REGATHER}", MOE_FLAGS),
 }
 
 
 @pytest.fixture(scope="module")
 def combination_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("combinations")
-    cases = [Case(tiny_job(tmp, *ACCUMULATING, **model), plan) for plan, model in CASES.values()]
+    cases = [Case(tiny_job(tmp, *ACCUMULATING, *flags), plan) for plan, flags in CASES.values()]
     return dict(zip(CASES, run_cases(cases, steps=3)))
 
 

@@ -46,15 +46,17 @@ DENSE_PLANS = [
         for i, s in enumerate(space.SCHEDULES)
     ),
     "dp_shard=2,tp=2",
+    f"pp=2,tp=2,schedule=Interleaved1F1B,{ac_flags(*space.REGATHER)}",
 ]
 """Every plan setting the planner chooses, on the dense flavor; pipelines over every schedule
 the search emits, its checkpointing modes in turn (stages hold Gated DeltaNet and attention
-layers in different numbers)."""
+layers in different numbers), and SP's inputs gathered again under a pipeline (the planner's
+pick for Qwen3.5-27B on 64 GPUs)."""
 HEAVY_DENSE_PLANS = [
     "tp=2,sp=false,loss_parallel=false",
     "dp_replicate=2,dp_shard=2",
     f"tp=2,compile.enable=true,{ac_flags('selective', 'op')}",
-    f"tp=2,{ac_flags('selective', 'op_regather')}",
+    f"tp=2,{ac_flags(*space.REGATHER)}",
     *(
         plan
         for s in space.SCHEDULES

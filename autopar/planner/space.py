@@ -29,6 +29,11 @@ SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
 AC_MODES = (("none", "op"), ("selective", "op"), ("selective", "2"), ("full", "op"))
 
 
+REGATHER = ("selective", "op_regather")
+"""Per-op checkpointing that gathers sequence parallelism's inputs again in backward instead of
+keeping them: also tried wherever a plan has sequence parallelism (TP > 1 with SP on)."""
+
+
 LOCAL_BATCHES = (1, 2, 4, 8, 16)
 
 
@@ -54,6 +59,7 @@ class _Space:
     pins: set[str]  # PlanSettings field names
     first_less: int = 1  # the job's pipeline_parallel_first_stage_less_layers
     last_less: int = 1  # and last_stage_less_layers
+    sequence_parallel: bool = True  # the job's enable_sequence_parallel
 
     def options(self, name: str, values: list) -> list:
         """``values``, or the job's own value of a pinned setting."""
@@ -71,6 +77,7 @@ def candidates(
         setting_names(pinned),
         cfg.pipeline_parallel_first_stage_less_layers,
         cfg.pipeline_parallel_last_stage_less_layers,
+        cfg.enable_sequence_parallel,
     )
     global_batch = job.training.global_batch_size
     for tp in space.options("tp", [d for d in _divisors(world_size) if d <= gpus_per_node]):
@@ -101,7 +108,7 @@ def _data_parallel(
     reshards = space.options("reshard", reshard_options(pp))
     pipelines = _pipeline_choices(space, args, pp)
     for replicate, local, (schedule, micro, per_stage), (mode, option), reshard in itertools.product(
-        sorted(replicates), locals_, pipelines, _ac_choices(space), reshards
+        sorted(replicates), locals_, pipelines, _ac_choices(space, tp), reshards
     ):
         if pp > 1 and local % micro:
             continue
@@ -176,12 +183,14 @@ def _layers_per_stage(space: _Space, args: ModelArgs, pp: int) -> list[int]:
     return found
 
 
-def _ac_choices(space: _Space) -> list[tuple[str, str]]:
-    """(mode, selective option) pairs of ``AC_MODES`` the pins allow, or the pinned pair."""
+def _ac_choices(space: _Space, tp: int) -> list[tuple[str, str]]:
+    """(mode, selective option) pairs of ``AC_MODES`` (and ``REGATHER`` under sequence
+    parallelism) the pins allow, or the pinned pair."""
     own, pins = space.own, space.pins
+    modes = AC_MODES + ((REGATHER,) if tp > 1 and space.sequence_parallel else ())
     acs = [
         (mode, option)
-        for mode, option in AC_MODES
+        for mode, option in modes
         if own.ac_mode == mode or "ac_mode" not in pins
         if mode != "selective" or "ac_option" not in pins or own.ac_option == option
     ]
