@@ -43,7 +43,9 @@ FAMILIES: dict[str, tuple[tuple[str, ...], str]] = {
 }
 PIPELINES = ["none", *space.SCHEDULES]
 Combo = tuple[str, str, str]  # (family, pipeline, AC mode)
-AC = [f"{mode}/{option}" for mode, option in space.AC_MODES]
+AC = [f"{mode}/{option}" for mode, option in (*space.AC_MODES, space.REGATHER)]
+"""Every checkpointing mode the search tries (``REGATHER`` where a plan has TP + SP: ``check_job``
+refuses it elsewhere)."""
 
 
 def plan_text(family: str, pipeline: str, ac: str) -> str:
