@@ -79,3 +79,25 @@ def chunked_parity(tmp_path_factory):
 def test_a_chunked_loss_under_a_plan_matches_one_device(chunked_parity, plan):
     reference, run = chunked_parity[plan]
     assert_fp32_parity(run, reference)
+
+
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_the_compiled_loss_compiles_with_the_jobs_backend(chunk):
+    """``compile.backend`` reaches the loss as it reaches the blocks (it took inductor's)."""
+    from autopar.training.train_context import TrainContext
+
+    graphs = []
+
+    @torch._dynamo.register_backend(name=f"autopar_recording_{chunk}")
+    def recording(graph, inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    context = TrainContext(
+        False, compile_loss=True, loss_chunk_tokens=chunk, compile_backend=f"autopar_recording_{chunk}"
+    )
+    logits, labels = logits_and_labels()
+    torch.testing.assert_close(
+        context.loss_fn(logits, labels), token_loss_sum(logits, labels), rtol=1e-6, atol=0
+    )
+    assert graphs

@@ -55,6 +55,7 @@ class PlanRunner:
             loss_parallel=loss_parallel_enabled(job, self.dims),
             compile_loss=job.compile.enable and "loss" in job.compile.components,
             loss_chunk_tokens=job.training.loss_chunk_tokens,
+            compile_backend=job.compile.backend,
             fp8_autocast=self._te_autocast(),
             context_parallel=self._context_parallel(),
         )

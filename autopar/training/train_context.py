@@ -70,6 +70,7 @@ class TrainContext:
         loss_parallel: bool,
         compile_loss: bool = False,
         loss_chunk_tokens: int = 0,
+        compile_backend: str = "inductor",
         fp8_autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
         context_parallel: ContextParallel | None = None,
     ):
@@ -82,7 +83,8 @@ class TrainContext:
         # already a fused collective-aware kernel, so it stays eager
         if loss_chunk_tokens > 0:
             kernels = (chunk_loss_and_grad, vocab_parallel_chunk_loss_and_grad)
-            plain, vocab_parallel = (torch.compile(k) for k in kernels) if compile_loss else kernels
+            compiled = (torch.compile(k, backend=compile_backend) for k in kernels)
+            plain, vocab_parallel = compiled if compile_loss else kernels
             self.loss_fn = functools.partial(
                 chunked_token_loss_sum,
                 chunk_tokens=loss_chunk_tokens,
@@ -90,7 +92,7 @@ class TrainContext:
                 vocab_parallel_kernel=vocab_parallel,
             )
         elif compile_loss and not loss_parallel:
-            self.loss_fn = torch.compile(token_loss_sum)
+            self.loss_fn = torch.compile(token_loss_sum, backend=compile_backend)
         else:
             self.loss_fn = token_loss_sum
 
