@@ -79,7 +79,7 @@ def _compile_the_loss(env: dict[str, str]) -> tuple[int, int]:
 @pytest.mark.slow
 def test_a_compiled_graph_cached_for_one_vector_isa_is_not_reused_by_another(tmp_path):
     """torch keys its graph cache on threads, not on the vector ISA its C++ kernels were
-    written for (``models/compile_cache.py``); reusing one across ISAs overruns buffers."""
+    written for (``parallel/torch_internals.key_compile_cache_on_vector_isa``); reusing one across ISAs overruns buffers."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     if not pick_vec_isa():

@@ -32,12 +32,12 @@ import torch
 
 from autopar.cli.bench import source_commit
 from autopar.models import get_flavor
-from autopar.models.compile_cache import key_compile_cache_on_vector_isa
 from autopar.models.qwen3_5.delta_rule import DeltaRuleKernel, gated_delta_rule
 from autopar.models.qwen3_5.fla_delta_rule import FLA, fla_gated_delta_rule, fla_version_problem
 from autopar.models.qwen3_5.gated_deltanet import GatedDeltaNet
 from autopar.models.qwen3_5.triton_delta_rule import triton_gated_delta_rule, triton_problem
 from autopar.parallel.delta_rule_kernel import apply_delta_rule_kernel
+from autopar.parallel.torch_internals import key_compile_cache_on_vector_isa
 
 
 def heads(flavor: str) -> dict[str, int]:

@@ -16,6 +16,7 @@ from autopar.data.prompts import conversation_ids
 from autopar.data.tokenizer import Tokenizer
 from autopar.models.generation import generate
 from autopar.models.qwen import Qwen
+from autopar.parallel.torch_internals import key_compile_cache_on_vector_isa
 
 INCOMPLETE = "\ufffd"
 """What a byte-level tokenizer decodes a character cut between tokens to: held back until the
@@ -55,6 +56,8 @@ def chat(
     with ``write``; returns the replies given. Turn t samples with seed ``settings.seed + t``."""
     messages: list[dict[str, str]] = []
     replies = 0
+    if settings.compile:
+        key_compile_cache_on_vector_isa()
     while True:
         try:
             line = read().strip()

@@ -38,6 +38,7 @@ from autopar.models.qwen import Qwen
 from autopar.parallel.mesh import tp_split_sizes
 from autopar.parallel.replicated_experts import split_experts
 from autopar.parallel.tensor_parallel import apply_tp
+from autopar.parallel.torch_internals import key_compile_cache_on_vector_isa
 from autopar.parallel.world import World, init_world
 from autopar.training.checkpointing.dcp_state import read_model_tensors
 from autopar.training.checkpointing.initial_load import check_dcp_weights, reading_weights
@@ -264,6 +265,8 @@ def run(job: JobConfig) -> tuple[Path | None, str | None]:
             model, prompts, settings.max_new_tokens, settings.draft_tokens, *sampling
         )
     else:
+        if settings.compile:
+            key_compile_cache_on_vector_isa()
         new = generate(model, prompts, settings.max_new_tokens, *sampling, compiled=settings.compile)
     output = output_path(job)
     if world.is_main:

@@ -189,14 +189,8 @@ def main(argv: list[str]) -> int:
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     plans = searched.plans
     fitting = [p for p in plans if p.fits]
-    notes = (
-        inert_float8(job),
-        unmeasured_collectives(options, device, world),
-        unmodelled_checkpointing(job, pinned),
-    )
-    for note in notes:
-        if note:
-            print(f"plan note: {note}", file=sys.stderr)
+    for note in plan_notes(job, options, device, world, pinned):
+        print(f"plan note: {note}", file=sys.stderr)
     print(
         f"{model_label(job, args)}, seq_len {job.training.seq_len}, on {world} x {device.name} "
         f"({device.memory_gib:.1f} GiB, {gpus_per_node} per node): {searched.valid} valid plans, "
@@ -273,6 +267,19 @@ def planned_device(options: dict[str, object]) -> DeviceSpec:
         return device
     checked = device_spec("h100", float(memory))  # the same check as for a preset
     return dataclasses.replace(device, memory_gib=checked.memory_gib)
+
+
+def plan_notes(
+    job: JobConfig, options: dict[str, object], device: DeviceSpec, world: int, pinned: set[str]
+) -> list[str]:
+    """What to tell the user before the plans: settings that do nothing, figures not measured
+    or not modelled."""
+    notes = (
+        inert_float8(job),
+        unmeasured_collectives(options, device, world),
+        unmodelled_checkpointing(job, pinned),
+    )
+    return [note for note in notes if note]
 
 
 def unmodelled_checkpointing(job: JobConfig, pinned: set[str]) -> str | None:

@@ -16,8 +16,8 @@ from torch.distributed.tensor import DTensor
 
 from autopar.config.errors import ConfigError
 from autopar.config.sections import Compile
-from autopar.models.compile_cache import key_compile_cache_on_vector_isa
 from autopar.models.moe import MoE
+from autopar.parallel.torch_internals import key_compile_cache_on_vector_isa
 
 
 def check_compile(cfg: Compile) -> None:

@@ -88,6 +88,8 @@ LEANED_ON = {
     ("torch.distributed.tensor.experimental._attention", "set_rotate_method"): "ring_attention_options",
     ("torch._functorch.config", "donated_buffer"): "keep_donated_buffers: split-backward pipelines",
     ("torch._dynamo.config", "automatic_dynamic_shapes"): "static_shapes: the probe's compiled steps",
+    ("torch._inductor", "config.cpp.simdlen"): "key_compile_cache_on_vector_isa",
+    ("torch._inductor.cpu_vec_isa", "pick_vec_isa"): "key_compile_cache_on_vector_isa",
 }
 
 LEANED_ON_BEFORE = {
@@ -287,3 +289,22 @@ def funcols_wait_at_once() -> None:
 
     wait_at_once.waits_at_once = True  # type: ignore[attr-defined]
     funcol._maybe_wrap_tensor = wait_at_once
+
+
+def key_compile_cache_on_vector_isa() -> None:
+    """Make inductor's on-disk cache key name this process's CPU vector ISA (idempotent; a
+    width the user set is kept). Call before compiling.
+
+    torch (2.13 at least) keys a cached graph on the thread count its C++ kernels were written
+    for, but not on the vector ISA they were written for (AVX2, AVX-512 or none, which
+    ``ATEN_CPU_CAPABILITY`` chooses), while the kernels are rebuilt for the ISA of the process
+    that loads them. A graph written under ``ATEN_CPU_CAPABILITY=avx2`` (8-float vectors) and
+    loaded by an AVX-512 process (16-float vectors) stores 16 floats where it steps by 8: a heap
+    overrun, seen as "double free or corruption" in a compiled run on two gloo ranks whose
+    cache an earlier AVX2 run had filled. Setting ``cpp.simdlen`` to the width of the ISA
+    inductor picks (which picks the same ISA) puts the ISA in the cache key."""
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    if config.cpp.simdlen is None:
+        config.cpp.simdlen = pick_vec_isa().bit_width()

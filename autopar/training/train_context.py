@@ -15,9 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
 from autopar.data.loader import Batch
-from autopar.models.compile_cache import key_compile_cache_on_vector_isa
 from autopar.models.moe import load_balancing_loss
 from autopar.parallel.context_parallel import ContextParallel
+from autopar.parallel.torch_internals import key_compile_cache_on_vector_isa
 from autopar.training.loss import (
     chunk_loss_and_grad,
     chunked_token_loss_sum,

@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from autopar.models.compile_cache import key_compile_cache_on_vector_isa
 from autopar.models.qwen import Qwen, ScaledDotProduct, split_output
 from autopar.models.qwen3_5.delta_rule_steps import STEPS_MAX, delta_rule_steps
 from autopar.models.qwen3_5.gated_deltanet import DeltaRuleCore, WholeSequence, causal_conv
@@ -207,8 +206,6 @@ class Decoder:
         static: bool = False,
     ) -> None:
         self.model, self.batch, self.length, self.multiple = model, batch, length, multiple
-        if compiled:
-            key_compile_cache_on_vector_isa()
         self.one_token = torch.compile(self.logits, dynamic=False) if compiled else self.logits
         self.cursor = Cursor(slice(None), torch.zeros(batch, 1, dtype=torch.long), static=static)
         self.attention: dict[nn.Module, CachedAttention] = {}
