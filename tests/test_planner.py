@@ -795,3 +795,49 @@ def test_qwen3_5_block_saves_are_what_autograd_saves(layer, frozen):
         sum(saved.values()),
         rel=0.001,  # within 0.02%: the norms' float32 (1 + w), per weight not token
     )
+
+
+def _inductor_buffers(code: str) -> list[tuple[int, str]]:
+    """(elements, dtype) of each buffer a generated wrapper allocates."""
+    import math
+    import re
+
+    found = re.findall(r"empty_strided_\w+\(\(([\d, ]*)\), \([\d, ]*\), torch\.(\w+)\)", code)
+    return sorted((math.prod(int(d) for d in shape.split(",") if d.strip()), dtype) for shape, dtype in found)
+
+
+def test_the_dry_runs_compiled_loss_allocates_what_inductors_cross_entropy_allocates():
+    """The dry run measures a compiled token loss by ``InductorCrossEntropy`` (fake tensors
+    have no data for inductor's kernels): the buffers of inductor's own generated code."""
+    import torch
+    from torch._inductor.utils import run_and_get_code
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.planner.dry_run import InductorCrossEntropy
+    from autopar.training.loss import token_loss_sum
+
+    logits = torch.randn(2, 64, 1000, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 1000, (2, 65))[:, 1:]
+    compiled = torch.compile(token_loss_sum)
+    _, codes = run_and_get_code(lambda: compiled(logits, labels).backward())
+    inductors = sorted(b for code in codes for b in _inductor_buffers(code))
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func._overloadpacket in (
+                torch.ops.aten.new_empty,
+                torch.ops.aten.empty_like,
+                torch.ops.aten.new_zeros,
+            ):
+                self.made.append((out.numel(), str(out.dtype).removeprefix("torch.")))
+            return out
+
+    fresh = logits.detach().requires_grad_()
+    with Allocations() as mode:
+        InductorCrossEntropy.apply(fresh, labels).backward()
+    assert sorted(mode.made) == inductors, (mode.made, inductors)

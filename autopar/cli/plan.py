@@ -222,11 +222,13 @@ def main(argv: list[str]) -> int:
 
 
 COMPILED_PEAKS = (
-    "compile.enable: the peaks are the eager step's, an upper bound for the compiled one (on an "
-    "H100, compiled Qwen3 and Qwen3.5 steps peaked at 0.5-0.7x of them; docs/planner.md)"
+    "compile.enable: the loss is counted as inductor fuses it and the blocks as the eager step saves "
+    "them, an upper bound (on an H100, six compiled Qwen3-1.7B and Qwen3.5-2B steps peaked at "
+    "0.67-0.94x of it; docs/planner.md)"
 )
-"""The memory model walks an eager step; inductor keeps less (it recomputes pointwise work and
-fuses the loss), so a compiled job is told its peaks are a bound, not a figure."""
+"""The memory model counts a compiled loss as inductor writes it but walks the blocks' eager
+saves; inductor keeps less there (it recomputes pointwise work), so a compiled job is told its
+peaks are a bound, not a figure."""
 
 
 def plans_needed(options: dict[str, object]) -> int | None:

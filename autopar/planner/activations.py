@@ -73,7 +73,9 @@ class HeadBytes:
     backward: float
 
 
-def head_bytes(z: Sizes, vocab: int, tp_loss_parallel: int, chunk_tokens: int = 0) -> HeadBytes:
+def head_bytes(
+    z: Sizes, vocab: int, tp_loss_parallel: int, chunk_tokens: int = 0, fused: bool = False
+) -> HeadBytes:
     """Saved: the final norm's saves, the head's gathered input, the logits (c, alive until
     the loss's backward) and the loss's float32 log-softmax output. Backward: the float32
     gradients of nll and log-softmax (under loss parallel, vocab-sharded, and three: torch's
@@ -81,11 +83,15 @@ def head_bytes(z: Sizes, vocab: int, tp_loss_parallel: int, chunk_tokens: int = 
     once). The chunked loss saves the logits and their gradient (c, vocab-sharded under loss
     parallel too), computed in forward beside one chunk's float32 log-probabilities, their
     exponent and the masked gradient;
-    its backward scales the gradient into a third c copy."""
+    its backward scales the gradient into a third c copy. A ``fused`` (compiled) loss, as
+    inductor writes it, saves the logits and each row's float32 maximum and log-sum-exp, and
+    its backward writes the gradient in the logits' dtype beside a float32 row buffer."""
     t = z.tokens
     logits = z.dtype_bytes * (vocab // tp_loss_parallel) * t
     fp32_logits = logits * FP32 // z.dtype_bytes
     kept = _norm_and_head_saves(z) + logits
+    if fused:
+        return HeadBytes(kept + 2 * FP32 * t, 0.0, logits + FP32 * t)
     if chunk_tokens:
         chunk = (3 * FP32 + z.dtype_bytes) * (vocab // tp_loss_parallel) * min(chunk_tokens, t)
         return HeadBytes(kept + logits, chunk, logits)

@@ -14,8 +14,9 @@ Differences from the GPU run, stated rather than hidden:
 - Compute dtype ``auto`` becomes bfloat16 (what the GPU would use). The tracker watches the
   forward and backward, where the peak is; it misattributes the optimizer step's
   temporaries, which CUDA's fused AdamW does not have.
-- ``torch.compile`` is off: eager saves at least what the compiled graph saves, so the
-  figures are an upper bound for a compiled job.
+- ``torch.compile`` is off for the blocks: eager saves at least what the compiled graph saves,
+  so their figures are an upper bound for a compiled job. A compiled token loss runs as
+  ``InductorCrossEntropy``, which allocates what inductor's fused cross-entropy allocates.
 - Attention takes the CPU flash kernel whichever CUDA kernel the job pins: it saves what
   they save (the output and a float32 logsumexp, no S x S matrix), and its k/v heads come
   grouped or expanded as the CUDA kernel would take them. Context parallelism takes the
@@ -89,6 +90,7 @@ from autopar.training.objectives.rl.objective import PolicyGradient
 from autopar.training.plan_runner import PlanRunner
 from autopar.training.preflight import check_job
 from autopar.training.step import TrainStep
+from autopar.training.train_context import fuses_token_loss
 from autopar.training.trainer import Trainer
 
 GIB = 2**30
@@ -143,7 +145,9 @@ def dry_run_job(job: JobConfig) -> JobConfig:
     if job.training.mixed_precision_param == "auto":
         job.training.mixed_precision_param = "bfloat16"
     job.optimizer.implementation = "for-loop"
-    job.compile.enable = False
+    fused = job.compile.enable and "loss" in job.compile.components and job.training.loss_chunk_tokens == 0
+    job.compile.components = ["loss"] if fused else []  # the blocks eager, the loss as inductor's
+    job.compile.enable = fused
     job.float8.enable = False
     job.training.expert_kernel = "grouped"  # the per-expert loop needs real routing counts
     return job
@@ -306,6 +310,26 @@ class PeakTracker(TorchDispatchMode):
         return out
 
 
+class InductorCrossEntropy(torch.autograd.Function):
+    """What inductor's compiled ``token_loss_sum`` allocates, for fake tensors (no value is
+    computed): its forward keeps the logits and each row's float32 maximum and log-sum-exp, its
+    backward writes a float32 row buffer and the logits' gradient in their own dtype; no float32
+    copy of the logits exists (its generated code: ``tests/test_planner.py`` reads it)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        rows = logits.numel() // logits.shape[-1]
+        statistics = [logits.new_empty(rows, dtype=torch.float32) for _ in range(2)]
+        ctx.save_for_backward(logits, labels, *statistics)
+        return logits.new_zeros((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        logits, _, row_max, _ = ctx.saved_tensors
+        torch.empty_like(row_max)  # the row buffer, freed as the gradient is written
+        return torch.empty_like(logits), None
+
+
 def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) -> dict[str, int]:
     """``measure_step`` of ``rank`` under a fake process group of its own, destroyed after."""
     job = dry_run_job(job)
@@ -334,6 +358,8 @@ def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) ->
             # the schedule's warm-up vote on static metadata moves no data under the fake
             # group; every stage has static shapes here (``_stage_io``, which the runner assumes)
             runner = PlanRunner(job, world, meshes, parts, io)
+            if fuses_token_loss(job, loss_parallel_enabled(job, dims)):
+                runner.context.loss_fn = InductorCrossEntropy.apply
             if runner.context.context_parallel is not None:  # CUDA's k/v heads after the gather too
                 runner.context.context_parallel.expand_kv = not native_gqa(job, "cuda", "allgather")
             objective, reference = _fake_objective(runner, job, reference_built)

@@ -71,7 +71,9 @@ from autopar.planner.weight_bytes import (
     unsynced_grads,
     weights_and_optimizer,
 )
+from autopar.training.objectives.dpo.job import is_preference
 from autopar.training.objectives.rl.job import is_rl
+from autopar.training.train_context import fuses_token_loss
 
 GIB = 2**30
 
@@ -305,7 +307,10 @@ def _head(args: ModelArgs, job: JobConfig, z: Sizes, tp: int, shards: int) -> He
     whole-vocabulary log-probabilities; the others a cross-entropy, chunked or not)."""
     if is_rl(job):
         return policy_head_bytes(z, args.vocab_size, tp)
-    return with_mtp_head(args, z, head_bytes(z, args.vocab_size, shards, job.training.loss_chunk_tokens))
+    fused = fuses_token_loss(job, shards > 1) and not is_preference(job)  # DPO's log-probs are its own
+    return with_mtp_head(
+        args, z, head_bytes(z, args.vocab_size, shards, job.training.loss_chunk_tokens, fused)
+    )
 
 
 class _Peak:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import loss_parallel
 
+from autopar.config.sections import JobConfig
 from autopar.data.loader import Batch
 from autopar.models.moe import load_balancing_loss
 from autopar.parallel.context_parallel import ContextParallel
@@ -24,6 +25,14 @@ from autopar.training.loss import (
     token_loss_sum,
     vocab_parallel_chunk_loss_and_grad,
 )
+
+
+def fuses_token_loss(job: JobConfig, loss_parallel: bool) -> bool:
+    """Whether the job's token loss runs as one compiled cross-entropy, which inductor fuses
+    (no float32 copy of the logits, their gradient in their own dtype): not under loss
+    parallel (a DTensor op dispatch, eager) and not chunked (its kernels compile instead)."""
+    compiled = job.compile.enable and "loss" in job.compile.components
+    return compiled and not loss_parallel and job.training.loss_chunk_tokens == 0
 
 
 def all_reduce_sum(value: torch.Tensor, mesh: DeviceMesh | None) -> torch.Tensor:
