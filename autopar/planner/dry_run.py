@@ -522,10 +522,12 @@ def title(job: JobConfig, world_size: int) -> str:
         degrees += f" ep={dims.ep}"
     if dims.pp > 1:
         degrees += f" ({parallelism.pipeline_parallel_schedule})"
+    fused = fuses_token_loss(dry_run_job(job), loss_parallel_enabled(job, dims))
+    compiled = " | compiled loss as inductor fuses it, blocks eager" if fused else ""
     return (
         f"dry run: {job.model.name} {job.model.flavor if job.model.hf_assets_path is None else job.model.hf_assets_path} "
         f"on {world_size} GPUs | {degrees} | AC {job.activation_checkpoint.mode} | local batch "
-        f"{training.local_batch_size} x {training.seq_len} tokens"
+        f"{training.local_batch_size} x {training.seq_len} tokens{compiled}"
     )
 
 
