@@ -401,10 +401,7 @@ def test_plan_cli_says_how_to_launch_a_plan_that_spans_nodes(capsys, monkeypatch
 def test_plan_cli_says_a_compiled_jobs_peaks_are_an_upper_bound(compiled, capsys):
     argv = ["--job.config", "debug_model", "--world-size", "2", f"--compile.enable={compiled}"]
     assert plan_main(argv) == 0
-    assert (
-        "as inductor fuses it and the blocks as the eager step saves them, an upper bound"
-        in capsys.readouterr().out
-    ) == compiled
+    assert ("the blocks as the eager step saves them, an upper bound" in capsys.readouterr().out) == compiled
 
 
 def test_plan_cli_explains_in_one_paragraph_when_nothing_fits(capsys):
