@@ -145,7 +145,7 @@ def dry_run_job(job: JobConfig) -> JobConfig:
     if job.training.mixed_precision_param == "auto":
         job.training.mixed_precision_param = "bfloat16"
     job.optimizer.implementation = "for-loop"
-    fused = job.compile.enable and "loss" in job.compile.components and job.training.loss_chunk_tokens == 0
+    fused = fuses_token_loss(job, loss_parallel=False)  # loss parallel (eager) is the plan's to say
     job.compile.components = ["loss"] if fused else []  # the blocks eager, the loss as inductor's
     job.compile.enable = fused
     job.float8.enable = False
@@ -336,6 +336,8 @@ def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) ->
     gqa = model_groups_kv(job, "cuda", "allgather")
     job.training.sdpa_backend = "auto"  # CPU's flash kernel, with CUDA's choice of k/v heads
     dims = ParallelDims.resolve(job.parallelism, world_size)
+    fused = fuses_token_loss(job, loss_parallel_enabled(job, dims))
+    job.compile.enable = False  # nothing compiles on fake tensors: a fused loss is stood in for
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
         world = World(rank=rank, size=world_size, local_rank=rank, device=torch.device("cpu"))
@@ -358,7 +360,7 @@ def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) ->
             # the schedule's warm-up vote on static metadata moves no data under the fake
             # group; every stage has static shapes here (``_stage_io``, which the runner assumes)
             runner = PlanRunner(job, world, meshes, parts, io)
-            if fuses_token_loss(job, loss_parallel_enabled(job, dims)):
+            if fused:
                 runner.context.loss_fn = InductorCrossEntropy.apply
             if runner.context.context_parallel is not None:  # CUDA's k/v heads after the gather too
                 runner.context.context_parallel.expand_kv = not native_gqa(job, "cuda", "allgather")
