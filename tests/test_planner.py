@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,7 @@ HYBRID_4 = "--model.num_hidden_layers=4"  # Qwen3.5: three Gated DeltaNet blocks
 HYBRID_2 = "--model.full_attention_interval=2"  # at 2 layers: one of each
 PER_OP = ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"]
 CP = "--parallelism.context_parallel_degree="
+COMPILED = "--compile.enable=true"
 DOCUMENTS = ["--training.document_masking=true", "--parallelism.context_parallel_impl=allgather"]
 
 
@@ -369,6 +371,22 @@ GRID = [
             "--activation_checkpoint.selective_ac_option=op_regather",
         ],
     ),
+    # compiled blocks, as the partitioner saves them (eager counts over: no AC +42%, per-op
+    # under TP + SP +11% before its out projections' outputs were left out)
+    (8, ("qwen3", "8B"), [SMALL_VOCAB, "--model.num_hidden_layers=6", COMPILED]),
+    (
+        8,
+        ("qwen3", "8B"),
+        [
+            SMALL_VOCAB,
+            "--model.num_hidden_layers=6",
+            COMPILED,
+            "--parallelism.tensor_parallel_degree=2",
+            *PER_OP,
+        ],
+    ),
+    (8, ("qwen3.5", "9B"), [SMALL_VOCAB, HYBRID_4, COMPILED]),
+    (8, ("qwen3", "30B-A3B"), [SMALL_VOCAB, COMPILED, "--parallelism.expert_parallel_degree=4"]),
     (
         # a pipeline without FSDP: every micro-batch's forward casts the weights anew, and the
         # gradients land at each stage's first backward (was +33%)
@@ -795,6 +813,67 @@ def test_qwen3_5_block_saves_are_what_autograd_saves(layer, frozen):
         sum(saved.values()),
         rel=0.001,  # within 0.02%: the norms' float32 (1 + w), per weight not token
     )
+
+
+COMPILED_KINDS = {
+    # widths kept apart (hidden, q heads x dim, k/v heads x dim, feed-forward) so that a
+    # tensor counted at the wrong one shows
+    "attention-qk-norm": ("qwen3", "1.7B", 0, {"hidden_size": 1536, "num_key_value_heads": 4}),
+    "attention": (
+        "qwen2.5",
+        "7B",
+        0,
+        {"hidden_size": 1536, "num_attention_heads": 16, "num_key_value_heads": 4},
+    ),
+    "mixture": ("qwen3", "30B-A3B", 0, {"hidden_size": 1536, "num_experts": 16}),
+    "gated-deltanet": ("qwen3.5", "2B", 0, {"hidden_size": 1536, "linear_num_key_heads": 8}),
+    "gated-attention": ("qwen3.5", "2B", 3, {"hidden_size": 1536, "linear_num_key_heads": 8}),
+    "shared-expert-mixture": ("qwen3.5", "35B-A3B", 3, {"hidden_size": 1536, "num_experts": 16}),
+}
+
+
+@pytest.mark.parametrize("kind", list(COMPILED_KINDS))
+def test_a_compiled_blocks_saves_are_what_its_partitioner_saves(kind):
+    # the formula against the tensors one compiled block (bf16, fake, 2 x 1024 tokens) saves,
+    # each storage once, weights left out: what the dry run runs, as ``SAVES_AS_INDUCTOR``
+    import torch
+
+    from autopar.models.qwen import Qwen
+    from autopar.models.qwen3_5.model import Qwen35
+    from autopar.parallel.mesh import ParallelDims
+    from autopar.parallel.torch_internals import FakeTensorMode
+    from autopar.planner.activations import sizes
+    from autopar.planner.compiled_block_bytes import compiled_block_bytes
+    from autopar.planner.dry_run import SAVES_AS_INDUCTOR
+
+    name, flavor, layer, overrides = COMPILED_KINDS[kind]
+    job = parse_job([f"--model.name={name}", f"--model.flavor={flavor}", "--training.seq_len=1024"])
+    args = replace(model_args(job), **overrides)
+    saved: dict[int, int] = {}
+    with FakeTensorMode():
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            block = (Qwen35 if args.hybrid else Qwen).block_type(args, layer)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        block.compile(backend=SAVES_AS_INDUCTOR, fullgraph=not args.moe)
+        kept = [p.untyped_storage() for p in block.parameters()]  # ids stay theirs while alive
+        weights = {id(storage) for storage in kept}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            kept.append(storage)
+            if id(storage) not in weights:
+                saved[id(storage)] = storage.nbytes()
+            return t
+
+        x = torch.empty(2, 1024, args.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block(x)
+    z = sizes(args, job, ParallelDims(1, 1, 1, 1, 1), 2, "ring", 2, "cpu")
+    assert compiled_block_bytes(
+        replace(z, compiled=True), args.layer_kind(layer), args.qk_norm
+    ) == pytest.approx(sum(saved.values()), rel=0.001)
 
 
 def _inductor_buffers(code: str) -> list[tuple[int, str]]:

@@ -222,13 +222,11 @@ def main(argv: list[str]) -> int:
 
 
 COMPILED_PEAKS = (
-    "compile.enable: the loss is counted as inductor fuses it (loss parallel's stays eager) and the "
-    "blocks as the eager step saves them, an upper bound (on an H100, six compiled Qwen3-1.7B and "
-    "Qwen3.5-2B steps peaked at 0.67-0.94x of it; docs/planner.md)"
+    "compile.enable: the blocks are counted as the compiler's partitioner saves them and the loss as "
+    "inductor fuses it (loss parallel's stays eager); LoRA's frozen blocks, and Gated DeltaNets over "
+    "packed documents, under CP or with FLA's kernel, as eager saves them, a bound (docs/planner.md)"
 )
-"""The memory model counts a compiled loss as inductor writes it but walks the blocks' eager
-saves; inductor keeps less there (it recomputes pointwise work), so a compiled job is told its
-peaks are a bound, not a figure."""
+"""What of a compiled job the memory model counts as compiled and what as eager (more)."""
 
 
 def plans_needed(options: dict[str, object]) -> int | None:

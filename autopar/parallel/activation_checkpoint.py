@@ -235,6 +235,15 @@ def check_ac(cfg: ActivationCheckpoint, tp: int = 1, sequence_parallel: bool = F
         )
 
 
+def compiled_inside(cfg: ActivationCheckpoint) -> bool:
+    """Whether a compiled job compiles its checkpointed blocks' insides, checkpointing each
+    eagerly around its graph: full (or every-k) checkpointing. Traced into the graph instead,
+    a block under tensor parallelism fails its first backward (the partitioner hands autograd
+    a DeviceMesh as a saved tensor; torch 2.13, CPU, inductor and aot_eager alike). Per-op
+    checkpointing must be traced: its policy is the partitioner's."""
+    return cfg.mode != "none" and not per_op(cfg)
+
+
 def checkpointed_layers(cfg: ActivationCheckpoint, layer_ids: list[str]) -> list[str]:
     """Which blocks get wrapped (``layer_ids`` are the model's own, e.g. a pipeline stage's)."""
     if cfg.mode == "none":
@@ -259,16 +268,17 @@ def apply_ac(
     as two passes (zero-bubble schedules), each recomputing the blocks. Per-op checkpointing
     gathers again, rather than keeps, what it all-gathers over ``recomputed_groups``.
     ``random``: the blocks draw random numbers (LoRA's dropout), so recompute replays the
-    forward's random state."""
+    forward's random state. A fully checkpointed block is checkpointed eagerly around its
+    compiled graph (``compiled_inside``), so only per-op checkpointing differs compiled."""
     op = per_op(cfg)
-    if not compiled:
-        extra = {"context_fn": functools.partial(_eager_contexts, op, recomputed_twice, recomputed_groups)}
+    if compiled and op:
+        context = functools.partial(_op_context, recomputed_groups)
     else:
-        extra = {"context_fn": functools.partial(_op_context, recomputed_groups)} if op else {}
+        context = functools.partial(_eager_contexts, op, recomputed_twice, recomputed_groups)
     for i in checkpointed_layers(cfg, list(model.layers.keys())):
         model.layers[i] = checkpoint_wrapper(
             model.layers[i],
             checkpoint_fn=functools.partial(checkpoint, use_reentrant=False),
             preserve_rng_state=random,
-            **extra,
+            context_fn=context,
         )

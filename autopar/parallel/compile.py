@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from autopar.config.errors import ConfigError
 from autopar.config.sections import Compile
 from autopar.models.moe import MoE
-from autopar.parallel.torch_internals import key_compile_cache_on_vector_isa
+from autopar.parallel.torch_internals import checkpointed_inside, key_compile_cache_on_vector_isa
 
 
 def check_compile(cfg: Compile) -> None:
@@ -41,13 +41,16 @@ def _fresh_output(_module: nn.Module, _inputs: tuple, output: torch.Tensor) -> t
     return output.clone()
 
 
-def apply_compile(model: nn.Module, cfg: Compile) -> None:
+def apply_compile(model: nn.Module, cfg: Compile, inside_checkpoints: bool = False) -> None:
+    """``inside_checkpoints``: compile each checkpointed block's inside, its checkpointing then
+    running eagerly around the graph (``activation_checkpoint.compiled_inside``)."""
     key_compile_cache_on_vector_isa()
     for block in model.layers.values():
         # a mixture of experts learns its row counts per expert at run time: its per-expert
         # loop and expert-parallel all-to-all run between graphs (the only breaks allowed)
         routed = any(isinstance(m, MoE) for m in block.modules())
-        block.compile(fullgraph=not routed, backend=cfg.backend)
+        target = checkpointed_inside(block) if inside_checkpoints else block
+        target.compile(fullgraph=not routed, backend=cfg.backend)
     embedding = model.embed_tokens
     if embedding is not None and isinstance(embedding.weight, DTensor):
         # A tensor-parallel embedding hands the first block ``DTensor.to_local()``, a view

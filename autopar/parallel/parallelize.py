@@ -18,7 +18,7 @@ from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
 from autopar.models.family import build_model
 from autopar.models.hf_names import MTP_PREFIX
-from autopar.parallel.activation_checkpoint import apply_ac, regathers
+from autopar.parallel.activation_checkpoint import apply_ac, compiled_inside, regathers
 from autopar.parallel.compile import apply_compile
 from autopar.parallel.context_parallel import resolve_impl
 from autopar.parallel.delta_rule_kernel import apply_delta_rule_kernel
@@ -90,7 +90,7 @@ def parallelize(
     if job.activation_checkpoint.mode != "none":
         _checkpointing(model, job, meshes, compiled, pipelined)
     if compiled:
-        apply_compile(model, job.compile)
+        apply_compile(model, job.compile, inside_checkpoints=compiled_inside(job.activation_checkpoint))
         logger.info("compiled each block with torch.compile (backend %s)", job.compile.backend)
     if meshes.get("fsdp") is not None:
         _fully_shard(model, job, meshes, device, pipelined)

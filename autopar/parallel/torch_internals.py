@@ -21,7 +21,11 @@ from torch import nn
 from torch._guards import active_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_WRAPPED_MODULE,
+    CheckpointWrapper,
+    checkpoint_wrapper,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import _redistribute
 from torch.nn.utils.stateless import _reparametrize_module
@@ -53,6 +57,14 @@ LEANED_ON = {
         "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
         "checkpoint_wrapper",
     ): "activation checkpointing",
+    (
+        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+        "CheckpointWrapper",
+    ): "compile: a checkpointed block's inside",
+    (
+        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+        "_CHECKPOINT_WRAPPED_MODULE",
+    ): "compile: a checkpointed block's inside",
     ("torch.nn.utils.stateless", "_reparametrize_module"): "mixed precision: cast weights for one call",
     ("torch.overrides", "_get_current_function_mode_stack"): "AC: recompute under the forward's modes",
     (
@@ -107,6 +119,7 @@ __all__ = [
     "TorchDispatchMode",
     "active_fake_mode",
     "checkpoint_wrapper",
+    "checkpointed_inside",
     "funcol",
     "function_mode_stack",
     "is_fake",
@@ -121,6 +134,11 @@ calling the module again (functional_call would, and reach a patched forward twi
 
 function_mode_stack = _get_current_function_mode_stack
 """The torch-function modes active now (CP's attention mode among them)."""
+
+
+def checkpointed_inside(block: nn.Module) -> nn.Module:
+    """The module a checkpoint wrapper wraps (``block`` itself when it wraps none)."""
+    return getattr(block, _CHECKPOINT_WRAPPED_MODULE) if isinstance(block, CheckpointWrapper) else block
 
 
 def set_group_timeouts(seconds: int, skip_desc: str) -> None:

@@ -47,11 +47,11 @@ from autopar.planner.block_bytes import (
     INPUTS,
     Sizes,
     block_bytes_no_ac,
-    block_bytes_op_ac,
     chain_backward_bytes,
     formed_weight_grads,
     op_only_bytes,
 )
+from autopar.planner.compiled_block_bytes import block_op_saves, block_saves
 from autopar.planner.params import (
     RankStages,
     experts_adapted,
@@ -74,10 +74,16 @@ class HeadBytes:
 
 
 def head_bytes(
-    z: Sizes, vocab: int, tp_loss_parallel: int, chunk_tokens: int = 0, fused: bool = False
+    z: Sizes,
+    vocab: int,
+    tp_loss_parallel: int,
+    chunk_tokens: int = 0,
+    fused: bool = False,
+    held: bool = False,
 ) -> HeadBytes:
-    """Saved: the final norm's saves, the head's gathered input, the logits (c, alive until
-    the loss's backward) and the loss's float32 log-softmax output. Backward: the float32
+    """Saved: the final norm's saves, the head's gathered input and the loss's float32
+    log-softmax output; the logits (c) only while the loss runs forward, unless a pipeline
+    schedule ``held`` its stage's output until its backward. Backward: the float32
     gradients of nll and log-softmax (under loss parallel, vocab-sharded, and three: torch's
     fused backward keeps its one-hot target, the sum with softmax and the product alive at
     once). The chunked loss saves the logits and their gradient (c, vocab-sharded under loss
@@ -96,7 +102,8 @@ def head_bytes(
         chunk = (3 * FP32 + z.dtype_bytes) * (vocab // tp_loss_parallel) * min(chunk_tokens, t)
         return HeadBytes(kept + logits, chunk, logits)
     gradients = 3 if tp_loss_parallel > 1 else 2
-    return HeadBytes(kept + fp32_logits, 0.0, gradients * fp32_logits)
+    unheld = 0.0 if held else logits
+    return HeadBytes(kept - unheld + fp32_logits, unheld, gradients * fp32_logits)
 
 
 def _norm_and_head_saves(z: Sizes) -> float:
@@ -107,18 +114,20 @@ def _norm_and_head_saves(z: Sizes) -> float:
     return norm + (z.dtype_bytes * z.hidden * t if weighted else 0)
 
 
-def policy_head_bytes(z: Sizes, vocab: int, tp: int) -> HeadBytes:
+def policy_head_bytes(z: Sizes, vocab: int, tp: int, held: bool = False) -> HeadBytes:
     """``head_bytes`` for RL's policy loss (``rl.loss.token_logps_and_entropy``), which reads
-    whole-vocabulary log-probabilities: under TP the logits (c, vocab-sharded, alive until the
-    loss's backward) are gathered whole first. Saved: the float32 log-softmax. Forward, beside
+    whole-vocabulary log-probabilities: under TP the logits (c, vocab-sharded, alive while the
+    loss runs forward, or until its backward where ``held``) are gathered whole first. Saved: the float32 log-softmax. Forward, beside
     it: the float32 logits it was taken of (and the gathered c logits under TP). Backward: the
     float32 gradients of the picked log-probabilities and of the log-softmax (dry run, Qwen3-8B
     LoRA RL, 8 x 2,048 tokens a micro-batch: 45.49 GiB measured, this 45.47)."""
     t = z.tokens
     fp32_logits = FP32 * vocab * t
-    kept = _norm_and_head_saves(z) + z.dtype_bytes * (vocab // tp) * t
+    logits = z.dtype_bytes * (vocab // tp) * t
     gathered = z.dtype_bytes * vocab * t if tp > 1 else 0
-    return HeadBytes(kept + fp32_logits, fp32_logits + gathered, 2 * fp32_logits)
+    unheld = 0.0 if held else logits
+    kept = _norm_and_head_saves(z) + logits - unheld
+    return HeadBytes(kept + fp32_logits, fp32_logits + gathered + unheld, 2 * fp32_logits)
 
 
 def with_mtp_head(args: ModelArgs, z: Sizes, head: HeadBytes) -> HeadBytes:
@@ -170,6 +179,7 @@ def sizes(
         ffn=args.intermediate_size // dims.tp,
         sp_shards=dims.tp if sequence_parallel else 1,
         regather=sequence_parallel and regathers(job.activation_checkpoint),
+        compiled=job.compile.enable and "model" in job.compile.components,
         kv_seq_factor=kv_seq_factor,
         mask=mask,
         experts=args.num_experts,
@@ -273,8 +283,12 @@ def checkpointing_saves(rank: RankStages, z: Sizes) -> Saves:
     layers = [m.split(".")[1] for m in kind_of]
     full = set() if op else set(checkpointed_layers(ac, layers))
     kinds = sorted(set(kind_of.values()))
-    no_ac = {k: block_bytes_no_ac(z, k, rank.args.qk_norm) for k in kinds}
-    per_block = {k: block_bytes_op_ac(z, rank.dims.tp, k) if op else no_ac[k] for k in kinds}
+    # a block's backward rebuilds what eager autograd would have saved: a compiled block's
+    # too, whose graph recomputes what its partitioner dropped (fake, one block of each
+    # kind: its backward peaks within 0.2 GiB of the eager block's)
+    eager = {k: block_bytes_no_ac(z, k, rank.args.qk_norm) for k in kinds}
+    no_ac = {k: block_saves(z, k, rank.args.qk_norm) for k in kinds}
+    per_block = {k: block_op_saves(z, rank.dims.tp, k) if op else no_ac[k] for k in kinds}
     # a checkpointed block's inputs stay alive: the hidden states, and the boolean mask (under
     # CP with packed documents, the model's own (B, 1, S_local, S_local) one too, which CP's
     # replaces in attention; dry run, Qwen3-0.6B CP 2 at 16K tokens, full AC: +64 MiB)
@@ -296,7 +310,10 @@ def checkpointing_saves(rank: RankStages, z: Sizes) -> Saves:
     saved = {i: sum(blocks[i]) + hop * ((i > 0) + (i < len(stages) - 1)) + held_mask for i in rank.ids}
     # what a block's backward rebuilds: all of it (full/every-k) or what per-op AC dropped
     recompute = {
-        k: no_ac[k] - per_block[k] + op_only_bytes(z, k) if op else (no_ac[k] if full else 0.0) for k in kinds
+        k: eager[k] - per_block[k] + op_only_bytes(z, k)
+        if op
+        else (eager[k] if full else eager[k] - no_ac[k])
+        for k in kinds
     }
     ended = {
         k: recompute[k] if full else (recompute[k] - per_block[k] if op else -per_block[k]) for k in kinds

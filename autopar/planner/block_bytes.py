@@ -58,6 +58,7 @@ class Sizes:
     norm_topk: bool = False
     ep: int = 1
     regather: bool = False  # per-op AC gathers SP's inputs again in backward (``op_regather``)
+    compiled: bool = False  # the blocks compiled: their saves as the partitioner keeps them
     frozen: bool = False  # LoRA: norm and head weights take no gradient, so save no input for one
     rank: int = 0  # LoRA's adapters: rank, dropout, and per kind of block the
     dropout: bool = False  # (in, out) features per TP rank of each adapted linear
@@ -267,12 +268,12 @@ def _zero_centred_norm(z: Sizes) -> float:
     return ((FP32 + normed) * z.hidden * z.tokens + FP32 * z.tokens) / z.sp_shards
 
 
-def _linear_channels(z: Sizes) -> tuple[int, int]:
+def linear_channels(z: Sizes) -> tuple[int, int]:
     """(key, value) channels of a Gated DeltaNet on one TP rank."""
     return z.linear_key_heads * z.linear_key_dim, z.linear_value_heads * z.linear_value_dim
 
 
-def _delta_rule_states(z: Sizes) -> float:
+def delta_rule_states(z: Sizes) -> float:
     """What the delta-rule kernel keeps beyond its inputs. Ours (autopar, triton): the float32
     state per value head and segment (``delta_rule_segment`` tokens) of each local token range
     (under CP the kernel runs once per range). FLA's: the per-chunk solve A (a CHUNK-wide row per token and value head) and the
@@ -331,7 +332,7 @@ def _linear_attention_no_ac(z: Sizes, kind: LayerKind) -> float:
     """Frozen (LoRA), the convolution keeps no copies for its taps' gradient, the decay no
     softplus output for A_log's, the gated norm no normalized copy for its weight's."""
     t, c, trained = z.tokens, z.dtype_bytes, not z.frozen
-    keys, values = _linear_channels(z)
+    keys, values = linear_channels(z)
     channels, taps = 2 * keys + values, z.conv_width - 1
     if z.documents:  # each shifted copy masked (and its boolean mask), the document ids
         conv = (2 + (1 + taps) * trained) * c * channels * t + 3 * taps * t + 8 * t
@@ -345,7 +346,7 @@ def _linear_attention_no_ac(z: Sizes, kind: LayerKind) -> float:
         c * z.hidden * t * z.keeps(kind, "attention")
         + conv
         + decay
-        + _delta_rule_states(z)
+        + delta_rule_states(z)
         + _gated_norm_and_out(z, kind)
     )
 
@@ -386,8 +387,8 @@ def _hybrid_block_op_ac(z: Sizes, tp: int, kind: LayerKind) -> float:
     if kind[0] == "gated_attention":  # q (with its gate), k, v; SDPA's output and logsumexp
         mixer = c * (3 * z.q_heads + 2 * z.kv_heads) * z.head_dim * t + FP32 * z.q_heads * t
     else:  # the six projections, the delta rule's output and states (and CP's, ``hybrid_cp``)
-        keys, values = _linear_channels(z)
-        mixer = c * (2 * keys + 3 * values + 2 * z.linear_value_heads) * t + _delta_rule_states(z)
+        keys, values = linear_channels(z)
+        mixer = c * (2 * keys + 3 * values + 2 * z.linear_value_heads) * t + delta_rule_states(z)
         if z.fla:  # its kept outputs: normed q and k, and the summed decay
             mixer += (c * 2 * keys + FP32 * z.linear_value_heads) * t
         passing = state_passing(z)
@@ -413,7 +414,7 @@ def _hybrid_block_weight_output_grads(z: Sizes, kind: LayerKind) -> float:
             c * ((2 * z.q_heads + 2 * z.kv_heads) * z.head_dim + z.hidden) + FP32 * heads
         )  # q|gate, k, v, o
     else:
-        keys, values = _linear_channels(z)
+        keys, values = linear_channels(z)
         projections = 2 * keys + 2 * values + 2 * z.linear_value_heads + z.hidden
         mixer = c * (projections + 2 * keys + values + values) + 2 * FP32 * z.linear_value_heads
     if kind[1] == "moe":
@@ -428,7 +429,7 @@ def _mixer_transient(z: Sizes, kind: LayerKind) -> float:
     """A Gated DeltaNet's backward: the delta rule's gradients of q, k, v, g and beta at once."""
     if kind[0] != "linear_attention":
         return 0.0
-    keys, values = _linear_channels(z)
+    keys, values = linear_channels(z)
     return z.tokens * (
         z.dtype_bytes * (2 * keys + values + z.linear_value_heads) + FP32 * z.linear_value_heads
     )
@@ -443,7 +444,7 @@ def chain_backward_bytes(z: Sizes, kind: LayerKind) -> float | None:
     if passing is None:
         return None
     freed = _feed_forward_no_ac(z, kind) + _zero_centred_norm(z) + _gated_norm_and_out(z, kind)
-    return _mixer_transient(z, kind) + passing.backward_transient() - freed - _delta_rule_states(z)
+    return _mixer_transient(z, kind) + passing.backward_transient() - freed - delta_rule_states(z)
 
 
 def formed_weight_grads(z: Sizes, kind: LayerKind) -> float:

@@ -233,6 +233,9 @@ class _StageCosts:
     block_buffers: dict[LayerKind, float]  # the float32 gradient a block's reduce-scatter takes
     unsynced_grads: dict[int, Unsynced]
     syncs_at_end: bool  # a multi-stage schedule syncs them after its last backward
+    # weights alive as the embedding's backward ends: under FSDP without a pipeline none (every
+    # group, the head's too, reshards before its reduce-scatter; dry run, Qwen3-8B compiled,
+    # full AC, where this moment is the peak: 2.32 GiB below the count of the gathered head)
     embedding_gathered: float
     embedding_grads: float
     embedding_first_grads: float  # the same in the step's first backward (no ``.grad`` yet)
@@ -280,7 +283,7 @@ def _stage_costs(
         stage_kinds={i: sorted(set(blocks[i])) for i in rank.ids},
         heads={i for i in rank.ids if "lm_head" in rank.stages[i]},
         embeds={i for i in rank.ids if "embed_tokens" in rank.stages[i]},
-        head=_head(args, job, z, dims.tp, shards),
+        head=_head(args, job, z, dims, shards),
         recompute=saves.recompute,
         transient={k: block_backward_transient_bytes(z, k) for k in kinds},
         chain=chain_moments(rank, z, saves, block_buffers),
@@ -289,7 +292,7 @@ def _stage_costs(
         block_buffers=block_buffers,
         unsynced_grads=unsynced_grads(rank, c) if unsynced else {},
         syncs_at_end=unsynced and SCHEDULE_STYLES[schedule_name(job.parallelism)].stages_per_rank != 1,
-        embedding_gathered=embedding_gathered,
+        embedding_gathered=0.0 if uses_fsdp(job, dims) and dims.pp == 1 else gathered + embedding_gathered,
         embedding_grads=embedding_grads,
         embedding_first_grads=embedding_grads - (embedding_grad(args, job, dims) if held_in_walk else 0.0),
         stage_grads={i: landing_grads(args, job, dims, rank.stages[i]) if fresh else 0.0 for i in rank.ids},
@@ -302,14 +305,16 @@ def _stage_costs(
     )
 
 
-def _head(args: ModelArgs, job: JobConfig, z: Sizes, tp: int, shards: int) -> HeadBytes:
+def _head(args: ModelArgs, job: JobConfig, z: Sizes, dims: ParallelDims, shards: int) -> HeadBytes:
     """The final norm, head and loss of a micro-batch: the objective's (RL's policy loss reads
-    whole-vocabulary log-probabilities; the others a cross-entropy, chunked or not)."""
+    whole-vocabulary log-probabilities; the others a cross-entropy, chunked or not). A
+    pipeline schedule holds the last stage's output (the logits) until its backward."""
+    held = dims.pp > 1
     if is_rl(job):
-        return policy_head_bytes(z, args.vocab_size, tp)
+        return policy_head_bytes(z, args.vocab_size, dims.tp, held)
     fused = fuses_token_loss(job, shards > 1) and not is_preference(job)  # DPO's log-probs are its own
     return with_mtp_head(
-        args, z, head_bytes(z, args.vocab_size, shards, job.training.loss_chunk_tokens, fused)
+        args, z, head_bytes(z, args.vocab_size, shards, job.training.loss_chunk_tokens, fused, held)
     )
 
 
@@ -374,7 +379,7 @@ def _walk_schedule(actions: tuple[tuple[str, int, int], ...], k: _StageCosts) ->
                 peak.consider(k.gathered, alive, accumulated + held.largest)
             if stage in k.embeds:  # the embedding's backward ends the stage's
                 grads = k.embedding_grads if stage in backward_done else k.embedding_first_grads
-                peak.consider(k.gathered + k.embedding_gathered, alive, accumulated + grads)
+                peak.consider(k.embedding_gathered, alive, accumulated + grads)
             backward_done.add(stage)
         peak.consider(k.gathered, alive, accumulated)
     if k.syncs_at_end:  # weights resharded, each group reduce-scattered in turn

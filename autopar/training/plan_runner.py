@@ -140,6 +140,7 @@ class PlanRunner:
                         **inputs.forward_kwargs(extras),
                     )
                 trained = loss(out, local.labels)
+                del out  # the logits: what backward needs of them the loss's graph holds
                 if backward:
                     trained.backward()
         return len(batches)
