@@ -98,11 +98,11 @@ def head_bytes(
     kept = _norm_and_head_saves(z) + logits
     if fused:
         return HeadBytes(kept + 2 * FP32 * t, 0.0, logits + FP32 * t)
-    if chunk_tokens:
-        chunk = (3 * FP32 + z.dtype_bytes) * (vocab // tp_loss_parallel) * min(chunk_tokens, t)
-        return HeadBytes(kept + logits, chunk, logits)
-    gradients = 3 if tp_loss_parallel > 1 else 2
     unheld = 0.0 if held else logits
+    if chunk_tokens:  # the gradient computed in forward is saved, not the logits
+        chunk = (3 * FP32 + z.dtype_bytes) * (vocab // tp_loss_parallel) * min(chunk_tokens, t)
+        return HeadBytes(kept - unheld + logits, chunk + unheld, logits)
+    gradients = 3 if tp_loss_parallel > 1 else 2
     return HeadBytes(kept - unheld + fp32_logits, unheld, gradients * fp32_logits)
 
 

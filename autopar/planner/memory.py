@@ -233,10 +233,11 @@ class _StageCosts:
     block_buffers: dict[LayerKind, float]  # the float32 gradient a block's reduce-scatter takes
     unsynced_grads: dict[int, Unsynced]
     syncs_at_end: bool  # a multi-stage schedule syncs them after its last backward
-    # weights alive as the embedding's backward ends: under FSDP without a pipeline none (every
-    # group, the head's too, reshards before its reduce-scatter; dry run, Qwen3-8B compiled,
-    # full AC, where this moment is the peak: 2.32 GiB below the count of the gathered head)
-    embedding_gathered: float
+    # weights alive as the embedding's backward ends. FSDP (without a pipeline) has resharded
+    # every group by its reduce-scatter, as a compiled job's dry run measures. An eager one's
+    # tracker (torch's FSDPMemTracker) sees the head's group resharded under TP only, and the
+    # embedding's own copy still there; this counts what it measures (docs/planner.md)
+    embedding_end_gathered: float
     embedding_grads: float
     embedding_first_grads: float  # the same in the step's first backward (no ``.grad`` yet)
     # gradients that land as each stage's (first) backward ends: sharded without accumulation
@@ -292,7 +293,7 @@ def _stage_costs(
         block_buffers=block_buffers,
         unsynced_grads=unsynced_grads(rank, c) if unsynced else {},
         syncs_at_end=unsynced and SCHEDULE_STYLES[schedule_name(job.parallelism)].stages_per_rank != 1,
-        embedding_gathered=0.0 if uses_fsdp(job, dims) and dims.pp == 1 else gathered + embedding_gathered,
+        embedding_end_gathered=_embedding_end_gathered(job, dims, z, gathered, embedding_gathered),
         embedding_grads=embedding_grads,
         embedding_first_grads=embedding_grads - (embedding_grad(args, job, dims) if held_in_walk else 0.0),
         stage_grads={i: landing_grads(args, job, dims, rank.stages[i]) if fresh else 0.0 for i in rank.ids},
@@ -303,6 +304,17 @@ def _stage_costs(
         first_block={i: next(iter(blocks[i]), None) for i in rank.ids},
         before_first=saves.before_first,
     )
+
+
+def _embedding_end_gathered(
+    job: JobConfig, dims: ParallelDims, z: Sizes, gathered: float, embedding: float
+) -> float:
+    """Weights counted at the embedding's reduce-scatter (see ``_StageCosts``)."""
+    if not uses_fsdp(job, dims) or dims.pp > 1:
+        return gathered + embedding
+    if z.compiled:
+        return 0.0
+    return embedding if dims.tp > 1 else gathered + embedding
 
 
 def _head(args: ModelArgs, job: JobConfig, z: Sizes, dims: ParallelDims, shards: int) -> HeadBytes:
@@ -379,7 +391,7 @@ def _walk_schedule(actions: tuple[tuple[str, int, int], ...], k: _StageCosts) ->
                 peak.consider(k.gathered, alive, accumulated + held.largest)
             if stage in k.embeds:  # the embedding's backward ends the stage's
                 grads = k.embedding_grads if stage in backward_done else k.embedding_first_grads
-                peak.consider(k.embedding_gathered, alive, accumulated + grads)
+                peak.consider(k.embedding_end_gathered, alive, accumulated + grads)
             backward_done.add(stage)
         peak.consider(k.gathered, alive, accumulated)
     if k.syncs_at_end:  # weights resharded, each group reduce-scattered in turn
