@@ -20,6 +20,11 @@ from autopar.models.moe import MoE
 from autopar.parallel.torch_internals import checkpointed_inside, key_compile_cache_on_vector_isa
 
 
+def compiles_blocks(cfg: Compile) -> bool:
+    """Whether the job compiles its transformer blocks (not only its loss)."""
+    return cfg.enable and "model" in cfg.components
+
+
 def check_compile(cfg: Compile) -> None:
     if cfg.enable and not cfg.components:
         raise ConfigError("compile.components is empty; list 'model' and/or 'loss'")

@@ -19,7 +19,7 @@ from autopar.models.args import ModelArgs
 from autopar.models.family import build_model
 from autopar.models.hf_names import MTP_PREFIX
 from autopar.parallel.activation_checkpoint import apply_ac, compiled_inside, regathers
-from autopar.parallel.compile import apply_compile
+from autopar.parallel.compile import apply_compile, compiles_blocks
 from autopar.parallel.context_parallel import resolve_impl
 from autopar.parallel.delta_rule_kernel import apply_delta_rule_kernel
 from autopar.parallel.expert_parallel import apply_ep, apply_expert_kernel
@@ -86,7 +86,7 @@ def parallelize(
     if meshes.get("fsdp") is None and dtype != torch.float32:
         apply_compute_dtype(model, dtype)
         logger.info("weights cast to %s in each block's forward (fp32 master weights)", dtype)
-    compiled = job.compile.enable and "model" in job.compile.components
+    compiled = compiles_blocks(job.compile)
     if job.activation_checkpoint.mode != "none":
         _checkpointing(model, job, meshes, compiled, pipelined)
     if compiled:

@@ -39,6 +39,7 @@ from autopar.config.sections import JobConfig
 from autopar.models.args import LayerKind, ModelArgs
 from autopar.models.qwen3_5.mtp import head_layer_args
 from autopar.parallel.activation_checkpoint import checkpointed_layers, low_rank, per_op, regathers
+from autopar.parallel.compile import compiles_blocks
 from autopar.parallel.delta_rule_kernel import SEGMENTS, resolve_delta_rule_kernel
 from autopar.parallel.mesh import ParallelDims
 from autopar.parallel.sdpa_backend import native_gqa
@@ -117,7 +118,8 @@ def _norm_and_head_saves(z: Sizes) -> float:
 def policy_head_bytes(z: Sizes, vocab: int, tp: int, held: bool = False) -> HeadBytes:
     """``head_bytes`` for RL's policy loss (``rl.loss.token_logps_and_entropy``), which reads
     whole-vocabulary log-probabilities: under TP the logits (c, vocab-sharded, alive while the
-    loss runs forward, or until its backward where ``held``) are gathered whole first. Saved: the float32 log-softmax. Forward, beside
+    loss runs forward, or until its backward where ``held``) are gathered whole first. Saved:
+    the float32 log-softmax. Forward, beside
     it: the float32 logits it was taken of (and the gathered c logits under TP). Backward: the
     float32 gradients of the picked log-probabilities and of the log-softmax (dry run, Qwen3-8B
     LoRA RL, 8 x 2,048 tokens a micro-batch: 45.49 GiB measured, this 45.47)."""
@@ -179,7 +181,7 @@ def sizes(
         ffn=args.intermediate_size // dims.tp,
         sp_shards=dims.tp if sequence_parallel else 1,
         regather=sequence_parallel and regathers(job.activation_checkpoint),
-        compiled=job.compile.enable and "model" in job.compile.components,
+        compiled=compiles_blocks(job.compile),
         kv_seq_factor=kv_seq_factor,
         mask=mask,
         experts=args.num_experts,

@@ -58,6 +58,7 @@ from autopar.models.args import ModelArgs
 from autopar.models.dtypes import DTYPES
 from autopar.models.generation.sampling import Sampling, filtered_logits, token_logps
 from autopar.models.generation.state import Decoder
+from autopar.parallel.compile import compiles_blocks
 from autopar.parallel.delta_rule_kernel import apply_delta_rule_kernel, resolve_delta_rule_kernel
 from autopar.parallel.mesh import Meshes, ParallelDims, build_meshes
 from autopar.parallel.parallelize import (
@@ -151,7 +152,7 @@ def dry_run_job(job: JobConfig) -> JobConfig:
         job.training.mixed_precision_param = "bfloat16"
     job.optimizer.implementation = "for-loop"
     fused = fuses_token_loss(job, loss_parallel=False)  # loss parallel (eager) is the plan's to say
-    blocks = compiles_blocks(job)
+    blocks = compiles_blocks(job.compile)
     job.compile.components = ["model"] * blocks + ["loss"] * fused
     job.compile.enable = blocks or fused
     job.compile.backend = SAVES_AS_INDUCTOR
@@ -163,10 +164,6 @@ def dry_run_job(job: JobConfig) -> JobConfig:
 SAVES_AS_INDUCTOR = "aot_eager_decomp_partition"
 """The backend a compiled block runs with on fake tensors: inductor's decompositions and its
 partitioner (what a block saves for backward), each op then run eagerly (no kernel to write)."""
-
-
-def compiles_blocks(job: JobConfig) -> bool:
-    return job.compile.enable and "model" in job.compile.components
 
 
 def _batches(job: JobConfig, dims: ParallelDims) -> list[Batch]:
@@ -338,7 +335,7 @@ class PeakTracker(TorchDispatchMode):
             record[1] = storage.nbytes()
             self._grow(record[0], record[1])
 
-    supports_higher_order_operators = True  # a compiled checkpointed block's rng-state ops
+    supports_higher_order_operators = True  # a compiled graph's (checkpointing's rng-state ones)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -398,7 +395,7 @@ def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) ->
     dims = ParallelDims.resolve(job.parallelism, world_size)
     fused = fuses_token_loss(job, loss_parallel_enabled(job, dims))
     job.compile.components = [c for c in job.compile.components if c != "loss"]  # stood in for
-    job.compile.enable = compiles_blocks(job)
+    job.compile.enable = compiles_blocks(job.compile)
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
         world = World(rank=rank, size=world_size, local_rank=rank, device=torch.device("cpu"))
@@ -465,7 +462,7 @@ def tracked_step(step: TrainStep, batches: list[Batch], lr: float) -> dict[str, 
     # forward for another step's and raises ("multiple iterative calls"; torch 2.13, seen here)
     head = step.pipeline is not None and step.job.mtp.enable
     # and its module hooks cannot run inside a compiled block ("Attempt to trace generator")
-    hooks = not compiles_blocks(step.job)
+    hooks = not compiles_blocks(step.job.compile)
     if isinstance(step.parts[0], FSDPModule) and len(step.parts) == 1 and not head and hooks:
         tracker: FSDPMemTracker | PeakTracker = FSDPMemTracker(step.parts[0], step.optimizers[0])
     else:
@@ -588,7 +585,7 @@ def title(job: JobConfig, world_size: int) -> str:
     if dims.pp > 1:
         degrees += f" ({parallelism.pipeline_parallel_schedule})"
     fused = fuses_token_loss(dry_run_job(job), loss_parallel_enabled(job, dims))
-    parts = ["blocks"] * compiles_blocks(job) + ["loss"] * fused
+    parts = ["blocks"] * compiles_blocks(job.compile) + ["loss"] * fused
     compiled = f" | compiled: {' and '.join(parts)}" if parts else ""
     return (
         f"dry run: {job.model.name} {job.model.flavor if job.model.hf_assets_path is None else job.model.hf_assets_path} "

@@ -18,7 +18,7 @@ from autopar.config.sections import JobConfig
 from autopar.data.loader import check_batch, check_training_data
 from autopar.models.args import ModelArgs
 from autopar.parallel.activation_checkpoint import check_ac
-from autopar.parallel.compile import check_compile, check_compile_backend
+from autopar.parallel.compile import check_compile, check_compile_backend, compiles_blocks
 from autopar.parallel.context_parallel import check_cp
 from autopar.parallel.delta_rule_kernel import check_delta_rule_kernel, check_kernel_installed
 from autopar.parallel.expert_parallel import check_ep
@@ -50,7 +50,7 @@ def check_loss_chunks(job: JobConfig) -> None:
 def check_expert_kernel(job: JobConfig, args: ModelArgs, device_type: str) -> None:
     """A forced grouped expert GEMM must be one torch can compile: its traced shape function
     takes bfloat16 only (``auto`` falls back to the per-expert loop there by itself)."""
-    compiled = job.compile.enable and "model" in job.compile.components
+    compiled = compiles_blocks(job.compile)
     if not (args.moe and job.training.expert_kernel == "grouped" and compiled):
         return
     dtype = compute_dtype(job, torch.device(device_type))
@@ -77,7 +77,7 @@ def check_plan(job: JobConfig, args: ModelArgs, world_size: int, device_type: st
     check_batch(job.training, dims.dp)
     check_loss_chunks(job)
     check_ac(job.activation_checkpoint, dims.tp, parallelism.enable_sequence_parallel)
-    check_ep(dims.ep, job.activation_checkpoint, job.compile.enable and "model" in job.compile.components)
+    check_ep(dims.ep, job.activation_checkpoint, compiles_blocks(job.compile))
     check_compile(job.compile)
     check_float8(job.float8, device_type, dims.tp, job.compile.enable, job.lora.enable)
     check_cp(
