@@ -335,8 +335,6 @@ class PeakTracker(TorchDispatchMode):
             record[1] = storage.nbytes()
             self._grow(record[0], record[1])
 
-    supports_higher_order_operators = True  # a compiled graph's (checkpointing's rng-state ones)
-
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         """Dynamo compiles a block only when every active mode says this; the tracker then
@@ -351,7 +349,8 @@ class PeakTracker(TorchDispatchMode):
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
-        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        if self._follow_resizes:
+            torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
         super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
