@@ -550,9 +550,10 @@ def test_a_tp_embedding_without_fsdp_keeps_only_its_rows_of_the_gradient():
         (rank,) = compare(job, check_job(job, 8, "cuda"), 8)
         return rank.measured_peak_gib
 
+    # held: every weight's float32 gradient (0.86 GiB here, the embedding's rows among them)
     args = model_args(real_scale_job("qwen3", "32B"))
     whole = 4 * args.vocab_size * args.hidden_size / GIB
-    assert measured("--training.global_batch_size=2") - measured() < whole / 4
+    assert measured("--training.global_batch_size=2") - measured() < whole / 2
 
 
 def test_fsdp_shards_pad_dim_zero_after_the_tp_split():
@@ -832,30 +833,27 @@ COMPILED_KINDS = {
 }
 
 
-@pytest.mark.parametrize("kind", list(COMPILED_KINDS))
-def test_a_compiled_blocks_saves_are_what_its_partitioner_saves(kind):
-    # the formula against the tensors one compiled block (bf16, fake, 2 x 1024 tokens) saves,
-    # each storage once, weights left out: what the dry run runs, as ``SAVES_AS_INDUCTOR``
+def _compiled_block_saves(args, layer: int, tokens: int, prepare=lambda block: None, **inputs) -> int:
+    """Bytes one block of ``args`` (bf16, fake, 2 sequences of ``tokens``), compiled as the
+    dry run compiles it (``SAVES_AS_INDUCTOR``, a graph per shape, nothing left of earlier
+    compilations), saves for backward: each storage once, weights left out. ``prepare``
+    changes the block before it is compiled; ``inputs`` are the block's keyword arguments."""
     import torch
 
     from autopar.models.qwen import Qwen
     from autopar.models.qwen3_5.model import Qwen35
-    from autopar.parallel.mesh import ParallelDims
-    from autopar.parallel.torch_internals import FakeTensorMode
-    from autopar.planner.activations import sizes
-    from autopar.planner.compiled_block_bytes import compiled_block_bytes
+    from autopar.parallel.torch_internals import FakeTensorMode, forget_compiled_graphs, static_shapes
     from autopar.planner.dry_run import SAVES_AS_INDUCTOR
 
-    name, flavor, layer, overrides = COMPILED_KINDS[kind]
-    job = parse_job([f"--model.name={name}", f"--model.flavor={flavor}", "--training.seq_len=1024"])
-    args = replace(model_args(job), **overrides)
+    forget_compiled_graphs()
     saved: dict[int, int] = {}
-    with FakeTensorMode():
+    with FakeTensorMode(), static_shapes():
         torch.set_default_dtype(torch.bfloat16)
         try:
             block = (Qwen35 if args.hybrid else Qwen).block_type(args, layer)
         finally:
             torch.set_default_dtype(torch.float32)
+        prepare(block)
         block.compile(backend=SAVES_AS_INDUCTOR, fullgraph=not args.moe)
         kept = [p.untyped_storage() for p in block.parameters()]  # ids stay theirs while alive
         weights = {id(storage) for storage in kept}
@@ -867,13 +865,99 @@ def test_a_compiled_blocks_saves_are_what_its_partitioner_saves(kind):
                 saved[id(storage)] = storage.nbytes()
             return t
 
-        x = torch.empty(2, 1024, args.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        x = torch.empty(2, tokens, args.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        made = {k: make() for k, make in inputs.items()}
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            block(x)
+            block(x, **made)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("kind", list(COMPILED_KINDS))
+def test_a_compiled_blocks_saves_are_what_its_partitioner_saves(kind):
+    # the formula against the tensors one compiled block (2 x 1024 tokens) saves
+    from autopar.planner.activations import sizes
+    from autopar.planner.compiled_block_bytes import compiled_block_bytes
+
+    name, flavor, layer, overrides = COMPILED_KINDS[kind]
+    job = parse_job([f"--model.name={name}", f"--model.flavor={flavor}", "--training.seq_len=1024"])
+    args = replace(model_args(job), **overrides)
     z = sizes(args, job, ParallelDims(1, 1, 1, 1, 1), 2, "ring", 2, "cpu")
     assert compiled_block_bytes(
         replace(z, compiled=True), args.layer_kind(layer), args.qk_norm
-    ) == pytest.approx(sum(saved.values()), rel=0.001)
+    ) == pytest.approx(_compiled_block_saves(args, layer, 1024), rel=0.001)
+
+
+COMPILED_GDN_CASES = {
+    # (CP degree, head-tail load balancing, packed documents): rank 0 of head-tail CP and the
+    # last rank without it hold the sequence's last range, so they keep the most
+    "documents": (1, True, True),
+    "cp-headtail": (4, True, False),
+    "cp-documents": (4, False, True),
+}
+
+
+@pytest.mark.parametrize("case", list(COMPILED_GDN_CASES))
+def test_a_compiled_gated_deltanets_saves_under_cp_and_documents_are_what_its_partitioner_saves(case):
+    # as above, a Gated DeltaNet's ranges passing their states between the ranks of a fake
+    # process group (``parallel/state_passing.py``), or restarting them at each document
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.parallel.state_passing import apply_state_passing
+    from autopar.parallel.torch_internals import fake_store
+    from autopar.planner.activations import sizes
+    from autopar.planner.compiled_block_bytes import compiled_block_bytes
+
+    cp, head_tail, documents = COMPILED_GDN_CASES[case]
+    flags = [f"--parallelism.context_parallel_degree={cp}", "--training.seq_len=2048"]
+    flags += [f"--parallelism.context_parallel_load_balancer={'headtail' if head_tail else 'none'}"]
+    job = parse_job(
+        ["--model.name=qwen3.5", "--model.flavor=2B", *flags, f"--training.document_masking={documents}"]
+    )
+    args = replace(model_args(job), hidden_size=1536, linear_num_key_heads=8)
+    tokens = 2048 // cp
+    ids = (lambda: torch.zeros(2, tokens, dtype=torch.int64)) if documents else (lambda: None)
+    dist.init_process_group("fake", store=fake_store(), rank=0 if head_tail else cp - 1, world_size=cp)
+    try:
+        mesh = init_device_mesh("cpu", (cp,))  # outside the fake mode: its rank list is data
+        passing = (
+            (lambda block: apply_state_passing(block, mesh, head_tail)) if cp > 1 else (lambda block: None)
+        )
+        saved = _compiled_block_saves(args, 0, tokens, passing, documents=ids)
+    finally:
+        dist.destroy_process_group()
+    z = sizes(args, job, ParallelDims(1, 1, cp, 1, 1), 2, "ring", 2, "cpu")
+    kept = compiled_block_bytes(replace(z, compiled=True), args.layer_kind(0), args.qk_norm)
+    assert kept == saved  # to the byte: documents add a few bytes a token
+
+
+LONG_HYBRID = [  # Qwen3.5-27B's shapes at 4 layers and 131,072 tokens on 64 GPUs, compiled
+    "--model.num_hidden_layers=4",
+    "--training.seq_len=131072",
+    "--training.local_batch_size=2",
+    "--parallelism.data_parallel_shard_degree=2",
+    "--parallelism.tensor_parallel_degree=2",
+    "--parallelism.context_parallel_degree=8",
+    "--parallelism.pipeline_parallel_degree=2",
+    "--parallelism.pipeline_parallel_microbatch_size=1",
+    "--activation_checkpoint.mode=none",
+    "--compile.enable=true",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "1F1B"])
+def test_a_long_context_hybrid_pipeline_is_predicted_within_ten_percent(schedule):
+    # the misses the planner issue named: ZBV's stage of middle layers (compiled Gated
+    # DeltaNets under CP had been priced as eager ones save: -14%, eager +7.5%), 1F1B's first
+    # stage (+31%: FSDP held the TP embedding's whole gradient in float32, and CP's boolean
+    # mask, 2 GiB here, held for the whole step was not counted)
+    job = real_scale_job(
+        "qwen3.5", "27B", *LONG_HYBRID, f"--parallelism.pipeline_parallel_schedule={schedule}"
+    )
+    for rank in compare(job, check_job(job, 64, "cuda"), 64):
+        assert rank.predicted_peak_gib == pytest.approx(rank.measured_peak_gib, rel=0.10), rank
 
 
 def _inductor_buffers(code: str) -> list[tuple[int, str]]:

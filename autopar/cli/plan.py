@@ -223,8 +223,8 @@ def main(argv: list[str]) -> int:
 
 COMPILED_PEAKS = (
     "compile.enable: the blocks are counted as the compiler's partitioner saves them and the loss as "
-    "inductor fuses it (loss parallel's stays eager); LoRA's frozen blocks, and Gated DeltaNets over "
-    "packed documents, under CP or with FLA's kernel, as eager saves them, a bound (docs/planner.md)"
+    "inductor fuses it (loss parallel's stays eager); LoRA's frozen blocks and Gated DeltaNets with "
+    "FLA's kernel as eager saves them, a bound (docs/planner.md)"
 )
 """What of a compiled job the memory model counts as compiled and what as eager (more)."""
 

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import (
     DTensor,
     Placement,
@@ -34,6 +33,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.models.args import ModelArgs
 from autopar.models.qwen3_5.mtp import head_layer_args
@@ -322,24 +322,37 @@ def _resolves(model: nn.Module, path: str) -> bool:
 
 
 def keep_embedding_grad_sharded(model: nn.Module) -> None:
-    """Store a TP-sharded embedding's gradient in the weight's own placement, where no FSDP
-    owns it. The vocabulary-parallel lookup's backward sees every token's output gradient,
-    so DTensor computes the gradient replicated, whole on every rank; kept so, the ``.grad``
-    alone would hold the whole vocabulary in float32 on each TP rank (2.9 GiB at Qwen3-32B)
-    wherever gradients outlive the backward (accumulation, pipelines). The hook keeps a copy
-    of the rank's rows, not a view, so the whole gradient is freed. Called once the weights
-    are allocated: allocating replaces the meta parameters, and their hooks with them."""
+    """Make a TP-sharded embedding's gradient land in the weight's own placement. The
+    vocabulary-parallel lookup's backward sees every token's output gradient, so DTensor
+    computes the gradient replicated, whole on every rank. Kept so wherever gradients outlive
+    the backward (accumulation, pipelines), it holds the whole vocabulary in float32 on each
+    TP rank: the ``.grad`` without FSDP (2.9 GiB at Qwen3-32B), FSDP's unsharded accumulated
+    gradient with it (4.7 GiB at Qwen3.5-27B: its float32 cast, beside the whole compute-dtype
+    one). The hook keeps a copy of the rank's rows, not a view, so the whole gradient is
+    freed. It goes on the weight the lookup reads, once, at the forward: FSDP's unsharded
+    parameter (which exists from its first all-gather on and stays the same one), or without
+    FSDP under mixed precision each forward's compute-dtype cast, whose backward then casts
+    only the rows to float32."""
     embedding = getattr(model, "embed_tokens", None)
-    weight = getattr(embedding, "weight", None)
-    if isinstance(model, FSDPModule) or not isinstance(weight, DTensor) or not weight.requires_grad:
-        return  # FSDP reduce-scatters it; frozen under LoRA
+    if isinstance(embedding, nn.Module):
+        embedding.register_forward_pre_hook(functools.partial(_hook_sharded_grad, WeakIdKeyDictionary()))
+
+
+def _hook_sharded_grad(hooked: WeakIdKeyDictionary, module: nn.Module, args: object) -> None:
+    """Once per weight: store its gradient in its own placement (``keep_embedding_grad_sharded``)."""
+    weight = module.weight
+    if weight in hooked or not isinstance(weight, DTensor) or not weight.requires_grad:
+        return  # already, not TP-sharded, or frozen under LoRA
     if all(isinstance(p, Replicate) for p in weight.placements):
         return
+    mesh, placements = weight.device_mesh, weight.placements
 
     def to_placement(grad: DTensor) -> DTensor:
-        if grad.placements == weight.placements:
+        if grad.placements == placements:
             return grad
-        rows = grad.redistribute(weight.device_mesh, weight.placements).to_local().clone()
-        return DTensor.from_local(rows, weight.device_mesh, weight.placements, run_check=False)
+        rows = grad.redistribute(mesh, placements).to_local()  # DTensor copies the rows out
+        if rows.untyped_storage().nbytes() > rows.numel() * rows.element_size():
+            rows = rows.clone()  # a view would keep the whole gradient alive
+        return DTensor.from_local(rows, mesh, placements, run_check=False)
 
-    weight.register_hook(to_placement)
+    hooked[weight] = weight.register_hook(to_placement)

@@ -99,7 +99,10 @@ LEANED_ON = {
     ): "ring_attention_options",
     ("torch.distributed.tensor.experimental._attention", "set_rotate_method"): "ring_attention_options",
     ("torch._functorch.config", "donated_buffer"): "keep_donated_buffers: split-backward pipelines",
-    ("torch._dynamo.config", "automatic_dynamic_shapes"): "static_shapes: the probe's compiled steps",
+    (
+        "torch._dynamo.config",
+        "automatic_dynamic_shapes",
+    ): "static_shapes: the probe's and the dry run's compiled steps",
     ("torch._inductor", "config.cpp.simdlen"): "key_compile_cache_on_vector_isa",
     ("torch._inductor.cpu_vec_isa", "pick_vec_isa"): "key_compile_cache_on_vector_isa",
 }
@@ -259,6 +262,13 @@ def static_shapes() -> contextlib.AbstractContextManager:
     dynamic sizes when a second shape arrives: a graph per batch, as a job compiling its one
     shape gets (the probe times two batches on one compiled model)."""
     return torch._dynamo.config.patch(automatic_dynamic_shapes=False)
+
+
+def forget_compiled_graphs() -> None:
+    """Drop every graph torch.compile made in this process, and its recompile counts: a dry
+    run then compiles as a fresh job does, neither reusing the graphs of earlier dry runs nor
+    running past the recompile limit after many shapes (which stops a full graph)."""
+    torch._dynamo.reset()
 
 
 @contextlib.contextmanager

@@ -15,14 +15,19 @@ dry run (``tests/test_planner.py``); ``c`` the compute dtype's bytes, heads per 
 - a Gated DeltaNet keeps per convolution channel the left-padded copy, the convolution's
   output and SiLU's; z, the delta rule's output and the gated norm's output; the delta
   rule's float32 states; per value head the decay g (float32), the gated norm's rsqrt, a's
-  projection and beta;
+  projection and beta. Under CP (``parallel/state_passing.py``) the convolution runs on the
+  concatenated channels of each range extended by the previous one's tail (both copies and
+  the concatenated taps kept), g is not kept, and the state passing keeps what it keeps
+  eagerly (the gathered maps, the chain's states, the map pass's segment states); packed
+  documents add their int64 ids and a boolean mask per tap (per range under CP, and every
+  range's last id);
 - a SwiGLU keeps gate, up and their product; a mixture of experts its router's logits and
   float32 probabilities, the routing indices and weights, each routed row's token copy and
   its weighted output, per routed row a SwiGLU's; a shared expert its SwiGLU's, its output
   and its gate.
 
-Where no formula was read off (LoRA's frozen blocks, a Gated DeltaNet over packed documents,
-under CP or with FLA's kernel) the eager count stands: compiled saves no more than eager.
+Where no formula was read off (LoRA's frozen blocks, a Gated DeltaNet with FLA's kernel) the
+eager count stands: compiled saves no more than eager.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from autopar.planner.block_bytes import (
     block_bytes_op_ac,
     delta_rule_states,
     linear_channels,
+    state_passing,
 )
 
 
@@ -59,7 +65,7 @@ def block_op_saves(z: Sizes, tp: int, kind: LayerKind) -> float:
 def compiled_block_bytes(z: Sizes, kind: LayerKind, qk_norm: bool) -> float | None:
     """``block_saves`` of a compiled block; None where no formula was read off."""
     mixer, feed_forward = kind
-    if z.frozen or (mixer == "linear_attention" and (z.documents or z.cp_ranges > 1 or z.fla)):
+    if z.frozen or (mixer == "linear_attention" and z.fla):
         return None
     if mixer == "attention":
         mixes = _attention(z, qk_norm, gated=False)
@@ -89,11 +95,17 @@ def _attention(z: Sizes, qk_norm: bool, gated: bool) -> float:
 def _gated_deltanet(z: Sizes) -> float:
     t, c = z.tokens, z.dtype_bytes
     keys, values = linear_channels(z)
-    channels = 2 * keys + values
-    convolution = c * channels * (3 * t + (z.conv_width - 1) * (t // z.seq))
+    channels, taps, sequences = 2 * keys + values, z.conv_width - 1, t // z.seq
+    passing = state_passing(z)
+    halo = 3 * taps * z.ranges if passing else taps  # the padded copy's; per range, the extended one's too
+    convolution = c * channels * (3 * t + halo * sequences + (z.conv_width if passing else 0))
     gated = 3 * c * values * t  # z, the delta rule's output, the gated norm's
-    heads = (2 * FP32 + 2 * c) * z.linear_value_heads * t
-    return convolution + gated + heads + delta_rule_states(z)
+    per_head = 2 * c + FP32 * (1 if passing else 2)  # a and beta; g, and the norm's rsqrt
+    # the ids (int64) and a boolean mask per tap; under CP per range, and every range's last id
+    crossing = (3 * taps * z.ranges + 8 * z.cp_ranges) * sequences if passing else 0
+    documents = 11 * t + crossing if z.documents else 0
+    kept = convolution + gated + per_head * z.linear_value_heads * t + documents + delta_rule_states(z)
+    return kept + (passing.saved() if passing else 0.0)
 
 
 def _swiglu(z: Sizes, width: int, rows: int | None = None) -> float:

@@ -75,9 +75,11 @@ from autopar.parallel.torch_internals import (
     TorchDispatchMode,
     active_fake_mode,
     fake_store,
+    forget_compiled_graphs,
     forget_sharding_caches,
     fsdp_weights_gathered,
     sharding_propagation_untracked,
+    static_shapes,
     tree_flatten,
 )
 from autopar.parallel.world import World, init_world
@@ -396,6 +398,7 @@ def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) ->
     job.compile.components = [c for c in job.compile.components if c != "loss"]  # stood in for
     job.compile.enable = compiles_blocks(job.compile)
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
+    forget_compiled_graphs()
     try:
         world = World(rank=rank, size=world_size, local_rank=rank, device=torch.device("cpu"))
         meshes = build_meshes(dims, "cpu", always_fsdp=job.training.enable_cpu_offload)
@@ -411,7 +414,9 @@ def measure_rank(job: JobConfig, args: ModelArgs, world_size: int, rank: int) ->
         for part in built.parts:
             apply_attention_kernel(part, gqa)
             apply_delta_rule_kernel(part, cuda_delta_rule, "cuda")  # CUDA's kernel; its fake runs here
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        # a graph per shape, as a job compiling its one shape gets: dry runs of other shapes
+        # earlier in the process would otherwise make it dynamic, which saves differently
+        with FakeTensorMode(allow_non_fake_inputs=True), static_shapes():
             parts = materialize_parts(built, world.device, _fake_values)
             io = _stage_io(job, meshes, parts) if dims.pp > 1 else None
             # the schedule's warm-up vote on static metadata moves no data under the fake

@@ -47,6 +47,7 @@ from autopar.planner.activations import (
     head_bytes,
     policy_head_bytes,
     sizes,
+    step_mask,
     with_mtp_head,
 )
 from autopar.planner.block_bytes import (
@@ -61,6 +62,7 @@ from autopar.planner.weight_bytes import (
     casts_per_micro_batch,
     embedding_backward_bytes,
     embedding_grad,
+    embedding_unsynced_grad,
     fsdp_block_bytes,
     gathered_bytes,
     landing_grads,
@@ -219,6 +221,7 @@ class _StageCosts:
 
     n_micro: int
     gathered: float  # weights gathered (or cast) for the whole step
+    held: float  # activations held for the whole step (``step_mask``)
     saved: dict[int, float]  # what a micro-batch's forward leaves saved in the stage
     pending: dict[int, float]  # a zero-bubble input step's gradients awaiting its weight step
     stage_kinds: dict[int, list[LayerKind]]  # in a fixed order
@@ -277,6 +280,7 @@ def _stage_costs(
     return _StageCosts(
         n_micro=n_micro,
         gathered=gathered,
+        held=step_mask(z),
         saved={i: saves.saved[i] + casts[i] for i in rank.ids},
         pending={
             i: sum(block_weight_output_grad_bytes(z, k, args.qk_norm) for k in blocks[i]) for i in rank.ids
@@ -295,7 +299,7 @@ def _stage_costs(
         syncs_at_end=unsynced and SCHEDULE_STYLES[schedule_name(job.parallelism)].stages_per_rank != 1,
         embedding_end_gathered=_embedding_end_gathered(job, dims, z, gathered, embedding_gathered),
         embedding_grads=embedding_grads,
-        embedding_first_grads=embedding_grads - (embedding_grad(args, job, dims) if held_in_walk else 0.0),
+        embedding_first_grads=embedding_grads - _landed_later(args, job, dims, held_in_walk, unsynced),
         stage_grads={i: landing_grads(args, job, dims, rank.stages[i]) if fresh else 0.0 for i in rank.ids},
         # blocks of one kind keep the same gradients: priced from one of each
         block_grads={
@@ -304,6 +308,16 @@ def _stage_costs(
         first_block={i: next(iter(blocks[i]), None) for i in rank.ids},
         before_first=saves.before_first,
     )
+
+
+def _landed_later(
+    args: ModelArgs, job: JobConfig, dims: ParallelDims, held_in_walk: bool, unsynced: bool
+) -> float:
+    """The embedding's part of the gradients the walk holds from a stage's first backward
+    on, which that backward's embedding moment does not have yet."""
+    if held_in_walk:
+        return embedding_grad(args, job, dims)
+    return embedding_unsynced_grad(args, job, dims) if unsynced else 0.0
 
 
 def _embedding_end_gathered(
@@ -354,7 +368,7 @@ def _walk_schedule(actions: tuple[tuple[str, int, int], ...], k: _StageCosts) ->
     """The peak moment of a rank's step: its forwards (F), backwards (B), or zero-bubble
     input (I) and weight (W) steps, in the schedule's order."""
     peak = _Peak()
-    alive, accumulated = 0.0, 0.0
+    alive, accumulated = k.held, 0.0
     unsynced = dict(k.unsynced_grads)
     backward_done: set[int] = set()
     for kind, stage, _ in actions:

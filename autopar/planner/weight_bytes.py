@@ -216,13 +216,13 @@ def embedding_backward_bytes(
 ) -> tuple[float, float]:
     """(gathered weights, gradient temporaries) the embedding's backward adds. Its gradient
     covers the whole vocabulary: under TP every rank sees every token's output gradient, so
-    the vocabulary-sharded lookup computes the whole (replicated) gradient, and under FSDP it
-    is the unsharded weight's. Without FSDP it is computed in the compute dtype, cast to the
-    stored float32 (a temporary where ``held`` gradients accumulate it, else the ``.grad``
-    itself); when FSDP syncs, it copies its TP shard into a float32 reduce-scatter buffer (and
-    gathers the embedding again, unless it is tied to the head, whose group stays gathered).
-    Under TP without FSDP the float32 cast is always a temporary: the ``.grad`` keeps a copy of
-    the rank's rows (``parallel.tensor_parallel.keep_embedding_grad_sharded``)."""
+    the vocabulary-sharded lookup computes the whole (replicated) gradient, from which the
+    rank's rows are copied (``parallel.tensor_parallel.keep_embedding_grad_sharded``), and
+    under FSDP it is the unsharded weight's. Without FSDP it is computed in the compute dtype,
+    cast to the stored float32 (a temporary where ``held`` gradients accumulate it, else the
+    ``.grad`` itself); when FSDP syncs, it copies its TP shard into a float32 reduce-scatter
+    buffer (and gathers the embedding again, unless it is tied to the head, whose group stays
+    gathered)."""
     if job.lora.enable:
         return 0.0, 0.0  # frozen
     whole = args.vocab_size * args.hidden_size
@@ -230,16 +230,36 @@ def embedding_backward_bytes(
         cast = c * whole if c < stored else 0.0
         if dims.tp == 1:
             return 0.0, cast + (FP32 * whole if held else 0.0)
-        # the rows are copied out once the compute-dtype gradient is freed: counted with the
-        # landed gradients, they are not there yet where nothing was held before; where they
-        # were, the copy and its sum with them (out of place) sit beside the whole float32 cast
-        rows = FP32 * modules_numel(args, job, dims, ["embed_tokens"])
-        if held:
-            return 0.0, FP32 * whole + max(cast, 2 * rows)
-        return 0.0, cast + FP32 * whole - rows
+        # the rows are copied out of the whole compute-dtype gradient (of the weight's cast
+        # where mixed precision casts it), then cast to float32: counted with the landed
+        # gradients, they are not there yet where nothing was held before; where they were,
+        # the new float32 rows are added into them in place (dry run, a TP 2 x 1F1B first stage)
+        rows = modules_numel(args, job, dims, ["embed_tokens"])
+        width = c if c < stored else FP32
+        copied = width * rows if c < stored else 0.0  # the copy the float32 cast reads
+        cast = copied + FP32 * rows
+        return 0.0, max(width * (whole + rows), cast) - (0.0 if held else FP32 * rows)
     shard = modules_numel(args, job, dims, ["embed_tokens"], sharded=False)
     regathered = 0.0 if (args.tie_word_embeddings or _keeps_blocks(job, dims)) else c * shard
-    return regathered, c * whole + (FP32 * shard if synced else 0.0)
+    if dims.tp == 1:
+        return regathered, c * whole + (FP32 * shard if synced else 0.0)
+    # the rows are copied out of the whole gradient, freed before FSDP casts or reduces them
+    # (``keep_embedding_grad_sharded``; unsynced, they are added into the held float32 ones).
+    # Without a pipeline the head is in the embedding's FSDP group: its unsharded gradient
+    # waits for that group's reduce-scatter, after the embedding's backward (dry run,
+    # Qwen2.5-72B FSDP 32 x TP 8: 0.29 GiB)
+    head = (
+        0.0
+        if (dims.pp > 1 or args.tie_word_embeddings)
+        else c * modules_numel(args, job, dims, ["lm_head"], sharded=False)
+    )
+    return regathered, max(c * whole, FP32 * shard if synced else 0.0) + c * shard + head
+
+
+def embedding_unsynced_grad(args: ModelArgs, job: JobConfig, dims: ParallelDims) -> float:
+    """The embedding's float32 gradient among a stage's unsynced ones (``unsynced_grads``):
+    FSDP casts it from the first backward's at that backward's very end."""
+    return 0.0 if job.lora.enable else FP32 * modules_numel(args, job, dims, ["embed_tokens"], sharded=False)
 
 
 def embedding_grad(args: ModelArgs, job: JobConfig, dims: ParallelDims) -> float:
