@@ -191,6 +191,53 @@ def test_a_run_resumed_inside_a_rollouts_passes_trains_on_the_completions_it_kep
     assert [(r.loss, r.grad_norm) for r in resumed] == [(r.loss, r.grad_norm) for r in uninterrupted[1:]]
 
 
+HELD_OUT = (
+    "--validation.enable",
+    "true",
+    "--validation.dataset",
+    "rl_example",
+    "--validation.local_batch_size",
+    "16",
+    "--validation.freq",
+    "2",
+    "--validation.steps",
+    "1",
+)
+
+
+def short_run(folder: Path, *flags: str) -> list:
+    """``rl_debug``'s first 4 steps, 8-token completions, without checkpoints."""
+    run = ("--job.config", "rl_debug", "--training.steps", "4", "--checkpoint.enable", "false")
+    job = parse_job([*run, "--rl.max_completion_length", "8", *flags, "--job.dump_folder", str(folder)])
+    return one_process_trainer(job).train()
+
+
+def test_validation_samples_held_out_prompts_and_leaves_training_as_it_was(tmp_path):
+    plain = short_run(tmp_path / "plain")
+    validated = short_run(tmp_path / "validated", *HELD_OUT)
+    assert [(r.loss, r.grad_norm) for r in validated] == [(r.loss, r.grad_norm) for r in plain]
+    held_out = [r for r in read_metrics(tmp_path / "validated" / "metrics.jsonl") if "val_loss" in r]
+    assert [r["step"] for r in held_out] == [2, 4]
+    for record in held_out:  # TRL's names, val_ before each; the sampler scored as the trainer does
+        assert record["val_sampling/logp_diff_max"] <= 1e-5
+        assert record["val_completions/max_length"] <= 8 and record["val_reward"] > 0
+    kept = sorted(p.name for p in (tmp_path / "validated" / "rollouts").iterdir())
+    assert kept == [f"step-{i}.jsonl" for i in range(1, 5)]  # training's alone, as they were
+    for name in kept:
+        assert (tmp_path / "validated" / "rollouts" / name).read_text() == (
+            tmp_path / "plain" / "rollouts" / name
+        ).read_text()
+
+
+def test_every_validation_pass_samples_the_same_prompts_from_the_same_seeds(tmp_path):
+    # weights that do not move: the passes at steps 2 and 4 are the same numbers
+    short_run(tmp_path, *HELD_OUT, "--optimizer.lr", "0")
+    first, second = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "val_loss" in r]
+    assert {k: v for k, v in first.items() if k not in ("step", "val_time/rollout", "val_time/scoring")} == {
+        k: v for k, v in second.items() if k not in ("step", "val_time/rollout", "val_time/scoring")
+    }
+
+
 REPLAYED_UNDER_PP = (
     "--parallelism.pipeline_parallel_degree",
     "2",
@@ -233,6 +280,9 @@ def check(*flags: str) -> None:
             "rl.old_logps='trainer' (a forward-only pass) under parallelism.pipeline_parallel_schedule='DualPipeV'",
         ),
         (("--parallelism.pipeline_parallel_degree", "2"), "pipeline_parallel_degree=2: not supported yet"),
+        ((*HELD_OUT, "--rl.replay", str(FIXTURES / "rollouts")), "validation.enable=true with rl.replay"),
+        ((*HELD_OUT, "--validation.seq_len", "64"), "validation.seq_len=64 with RL"),
+        ((*HELD_OUT, "--validation.local_batch_size", "6"), "does not divide the 6 completions"),
         (
             (
                 *REPLAYED_UNDER_PP,

@@ -195,8 +195,17 @@ LIVE = (
     "8",
     "--training.seq_len",
     "32",
+    "--validation.enable",
+    "true",
+    "--validation.dataset",
+    "rl_example",
+    "--validation.local_batch_size",
+    "4",
+    "--validation.steps",
+    "1",
 )
-"""The toy task, sampled live: 2 prompts x 4 completions a step."""
+"""The toy task, sampled live: 2 prompts x 4 completions a step; validated after the last
+(held-out prompts sampled and scored the same way)."""
 LIVE_PLANS = ["dp_shard=2", "tp=2,sp=false", "tp=2", "cp=2"]
 MOE_LIVE_PLANS = ["dp_shard=2,ep=2"]
 """An expert-parallel group samples its ranks' prompts together, in step."""
@@ -233,7 +242,7 @@ def live(tmp_path_factory):
     out = {}
     for plan, job in jobs.items():
         dump = Path(job.job.dump_folder)
-        records = [r for r in read_metrics(dump / "metrics.jsonl") if "reward" in r]
+        records = [r for r in read_metrics(dump / "metrics.jsonl") if "reward" in r or "val_reward" in r]
         steps = [
             [json.loads(line) for line in (dump / "rollouts" / f"step-{n}.jsonl").read_text().splitlines()]
             for n in (1, 2)
@@ -256,8 +265,12 @@ def live(tmp_path_factory):
 )
 def test_sampled_log_probs_equal_the_trainers_under_a_plan(live, plan):
     records, _ = live[plan]
-    # fp32: the decode step's logits and the packed training forward's differ in sums only
-    assert len(records) == 2 and all(r["sampling/logp_diff_max"] <= 1e-5 for r in records), records
+    # fp32: the decode step's logits and the packed training forward's differ in sums only;
+    # the held-out pass's too
+    steps = [r for r in records if "reward" in r]
+    (held_out,) = [r for r in records if "val_reward" in r]
+    assert len(steps) == 2 and all(r["sampling/logp_diff_max"] <= 1e-5 for r in steps), records
+    assert held_out["val_sampling/logp_diff_max"] <= 1e-5, held_out
 
 
 @pytest.mark.slow
@@ -280,7 +293,11 @@ def test_a_compiled_qwen3_5_samples_with_its_blocks_run_eagerly(tmp_path):
 @pytest.mark.parametrize("plan", ["tp=2,sp=false", "tp=2", "qwen3.5 tp=2"])
 def test_live_sampling_under_tensor_parallel_draws_one_devices_completions(live, plan):
     """With sequence parallelism too: each forward padded to split evenly over the ranks."""
-    _, one = live[plan.removesuffix("tp=2,sp=false").removesuffix("tp=2")]
-    _, tp = live[plan]
+    one_records, one = live[plan.removesuffix("tp=2,sp=false").removesuffix("tp=2")]
+    tp_records, tp = live[plan]
     for ours, theirs in zip(tp, one, strict=True):
         assert [r["completion_ids"] for r in ours] == [r["completion_ids"] for r in theirs]
+    # the held-out pass too: the same completions, so the same rewards and lengths
+    held_out = [next(r for r in records if "val_reward" in r) for records in (tp_records, one_records)]
+    for name in ("val_reward", "val_completions/mean_length", "val_completions/max_length"):
+        assert held_out[0][name] == held_out[1][name], name

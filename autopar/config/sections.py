@@ -443,9 +443,11 @@ class Validation:
     """A built-in dataset to validate on (as training.dataset); or give dataset_path."""
     dataset_path: str | None = None
     """Held-out text, tables or prepared tokens, read as training.dataset_path is (its
-    dataset_format and dataset_text_field too)."""
+    dataset_format and dataset_text_field too); an RL job's held-out prompts, sampled and
+    scored every pass (docs/rl.md)."""
     local_batch_size: int = 8
-    """Sequences per data-parallel rank per validation step (under PP: training.local_batch_size)."""
+    """Sequences (RL: completions) per data-parallel rank per validation step (under PP:
+    training.local_batch_size)."""
     seq_len: int = -1
     """Tokens per sequence; -1: training.seq_len (under PP it must be training.seq_len)."""
     freq: int = 10

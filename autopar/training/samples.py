@@ -13,7 +13,8 @@ from autopar.data.prompt_records import PromptSource
 from autopar.data.tokenizer import Tokenizer
 from autopar.parallel.mesh import Meshes
 from autopar.training.objectives.dpo.job import is_preference, pair_loader, pair_validator, preference_source
-from autopar.training.objectives.rl.job import is_rl, prompt_source
+from autopar.training.objectives.rl.engine import Rollouts
+from autopar.training.objectives.rl.job import is_rl, prompt_source, rollout_validator, validation_job
 from autopar.training.resolve import chat_format, tokenizer_path
 from autopar.training.step import TrainStep
 from autopar.training.validation import Validator, validation_samples, window_validator
@@ -52,8 +53,11 @@ def step_loader(
     return StepLoader(global_batch, training.local_batch_size, dp_rank, dims.dp, device, samples=samples)
 
 
-def held_out_samples(job: JobConfig, tokenizer: Tokenizer) -> PackedWindows | PairSource:
-    """The ``[validation]`` data: held-out windows, or pairs for a preference job."""
+def held_out_samples(job: JobConfig, tokenizer: Tokenizer) -> PackedWindows | PairSource | PromptSource:
+    """The ``[validation]`` data: held-out windows, pairs for a preference job, or prompts
+    for RL."""
+    if is_rl(job):
+        return prompt_source(validation_job(job))
     if is_preference(job):
         cfg = job.validation
         return preference_source(job, tokenizer_path(job), cfg.dataset or "", cfg.dataset_path, "validation")
@@ -61,9 +65,15 @@ def held_out_samples(job: JobConfig, tokenizer: Tokenizer) -> PackedWindows | Pa
 
 
 def validator(
-    job: JobConfig, held_out: PackedWindows | PairSource, step: TrainStep, loader: StepLoader | PairLoader
+    job: JobConfig,
+    held_out: PackedWindows | PairSource | PromptSource,
+    step: TrainStep,
+    loader: StepLoader | PairLoader | Rollouts,
 ) -> Validator:
     """What computes the held-out numbers every ``validation.freq`` steps."""
+    if isinstance(held_out, PromptSource):
+        assert isinstance(loader, Rollouts)
+        return rollout_validator(job, held_out, step, loader)
     if isinstance(held_out, PairSource):
         assert isinstance(loader, PairLoader)
         return pair_validator(job, held_out, step, loader)

@@ -73,14 +73,17 @@ class TrainStep:
         outcome = self.forward_backward(batches)
         return outcome.loss, self.update(lr)
 
-    def forward_backward(self, batches: list[Batch], backward: bool = True) -> StepOutcome:
+    def forward_backward(
+        self, batches: list[Batch], backward: bool = True, objective: Objective | None = None
+    ) -> StepOutcome:
         """The step's micro-batches forward and (unless told not to: a held-out loss)
-        backward; its numbers, summed over every rank (collective)."""
-        runner = self.runner
-        loss, targets = self.objective.begin(batches, runner.calls_per_batch)
-        calls = runner.run(targets, loss, self.objective, backward)
+        backward; its numbers, summed over every rank (collective). ``objective``: another
+        than the step's (a held-out pass's own)."""
+        runner, objective = self.runner, self.objective if objective is None else objective
+        loss, targets = objective.begin(batches, runner.calls_per_batch)
+        calls = runner.run(targets, loss, objective, backward)
         local = sum_over(loss.summed(calls), runner, "pp")  # a pipeline's last stage holds them
-        return self.objective.finish(sum_over(local, runner, "loss"), local, loss)
+        return objective.finish(sum_over(local, runner, "loss"), local, loss)
 
     def update(self, lr: float) -> torch.Tensor:
         """Clip, step the optimizers at ``lr`` and free the gradients; the grad norm."""

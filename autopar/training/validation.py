@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -19,12 +20,12 @@ from autopar.config.errors import ConfigError
 from autopar.config.sections import JobConfig
 from autopar.data.dataset import PackedWindows
 from autopar.data.errors import DataError
-from autopar.data.loader import StepLoader, build_samples, check_data, table_columns
-from autopar.data.pair_batches import PairLoader
+from autopar.data.loader import Batch, StepLoader, build_samples, check_data, table_columns
 from autopar.data.tokenizer import Tokenizer
 from autopar.models.args import ModelArgs
 from autopar.parallel.mesh import ParallelDims, check_model_split
 from autopar.parallel.pipelining.schedule import check_forward_only_schedule
+from autopar.training.objectives.base import Objective
 from autopar.training.resolve import chat_format
 from autopar.training.sample_prompts import check_sample_prompts
 from autopar.training.step import TrainStep
@@ -111,22 +112,40 @@ class ValidationResult:
     head's ``mtp_loss`` and ``mtp_acceptance``)."""
 
 
+class HeldOutBatches(Protocol):
+    """What a validation pass reads its batches from (a loader, or RL's held-out rollouts)."""
+
+    def next_step(self) -> list[Batch]: ...
+
+
 class Validator:
     """The held-out loss and metrics of this rank's model parts: the step's forward under the
     training plan, without gradients (collective over every rank)."""
 
-    def __init__(self, step: TrainStep, loader: Callable[[], StepLoader | PairLoader], steps: int) -> None:
+    def __init__(
+        self,
+        step: TrainStep,
+        loader: Callable[[], HeldOutBatches],
+        steps: int,
+        objective: Objective | None = None,
+    ) -> None:
         self.step = step
         self.loader = loader
         """A fresh loader from the first held-out sample: every pass reads the same batches."""
         self.steps = steps
+        self.objective = step.objective if objective is None else objective
+        """What the held-out batches compute: the step's objective, or one over them (RL's
+        policy loss over held-out rollouts)."""
 
     @torch.no_grad()
     def run(self) -> ValidationResult:
         """One pass over the held-out batches."""
         loader = self.loader()
-        outcomes = [self.step.forward_backward(loader.next_step(), backward=False) for _ in range(self.steps)]
-        return ValidationResult(*self.step.objective.held_out(outcomes))
+        outcomes = [
+            self.step.forward_backward(loader.next_step(), backward=False, objective=self.objective)
+            for _ in range(self.steps)
+        ]
+        return ValidationResult(*self.objective.held_out(outcomes))
 
 
 def window_validator(

@@ -65,6 +65,7 @@ class Rollouts:
         reference: ReferenceTokens | None = None,
         replay: dict[int, list[Completion]] | None = None,
         recompute: ReferenceTokens | None = None,
+        held_out: bool = False,
     ) -> None:
         self.job, self.runner, self.prompts, self.rewards = job, runner, prompts, rewards
         self.text, self.stop_ids, self.pad_id, self.reference, self.replay = (
@@ -102,6 +103,8 @@ class Rollouts:
         """The reward functions' names: the job's, or a replay's records'."""
         if replay:
             self.reward_names = list(next(iter(replay.values()))[0].rewards)
+        self.held_out = held_out
+        """``[validation]``'s: sampled from seeds of their own, nothing written to ``rollouts/``."""
         self.consumed_samples = 0
         self.step = 0
         self.current: list[Batch] = []
@@ -117,6 +120,12 @@ class Rollouts:
         self.step += 1
         self.consumed_samples += self.global_batch
         return self.current
+
+    def restart(self) -> Rollouts:
+        """From the first rollout again: each validation pass samples the same prompts from
+        the same seeds, so passes at different steps compare the policies alone."""
+        self.step = self.consumed_samples = 0
+        return self
 
     def state_dict(self) -> dict[str, int]:
         return {"consumed_samples": self.consumed_samples}
@@ -175,6 +184,7 @@ class Rollouts:
         cp_rank, cp_size = (self.cp_mesh.get_local_rank(), self.cp_mesh.size()) if self.cp_mesh else (0, 1)
         share = slice(cp_rank * len(prompt_ids) // cp_size, (cp_rank + 1) * len(prompt_ids) // cp_size)
         key = (self.job.debug.seed, index, self.dp_rank) + ((cp_rank,) if cp_size > 1 else ())
+        key += (-1,) if self.held_out else ()  # numbers only: a str's hash changes between processes
         rows, seed, agree = prompt_ids[share], hash(key) % 2**63, None
         if self.ep_mesh is not None:  # the expert group samples its ranks' rows together
             everyone: list[tuple[list[list[int]], int]] = [None] * self.ep_mesh.size()  # type: ignore[list-item]
@@ -324,6 +334,8 @@ class Rollouts:
 
     def _keep(self, completions: list[Completion]) -> None:
         """The step's completions, every rank's, to ``rollouts/step-N.jsonl`` (main rank)."""
+        if self.held_out:
+            return
         everyone = [completions]
         if self.dp_group is not None:
             everyone = [None] * self.dp_size  # type: ignore[list-item]

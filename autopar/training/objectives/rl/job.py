@@ -13,6 +13,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -47,6 +48,8 @@ from autopar.training.objectives.rl.rollouts import Completion, read_replay
 from autopar.training.objectives.rl.scoring import load_rewards
 from autopar.training.plan_runner import PlanRunner, sum_over
 from autopar.training.resolve import tokenizer_path
+from autopar.training.step import TrainStep
+from autopar.training.validation import Validator
 
 
 def is_rl(job: JobConfig) -> bool:
@@ -83,9 +86,9 @@ def check_rl(job: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         )
     _check_reference(job)
     _check_plan(job, dims, args)
+    _check_validation(job, dims)
     refused = {
         "training.loss_chunk_tokens > 0": job.training.loss_chunk_tokens > 0,
-        "validation.enable=true": job.validation.enable,
         "mtp.enable=true": job.mtp.enable,
     }
     for setting, asked in refused.items():
@@ -124,13 +127,15 @@ def _check_numbers(cfg: RL) -> None:
             raise ConfigError(f"rl.{name}={getattr(cfg, name)} must be {rule}")
 
 
-def _check_batch(job: JobConfig, dims: ParallelDims) -> None:
+def _check_batch(
+    job: JobConfig, dims: ParallelDims, batch: str = "training.global_batch_size, else local_batch_size"
+) -> None:
     training, cfg = job.training, job.rl
     completions = training.global_batch(dims.dp)
     if completions % cfg.num_generations:
         raise ConfigError(
             f"rl.num_generations={cfg.num_generations} does not divide the {completions} completions of a step "
-            "(training.global_batch_size, else local_batch_size x data-parallel degree); make it a divisor"
+            f"({batch} x data-parallel degree); make it a divisor"
         )
     prompts = completions // cfg.num_generations
     if prompts % dims.dp:
@@ -139,6 +144,37 @@ def _check_batch(job: JobConfig, dims: ParallelDims) -> None:
             f"not split over the data-parallel degree {dims.dp}; use a batch of a multiple of "
             f"{dims.dp * cfg.num_generations} completions"
         )
+
+
+def _check_validation(job: JobConfig, dims: ParallelDims) -> None:
+    """``[validation]`` samples held-out prompts as the rollouts sample (``validation_job``)."""
+    cfg = job.validation
+    if not cfg.enable:
+        return
+    if job.rl.replay is not None:
+        raise ConfigError(
+            "validation.enable=true with rl.replay: validation samples held-out prompts, and a replay "
+            "samples nothing (its model may not be the one that wrote the rollouts); turn one off"
+        )
+    if cfg.seq_len != -1:
+        raise ConfigError(
+            f"validation.seq_len={cfg.seq_len} with RL: held-out completions are packed as training's, "
+            "into rows of training.seq_len; leave it at -1"
+        )
+    _check_batch(validation_job(job), dims, "validation.local_batch_size")
+
+
+def validation_job(job: JobConfig) -> JobConfig:
+    """The job its ``[validation]`` rollouts run as: validation.local_batch_size completions
+    per data-parallel rank a step, one pass each, from the held-out prompts."""
+    training = replace(
+        job.training,
+        local_batch_size=job.validation.local_batch_size,
+        global_batch_size=-1,
+        dataset=job.validation.dataset,
+        dataset_path=job.validation.dataset_path,
+    )
+    return replace(job, training=training, rl=replace(job.rl, num_iterations=1))
 
 
 def _check_reference(job: JobConfig) -> None:
@@ -317,3 +353,34 @@ def _whole_rows(local: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(cp.mesh.size())]
     dist.all_gather(parts, local.contiguous(), group=cp.mesh.get_group())
     return unshard_sequence(parts, cp.head_tail)
+
+
+def rollout_validator(job: JobConfig, source: PromptSource, step: TrainStep, training: Rollouts) -> Validator:
+    """``Validator`` over held-out prompts: each pass samples them under the job's plan as the
+    rollouts do (from seeds of its own, the same every pass), scores them with the job's
+    rewards and runs the policy loss forward on them; its metrics are the training step's,
+    ``val_`` before each name (``val_reward``, ``val_completions/mean_length``...)."""
+    vjob = validation_job(job)
+    rollouts = Rollouts(
+        vjob,
+        training.runner,
+        source.records,
+        training.rewards,
+        training.text,
+        training.stop_ids,
+        training.pad_id,
+        training.reference,
+        None,
+        training.recompute,
+        held_out=True,
+    )
+    per_step = rollouts.groups
+    if len(source.records) < per_step:
+        raise ConfigError(
+            f"validation data {source.describe()} holds fewer prompts than one step's "
+            f"{per_step} (validation.local_batch_size x data-parallel degree / rl.num_generations); add "
+            "prompts or lower validation.local_batch_size"
+        )
+    steps = len(source.records) // per_step if job.validation.steps == -1 else job.validation.steps
+    objective = PolicyGradient(training.runner, PolicyLoss.of(vjob.rl), rollouts)
+    return Validator(step, rollouts.restart, steps, objective)
