@@ -528,8 +528,14 @@ def test_an_rl_steps_policy_loss_is_measured_and_predicted_within_ten_percent(tp
             "qwen3.5", "35B-A3B",
             [HYBRID_4, "--parallelism.expert_parallel_degree=4", "--parallelism.tensor_parallel_degree=2"],
         ),
+        # a held-out pass of 512 completions a rank, where a step samples 8
+        (
+            "qwen3", "8B",
+            ["--model.num_hidden_layers=6", "--training.seq_len=1280", "--training.global_batch_size=64",
+             "--validation.enable=true", "--validation.dataset=rl_example", "--validation.local_batch_size=512"],
+        ),
     ],
-    ids=["tp-sp-top-p", "qwen3.5-moe-ep"],
+    ids=["tp-sp-top-p", "qwen3.5-moe-ep", "held-out-pass"],
 )  # fmt: skip
 def test_an_rl_rollout_is_measured_and_predicted_within_ten_percent(name, flavor, flags):
     # the dry run decodes one step of every row a rank samples, its state at whole rows, on

@@ -65,8 +65,11 @@ def decode_state_bytes(args: ModelArgs, tp: int, rows: int, length: int, c: int)
 def rollout_rows(job: JobConfig, dims: ParallelDims) -> int:
     """Completions one rank samples at once: its data-parallel share, split over CP; an
     expert-parallel group's ranks each sample all the group's rows (their forwards exchange
-    tokens, so they decode together)."""
+    tokens, so they decode together). The larger of a step's and, under ``[validation]``, a
+    held-out step's (``validation.local_batch_size`` a rank, sampled between steps too)."""
     completions = job.training.global_batch(dims.dp)
+    if job.validation.enable:
+        completions = max(completions, job.validation.local_batch_size * dims.dp)
     return -(-completions // (dims.dp * dims.cp)) * dims.ep
 
 
