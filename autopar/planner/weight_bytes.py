@@ -237,8 +237,8 @@ def embedding_backward_bytes(
         rows = modules_numel(args, job, dims, ["embed_tokens"])
         width = c if c < stored else FP32
         copied = width * rows if c < stored else 0.0  # the copy the float32 cast reads
-        cast = copied + FP32 * rows
-        return 0.0, max(width * (whole + rows), cast) - (0.0 if held else FP32 * rows)
+        rows_cast = copied + FP32 * rows
+        return 0.0, max(width * (whole + rows), rows_cast) - (0.0 if held else FP32 * rows)
     shard = modules_numel(args, job, dims, ["embed_tokens"], sharded=False)
     regathered = 0.0 if (args.tie_word_embeddings or _keeps_blocks(job, dims)) else c * shard
     if dims.tp == 1:
