@@ -16,6 +16,17 @@ def autopar_cache(tmp_path_factory):
     os.environ["AUTOPAR_CACHE_DIR"] = str(tmp_path_factory.mktemp("autopar_cache"))
 
 
+@pytest.fixture
+def model_never_built(monkeypatch):
+    """Fails the test if a Trainer starts building its model: a refusal of bad data must come
+    before any weight is built or loaded."""
+
+    def building(*args, **kwargs):
+        raise AssertionError("the Trainer built its model before refusing the job")
+
+    monkeypatch.setattr("autopar.training.trainer.build_parts", building)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -667,6 +667,15 @@ def test_a_dpo_run_exports_its_model_as_sft_does(tmp_path):
         torch.testing.assert_close(value, trainer.parts[0].state_dict()[name], rtol=0, atol=0)
 
 
+def test_too_few_held_out_pairs_are_refused_before_the_model_is_built(tmp_path, model_never_built):
+    from autopar.data.errors import DataError
+
+    flags = ("--validation.enable", "true", "--validation.dataset_path", str(PREFERENCE_EXAMPLE))
+    job = preference_job(tmp_path, *flags, "--validation.local_batch_size", "4096")
+    with pytest.raises(DataError, match=r"holds \d+ pairs, fewer than one batch .* = 4096;"):
+        one_process_trainer(job)
+
+
 def test_validation_reports_trls_metrics_on_held_out_pairs(tmp_path):
     flags = ("--validation.enable", "true", "--validation.dataset_path", str(PREFERENCE_EXAMPLE))
     job = preference_job(

@@ -238,6 +238,15 @@ def test_every_validation_pass_samples_the_same_prompts_from_the_same_seeds(tmp_
     }
 
 
+def test_too_few_held_out_prompts_are_refused_before_the_model_is_built(tmp_path, model_never_built):
+    from autopar.data.errors import DataError
+
+    with pytest.raises(
+        DataError, match=r"holds \d+ prompts, fewer than one batch .* rl.num_generations = 512;"
+    ):
+        short_run(tmp_path, *HELD_OUT, "--validation.local_batch_size", "4096")
+
+
 REPLAYED_UNDER_PP = (
     "--parallelism.pipeline_parallel_degree",
     "2",

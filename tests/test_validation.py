@@ -168,10 +168,14 @@ def test_bad_validation_settings_are_refused_naming_the_field(tmp_path, flags, m
         check_job(job, 2)
 
 
-def test_held_out_data_smaller_than_one_batch_is_a_data_error_before_training(tmp_path):
+def test_held_out_data_smaller_than_one_batch_is_refused_before_the_model_is_built(
+    tmp_path, model_never_built
+):
     from autopar.data.errors import DataError
 
     job = validation_job(tmp_path, "--validation.local_batch_size", "100000")
-    with pytest.raises(DataError, match=r"fewer than one batch .* lower validation.local_batch_size"):
+    with pytest.raises(
+        DataError, match=r"fewer than one batch .* = 100000; .* lower validation.local_batch_size"
+    ):
         one_process_trainer(job)
     assert not (tmp_path / "metrics.jsonl").exists()

@@ -7,6 +7,7 @@ import torch
 
 from autopar.config.sections import JobConfig
 from autopar.data.dataset import PackedWindows, SampleSource
+from autopar.data.errors import DataError
 from autopar.data.loader import StepLoader, build_samples
 from autopar.data.pair_batches import PairLoader, PairSource
 from autopar.data.prompt_records import PromptSource
@@ -17,7 +18,7 @@ from autopar.training.objectives.rl.engine import Rollouts
 from autopar.training.objectives.rl.job import is_rl, prompt_source, rollout_validator, validation_job
 from autopar.training.resolve import chat_format, tokenizer_path
 from autopar.training.step import TrainStep
-from autopar.training.validation import Validator, validation_samples, window_validator
+from autopar.training.validation import Validator, validation_samples, validation_seq_len, window_validator
 
 
 def job_samples(job: JobConfig, tokenizer: Tokenizer) -> SampleSource | PairSource | PromptSource:
@@ -62,6 +63,26 @@ def held_out_samples(job: JobConfig, tokenizer: Tokenizer) -> PackedWindows | Pa
         cfg = job.validation
         return preference_source(job, tokenizer_path(job), cfg.dataset or "", cfg.dataset_path, "validation")
     return validation_samples(job, tokenizer)
+
+
+def check_held_out(job: JobConfig, held_out: PackedWindows | PairSource | PromptSource, dp: int) -> None:
+    """The held-out data holds at least one validation step (validation.local_batch_size
+    per data-parallel rank; RL: prompts of rl.num_generations completions each), refused
+    when read: before the model is built and any weight is loaded."""
+    per_step = job.validation.local_batch_size * dp
+    formula = "validation.local_batch_size x data-parallel degree"
+    if isinstance(held_out, PromptSource):
+        have, unit = len(held_out.records), "prompts"
+        per_step, formula = per_step // job.rl.num_generations, formula + " / rl.num_generations"
+    elif isinstance(held_out, PairSource):
+        have, unit = len(held_out.pairs), "pairs"
+    else:
+        have, unit = held_out.num_windows, f"sequences of {validation_seq_len(job)} tokens"
+    if have < per_step:
+        raise DataError(
+            f"validation data {held_out.describe()} holds {have} {unit}, fewer than one batch of "
+            f"{formula} = {per_step}; add data or lower validation.local_batch_size"
+        )
 
 
 def validator(

@@ -52,7 +52,7 @@ from autopar.training.optim import lr_factor
 from autopar.training.plan_runner import PlanRunner
 from autopar.training.resolve import tokenizer_path
 from autopar.training.sample_prompts import PromptSampler
-from autopar.training.samples import held_out_samples, job_samples, step_loader, validator
+from autopar.training.samples import check_held_out, held_out_samples, job_samples, step_loader, validator
 from autopar.training.step import TrainStep
 
 logger = logging.getLogger("autopar")
@@ -75,12 +75,14 @@ class Trainer:
         self.args = args
         self.world = world
         tokenizer = build_tokenizer(tokenizer_path(job))
+        self.dims = ParallelDims.resolve(job.parallelism, world.size)
         samples = job_samples(job, tokenizer)  # first: bad data is refused before any real work
         held_out = held_out_samples(job, tokenizer) if job.validation.enable else None
+        if held_out is not None:
+            check_held_out(job, held_out, self.dims.dp)
         torch.manual_seed(job.debug.seed)
         if job.debug.deterministic:
             torch.use_deterministic_algorithms(True)
-        self.dims = ParallelDims.resolve(job.parallelism, world.size)
         self.meshes = build_meshes(self.dims, world.device.type, always_fsdp=job.training.enable_cpu_offload)
         initial = self._initial_values()
         runner = PlanRunner(

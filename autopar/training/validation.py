@@ -155,14 +155,7 @@ def window_validator(
     cfg = job.validation
     local_batch, dp = cfg.local_batch_size, step.dims.dp
     per_step = local_batch * dp
-    windows = samples.num_windows
-    if windows < per_step:
-        raise DataError(
-            f"validation data {samples.describe()} holds {windows} sequences of "
-            f"{validation_seq_len(job)} tokens, fewer than one batch of local_batch_size x "
-            f"data-parallel degree = {per_step}; add data or lower validation.local_batch_size"
-        )
-    steps = windows // per_step if cfg.steps == -1 else cfg.steps
+    steps = samples.num_windows // per_step if cfg.steps == -1 else cfg.steps
     return Validator(
         step,
         functools.partial(StepLoader, per_step, local_batch, dp_rank, dp, device, samples=samples),

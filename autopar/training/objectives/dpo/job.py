@@ -22,7 +22,6 @@ from torch import nn
 
 from autopar.config.sections import JobConfig
 from autopar.data.chat import ChatFormat
-from autopar.data.errors import DataError
 from autopar.data.loader import Batch, dataset_path
 from autopar.data.pair_batches import PairIds, PairLoader, PairSource, pack_groups, pack_pairs
 from autopar.data.preference import load_pairs
@@ -276,11 +275,6 @@ def pair_validator(job: JobConfig, source: PairSource, step: TrainStep, training
     the training loader lays out its pairs, every pass over the same pairs in the same order."""
     local_batch = job.validation.local_batch_size
     per_step = local_batch * training.dp_size
-    if len(source.pairs) < per_step:
-        raise DataError(
-            f"validation data {source.describe()} holds fewer pairs than one batch of local_batch_size "
-            f"x data-parallel degree = {per_step}; add pairs or lower validation.local_batch_size"
-        )
     steps = len(source.pairs) // per_step if job.validation.steps == -1 else job.validation.steps
     loader = functools.partial(
         dataclasses.replace, training, global_batch=per_step, local_batch=local_batch, pairs=source.pairs

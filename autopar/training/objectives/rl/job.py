@@ -374,13 +374,6 @@ def rollout_validator(job: JobConfig, source: PromptSource, step: TrainStep, tra
         training.recompute,
         held_out=True,
     )
-    per_step = rollouts.groups
-    if len(source.records) < per_step:
-        raise ConfigError(
-            f"validation data {source.describe()} holds fewer prompts than one step's "
-            f"{per_step} (validation.local_batch_size x data-parallel degree / rl.num_generations); add "
-            "prompts or lower validation.local_batch_size"
-        )
-    steps = len(source.records) // per_step if job.validation.steps == -1 else job.validation.steps
+    steps = len(source.records) // rollouts.groups if job.validation.steps == -1 else job.validation.steps
     objective = PolicyGradient(training.runner, PolicyLoss.of(vjob.rl), rollouts)
     return Validator(step, rollouts.restart, steps, objective)
