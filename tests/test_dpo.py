@@ -355,10 +355,12 @@ FAMILY_PLANS = {
     "qwen3_moe": ["dp_shard=2,ep=2", "tp=2", "pp=2"],
     "lora_adapters_off": ["dp_shard=2", "tp=2", "pp=2"],
     "precomputed": ["pp=2"],
+    "chunked": ["tp=2", "pp=2"],
 }
 """Qwen3.5 (its Gated DeltaNets pass states across CP ranks, pairs crossing them), the MoE with
 experts split by EP, LoRA whose reference is its own base, and a table computed by a
-pipelined reference."""
+pipelined reference, and log-probabilities a chunk at a time (``training.loss_chunk_tokens``:
+under TP each rank's chunks hold half the vocabulary)."""
 
 
 def family_job(folder: Path, family: str) -> JobConfig:
@@ -366,6 +368,8 @@ def family_job(folder: Path, family: str) -> JobConfig:
         return hybrid_preference_job(folder, "--optimizer.lr", "0.001")
     if family == "qwen3_moe":  # per-row load balancing: rows as one device's under PP too
         return preference_job(folder, *MOE_FLAGS, "--dpo.packing", "false")
+    if family == "chunked":
+        return preference_job(folder, "--training.loss_chunk_tokens", "24")
     if family == "precomputed":
         return preference_job(folder, "--dpo.reference", "precomputed")
     return preference_job(folder, "--lora.enable", "true", "--dpo.reference", "adapters_off")

@@ -121,10 +121,11 @@ class Training:
     seq_len: int = 2048
     """Tokens per sequence."""
     loss_chunk_tokens: int = 0
-    """Compute the cross-entropy this many tokens at a time, its gradient in the same pass:
-    fp32 logits and log-probabilities then exist for one chunk, not the whole micro-batch
-    (0: the whole micro-batch at once). Not with vocab-parallel loss (TP already splits the
-    vocabulary); with 'loss' in compile.components each chunk's kernel is compiled."""
+    """Compute the cross-entropy (DPO's and RL's token log-probabilities too) this many tokens
+    at a time, its gradient in the same pass: fp32 logits and log-probabilities then exist for
+    one chunk, not the whole micro-batch (0: the whole micro-batch at once). Under loss parallel
+    each TP rank's chunks hold its columns of the vocabulary; with 'loss' in
+    compile.components each chunk of the language-model loss is compiled."""
     max_norm: float = 1.0
     """Gradient clipping norm; 0 disables clipping (the norm is still logged)."""
     max_skipped_steps: int = 0

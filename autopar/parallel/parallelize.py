@@ -93,7 +93,7 @@ def parallelize(
         apply_compile(model, job.compile, inside_checkpoints=compiled_inside(job.activation_checkpoint))
         logger.info("compiled each block with torch.compile (backend %s)", job.compile.backend)
     if meshes.get("fsdp") is not None:
-        _fully_shard(model, job, meshes, device, pipelined)
+        _fully_shard(model, job, meshes, device, pipelined, frozen)
     return model
 
 
@@ -199,14 +199,17 @@ def _checkpointing(model: nn.Module, job: JobConfig, meshes: Meshes, compiled: b
 
 
 def _fully_shard(
-    model: nn.Module, job: JobConfig, meshes: Meshes, device: torch.device, pipelined: bool
+    model: nn.Module, job: JobConfig, meshes: Meshes, device: torch.device, pipelined: bool, frozen: bool
 ) -> None:
+    """FSDP over the model part; a ``frozen`` one outside a pipeline (a reference copy, forward
+    only: no backward follows) frees every group's gathered weights after its forward, the
+    head's too, which a trained part keeps gathered for the backward that starts there."""
     dims = meshes.dims
     apply_fsdp(
         model,
         meshes.get("fsdp"),
         fsdp_policy(job, device),
-        policy=job.parallelism.fsdp_reshard_after_forward,
+        policy="always" if frozen and not pipelined else job.parallelism.fsdp_reshard_after_forward,
         pipelined=pipelined,
         expert_mesh=meshes.get("efsdp"),
         offload=job.training.enable_cpu_offload,

@@ -198,7 +198,7 @@ def _fake_objective(
         parts = built.parts
     if is_rl(job):
         rollouts = Rollouts(job, runner, [], [], str, set(), 0)
-        return PolicyGradient(runner, PolicyLoss.of(job.rl), rollouts), parts
+        return PolicyGradient(runner, PolicyLoss.of(job.rl, job.training.loss_chunk_tokens), rollouts), parts
     if not is_preference(job):
         return LanguageModel(runner, MTPTraining.of(job)), []
     pairs = job.training.local_batch_size

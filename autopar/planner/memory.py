@@ -333,10 +333,11 @@ def _embedding_end_gathered(
 
 def _head(args: ModelArgs, job: JobConfig, z: Sizes, dims: ParallelDims, shards: int) -> HeadBytes:
     """The final norm, head and loss of a micro-batch: the objective's (RL's policy loss reads
-    whole-vocabulary log-probabilities; the others a cross-entropy, chunked or not). A
-    pipeline schedule holds the last stage's output (the logits) until its backward."""
+    whole-vocabulary log-probabilities; the others a cross-entropy; chunked, every objective
+    keeps the same: ``training.token_logps`` as the chunked loss). A pipeline schedule holds
+    the last stage's output (the logits) until its backward."""
     held = dims.pp > 1
-    if is_rl(job):
+    if is_rl(job) and not job.training.loss_chunk_tokens:
         return policy_head_bytes(z, args.vocab_size, dims.tp, held)
     fused = fuses_token_loss(job, shards > 1) and not is_preference(job)  # DPO's log-probs are its own
     return with_mtp_head(

@@ -54,11 +54,6 @@ def check_preference(job: JobConfig, dims: ParallelDims, args: ModelArgs) -> Non
         )
     if dims.pp > 1:
         _check_pipelined(job, args)
-    if job.training.loss_chunk_tokens > 0:
-        raise ConfigError(
-            "training.loss_chunk_tokens > 0 with preference data: DPO reads each token's log-probability; "
-            "use --training.loss_chunk_tokens 0"
-        )
     if job.validation.enable and job.validation.seq_len not in (-1, seq_len):
         raise ConfigError(
             f"validation.seq_len={job.validation.seq_len} with preference data: held-out pairs are packed "

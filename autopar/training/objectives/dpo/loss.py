@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from autopar.data.loader import IGNORE_INDEX
+from autopar.training.token_logps import chunked_token_logps
 
 METRICS = (
     "rewards/chosen",
@@ -50,9 +51,12 @@ class SequenceLogps:
         return self.logps[1::2]
 
 
-def token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def token_logps(logits: torch.Tensor, labels: torch.Tensor, chunk_tokens: int = 0) -> torch.Tensor:
     """Each target's log-probability (0 where there is none), fp32, (B, S) from logits (B, S, V);
-    vocab-sharded logits (loss parallel, inside its context) give the whole value on every rank."""
+    vocab-sharded logits (loss parallel, inside its context) give the whole value on every rank.
+    ``chunk_tokens``: float32 values for that many positions at a time (0: all at once)."""
+    if chunk_tokens:
+        return chunked_token_logps(logits, labels, chunk_tokens)[0]
     logps = -F.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX
     )
@@ -71,12 +75,12 @@ def sequence_sums(values: torch.Tensor, documents: torch.Tensor, sequences: int)
 
 
 def sequence_logps(
-    logits: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor, pairs: int
+    logits: torch.Tensor, labels: torch.Tensor, documents: torch.Tensor, pairs: int, chunk_tokens: int = 0
 ) -> SequenceLogps:
     """The micro-batch's ``SequenceLogps`` (this rank's tokens' share under CP)."""
     targets = (labels != IGNORE_INDEX).float()
     return SequenceLogps(
-        sequence_sums(token_logps(logits, labels), documents, 2 * pairs),
+        sequence_sums(token_logps(logits, labels, chunk_tokens), documents, 2 * pairs),
         sequence_sums(targets, documents, 2 * pairs),
     )
 

@@ -117,18 +117,21 @@ class PairLoss(MicroBatchLoss):
         balance: LoadBalancing | None,
         rows: torch.Tensor,
         device: torch.device,
+        chunk_tokens: int = 0,
     ) -> None:
-        """``step``: the step's pairs, chosen targets and tokens (padding left out), over every rank."""
+        """``step``: the step's pairs, chosen targets and tokens (padding left out), over every
+        rank; ``chunk_tokens``: ``training.loss_chunk_tokens``."""
         super().__init__(balance, rows, device)
         self.losses, self.pairs, self.cp_mesh = losses, pairs, cp_mesh
         self.global_pairs, self.global_chosen, self.tokens = step
         self.cp = 1 if cp_mesh is None else cp_mesh.size()
+        self.chunk_tokens = chunk_tokens
 
     def term(
         self, logits: torch.Tensor, extra: object, target: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         labels, documents, reference_tokens = _split(target)
-        own = sequence_logps(logits, labels, documents, self.pairs)
+        own = sequence_logps(logits, labels, documents, self.pairs, self.chunk_tokens)
         policy = SequenceLogps(cp_sum(own.logps, self.cp_mesh), cp_sum(own.tokens, self.cp_mesh))
         reference = cp_sum(sequence_sums(reference_tokens, documents, 2 * self.pairs), self.cp_mesh)
         loss = self.losses.loss(policy, reference, self.global_pairs, self.global_chosen)
@@ -172,6 +175,7 @@ class Preference(Objective):
             runner.balance,
             rows,
             runner.device,
+            runner.job.training.loss_chunk_tokens,
         )
         return loss, targets
 
@@ -194,14 +198,14 @@ class SequenceRecord:
     """A reference pass's "loss": records each call's (2 * pairs,) sequence log-probabilities,
     summed over CP ranks, and returns zero."""
 
-    def __init__(self, pairs: int, cp_mesh: DeviceMesh | None) -> None:
-        self.pairs, self.cp_mesh = pairs, cp_mesh
+    def __init__(self, pairs: int, cp_mesh: DeviceMesh | None, chunk_tokens: int = 0) -> None:
+        self.pairs, self.cp_mesh, self.chunk_tokens = pairs, cp_mesh, chunk_tokens
         self.logps: list[torch.Tensor] = []
 
     def __call__(self, output: object, target: torch.Tensor) -> torch.Tensor:
         logits, _ = split_output(output)  # type: ignore[arg-type]
         labels, documents, _ = _split(target)
-        logps = sequence_logps(logits, labels, documents, self.pairs).logps
+        logps = sequence_logps(logits, labels, documents, self.pairs, self.chunk_tokens).logps
         self.logps.append(cp_sum(logps, self.cp_mesh))
         return torch.zeros((), device=logps.device)
 
@@ -226,7 +230,7 @@ class ReferencePass:
         runner = self.runner
         sequences = [2 * pair_count(b, self.pairs_per_micro_batch) for b in batches]
         per_call = sequences[0] // 2 // runner.calls_per_batch
-        record = SequenceRecord(per_call, runner.meshes.get("cp"))
+        record = SequenceRecord(per_call, runner.meshes.get("cp"), runner.job.training.loss_chunk_tokens)
         zeros = [torch.zeros(n, device=runner.device) for n in sequences]
         targets = [with_targets(b, z, per_call) for b, z in zip(batches, zeros, strict=True)]
         with self.scope():

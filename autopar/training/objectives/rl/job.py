@@ -87,15 +87,10 @@ def check_rl(job: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
     _check_reference(job)
     _check_plan(job, dims, args)
     _check_validation(job, dims)
-    refused = {
-        "training.loss_chunk_tokens > 0": job.training.loss_chunk_tokens > 0,
-        "mtp.enable=true": job.mtp.enable,
-    }
-    for setting, asked in refused.items():
-        if asked:
-            raise ConfigError(
-                f"{setting} with training.dataset_format='prompts' (RL): not supported yet; turn it off"
-            )
+    if job.mtp.enable:
+        raise ConfigError(
+            "mtp.enable=true with training.dataset_format='prompts' (RL): not supported yet; turn it off"
+        )
 
 
 def _check_numbers(cfg: RL) -> None:
@@ -282,7 +277,11 @@ def rl_objective(
         replay,
         recompute,
     )
-    return PolicyGradient(runner, PolicyLoss.of(cfg), rollouts), copy, rollouts
+    return (
+        PolicyGradient(runner, PolicyLoss.of(cfg, job.training.loss_chunk_tokens), rollouts),
+        copy,
+        rollouts,
+    )
 
 
 def _check_replay_fits(replay: dict[int, list[Completion]], seq_len: int) -> None:
@@ -298,13 +297,15 @@ def _check_replay_fits(replay: dict[int, list[Completion]], seq_len: int) -> Non
 class _TokenRecord:
     """A reference pass's "loss": keeps each call's per-label log-probabilities (B, S)."""
 
-    def __init__(self, temperature: float) -> None:
-        self.temperature = temperature
+    def __init__(self, temperature: float, chunk_tokens: int = 0) -> None:
+        self.temperature, self.chunk_tokens = temperature, chunk_tokens
         self.logps: list[torch.Tensor] = []
 
     def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         logits = output[0] if isinstance(output, tuple) else output
-        logps, _ = token_logps_and_entropy(logits, Columns.of(target).labels, self.temperature)
+        logps, _ = token_logps_and_entropy(
+            logits, Columns.of(target).labels, self.temperature, self.chunk_tokens
+        )
         self.logps.append(logps)
         return logps.new_zeros(())
 
@@ -325,7 +326,7 @@ def _token_logps(
     """Each packed micro-batch's log-probabilities per label at ``temperature``, forward only
     under the job's plan: of ``model`` (a frozen copy's parts or pipeline), or (None) of the
     policy, inside ``scope`` (its adapters bypassed for a reference)."""
-    record = _TokenRecord(temperature)
+    record = _TokenRecord(temperature, runner.job.training.loss_chunk_tokens)
     device_batches = [
         Batch(b.inputs.to(runner.device), b.labels.to(runner.device), b.documents.to(runner.device))
         for b in batches
@@ -375,5 +376,7 @@ def rollout_validator(job: JobConfig, source: PromptSource, step: TrainStep, tra
         held_out=True,
     )
     steps = len(source.records) // rollouts.groups if job.validation.steps == -1 else job.validation.steps
-    objective = PolicyGradient(training.runner, PolicyLoss.of(vjob.rl), rollouts)
+    objective = PolicyGradient(
+        training.runner, PolicyLoss.of(vjob.rl, vjob.training.loss_chunk_tokens), rollouts
+    )
     return Validator(step, rollouts.restart, steps, objective)

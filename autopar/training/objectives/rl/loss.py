@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.config.sections import RL
 from autopar.data.loader import IGNORE_INDEX
+from autopar.training.token_logps import chunked_token_logps
 
 CHANNELS = ("label", "completion", "weight", "advantage", "old_logp", "ref_logp", "is_weight")
 """What a packed micro-batch's labels (B, S, 7) carry per token, in order (``is_weight``: an
@@ -73,9 +74,12 @@ class PolicyLoss:
     beta: float
     temperature: float
     bias_corrected_kl: bool = True
+    chunk_tokens: int = 0
+    """``training.loss_chunk_tokens``: the log-probabilities' float32 values for that many
+    positions at a time (0: all at once)."""
 
     @staticmethod
-    def of(cfg: RL) -> PolicyLoss:
+    def of(cfg: RL, chunk_tokens: int = 0) -> PolicyLoss:
         high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
         return PolicyLoss(
             cfg.loss_type,
@@ -86,6 +90,7 @@ class PolicyLoss:
             cfg.beta,
             cfg.temperature,
             cfg.use_bias_correction_kl,
+            chunk_tokens,
         )
 
 
@@ -95,13 +100,16 @@ stay this small whatever the micro-batch."""
 
 
 def token_logps_and_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, chunk_tokens: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each target's log-probability at ``temperature`` (0 where there is none), with its
     graph, and each position's entropy (nats, no graph), fp32 (B, S); vocab-sharded logits are
     gathered first. One vocabulary-wide float32 tensor is kept for backward (the
     log-softmax, as cross-entropy keeps) and about one more exists beside it (the scaled
-    logits, until the log-softmax is taken): the entropy is taken a slice at a time."""
+    logits, until the log-softmax is taken): the entropy is taken a slice at a time. With
+    ``chunk_tokens``, ``token_logps.chunked_token_logps`` (no float32 value kept, no gather)."""
+    if chunk_tokens:
+        return chunked_token_logps(logits, labels, chunk_tokens, temperature, entropy=True)
     if isinstance(logits, DTensor):
         logits = logits.full_tensor()
     scaled = logits.float()
@@ -181,7 +189,9 @@ def policy_loss(
     over its tokens) of a micro-batch's ``logits`` and packed ``columns``; ``sequences``: the
     completions the call's ids number."""
     maskf = columns.mask.float()
-    logps, entropy = token_logps_and_entropy(logits, columns.labels, settings.temperature)
+    logps, entropy = token_logps_and_entropy(
+        logits, columns.labels, settings.temperature, settings.chunk_tokens
+    )
     log_ratio = logps - columns.old_logps
     advantages = columns.advantages
     if settings.importance_sampling_level == "sequence":  # GSPO: one ratio per completion
