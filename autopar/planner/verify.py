@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 from autopar.config.sections import JobConfig
 from autopar.models.args import ModelArgs
+from autopar.parallel.context_parallel import resolve_impl
 from autopar.planner.devices import DeviceSpec
-from autopar.planner.dry_run import RankMemory, compare
-from autopar.planner.memory import GIB
+from autopar.planner.dry_run import RankMemory, compare, dry_run_job
+from autopar.planner.memory import GIB, predict
 from autopar.planner.search import Plan, runtime_reserve
 
 
@@ -48,13 +49,30 @@ def verify_plan(plan: Plan, job: JobConfig, args: ModelArgs, world_size: int, de
     """Dry-run ``plan`` and judge its measured peak against the device, with the same runtime
     reserve (CUDA context, NCCL buffers, allocator slack) the prediction carries."""
     start = time.perf_counter()
+    planned = plan.settings.apply(job)
     try:
-        ranks = compare(plan.settings.apply(job), args, world_size)
+        ranks = compare(planned, args, world_size)
     except Exception as err:  # any failure of the real code path drops the plan
         return Verified(plan, [], _root_cause(err), False, time.perf_counter() - start)
-    worst = max(rank.measured_peak_gib for rank in ranks) * GIB
+    worst = max(on_the_device(planned, args, world_size, ranks))
     fits = worst + runtime_reserve(worst, plan.dims) <= device.memory_gib * GIB
     return Verified(plan, ranks, None, fits, time.perf_counter() - start)
+
+
+def on_the_device(job: JobConfig, args: ModelArgs, world_size: int, ranks: list[RankMemory]) -> list[float]:
+    """Each rank's measured peak (bytes) as the GPU runs the plan: the dry run's context
+    parallelism is the all-gather kind (gloo's), whose step mask (this rank's queries by every
+    key) CUDA's ring attention does not hold; the planner's difference between the two is
+    taken off (nothing without CP)."""
+    measured = [rank.measured_peak_gib * GIB for rank in ranks]
+    impl = resolve_impl(job.parallelism, "cuda")
+    if job.parallelism.context_parallel_degree == 1 or impl == "allgather":
+        return measured
+    on_gpu = predict(args, dry_run_job(job), world_size, cp_impl=impl)
+    return [
+        m + gpu.peak - (rank.predicted_peak_gib or 0.0) * GIB
+        for m, gpu, rank in zip(measured, on_gpu, ranks, strict=True)
+    ]
 
 
 def _root_cause(err: BaseException) -> str:
