@@ -73,6 +73,38 @@ def test_checkpointed_blocks_backpropagate_in_two_passes_like_plain_ones(mode, o
         torch.testing.assert_close(checkpointed_grad, plain_grad)  # recompute replays the same fp32 ops
 
 
+@pytest.mark.parametrize("kernel", ["autopar", "triton"])
+def test_per_op_checkpointing_keeps_the_delta_rules_recurrence_whatever_its_kernel(kernel):
+    """Backward recomputes the projections around each Gated DeltaNet's recurrence, not the
+    recurrence: the triton kernel's, CUDA's default, ran twice (its op was not a kept one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autopar.models import build_model
+    from autopar.models.qwen3_5.triton_delta_rule import triton_problem
+    from autopar.parallel.delta_rule_kernel import KERNELS, apply_delta_rule_kernel
+
+    if kernel == "triton" and triton_problem() is not None:
+        pytest.skip(triton_problem())
+    recurrence = KERNELS[kernel].forward.default
+    args = get_flavor("qwen3.5", "debug")
+    model = build_model(args)
+    model.init_weights()
+    apply_delta_rule_kernel(model, kernel, "cuda")  # on this CPU: its programs interpreted
+    apply_ac(model, ActivationCheckpoint("selective", "op"), compiled=False)
+    ran = []
+
+    class Recurrences(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ran.extend([func] if func is recurrence else [])
+            return func(*args, **(kwargs or {}))
+
+    tokens = torch.randint(0, args.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    with Recurrences():
+        model(tokens).float().pow(2).mean().backward()
+    gated_deltanets = sum(args.layer_kind(i)[0] == "linear_attention" for i in range(args.num_hidden_layers))
+    assert len(ran) == gated_deltanets == 3  # once each, in forward
+
+
 STEPS = 3
 """A wrong gradient shows in step 2's loss and in every gradient norm."""
 

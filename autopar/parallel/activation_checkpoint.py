@@ -23,7 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from autopar.config.errors import ConfigError
 from autopar.config.sections import ActivationCheckpoint
-from autopar.models.qwen3_5 import delta_rule, fla_delta_rule  # noqa: F401  register torch.ops.autopar's
+from autopar.parallel.delta_rule_kernel import KERNELS
 from autopar.parallel.torch_internals import (
     TorchDispatchMode,
     checkpoint_wrapper,
@@ -49,8 +49,8 @@ SAVED_OPS = frozenset(
         torch.ops._c10d_functional.all_reduce.default,
         torch.ops._c10d_functional.all_to_all_single.default,
         torch.ops._c10d_functional_autograd.all_to_all_single.default,
-        torch.ops.autopar.gated_delta_rule.default,  # Gated DeltaNet's recurrence (and its segment states)
-        torch.ops.autopar.fla_gated_delta_rule.default,  # the same by FLA's kernels (and what they keep)
+        # Gated DeltaNet's recurrence by every kernel (and its segment states, or what FLA's keep)
+        *(kernel.forward.default for kernel in KERNELS.values()),
     )
     if op
 )
