@@ -52,10 +52,13 @@ QWEN3_1_7B_DPO = (
 DPO_VARIANTS = (
     "sft_lora:training.dataset_format=text,training.dataset=autopar_corpus,"
     "training.document_masking=true,dpo.reference=copy "
-    "dpo_lora_adapters_off:dpo.reference=adapters_off dpo_full_copy:lora.enable=false,dpo.reference=copy"
+    "dpo_lora_adapters_off:dpo.reference=adapters_off "
+    "dpo_lora_chunked:dpo.reference=adapters_off,training.loss_chunk_tokens=1024 "
+    "dpo_full_copy:lora.enable=false,dpo.reference=copy"
 )
 """DPO against SFT on the same model, plan and row length: the preset's LoRA DPO (reference =
-the base with adapters off), full DPO with a reference copy, and LoRA SFT on text."""
+the base with adapters off), the same reading its log-probabilities 1,024 tokens at a time,
+full DPO with a reference copy, and LoRA SFT on text."""
 QWEN3_5_2B = (
     "--model.name qwen3.5 --model.flavor 2B --model.num_hidden_layers 8 "
     "--training.seq_len 4096 --training.local_batch_size 2"
@@ -86,7 +89,7 @@ PLANS: dict[str, tuple[Step, ...]] = {
         Step(
             "qwen3_1.7b_dpo",
             f"autopar.bench --json {{json}} {QWEN3_1_7B_DPO} --variants {DPO_VARIANTS} --warmup 2 --steps 5",
-            210,
+            250,
         ),
     ),
     "planner": (
