@@ -55,11 +55,16 @@ def test_bf16_logits_get_a_bf16_gradient_close_to_the_whole_ones():
     torch.testing.assert_close(got, weighted_grad(whole, logits), rtol=2e-2, atol=2e-3)
 
 
-def test_a_forward_without_gradient_keeps_nothing_for_backward():
-    logits, labels = logits_and_labels()
+def test_a_forward_without_gradient_forms_no_vocabulary_wide_gradient(monkeypatch):
+    import autopar.training.token_logps as module
+
+    kept = []
+    kernel = module.chunk_logps
+    monkeypatch.setattr(module, "chunk_logps", lambda *a, **k: kept.append(a[2]) or kernel(*a, **k))
+    logits, labels = logits_and_labels()  # logits that require a gradient, under no_grad
     with torch.no_grad():
         logps, _ = chunked_token_logps(logits, labels, 16)
-    assert logps.grad_fn is None
+    assert logps.grad_fn is None and kept and not any(kept)
     torch.testing.assert_close(logps, token_logps_and_entropy(logits, labels, 1.0)[0].detach())
 
 

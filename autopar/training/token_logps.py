@@ -94,14 +94,13 @@ def vocab_parallel_chunk_logps(
 
 class _ChunkedTokenLogps(torch.autograd.Function):
     """Log-probabilities (N,) and entropies (N,) of rows ``logits`` (N, V), ``chunk`` rows at a
-    time; keeps d log-probability / d logits (in the logits' dtype) where the logits need a
-    gradient, nothing vocabulary-wide otherwise."""
+    time; keeps d log-probability / d logits (in the logits' dtype) with ``keep_grad``, nothing
+    vocabulary-wide otherwise."""
 
     @staticmethod
     def forward(
-        ctx, logits: Tensor, labels: Tensor, chunk: int, kernel: ChunkKernel
+        ctx, logits: Tensor, labels: Tensor, chunk: int, kernel: ChunkKernel, keep_grad: bool
     ) -> tuple[Tensor, Tensor]:
-        keep_grad = ctx.needs_input_grad[0]
         grad = torch.empty_like(logits) if keep_grad else None
         logps = logits.new_empty(logits.shape[0], dtype=torch.float32)
         entropies = torch.empty_like(logps)
@@ -115,9 +114,9 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         return logps, entropies
 
     @staticmethod
-    def backward(ctx, grad_logps: Tensor, _grad_entropies: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx, grad_logps: Tensor, _grad_entropies: Tensor) -> tuple[Tensor, None, None, None, None]:
         (grad,) = ctx.saved_tensors
-        return grad * grad_logps[:, None].to(grad.dtype), None, None, None
+        return grad * grad_logps[:, None].to(grad.dtype), None, None, None, None
 
 
 def chunked_token_logps(
@@ -139,5 +138,10 @@ def chunked_token_logps(
             entropy=entropy,
         )
         logits = logits.to_local()  # its backward makes the gradient a vocab-sharded DTensor
-    logps, entropies = _ChunkedTokenLogps.apply(logits.flatten(0, 1), labels.flatten(), chunk_tokens, kernel)
+    # decided here: inside ``forward`` grad mode is always off, and ``needs_input_grad`` holds
+    # under no_grad too (a reference pass or pi_old's would keep a gradient nothing reads)
+    keep_grad = torch.is_grad_enabled() and logits.requires_grad
+    logps, entropies = _ChunkedTokenLogps.apply(
+        logits.flatten(0, 1), labels.flatten(), chunk_tokens, kernel, keep_grad
+    )
     return logps.view(labels.shape), entropies.view(labels.shape)
