@@ -14,10 +14,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from autopar.data.loader import IGNORE_INDEX
-from autopar.training.token_logps import chunk_logps, vocab_columns, vocab_parallel_chunk_logps
+from autopar.parallel.torch_internals import funcol
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -29,22 +29,34 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed fp32 cross-entropy, its gradient in the logits' dtype) of rows ``logits``
-    (N, V): minus the rows' log-probabilities (``token_logps.chunk_logps``) and their gradient,
-    softmax minus the one-hot target, zero on ignored rows."""
-    logps, _, grad = chunk_logps(logits, labels, keep_grad=True)
-    assert grad is not None
-    return -logps.sum(), grad.neg_()
+    (N, V): softmax minus the one-hot target, zero on ignored rows."""
+    logp = logits.float().log_softmax(dim=-1)
+    valid = labels != IGNORE_INDEX
+    target = labels.clamp(min=0)[:, None]
+    loss = -(logp.gather(1, target)[:, 0] * valid).sum()
+    grad = logp.exp().scatter_add_(1, target, -torch.ones_like(target, dtype=logp.dtype))
+    return loss, (grad * valid[:, None]).to(logits.dtype)
 
 
 def vocab_parallel_chunk_loss_and_grad(
     logits: torch.Tensor, labels: torch.Tensor, group: dist.ProcessGroup, vocab_start: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``chunk_loss_and_grad`` for rows whose vocabulary is split over ``group`` (loss
-    parallel): this rank holds columns ``vocab_start`` onwards. Every rank gets the whole loss
-    and the gradient of its own columns (``token_logps.vocab_parallel_chunk_logps``)."""
-    logps, _, grad = vocab_parallel_chunk_logps(logits, labels, True, group, vocab_start)
-    assert grad is not None
-    return -logps.sum(), grad.neg_()
+    parallel): this rank holds columns ``vocab_start`` onwards. The row maxima, the sums of
+    exponents and the targets' logits are combined over the group, so every rank gets the
+    whole loss; the gradient is this rank's columns."""
+    x = logits.float()
+    top = funcol.all_reduce(x.amax(dim=-1), "max", group)
+    exp = (x - top[:, None]).exp()
+    total = funcol.all_reduce(exp.sum(dim=-1), "sum", group)
+    local = labels - vocab_start
+    mine = (local >= 0) & (local < x.shape[1])  # the target is one of this rank's columns
+    index = torch.where(mine, local, 0)[:, None]
+    target = funcol.all_reduce((x.gather(1, index)[:, 0] * mine).contiguous(), "sum", group)
+    valid = labels != IGNORE_INDEX
+    loss = ((top + total.log() - target) * valid).sum()
+    grad = (exp / total[:, None]).scatter_add_(1, index, -mine[:, None].to(exp.dtype))
+    return loss, (grad * valid[:, None]).to(logits.dtype)
 
 
 ChunkKernel = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -88,8 +100,13 @@ def chunked_token_loss_sum(
     ``kernel`` may be ``chunk_loss_and_grad`` compiled. Logits sharded over the vocabulary
     (a DTensor, loss parallel) go through ``vocab_parallel_kernel`` on each rank's columns."""
     if isinstance(logits, DTensor):
-        logits, columns = vocab_columns(logits)
-        kernel = functools.partial(vocab_parallel_kernel, **columns)
+        mesh = logits.device_mesh
+        assert logits.placements == (Shard(logits.ndim - 1),), logits.placements
+        width = -(-logits.shape[-1] // mesh.size())  # DTensor's Shard splits as torch.chunk does
+        kernel = functools.partial(
+            vocab_parallel_kernel, group=mesh.get_group(), vocab_start=mesh.get_local_rank() * width
+        )
+        logits = logits.to_local()  # its backward makes the gradient a vocab-sharded DTensor
     return _ChunkedCrossEntropy.apply(logits.flatten(0, 1), labels.flatten(), chunk_tokens, kernel)
 
 

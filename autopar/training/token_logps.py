@@ -92,16 +92,6 @@ def vocab_parallel_chunk_logps(
     return logps, entropies, grad.mul_((valid / temperature)[:, None]).to(logits.dtype)
 
 
-def vocab_columns(logits: DTensor) -> tuple[Tensor, dict[str, object]]:
-    """Logits split over the vocabulary (loss parallel): this rank's columns, whose backward
-    makes the gradient a vocab-sharded DTensor, and the vocab-parallel kernels' ``group`` and
-    ``vocab_start``."""
-    mesh = logits.device_mesh
-    assert logits.placements == (Shard(logits.ndim - 1),), logits.placements
-    width = -(-logits.shape[-1] // mesh.size())  # DTensor's Shard splits as torch.chunk does
-    return logits.to_local(), {"group": mesh.get_group(), "vocab_start": mesh.get_local_rank() * width}
-
-
 class _ChunkedTokenLogps(torch.autograd.Function):
     """Log-probabilities (N,) and entropies (N,) of rows ``logits`` (N, V), ``chunk`` rows at a
     time; keeps d log-probability / d logits (in the logits' dtype) with ``keep_grad``, nothing
@@ -137,10 +127,17 @@ def chunked_token_logps(
     from logits (B, S, V), never more than ``chunk_tokens`` positions' float32 values at once."""
     kernel: ChunkKernel = functools.partial(chunk_logps, temperature=temperature, entropy=entropy)
     if isinstance(logits, DTensor):
-        logits, columns = vocab_columns(logits)
+        mesh = logits.device_mesh
+        assert logits.placements == (Shard(logits.ndim - 1),), logits.placements
+        width = -(-logits.shape[-1] // mesh.size())  # DTensor's Shard splits as torch.chunk does
         kernel = functools.partial(
-            vocab_parallel_chunk_logps, **columns, temperature=temperature, entropy=entropy
+            vocab_parallel_chunk_logps,
+            group=mesh.get_group(),
+            vocab_start=mesh.get_local_rank() * width,
+            temperature=temperature,
+            entropy=entropy,
         )
+        logits = logits.to_local()  # its backward makes the gradient a vocab-sharded DTensor
     # decided here: inside ``forward`` grad mode is always off, and ``needs_input_grad`` holds
     # under no_grad too (a reference pass or pi_old's would keep a gradient nothing reads)
     keep_grad = torch.is_grad_enabled() and logits.requires_grad
